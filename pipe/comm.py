@@ -1,0 +1,139 @@
+"""Process start-up under torchrun or mpirun, and the point-to-point transport the runtime uses."""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Context", "init", "context", "Transport", "TorchTransport", "LaunchError", "Work"]
+
+
+class LaunchError(RuntimeError):
+    """The process environment does not describe a usable launch."""
+
+
+@dataclass(frozen=True)
+class Context:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    launcher: str  # "torchrun", "mpi" or "single"
+
+
+_CONTEXT: Context | None = None
+
+
+def _int_env(*names: str) -> int | None:
+    for n in names:
+        v = os.environ.get(n)
+        if v is not None and v != "":
+            return int(v)
+    return None
+
+
+def _mpi_rendezvous(rank: int) -> tuple[str, int]:
+    """Rank 0 picks an address and a free port; MPI broadcasts them to every rank."""
+    try:
+        from mpi4py import MPI
+    except ImportError as e:
+        raise LaunchError("started by mpirun (MPI environment variables found) but mpi4py is not "
+                          "installed; fix: pip install 'fxpipe[mpi]'") from e
+    addr_port: tuple[str, int] | None = None
+    if rank == 0:
+        addr = os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname())
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            addr_port = (addr, int(s.getsockname()[1]))
+    result: tuple[str, int] = MPI.COMM_WORLD.bcast(addr_port, root=0)
+    return result
+
+
+def _detect() -> tuple[str, int, int, int]:
+    """(launcher, rank, world_size, local_rank) from torchrun or MPI variables."""
+    rank = _int_env("RANK")
+    world = _int_env("WORLD_SIZE")
+    if rank is not None and world is not None:
+        return "torchrun", rank, world, _int_env("LOCAL_RANK") or 0
+    rank = _int_env("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+    world = _int_env("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+    if rank is not None and world is not None:
+        local = _int_env("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK")
+        return "mpi", rank, world, local or 0
+    return "single", 0, 1, 0
+
+
+def init(*, backend: str | None = None, timeout_s: float = 300.0) -> Context:
+    """Start torch.distributed from the launcher's environment; idempotent.
+
+    torchrun: RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT. mpirun/mpiexec (MPICH, Open MPI,
+    MVAPICH): rank and size from the MPI variables, rendezvous through mpi4py. Neither:
+    one process. Backend: NCCL when CUDA is available, else gloo. `timeout_s` bounds every
+    wait on another rank, so a lost rank ends the others with an error instead of a hang.
+    """
+    global _CONTEXT
+    if _CONTEXT is not None:
+        return _CONTEXT
+    launcher, rank, world, local_rank = _detect()
+    cuda = torch.cuda.is_available()
+    backend = backend or ("nccl" if cuda else "gloo")
+    if backend not in ("gloo", "nccl", "mpi"):
+        raise LaunchError(f"backend must be 'gloo', 'nccl' or 'mpi', got {backend!r}")
+    device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count())) if (
+        cuda and backend == "nccl") else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        if launcher == "torchrun":
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+        elif launcher == "mpi":
+            addr, port = _mpi_rendezvous(rank)
+            dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
+                                    world_size=world, timeout=timeout)
+        else:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("127.0.0.1", 0))
+                port = int(s.getsockname()[1])
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                    world_size=1, timeout=timeout)
+    _CONTEXT = Context(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
+                       device=device, backend=backend, launcher=launcher)
+    return _CONTEXT
+
+
+def context() -> Context:
+    """The context `init()` made; calls `init()` when it has not run yet."""
+    return _CONTEXT or init()
+
+
+class Work(Protocol):
+    def wait(self) -> Any: ...
+
+
+class Transport(Protocol):
+    """Point-to-point messages between ranks; `tag` keeps messages of one pair apart."""
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work: ...
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Work: ...
+
+
+class TorchTransport:
+    """torch.distributed point-to-point (gloo on CPU, NCCL on GPU)."""
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
+        work = dist.isend(tensor, dst, tag=tag)
+        assert work is not None
+        return work
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Work:
+        work = dist.irecv(tensor, src, tag=tag)
+        assert work is not None
+        return work

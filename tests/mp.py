@@ -1,0 +1,153 @@
+"""Multi-process test harness: run a test body on N gloo ranks, or a launcher command, with a hard timeout."""
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RankFailure", "free_port", "run_ranks", "run_command", "Completed"]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class RankFailure(AssertionError):
+    """A rank failed or the group timed out; the message holds every rank's output."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _base_env(threads: int = 1) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        p.wait()
+
+
+def _wait_all(procs: list[subprocess.Popen[bytes]], timeout: float) -> bool:
+    """Wait for every process; return False on timeout (the processes are then killed)."""
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline:
+            _kill(procs)
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _report(what: str, logs: list[Path], codes: list[int | None]) -> str:
+    parts = [what]
+    for r, (log, code) in enumerate(zip(logs, codes)):
+        text = log.read_text(errors="replace") if log.exists() else ""
+        parts.append(f"----- rank {r} (exit {code}) -----\n{text[-6000:]}")
+    return "\n".join(parts)
+
+
+def run_ranks(target: str, world_size: int, *, timeout: float = 120.0, threads: int = 1,
+              env: dict[str, str] | None = None, **kwargs: Any) -> list[Any]:
+    """Run `module:function(rank, world_size, **kwargs)` on `world_size` processes.
+
+    Each process gets the torchrun variables (RANK, WORLD_SIZE, MASTER_ADDR/PORT,
+    LOCAL_RANK), so `pipe.init()` starts gloo exactly as under torchrun. Returns the
+    functions' return values by rank. Raises RankFailure with all ranks' output when a
+    rank fails or the group runs past `timeout` seconds (then every rank is killed).
+    """
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="fxpipe-mp-") as tmp:
+        tmpdir = Path(tmp)
+        (tmpdir / "kwargs.pkl").write_bytes(pickle.dumps(kwargs))
+        procs: list[subprocess.Popen[bytes]] = []
+        logs: list[Path] = []
+        for rank in range(world_size):
+            e = _base_env(threads)
+            e.update(env or {})
+            e.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                     LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(port), FXPIPE_MP_TARGET=target, FXPIPE_MP_DIR=tmp)
+            log = tmpdir / f"rank{rank}.log"
+            logs.append(log)
+            with open(log, "wb") as out:
+                procs.append(subprocess.Popen([sys.executable, "-m", "tests.mp"], env=e, cwd=ROOT,
+                                              stdout=out, stderr=subprocess.STDOUT,
+                                              start_new_session=True))
+        if not _wait_all(procs, timeout):
+            raise RankFailure(_report(f"{target} on {world_size} ranks timed out after {timeout:.0f} s",
+                                      logs, [p.returncode for p in procs]))
+        codes = [p.returncode for p in procs]
+        if any(codes):
+            raise RankFailure(_report(f"{target} failed on {world_size} ranks", logs, list(codes)))
+        return [pickle.loads((tmpdir / f"result{r}.pkl").read_bytes()) for r in range(world_size)]
+
+
+@dataclass
+class Completed:
+    returncode: int
+    output: str
+
+
+def run_command(cmd: list[str], *, timeout: float = 120.0, threads: int = 1,
+                env: dict[str, str] | None = None, check: bool = True) -> Completed:
+    """Run a launcher command (torchrun, mpiexec, python -m ...) from the repo root with a timeout.
+
+    The whole process group is killed on timeout, so no rank outlives the test.
+    """
+    e = _base_env(threads)
+    e.update(env or {})
+    with tempfile.TemporaryFile() as out:
+        proc = subprocess.Popen(cmd, env=e, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        finished = _wait_all([proc], timeout)
+        out.seek(0)
+        text = out.read().decode(errors="replace")
+    if not finished:
+        raise RankFailure(f"{' '.join(cmd)} timed out after {timeout:.0f} s\n{text[-8000:]}")
+    if check and proc.returncode != 0:
+        raise RankFailure(f"{' '.join(cmd)} exited {proc.returncode}\n{text[-8000:]}")
+    return Completed(proc.returncode, text)
+
+
+def _child() -> None:
+    target = os.environ["FXPIPE_MP_TARGET"]
+    tmpdir = Path(os.environ["FXPIPE_MP_DIR"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    mod_name, fn_name = target.split(":")
+    fn = getattr(importlib.import_module(mod_name), fn_name)
+    kwargs = pickle.loads((tmpdir / "kwargs.pkl").read_bytes())
+    import torch
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    result = fn(rank, world, **kwargs)
+    (tmpdir / f"result{rank}.pkl").write_bytes(pickle.dumps(result))
+    try:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # teardown must not mask the result
+        pass
+
+
+if __name__ == "__main__":
+    _child()
