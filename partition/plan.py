@@ -1,0 +1,186 @@
+"""The partition result (Plan): what lives on each stage, predicted times and memory; JSON and a table."""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.fx
+
+__all__ = ["Plan", "StagePlan", "Value", "PlanError", "parse_bytes", "human_bytes", "fingerprint",
+           "in_flight"]
+
+FORMAT = 1
+
+
+class PlanError(ValueError):
+    """A plan that does not fit the model or the request it is used for."""
+
+
+@dataclass
+class Value:
+    """A tensor that crosses into a stage: the fx node that makes it, its shape and dtype per microbatch."""
+    name: str
+    shape: list[int]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        import torch
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+
+@dataclass
+class StagePlan:
+    index: int
+    nodes: list[str]                 # fx call nodes computed on this stage, in order
+    params: list[str]                # canonical (first) names of the parameters it holds
+    fwd_ms: float
+    bwd_ms: float
+    param_bytes: int
+    activation_bytes: int            # saved for backward, per microbatch
+    in_flight: int                   # microbatches the schedule keeps alive on this stage
+    peak_bytes: float                # predicted: states + in-flight activations + buffers
+    send_bytes: int                  # forward activations sent per microbatch (grads come back)
+    recv_bytes: int
+    recv: list[Value] = field(default_factory=list)
+    shared: list[str] = field(default_factory=list)  # params another stage also holds (tied)
+
+
+@dataclass
+class Plan:
+    stages: list[StagePlan]
+    schedule: str
+    microbatches: int
+    stages_per_rank: int
+    cost: str                        # "measured" or "flops"
+    memory_budget: float | None
+    bottleneck_ms: float
+    imbalance: float                 # slowest stage / mean stage
+    model: str                       # class name
+    fingerprint: str                 # graph and parameter shapes; guards against another model
+    tracer: str
+    inputs: list[Value | None]       # the flat example (args, kwargs) leaves (None: not a tensor)
+    input_spec: str = ""             # their pytree structure (torch.utils._pytree.treespec_dumps)
+    state_factor: float = 4.0
+    bytes_per_ms: float = 1e6
+    latency_ms: float = 0.05
+    format: int = FORMAT
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stages)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        d = dict(d)
+        if d.get("format") != FORMAT:
+            raise PlanError(f"plan format {d.get('format')!r} is not {FORMAT}; re-create the plan "
+                            "with this version of fxpipe (python -m partition ...)")
+        stages = []
+        for s in d.pop("stages"):
+            s = dict(s)
+            s["recv"] = [Value(**v) for v in s["recv"]]
+            stages.append(StagePlan(**s))
+        d["inputs"] = [None if v is None else Value(**v) for v in d["inputs"]]
+        return cls(stages=stages, **d)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1))
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise PlanError(f"cannot read plan {path}: {e}") from e
+        return cls.from_dict(data)
+
+    def table(self) -> str:
+        """One row per stage: nodes, parameters, predicted times, memory and traffic."""
+        head = ["stage", "nodes", "params", "fwd ms", "bwd ms", "act/mb", "in flight", "peak",
+                "budget", "send/mb"]
+        rows = [[str(s.index), str(len(s.nodes)), human_bytes(s.param_bytes), f"{s.fwd_ms:.2f}",
+                 f"{s.bwd_ms:.2f}", human_bytes(s.activation_bytes), str(s.in_flight),
+                 human_bytes(s.peak_bytes),
+                 "-" if self.memory_budget is None else human_bytes(self.memory_budget),
+                 human_bytes(s.send_bytes)] for s in self.stages]
+        widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
+        fmt = "  ".join("{:>%d}" % w for w in widths)
+        lines = [f"{self.model}: {self.n_stages} stages, schedule {self.schedule}, "
+                 f"{self.microbatches} microbatches, cost {self.cost}, traced by {self.tracer}",
+                 fmt.format(*head)] + [fmt.format(*r) for r in rows]
+        lines.append(f"bottleneck {self.bottleneck_ms:.2f} ms per microbatch (fwd+bwd+comm), "
+                     f"imbalance {self.imbalance:.3f} (slowest / mean)")
+        shared = sorted({p for s in self.stages for p in s.shared})
+        if shared:
+            lines.append("tied parameters held by several stages (grads summed): " + ", ".join(shared))
+        return "\n".join(lines)
+
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12,
+          "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(x: float | int | str | None) -> float | None:
+    """8GiB, 512MB, 1.5e9 or a number of bytes; None stays None. Zero or below is an error."""
+    if x is None:
+        return None
+    if isinstance(x, (int, float)):
+        value = float(x)
+    else:
+        m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([A-Za-z]*)\s*", x)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise PlanError(f"memory budget {x!r} is not a size; write e.g. 8GiB, 512MiB, 2GB or a "
+                            "number of bytes")
+        value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if value <= 0:
+        raise PlanError(f"memory budget must be positive, got {x!r}; give the bytes each stage may "
+                        "use, e.g. 8GiB, or no budget at all")
+    return value
+
+
+def human_bytes(x: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(x) < 1024:
+            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
+        x /= 1024
+    return f"{x:.1f} TiB"
+
+
+def fingerprint(gm: torch.fx.GraphModule) -> str:
+    """Hash of the graph's operations and the parameters' names and shapes."""
+    h = hashlib.sha256()
+    for node in gm.graph.nodes:
+        h.update(f"{node.op}|{node.name}|{node.target}\n".encode())
+    for name, p in gm.named_parameters():
+        h.update(f"{name}|{tuple(p.shape)}|{p.dtype}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def in_flight(schedule: str, n_stages: int, microbatches: int) -> list[int]:
+    """Microbatches whose activations stage s holds at once: 1F1B min(M, S - s), GPipe M,
+    ZB-H1 min(M, S) (a microbatch stays until its deferred W). Interleaved schedules depend
+    on the placement; pipe passes their figures, from the built schedule, explicitly.
+    """
+    if schedule == "1f1b":
+        return [min(microbatches, n_stages - s) for s in range(n_stages)]
+    if schedule == "zb-h1":
+        return [min(microbatches, n_stages)] * n_stages
+    if schedule == "gpipe":
+        return [microbatches] * n_stages
+    raise PlanError(f"no in-flight rule for schedule {schedule!r} in partition; known: 1f1b, zb-h1, "
+                    "gpipe; pass in_flight=[...] (one count per stage) for other schedules")

@@ -1,0 +1,149 @@
+"""partition.plan and partition.split: trace, cost, coarsen, solve, and cut a model into stages."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from partition.costs import node_costs, param_names
+from partition.graph import build_graph, coarsen
+from partition.plan import Plan, PlanError, StagePlan, Value, fingerprint, in_flight, parse_bytes
+from partition.solve import Chain, CostModel, Solution, solve
+from partition.split import example_from_plan, live_values, split_graph
+from partition.trace import flatten_inputs, trace
+
+__all__ = ["plan", "split", "Analysis", "analyse", "plan_from_bounds"]
+
+
+class Analysis:
+    """A traced, costed and coarsened model: everything the solver and the baselines need."""
+
+    def __init__(self, model: torch.nn.Module, example_args: Sequence[Any],
+                 example_kwargs: dict[str, Any] | None = None, *, cost: str = "measured",
+                 leaf_modules: Sequence[type[torch.nn.Module]] = (), max_blocks: int = 2000,
+                 repeats: int = 5) -> None:
+        self.model = model
+        self.args = tuple(example_args)
+        self.kwargs = dict(example_kwargs or {})
+        self.cost = cost
+        self.gm = trace(model, self.args, self.kwargs, leaf_modules=leaf_modules)
+        self.flat = flatten_inputs(self.gm, self.args, self.kwargs)
+        self.names = param_names(model)
+        self.costs = node_costs(self.gm, self.flat, cost=cost, names=self.names, repeats=repeats)
+        self.graph = build_graph(self.gm, self.costs)
+        pbytes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
+        self.blocks = coarsen(self.graph, pbytes, max_blocks=max_blocks)
+
+    @property
+    def chain(self) -> Chain:
+        return self.blocks.chain
+
+
+def analyse(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: dict[str, Any] | None = None,
+            **kw: Any) -> Analysis:
+    return Analysis(model, example_args, example_kwargs, **kw)
+
+
+def _value(x: Any) -> Value | None:
+    if not isinstance(x, torch.Tensor):
+        return None
+    return Value(name="", shape=list(x.shape), dtype=str(x.dtype).removeprefix("torch."))
+
+
+def plan_from_bounds(a: Analysis, bounds: Sequence[int], cost_model: CostModel, *, schedule: str,
+                     microbatches: int, stages_per_rank: int, memory_budget: float | None) -> Plan:
+    """The Plan for given block bounds (the solver's, or a baseline's), with predicted figures."""
+    from partition.solve import evaluate
+    sol: Solution = evaluate(a.chain, tuple(bounds), cost_model)
+    S = len(bounds) - 1
+    ch = a.chain
+    members = a.blocks.members
+    stage_of = {n: s for s in range(S) for b in range(bounds[s], bounds[s + 1]) for n in members[b]}
+    recv = live_values(a.gm, stage_of, S)
+    nodes_of = [[n for b in range(bounds[s], bounds[s + 1]) for n in members[b]] for s in range(S)]
+    params_of = [sorted({a.blocks.param_names[p] for b in range(bounds[s], bounds[s + 1])
+                         for p in ch.params[b]}) for s in range(S)]
+    holders: dict[str, int] = {}
+    for ps in params_of:
+        for p in ps:
+            holders[p] = holders.get(p, 0) + 1
+    pbytes = {n: p.numel() * p.element_size() for n, p in a.model.named_parameters()}
+    flights = cost_model.in_flight or tuple([1] * S)
+    stages = []
+    for s in range(S):
+        lo, hi = bounds[s], bounds[s + 1]
+        values = []
+        for r in recv[s]:
+            c = a.costs[r]
+            values.append(Value(name=r, shape=list(c.shape), dtype=c.dtype))
+        stages.append(StagePlan(
+            index=s, nodes=nodes_of[s], params=params_of[s],
+            fwd_ms=float(ch.fwd_ms[lo:hi].sum()), bwd_ms=float(ch.bwd_ms[lo:hi].sum()),
+            param_bytes=sum(pbytes[p] for p in params_of[s]),
+            activation_bytes=int(ch.act_bytes[lo:hi].sum()), in_flight=int(flights[s]),
+            peak_bytes=float(sol.stage_bytes[s]), send_bytes=int(ch.cut_bytes[hi]),
+            recv_bytes=int(ch.cut_bytes[lo]), recv=values,
+            shared=[p for p in params_of[s] if holders[p] > 1]))
+    times = list(sol.stage_ms)
+    flat_leaves, spec = pytree.tree_flatten((a.args, a.kwargs))
+    return Plan(stages=stages, schedule=schedule, microbatches=microbatches, stages_per_rank=stages_per_rank,
+                cost=a.cost, memory_budget=memory_budget, bottleneck_ms=float(sol.bottleneck_ms),
+                imbalance=float(max(times) / (sum(times) / len(times))) if sum(times) > 0 else 1.0,
+                model=type(a.model).__name__, fingerprint=fingerprint(a.gm),
+                tracer=str(a.gm.meta.get("fxpipe_tracer", "")), inputs=[_value(x) for x in flat_leaves],
+                input_spec=pytree.treespec_dumps(spec), state_factor=cost_model.state_factor,
+                bytes_per_ms=cost_model.bytes_per_ms, latency_ms=cost_model.latency_ms)
+
+
+def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
+         example_kwargs: dict[str, Any] | None = None, cost: str = "measured", schedule: str = "1f1b",
+         microbatches: int | None = None, memory_budget: float | int | str | None = None,
+         stages_per_rank: int = 1, in_flight_counts: Sequence[int] | None = None,
+         speeds: Sequence[float] | None = None, leaf_modules: Sequence[type[torch.nn.Module]] = (),
+         bytes_per_ms: float = 1e6, latency_ms: float = 0.05, state_factor: float = 4.0,
+         max_blocks: int = 2000, analysis: Analysis | None = None) -> Plan:
+    """Balanced stages for `model`, found by the exact solver under a per-stage memory budget.
+
+    `example_args`/`example_kwargs` are one microbatch. Memory per stage counts parameters
+    times `state_factor` (weight, grad, Adam's two moments), plus the activations of the
+    microbatches the schedule keeps in flight there (1F1B: min(M, S - s); pass
+    `in_flight_counts` for other schedules), plus one received and one sent buffer.
+    """
+    if not isinstance(n_stages, int) or n_stages < 1:
+        raise PlanError(f"n_stages must be a positive integer, got {n_stages!r}")
+    M = microbatches if microbatches is not None else n_stages
+    if M < 1:
+        raise PlanError(f"microbatches must be >= 1, got {M}")
+    budget = parse_bytes(memory_budget)
+    a = analysis or Analysis(model, example_args, example_kwargs, cost=cost, leaf_modules=leaf_modules,
+                             max_blocks=max_blocks)
+    n = len(a.blocks.members)
+    if n_stages > n:
+        raise PlanError(f"cannot cut {type(model).__name__} into {n_stages} stages: its graph has only {n} "
+                        f"places that can hold a stage; use at most {n} stages")
+    flights = list(in_flight_counts) if in_flight_counts is not None else in_flight(schedule, n_stages, M)
+    if len(flights) != n_stages:
+        raise PlanError(f"in_flight_counts has {len(flights)} entries for {n_stages} stages")
+    cm = CostModel(bytes_per_ms=bytes_per_ms, latency_ms=latency_ms, state_factor=state_factor,
+                   in_flight=tuple(flights), speeds=tuple(speeds) if speeds is not None else None,
+                   memory_budget=budget)
+    sol = solve(a.chain, n_stages, cm)
+    return plan_from_bounds(a, sol.bounds, cm, schedule=schedule, microbatches=M,
+                            stages_per_rank=stages_per_rank, memory_budget=budget)
+
+
+def split(model: torch.nn.Module, plan: Plan, example_args: Sequence[Any] | None = None,
+          example_kwargs: dict[str, Any] | None = None) -> list[torch.fx.GraphModule]:
+    """One module per stage of `plan` (see partition.split.StageIO for how to call them).
+
+    The model is traced again (with the example inputs when given, else zeros of the
+    shapes the plan recorded) and must be the model the plan was made for.
+    """
+    if example_args is None:
+        args, kwargs = example_from_plan(plan)
+    else:
+        args, kwargs = tuple(example_args), dict(example_kwargs or {})
+    gm = trace(model, args, kwargs)
+    return split_graph(gm, plan)

@@ -1,0 +1,144 @@
+"""Cut a traced model into one fx GraphModule per stage, keeping the original parameter names."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+
+from partition.plan import Plan, PlanError, fingerprint
+from partition.trace import flatten_outputs
+
+__all__ = ["StageIO", "split_graph", "live_values", "example_from_plan"]
+
+
+@dataclass
+class StageIO:
+    """How to call a stage: `stage(*[value of r for r in recv], *[model input i for i in inputs])`.
+
+    It returns the values named in `send` (the next stage's `recv`), or on the last stage
+    the model's flat outputs, which `out_spec` rebuilds into the model's output structure.
+    """
+    index: int
+    recv: list[str]
+    inputs: list[int]                     # positions in the flat model inputs
+    send: list[str]
+    last: bool
+    out_spec: Any = None
+    param_nodes: dict[str, list[str]] = field(default_factory=dict)  # node -> params it reads
+
+
+def live_values(gm: torch.fx.GraphModule, stage_of: dict[str, int], n_stages: int) -> list[list[str]]:
+    """recv[s]: values computed on an earlier stage and read on stage s or later (or output).
+
+    A value crosses every boundary between its producer and its last reader, in program order.
+    """
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    recv: list[list[str]] = [[] for _ in range(n_stages)]
+    for node in gm.graph.nodes:
+        if node.name not in stage_of:
+            continue
+        last = max([n_stages - 1 if u is out else stage_of.get(u.name, -1) for u in node.users] + [-1])
+        for s in range(stage_of[node.name] + 1, last + 1):
+            recv[s].append(node.name)
+    return recv
+
+
+def _needed(gm: torch.fx.GraphModule, own: set[str], stage_of: dict[str, int], roots: list[torch.fx.Node]
+            ) -> set[str]:
+    """Own nodes plus everything not placed on a stage (replicated ops, attributes, inputs) they read."""
+    need: set[str] = set()
+    todo = [n for n in gm.graph.nodes if n.name in own] + roots
+    while todo:
+        node = todo.pop()
+        if node.name in need:
+            continue
+        need.add(node.name)
+        for a in node.all_input_nodes:
+            if a.name not in stage_of:
+                todo.append(a)
+    return need
+
+
+def _param_names(gm: torch.fx.GraphModule, node: torch.fx.Node) -> list[str]:
+    if node.op == "call_module":
+        return [f"{node.target}.{n}" for n, _ in gm.get_submodule(str(node.target)).named_parameters()]
+    return [str(a.target) for a in node.all_input_nodes
+            if a.op == "get_attr" and isinstance(_attr(gm, str(a.target)), torch.nn.Parameter)]
+
+
+def _attr(gm: torch.nn.Module, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def split_graph(gm: torch.fx.GraphModule, plan: Plan) -> list[torch.fx.GraphModule]:
+    """One GraphModule per stage of `plan`; each has `.io` (a StageIO).
+
+    Submodules and attributes keep their qualified names, so `named_parameters()` of a
+    stage gives the model's own names; a tied weight appears on every stage that reads it.
+    """
+    fp = fingerprint(gm)
+    if fp != plan.fingerprint:
+        raise PlanError(f"the plan was made for another model ({plan.model}, fingerprint {plan.fingerprint}) "
+                        f"than this one ({type(gm).__name__}, fingerprint {fp}); re-create it for this "
+                        "model with partition.plan(...) or python -m partition")
+    S = plan.n_stages
+    stage_of = {n: s.index for s in plan.stages for n in s.nodes}
+    names = {n.name: n for n in gm.graph.nodes}
+    missing = [n for n in stage_of if n not in names]
+    if missing:
+        raise PlanError(f"plan nodes {missing[:5]} are not in the traced graph; re-create the plan")
+    recv = live_values(gm, stage_of, S)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    leaves, out_spec = flatten_outputs(gm)
+    stages = []
+    for s in range(S):
+        own = set(plan.stages[s].nodes)
+        last = s == S - 1
+        roots = [x for x in leaves if isinstance(x, torch.fx.Node) and x.name not in stage_of] if last else []
+        need = _needed(gm, own, stage_of, roots)
+        g = torch.fx.Graph()
+        env: dict[str, torch.fx.Node] = {}
+        for r in recv[s]:
+            env[r] = g.placeholder(r)
+        inputs = []
+        for i, p in enumerate(placeholders):
+            if p.name in need:
+                env[p.name] = g.placeholder(p.name)
+                inputs.append(i)
+        param_nodes: dict[str, list[str]] = {}
+        for node in gm.graph.nodes:
+            if node.op in ("placeholder", "output") or node.name not in need:
+                continue
+            env[node.name] = g.node_copy(node, lambda n: env[n.name])
+            if node.name in own:
+                pn = _param_names(gm, node)
+                if pn:
+                    param_nodes[node.name] = pn
+        if last:
+            result = [env[x.name] if isinstance(x, torch.fx.Node) else x for x in leaves]
+            send: list[str] = [x.name if isinstance(x, torch.fx.Node) else "" for x in leaves]
+        else:
+            send = list(recv[s + 1])
+            result = [env[r] for r in send]
+        g.output(tuple(result))
+        stage = torch.fx.GraphModule(gm, g, f"Stage{s}")
+        stage.io = StageIO(index=s, recv=list(recv[s]), inputs=inputs, send=send, last=last,  # type: ignore[assignment]
+                           out_spec=out_spec if last else None, param_nodes=param_nodes)
+        stages.append(stage)
+    return stages
+
+
+def example_from_plan(plan: Plan) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Example (args, kwargs) rebuilt from the plan's recorded shapes (zeros), for re-tracing."""
+    import torch.utils._pytree as pytree
+    if not plan.input_spec:
+        raise PlanError("the plan records no input structure; pass example_args to split()")
+    flat = [torch.zeros(v.shape, dtype=getattr(torch, v.dtype)) if v is not None else None
+            for v in plan.inputs]
+    args, kwargs = pytree.tree_unflatten(flat, pytree.treespec_loads(plan.input_spec))
+    return tuple(args), dict(kwargs)

@@ -1,0 +1,368 @@
+"""Pipeline schedules as pure data: per-rank lists of F/B/W actions, their validator and grid."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import NamedTuple
+
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "Schedule",
+    "ScheduleError",
+    "ScheduleFn",
+    "build",
+    "dependencies",
+    "execution_order",
+    "gpipe",
+    "grid",
+    "in_flight_limit",
+    "interleaved_1f1b",
+    "max_in_flight",
+    "one_f_one_b",
+    "register",
+    "validate",
+    "zb_h1",
+]
+
+_ACTION_RE = re.compile(r"(\d+)([FBW])(\d+)")
+
+
+class Action(NamedTuple):
+    """One unit of work on one stage: F forward, B backward, W weight gradient; prints "2F0"."""
+
+    stage: int
+    kind: str
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.mb}"
+
+    @classmethod
+    def from_str(cls, text: str) -> Action:
+        """Parse "{stage}{kind}{mb}", e.g. "2F0" or "12B3"."""
+        match = _ACTION_RE.fullmatch(text)
+        if match is None:
+            raise ValueError(
+                f"cannot parse action {text!r}: expected '{{stage}}{{kind}}{{mb}}' with kind "
+                "F, B or W and non-negative integers, e.g. '2F0' or '12B3'"
+            )
+        return cls(int(match[1]), match[2], int(match[3]))
+
+
+Schedule = dict[int, list[Action]]
+ScheduleFn = Callable[[int, int, int], Schedule]
+
+
+class ScheduleError(ValueError):
+    """A schedule cannot be built, or is inconsistent, or deadlocks."""
+
+
+SCHEDULES: dict[str, ScheduleFn] = {}
+
+
+def register(name: str) -> Callable[[ScheduleFn], ScheduleFn]:
+    """Decorator adding `fn(n_ranks, n_microbatches, stages_per_rank)` to SCHEDULES as `name`."""
+
+    def add(fn: ScheduleFn) -> ScheduleFn:
+        if name in SCHEDULES:
+            raise ValueError(f"schedule {name!r} is already registered; pick another name")
+        SCHEDULES[name] = fn
+        return fn
+
+    return add
+
+
+def build(name: str, n_ranks: int, n_microbatches: int, stages_per_rank: int = 1) -> Schedule:
+    """Build the registered schedule `name`; ScheduleError for unknown names or bad sizes."""
+    if name not in SCHEDULES:
+        known = ", ".join(sorted(SCHEDULES))
+        raise ScheduleError(f"unknown schedule {name!r}; known schedules: {known}")
+    return SCHEDULES[name](n_ranks, n_microbatches, stages_per_rank)
+
+
+def _check_sizes(name: str, n_ranks: int, n_microbatches: int, stages_per_rank: int) -> None:
+    if n_ranks < 1:
+        raise ScheduleError(f"{name}: n_ranks must be >= 1 (got R={n_ranks}); use one rank or more")
+    if n_microbatches < 1:
+        raise ScheduleError(
+            f"{name}: n_microbatches must be >= 1 (got M={n_microbatches}); "
+            "split the batch into at least one microbatch"
+        )
+    if stages_per_rank < 1:
+        raise ScheduleError(
+            f"{name}: stages_per_rank must be >= 1 (got v={stages_per_rank}); use v=1 or more"
+        )
+
+
+def _one_stage_per_rank(name: str, stages_per_rank: int) -> None:
+    if stages_per_rank != 1:
+        raise ScheduleError(
+            f"{name} runs one stage per rank (got stages_per_rank={stages_per_rank}); "
+            "use stages_per_rank=1, or 'interleaved-1f1b' / 'gpipe' for several stages per rank"
+        )
+
+
+@register("gpipe")
+def gpipe(n_ranks: int, n_microbatches: int, stages_per_rank: int = 1) -> Schedule:
+    """GPipe: every forward, then every backward; with v>1 stages per rank, breadth first."""
+    _check_sizes("gpipe", n_ranks, n_microbatches, stages_per_rank)
+    schedule: Schedule = {}
+    for rank in range(n_ranks):
+        local = [rank + chunk * n_ranks for chunk in range(stages_per_rank)]
+        mbs = range(n_microbatches)
+        forwards = [Action(s, "F", m) for s in local for m in mbs]
+        backwards = [Action(s, "B", m) for s in reversed(local) for m in mbs]
+        schedule[rank] = forwards + backwards
+    return schedule
+
+
+def _warmup_steady_cooldown(warmup: int, n: int) -> list[tuple[str, int]]:
+    """The 1F1B skeleton over n items: `warmup` F, then (F, B) pairs, then the remaining B."""
+    order = [("F", i) for i in range(warmup)]
+    for i in range(n - warmup):
+        order += [("F", warmup + i), ("B", i)]
+    order += [("B", i) for i in range(n - warmup, n)]
+    return order
+
+
+@register("1f1b")
+def one_f_one_b(n_ranks: int, n_microbatches: int, stages_per_rank: int = 1) -> Schedule:
+    """1F1B (PipeDream-flush): S-s-1 warm-up forwards, alternate F and B, drain the B."""
+    _check_sizes("1f1b", n_ranks, n_microbatches, stages_per_rank)
+    _one_stage_per_rank("1f1b", stages_per_rank)
+    schedule: Schedule = {}
+    for s in range(n_ranks):
+        warmup = min(n_ranks - s - 1, n_microbatches)
+        pairs = _warmup_steady_cooldown(warmup, n_microbatches)
+        schedule[s] = [Action(s, kind, m) for kind, m in pairs]
+    return schedule
+
+
+@register("interleaved-1f1b")
+def interleaved_1f1b(n_ranks: int, n_microbatches: int, stages_per_rank: int = 1) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al. 2021, as in Megatron-LM): v chunks per rank.
+
+    Microbatches go in groups of R; each rank runs a group through chunk 0, then chunk 1, ...
+    Warm-up is (v-1)*R + 2*(R-1-r) forwards (Megatron's count, made for paired send/receive
+    steps; with asynchronous sends (R-1-r) gives the same bubble and fewer mbs in flight),
+    then 1F1B over the M*v (chunk, mb) items, backwards visiting chunks in reverse.
+    Requires M % R == 0.
+    """
+    name = "interleaved-1f1b"
+    _check_sizes(name, n_ranks, n_microbatches, stages_per_rank)
+    if n_microbatches % n_ranks:
+        raise ScheduleError(
+            f"{name} needs n_microbatches divisible by n_ranks (got M={n_microbatches}, "
+            f"R={n_ranks}); use M a multiple of {n_ranks}, "
+            f"e.g. M={_round_up(n_microbatches, n_ranks)}"
+        )
+    v = stages_per_rank
+    total = n_microbatches * v
+    schedule: Schedule = {}
+    for rank in range(n_ranks):
+        warmup = min((v - 1) * n_ranks + 2 * (n_ranks - 1 - rank), total)
+        actions = []
+        for kind, k in _warmup_steady_cooldown(warmup, total):
+            group, within = divmod(k, n_ranks * v)
+            chunk = within // n_ranks
+            if kind == "B":
+                chunk = v - 1 - chunk
+            mb = group * n_ranks + within % n_ranks
+            actions.append(Action(chunk * n_ranks + rank, kind, mb))
+        schedule[rank] = actions
+    return schedule
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return max(multiple, -(-value // multiple) * multiple)
+
+
+@register("zb-h1")
+def zb_h1(n_ranks: int, n_microbatches: int, stages_per_rank: int = 1) -> Schedule:
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", sec. 2.1, fig. 3 top).
+
+    The 1F1B order with B split into B (input grad) and W (weight grad). Stage s runs its
+    first s steady-state (F, B) pairs without W, then (F, B, W) with W trailing by s
+    microbatches, then (B, W) in the cool-down and its s late W last: the deferred W fill
+    the cool-down bubbles. Counting a microbatch in flight from its F to its W (the runtime
+    frees activations after W), every stage holds min(M, S): the first stage's 1F1B peak.
+    Later stages hold more than under 1F1B, none more than 1F1B's busiest stage, which is
+    the paper's memory claim.
+    """
+    _check_sizes("zb-h1", n_ranks, n_microbatches, stages_per_rank)
+    _one_stage_per_rank("zb-h1", stages_per_rank)
+    schedule: Schedule = {}
+    for s in range(n_ranks):
+        warmup = min(n_ranks - s - 1, n_microbatches)
+        actions: list[Action] = []
+        n_w = 0
+        for kind, m in _warmup_steady_cooldown(warmup, n_microbatches):
+            actions.append(Action(s, kind, m))
+            if kind == "B" and m >= s:
+                actions.append(Action(s, "W", n_w))
+                n_w += 1
+        actions += [Action(s, "W", m) for m in range(n_w, n_microbatches)]
+        schedule[s] = actions
+    return schedule
+
+
+def dependencies(action: Action, n_stages: int) -> list[Action]:
+    """What must run before `action`: the one place the dependency rule lives.
+
+    F(s,m) after F(s-1,m); B(s,m) after F(s,m) and B(s+1,m) (the last stage only after its
+    F); W(s,m) after B(s,m). Whether (s,m) has a W does not change these edges.
+    """
+    s, kind, m = action
+    if kind == "F":
+        return [Action(s - 1, "F", m)] if s > 0 else []
+    if kind == "B":
+        before = [Action(s, "F", m)]
+        return [*before, Action(s + 1, "B", m)] if s < n_stages - 1 else before
+    if kind == "W":
+        return [Action(s, "B", m)]
+    raise ScheduleError(f"action {action} has kind {kind!r}; expected 'F', 'B' or 'W'")
+
+
+def grid(schedule: Schedule, mark: set[tuple[int, int]] | None = None) -> str:
+    """Rank x step text grid, one row per rank; cells in `mark` ((rank, step)) get [brackets]."""
+    marked = mark or set()
+    ranks = sorted(schedule)
+    cells = {
+        (r, i): f"[{a}]" if (r, i) in marked else f" {a} "
+        for r in ranks
+        for i, a in enumerate(schedule[r])
+    }
+    width = max((len(c) for c in cells.values()), default=3)
+    n_steps = max((len(schedule[r]) for r in ranks), default=0)
+    label = max((len(f"rank {r}") for r in ranks), default=4)
+    lines = ["step".ljust(label) + " |" + "".join(f" {i}".ljust(width) for i in range(n_steps))]
+    for r in ranks:
+        row = "".join(cells[r, i].ljust(width) for i in range(len(schedule[r])))
+        lines.append(f"rank {r}".ljust(label) + " |" + row)
+    lines.append("legend: {stage}{F forward|B backward|W weight grad}{mb}; [x] marks the problem")
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _fail(
+    schedule: Schedule, headline: str, problems: list[str], mark: set[tuple[int, int]]
+) -> None:
+    shown = problems[:12] + ([f"... and {len(problems) - 12} more"] if len(problems) > 12 else [])
+    body = "\n".join(f"  {p}" for p in shown)
+    raise ScheduleError(f"{headline}\n{body}\n{grid(schedule, mark=mark)}")
+
+
+def _check_structure(schedule: Schedule, n_stages: int, n_microbatches: int) -> None:
+    """Exactly one F and one B per (stage, mb), W for all or none of a stage's mbs, right rank."""
+    n_ranks = len(schedule)
+    if sorted(schedule) != list(range(n_ranks)):
+        raise ScheduleError(f"schedule ranks must be 0..{n_ranks - 1}, got {sorted(schedule)}")
+    problems: list[str] = []
+    mark: set[tuple[int, int]] = set()
+    seen: dict[Action, tuple[int, int]] = {}
+    for r in range(n_ranks):
+        for i, a in enumerate(schedule[r]):
+            where = f"rank {r} step {i}: {a}"
+            if a.kind not in ("F", "B", "W") or not (0 <= a.stage < n_stages):
+                problems.append(f"{where} is outside kinds F/B/W and stages 0..{n_stages - 1}")
+            elif not 0 <= a.mb < n_microbatches:
+                problems.append(f"{where} is outside microbatches 0..{n_microbatches - 1}")
+            elif a.stage % n_ranks != r:
+                problems.append(f"{where} is on the wrong rank: stage {a.stage} lives on "
+                                f"rank {a.stage % n_ranks} (stage % {n_ranks})")
+            elif a in seen:
+                problems.append(f"{where} is a duplicate of rank {seen[a][0]} step {seen[a][1]}")
+            else:
+                seen[a] = (r, i)
+                continue
+            mark.add((r, i))
+    for s in range(n_stages):
+        n_w = sum(Action(s, "W", m) in seen for m in range(n_microbatches))
+        for m in range(n_microbatches):
+            kinds = ("F", "B", "W") if n_w else ("F", "B")
+            problems += [f"missing {Action(s, k, m)} (stage {s} lives on rank {s % n_ranks})"
+                         for k in kinds if Action(s, k, m) not in seen]
+    if problems:
+        _fail(schedule, f"invalid schedule: {len(problems)} problem(s)", problems, mark)
+
+
+def execution_order(
+    schedule: Schedule, n_stages: int, n_microbatches: int
+) -> list[tuple[int, Action]]:
+    """Run all ranks in lock-step with asynchronous sends; return (rank, action) in run order.
+
+    In each step every rank whose next action has all its dependencies done (on any rank,
+    in earlier steps) runs it; a rank whose next action is not ready waits. Raises
+    ScheduleError on a structural problem or a deadlock, with the blocked actions marked.
+    """
+    _check_structure(schedule, n_stages, n_microbatches)
+    ranks = sorted(schedule)
+    pos = dict.fromkeys(ranks, 0)
+    done: set[Action] = set()
+    order: list[tuple[int, Action]] = []
+    while True:
+        ready = [
+            (r, schedule[r][pos[r]])
+            for r in ranks
+            if pos[r] < len(schedule[r])
+            and all(d in done for d in dependencies(schedule[r][pos[r]], n_stages))
+        ]
+        if not ready:
+            break
+        for r, a in ready:
+            done.add(a)
+            pos[r] += 1
+            order.append((r, a))
+    blocked = [r for r in ranks if pos[r] < len(schedule[r])]
+    if blocked:
+        where = {a: (r, i) for r in ranks for i, a in enumerate(schedule[r])}
+        problems = []
+        for r in blocked:
+            a = schedule[r][pos[r]]
+            waits = [d for d in dependencies(a, n_stages) if d not in done]
+            desc = ", ".join(f"{d} (rank {where[d][0]} step {where[d][1]})" for d in waits)
+            problems.append(f"rank {r} step {pos[r]}: {a} waits for {desc}")
+        _fail(schedule, "deadlock: no rank can run its next action", problems,
+              {(r, pos[r]) for r in blocked})
+    return order
+
+
+def validate(schedule: Schedule, n_stages: int, n_microbatches: int) -> None:
+    """Raise ScheduleError unless the schedule is complete, on the right ranks and deadlock-free."""
+    execution_order(schedule, n_stages, n_microbatches)
+
+
+def max_in_flight(schedule: Schedule, stage: int) -> int:
+    """Peak number of mbs alive on `stage`: F opens, W closes if the stage has W, else B."""
+    actions = [a for acts in schedule.values() for a in acts if a.stage == stage]
+    closer = "W" if any(a.kind == "W" for a in actions) else "B"
+    alive = peak = 0
+    for a in actions:
+        if a.kind == "F":
+            alive += 1
+            peak = max(peak, alive)
+        elif a.kind == closer:
+            alive -= 1
+    return peak
+
+
+def in_flight_limit(
+    name: str, n_stages: int, n_microbatches: int, stage: int, stages_per_rank: int = 1
+) -> int:
+    """Peak mbs whose activations schedule `name` keeps alive on `stage` (see max_in_flight)."""
+    if not 0 <= stage < n_stages:
+        raise ScheduleError(f"stage {stage} is outside 0..{n_stages - 1}")
+    if n_stages % stages_per_rank:
+        raise ScheduleError(
+            f"n_stages={n_stages} is not a multiple of stages_per_rank={stages_per_rank}; "
+            "use n_stages = n_ranks * stages_per_rank"
+        )
+    if name == "gpipe":
+        return n_microbatches
+    if name == "1f1b":
+        return min(n_microbatches, n_stages - stage)
+    if name == "zb-h1":
+        return min(n_microbatches, n_stages)
+    n_ranks = n_stages // stages_per_rank
+    return max_in_flight(build(name, n_ranks, n_microbatches, stages_per_rank), stage)

@@ -1,0 +1,255 @@
+"""Simulate a schedule with per-stage costs: timeline, makespan, bubble, trace and pictures."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pipe.schedules import (
+    Action,
+    Schedule,
+    ScheduleError,
+    dependencies,
+    execution_order,
+)
+
+__all__ = ["Event", "Timeline", "simulate", "textbook_bubble"]
+
+_COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
+_NAMES = {"F": "forward", "B": "backward", "W": "weight grad"}
+
+
+@dataclass(frozen=True)
+class Event:
+    """One action run by one rank from `start` to `end` (milliseconds)."""
+
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass
+class Timeline:
+    """Events of one pipeline step on `n_ranks` ranks, simulated or measured."""
+
+    events: list[Event]
+    n_ranks: int
+
+    @property
+    def makespan(self) -> float:
+        """Time from the first start to the last end, in ms."""
+        if not self.events:
+            return 0.0
+        return max(e.end for e in self.events) - min(e.start for e in self.events)
+
+    def busy(self, rank: int) -> float:
+        """Time `rank` spends running actions, in ms."""
+        return sum(e.end - e.start for e in self.events if e.rank == rank)
+
+    def idle(self, rank: int) -> float:
+        """Time `rank` waits within the makespan, in ms."""
+        return self.makespan - self.busy(rank)
+
+    @property
+    def bubble(self) -> float:
+        """Idle fraction: sum of idle time over n_ranks * makespan (0 for an empty timeline)."""
+        span = self.makespan
+        if span <= 0:
+            return 0.0
+        return sum(self.idle(r) for r in range(self.n_ranks)) / (self.n_ranks * span)
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain dict (json.dumps-able); Timeline.from_json reads it back."""
+        events = [
+            {"rank": e.rank, "action": str(e.action), "start": e.start, "end": e.end}
+            for e in self.events
+        ]
+        return {"n_ranks": self.n_ranks, "events": events}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Timeline:
+        """Inverse of to_json."""
+        events = [
+            Event(int(e["rank"]), Action.from_str(e["action"]), float(e["start"]), float(e["end"]))
+            for e in data["events"]
+        ]
+        return cls(events, int(data["n_ranks"]))
+
+    def to_chrome_trace(self) -> dict[str, Any]:
+        """Chrome/Perfetto trace-event JSON: one complete ("X") event per action, tid = rank."""
+        names = [
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
+            for r in range(self.n_ranks)
+        ]
+        events = [
+            {
+                "name": str(e.action),
+                "cat": e.action.kind,
+                "ph": "X",
+                "pid": 0,
+                "tid": e.rank,
+                "ts": e.start * 1000.0,
+                "dur": (e.end - e.start) * 1000.0,
+                "args": {"stage": e.action.stage, "mb": e.action.mb},
+            }
+            for e in self.events
+        ]
+        return {"traceEvents": names + events, "displayTimeUnit": "ms"}
+
+    def to_text(self, width: int = 100) -> str:
+        """One row per rank, one column per makespan/width slice: F, B, W or '.' idle."""
+        if width < 1:
+            raise ValueError(f"width must be >= 1 (got {width})")
+        t0 = min((e.start for e in self.events), default=0.0)
+        step = self.makespan / width
+        rows = []
+        for r in range(self.n_ranks):
+            mine = [e for e in self.events if e.rank == r]
+            row = (_slice_char(mine, t0 + i * step, t0 + (i + 1) * step) for i in range(width))
+            rows.append(f"rank {r} |{''.join(row)}|")
+        rows.append(
+            "legend: F forward, B backward, W weight grad, . idle; "
+            f"one column = {step:.3g} ms, makespan {self.makespan:.3g} ms"
+        )
+        return "\n".join(rows)
+
+    def to_png(self, path: str, title: str = "") -> None:
+        """Draw the timeline (ranks as rows, F/B/W coloured, idle grey) into a PNG file."""
+        try:
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+            from matplotlib.figure import Figure
+            from matplotlib.patches import Patch
+        except ImportError as err:
+            raise RuntimeError(
+                "Timeline.to_png needs matplotlib; install it with `pip install fxpipe[plot]`"
+            ) from err
+        t0 = min((e.start for e in self.events), default=0.0)
+        span = self.makespan or 1.0
+        fig = Figure(figsize=(12, 0.6 * self.n_ranks + 1.4))
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        for r in range(self.n_ranks):
+            ax.barh(r, span, left=0.0, height=0.8, color="#e6e6e6", hatch="//", edgecolor="#c8c8c8")
+        for e in self.events:
+            left, dur = e.start - t0, e.end - e.start
+            ax.barh(e.rank, dur, left=left, height=0.8, color=_COLOURS.get(e.action.kind, "grey"),
+                    edgecolor="white", linewidth=0.5)
+            label = str(e.action)
+            if dur >= span * (len(label) + 1) / 180:  # about the label's width at 7 pt
+                ax.text(left + dur / 2, e.rank, label, ha="center", va="center", fontsize=7,
+                        color="white")
+        ax.set_yticks(range(self.n_ranks), [f"rank {r}" for r in range(self.n_ranks)])
+        ax.invert_yaxis()
+        ax.set_xlim(0, span)
+        ax.set_xlabel("time (ms)")
+        ax.set_title(title or f"makespan {self.makespan:.3g} ms, bubble {self.bubble:.1%}")
+        kinds = {e.action.kind for e in self.events}
+        handles = [Patch(color=c, label=_NAMES[k]) for k, c in _COLOURS.items() if k in kinds]
+        handles.append(Patch(facecolor="#e6e6e6", hatch="//", edgecolor="#c8c8c8", label="idle"))
+        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4,
+                  frameon=False)
+        fig.tight_layout()
+        fig.savefig(path, format="png", dpi=120)
+
+
+def _slice_char(events: list[Event], lo: float, hi: float) -> str:
+    """Kind letter of the event covering most of [lo, hi), or '.' when mostly idle."""
+    best, best_overlap, covered = ".", 0.0, 0.0
+    for e in events:
+        overlap = min(e.end, hi) - max(e.start, lo)
+        if overlap > 0:
+            covered += overlap
+            if overlap > best_overlap:
+                best, best_overlap = e.action.kind, overlap
+    return best if covered * 2 >= hi - lo else "."
+
+
+def _check_len(name: str, values: Sequence[float], expected: int, meaning: str) -> None:
+    if len(values) != expected:
+        raise ValueError(
+            f"{name} needs {expected} values ({meaning}), got {len(values)}; pass one per "
+            f"{'boundary' if name == 'comm_ms' else 'stage'}"
+        )
+
+
+def simulate(
+    schedule: Schedule,
+    *,
+    f_ms: Sequence[float],
+    b_ms: Sequence[float],
+    w_ms: Sequence[float] | None = None,
+    comm_ms: Sequence[float] | None = None,
+) -> Timeline:
+    """Run `schedule` with per-stage costs; each rank follows its list in order.
+
+    f_ms, b_ms, w_ms: per stage forward, input-grad backward and weight-grad times (w_ms None
+    means 0). A B whose (stage, mb) has no W in the schedule takes b_ms + w_ms. comm_ms[i]:
+    transfer time across boundary i (stage i <-> i+1), charged to activations and gradients
+    alike, and only when the two stages sit on different ranks. An action starts at
+    max(its rank is free, each dependency's end + transfer). Deadlock raises ScheduleError.
+    """
+    n_stages = len(f_ms)
+    _check_len("b_ms", b_ms, n_stages, "one per stage, like f_ms")
+    w = list(w_ms) if w_ms is not None else [0.0] * n_stages
+    _check_len("w_ms", w, n_stages, "one per stage, like f_ms")
+    comm = list(comm_ms) if comm_ms is not None else [0.0] * max(n_stages - 1, 0)
+    _check_len("comm_ms", comm, max(n_stages - 1, 0), "one per boundary: n_stages - 1")
+    n_ranks = len(schedule)
+    n_microbatches = 1 + max((a.mb for acts in schedule.values() for a in acts), default=-1)
+    order = execution_order(schedule, n_stages, n_microbatches)
+    has_w = {a.stage for acts in schedule.values() for a in acts if a.kind == "W"}
+    end: dict[Action, float] = {}
+    free = [0.0] * n_ranks
+    events = []
+    for rank, a in order:
+        start = free[rank]
+        for d in dependencies(a, n_stages):
+            hop = 0.0
+            if d.stage != a.stage and d.stage % n_ranks != a.stage % n_ranks:
+                hop = comm[min(d.stage, a.stage)]
+            start = max(start, end[d] + hop)
+        if a.kind == "F":
+            cost = f_ms[a.stage]
+        elif a.kind == "W":
+            cost = w[a.stage]
+        else:
+            cost = b_ms[a.stage] + (0.0 if a.stage in has_w else w[a.stage])
+        end[a] = free[rank] = start + cost
+        events.append(Event(rank, a, start, start + cost))
+    return Timeline(events, n_ranks)
+
+
+def textbook_bubble(
+    name: str, n_stages: int, n_microbatches: int, stages_per_rank: int = 1
+) -> float:
+    """Bubble fraction from the literature, for equal per-stage costs and no communication.
+
+    gpipe, 1f1b (v=1): (S-1)/(M+S-1) (Huang et al. 2019, GPipe; Narayanan et al. 2021,
+    "Efficient Large-Scale Language Model Training on GPU Clusters", sec. 2.2).
+    interleaved-1f1b, and gpipe breadth first, with v stages per rank on R = S/v ranks:
+    (R-1)/(v*M+R-1), from the bubble time (R-1)(f+b)/v of Narayanan et al. 2021, sec. 2.2.2.
+    zb-h1: (S-1)/(3M+S-1), from Qi et al. 2023, "Zero Bubble Pipeline Parallelism",
+    sec. 2.1: the bubble time is (S-1)(T_F+T_B-T_W) against M(T_F+T_B+T_W) of work per
+    rank, so with T_F = T_B = T_W it is a third of 1F1B's (S-1)(T_F+T_B+T_W).
+    The v>1 and zb-h1 formulas assume M >= R (resp. M >= S); with fewer mbs the real
+    bubble is larger.
+    """
+    s, m, v = n_stages, n_microbatches, stages_per_rank
+    if s < 1 or m < 1 or v < 1 or s % v:
+        raise ScheduleError(
+            f"textbook_bubble needs n_stages >= 1, n_microbatches >= 1 and n_stages a multiple "
+            f"of stages_per_rank (got S={s}, M={m}, v={v})"
+        )
+    r = s // v
+    if name == "interleaved-1f1b" or (name == "gpipe" and v > 1):
+        return (r - 1) / (v * m + r - 1)
+    if name in ("gpipe", "1f1b") and v == 1:
+        return (s - 1) / (m + s - 1)
+    if name == "zb-h1" and v == 1:
+        return (s - 1) / (3 * m + s - 1)
+    raise ScheduleError(
+        f"no textbook bubble for schedule {name!r} with stages_per_rank={v}; known: gpipe and "
+        "interleaved-1f1b (any v), 1f1b and zb-h1 (v=1)"
+    )
