@@ -165,7 +165,9 @@ def fingerprint(gm: torch.fx.GraphModule) -> str:
     """Hash of the graph's operations and the parameters' names and shapes."""
     h = hashlib.sha256()
     for node in gm.graph.nodes:
-        h.update(f"{node.op}|{node.name}|{node.target}\n".encode())
+        t = node.target
+        target = t if isinstance(t, str) else f"{getattr(t, '__module__', '')}.{getattr(t, '__qualname__', t)}"
+        h.update(f"{node.op}|{node.name}|{target}\n".encode())
     for name, p in gm.named_parameters():
         h.update(f"{name}|{tuple(p.shape)}|{p.dtype}\n".encode())
     return h.hexdigest()[:16]

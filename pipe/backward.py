@@ -1,0 +1,120 @@
+"""Backward passes for one stage and microbatch: full, or split into input grads (B) and weight grads (W)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+__all__ = ["with_param_outputs", "Saved", "backward_full", "backward_input", "backward_weight"]
+
+
+def with_param_outputs(stage: torch.fx.GraphModule, param_nodes: dict[str, list[str]]
+                       ) -> tuple[torch.fx.GraphModule, list[tuple[str, list[torch.nn.Parameter]]], list[torch.nn.Parameter]]:
+    """A copy of `stage` that also returns the output of every node reading a parameter once.
+
+    Returns (the module, [(node, its parameters)] for the extra outputs in order, and the
+    parameters read by several nodes of the stage, whose grads the B pass computes whole).
+    """
+    uses: dict[int, int] = {}
+    resolved: dict[str, list[torch.nn.Parameter]] = {}
+    for node, names in param_nodes.items():
+        ps = list({id(p): p for p in (stage.get_parameter(n) for n in names)}.values())
+        resolved[node] = ps
+        for p in ps:
+            uses[id(p)] = uses.get(id(p), 0) + 1
+    g = torch.fx.Graph()
+    env: dict[str, torch.fx.Node] = {}
+    extra: list[tuple[str, list[torch.nn.Parameter]]] = []
+    out_node = None
+    for node in stage.graph.nodes:
+        if node.op == "output":
+            out_node = node
+            continue
+        env[node.name] = g.node_copy(node, lambda n: env[n.name])
+    assert out_node is not None
+    for node, ps in resolved.items():
+        if all(uses[id(p)] == 1 for p in ps) and node in env:
+            extra.append((node, ps))
+    multi = list({id(p): p for ps in resolved.values() for p in ps if uses[id(p)] > 1}.values())
+    outs = torch.fx.node.map_arg(out_node.args[0], lambda n: env[n.name])
+    g.output((outs, tuple(env[n] for n, _ in extra)))
+    gm = torch.fx.GraphModule(stage, g, type(stage).__name__ + "ZB")
+    return gm, extra, multi
+
+
+@dataclass
+class Saved:
+    """What one microbatch's forward left for its backward on one stage."""
+    roots: list[torch.Tensor]                 # outputs sent on (or the scaled loss on the last stage)
+    leaves: list[torch.Tensor | None]         # received inputs (None: not differentiable)
+    param_outs: list[torch.Tensor] = field(default_factory=list)   # zero-bubble extra outputs
+    param_grads: list[torch.Tensor | None] = field(default_factory=list)  # filled by backward_input
+
+
+def _accumulate(p: torch.Tensor, g: torch.Tensor | None) -> None:
+    if g is None:
+        return
+    if p.grad is None:
+        p.grad = g.detach().clone()
+    else:
+        p.grad.add_(g)
+
+
+def _roots(saved: Saved, grads: list[torch.Tensor | None]) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    pairs = [(r, g) for r, g in zip(saved.roots, grads) if r.requires_grad]
+    return [r for r, _ in pairs], [g for _, g in pairs]
+
+
+def _leaf_grads(saved: Saved, got: dict[int, torch.Tensor | None]) -> list[torch.Tensor | None]:
+    out: list[torch.Tensor | None] = []
+    for leaf in saved.leaves:
+        if leaf is None:
+            out.append(None)
+        else:
+            g = got.get(id(leaf))
+            out.append(torch.zeros_like(leaf) if g is None else g)
+    return out
+
+
+def backward_full(saved: Saved, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Weight and input grads in one pass; returns the grads of the received inputs."""
+    roots, gs = _roots(saved, grads)
+    leaves = [x for x in saved.leaves if x is not None and x.requires_grad]
+    if roots:
+        torch.autograd.backward(roots, gs, inputs=None)
+    return _leaf_grads(saved, {id(x): x.grad for x in leaves})
+
+
+def backward_input(saved: Saved, grads: list[torch.Tensor | None], multi: list[torch.nn.Parameter]
+                   ) -> list[torch.Tensor | None]:
+    """B of zero-bubble: grads of the received inputs, and of each parameter-reading node's output.
+
+    The weight grads themselves wait for `backward_weight`; parameters read by several nodes
+    get their whole grad here (splitting them would count paths twice).
+    """
+    roots, gs = _roots(saved, grads)
+    leaves = [x for x in saved.leaves if x is not None and x.requires_grad]
+    outs = [t for t in saved.param_outs]
+    targets: list[torch.Tensor] = leaves + list(multi) + [t for t in outs if t.requires_grad]
+    got: dict[int, torch.Tensor | None] = {}
+    if roots and targets:
+        res = torch.autograd.grad(roots, targets, gs, retain_graph=True, allow_unused=True)
+        got = {id(t): g for t, g in zip(targets, res)}
+    for p in multi:
+        _accumulate(p, got.get(id(p)))
+    saved.param_grads = [got.get(id(t)) if t.requires_grad else None for t in outs]
+    return _leaf_grads(saved, got)
+
+
+def backward_weight(saved: Saved, extra: list[tuple[str, list[torch.nn.Parameter]]]) -> None:
+    """W of zero-bubble: each parameter-reading node's weight grads from its stored output grad."""
+    for (_, params), out, g in zip(extra, saved.param_outs, saved.param_grads):
+        if g is None or not out.requires_grad:
+            continue
+        res = torch.autograd.grad([out], params, [g], retain_graph=True, allow_unused=True)
+        for p, gp in zip(params, res):
+            _accumulate(p, gp)
+    saved.roots.clear()
+    saved.param_outs.clear()
+    saved.param_grads.clear()

@@ -1,0 +1,376 @@
+"""Pipeline: partition a model, keep this rank's stages, and run any schedule with one interpreter."""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx
+import torch.utils._pytree as pytree
+
+import partition
+from partition.plan import Plan, PlanError
+from partition.split import split_graph
+from partition.trace import flatten_inputs, trace, unflatten_outputs
+from pipe import comm
+from pipe.backward import Saved, backward_full, backward_input, backward_weight, with_param_outputs
+from pipe.schedules import Action, ScheduleError, build, in_flight_limit
+from pipe.simulate import Event, Timeline
+
+__all__ = ["Pipeline", "PipelineError", "split_microbatches"]
+
+
+class PipelineError(ValueError):
+    """A request the pipeline cannot run; the message names the constraint, the values and the fix."""
+
+
+def _is_float(dtype: str) -> bool:
+    return getattr(torch, dtype).is_floating_point
+
+
+def split_microbatches(tree: Any, n: int, what: str = "batch") -> list[Any]:
+    """Split every tensor of `tree` along dim 0 into `n` equal microbatches; other leaves repeat."""
+    leaves, spec = pytree.tree_flatten(tree)
+    sizes = {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0}
+    if len(sizes) > 1:
+        raise PipelineError(f"the {what}'s tensors disagree on the batch size (dim 0): {sorted(sizes)}; "
+                            "every input tensor must have the batch along dim 0")
+    size = sizes.pop() if sizes else n
+    if size % n:
+        raise PipelineError(f"a {what} of {size} samples is not divisible into {n} microbatches; use a "
+                            f"batch size that is a multiple of {n}, or another microbatches=")
+    parts = [x.chunk(n) if isinstance(x, torch.Tensor) and x.dim() > 0 else [x] * n for x in leaves]
+    return [pytree.tree_unflatten([p[i] for p in parts], spec) for i in range(n)]
+
+
+def _agree(error: str | None, rank: int, world: int) -> None:
+    """Raise on every rank when any rank failed, naming the first failing rank and its error."""
+    errors: list[Any] = [None] * world
+    if world > 1:
+        dist.all_gather_object(errors, error)
+    else:
+        errors = [error]
+    for r, e in enumerate(errors):
+        if e is not None:
+            raise PipelineError(f"rank {r} failed while setting up the pipeline: {e}")
+
+
+class _Broadcast:
+    """Run `fn` on rank 0 and give every rank its result, or the same error, so no rank hangs."""
+
+    @staticmethod
+    def run(fn: Callable[[], Any], rank: int) -> Any:
+        box: list[Any] = [None]
+        if rank == 0:
+            try:
+                box[0] = ("ok", fn())
+            except Exception as e:  # re-raised on every rank below
+                box[0] = ("error", type(e).__name__, str(e))
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
+        status, *rest = box[0]
+        if status == "error":
+            raise PipelineError(f"rank 0 failed to plan the pipeline: {rest[0]}: {rest[1]}")
+        return rest[0]
+
+
+class Pipeline:
+    """A model trained as a pipeline over the ranks of the current process group.
+
+    Every rank builds the same model (same seed) and makes the same calls. Rank 0 plans the
+    stages (or `plan=` gives them) and shares the plan; each rank keeps the stages
+    `s % world_size == rank`; `step` runs one schedule and returns the mean loss on every rank.
+    """
+
+    def __init__(self, model: torch.nn.Module, example_args: Sequence[Any], *,
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None, microbatches: int = 8,
+                 schedule: str = "1f1b", plan: Plan | str | None = None, stages_per_rank: int = 1,
+                 example_kwargs: dict[str, Any] | None = None, cost: str = "measured",
+                 memory_budget: float | str | None = None, dynamic_shapes: bool = False,
+                 recompute: str = "none", offload: str = "none") -> None:
+        if loss_fn is None or not callable(loss_fn):
+            raise PipelineError(f"loss_fn must be a callable (output, target) -> scalar loss, got {loss_fn!r}; "
+                                "pass e.g. loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())")
+        if recompute != "none" or offload != "none":
+            raise PipelineError(f"recompute={recompute!r}, offload={offload!r}: this build of fxpipe runs "
+                                "recompute='none' and offload='none' only")
+        self.ctx = comm.context()
+        self.rank, self.world = self.ctx.rank, self.ctx.world_size
+        self.M, self.v = microbatches, stages_per_rank
+        self.S = self.world * stages_per_rank
+        self.loss_fn = loss_fn
+        self.dynamic = dynamic_shapes
+        self.schedule_name = schedule
+        try:
+            self.actions: list[Action] = build(schedule, self.world, microbatches, stages_per_rank)[self.rank]
+        except ScheduleError as e:
+            raise PipelineError(str(e)) from e
+        self.has_w = any(a.kind == "W" for a in self.actions)
+        args, kwargs = tuple(example_args), dict(example_kwargs or {})
+        self.plan = self._agree_on_plan(model, args, kwargs, plan, cost, memory_budget)
+        try:
+            gm = trace(model, args, kwargs)
+            stages = split_graph(gm, self.plan)
+            error = None
+        except (ValueError, TypeError) as e:
+            error = f"{type(e).__name__}: {e}"
+        _agree(error, self.rank, self.world)
+        self._gm = gm
+        self.local = [s for s in range(self.S) if s % self.world == self.rank]
+        self.stages = {s: stages[s].to(self.ctx.device) for s in self.local}
+        self._zb: dict[int, tuple[torch.fx.GraphModule, list[tuple[str, list[torch.nn.Parameter]]],
+                                  list[torch.nn.Parameter]]] = {}
+        if self.has_w:
+            for s in self.local:
+                self._zb[s] = with_param_outputs(self.stages[s], self.stages[s].io.param_nodes)
+        self._names = {id(p): n for n, p in model.named_parameters()}
+        self._model = model
+        self._tied_groups = self._make_tied_groups()
+        self.transport: comm.Transport = comm.TorchTransport()
+        self.timeline: list[Event] = []
+        self._V = max([len(st.recv) for st in self.plan.stages] + [1])
+
+    # ----- set-up -----
+    def _agree_on_plan(self, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                       plan: Plan | str | None, cost: str, budget: float | str | None) -> Plan:
+        if isinstance(plan, str):
+            plan = Plan.load(plan)
+        if plan is None:
+            flights = [in_flight_limit(self.schedule_name, self.S, self.M, s, self.v) for s in range(self.S)]
+            d = _Broadcast.run(lambda: partition.plan(
+                model, args, self.S, example_kwargs=kwargs, cost=cost, schedule=self.schedule_name,
+                microbatches=self.M, memory_budget=budget, stages_per_rank=self.v,
+                in_flight_counts=flights).to_dict(), self.rank)
+            plan = Plan.from_dict(d)
+        if plan.n_stages != self.S:
+            raise PipelineError(f"the plan has {plan.n_stages} stages but world size {self.world} x "
+                                f"stages_per_rank {self.v} = {self.S}; launch {plan.n_stages // self.v or 1} "
+                                "processes per stage count, or re-plan for this world size")
+        return plan
+
+    def _make_tied_groups(self) -> list[tuple[Any, list[torch.nn.Parameter]]]:
+        """Process groups for parameters held on several ranks; every rank creates them in one order."""
+        holders: dict[str, set[int]] = {}
+        for st in self.plan.stages:
+            for p in st.params:
+                holders.setdefault(p, set()).add(st.index % self.world)
+        groups: dict[tuple[int, ...], list[str]] = {}
+        for p in sorted(holders):
+            if len(holders[p]) > 1:
+                groups.setdefault(tuple(sorted(holders[p])), []).append(p)
+        out = []
+        mine = {n: p for n, p in self.named_parameters()}
+        for ranks, names in sorted(groups.items()):
+            g = dist.new_group(list(ranks)) if self.world > 1 else None
+            if self.rank in ranks:
+                out.append((g, [mine[n] for n in names]))
+        return out
+
+    # ----- parameters -----
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """This rank's parameters under their original (first) names, each once."""
+        seen: set[int] = set()
+        for s in self.local:
+            for p in self.stages[s].parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield self._names.get(id(p), f"stage{s}.unnamed{len(seen)}"), p
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """On rank 0: a state dict that loads into the unpartitioned model; None on other ranks."""
+        ids = {id(t): t for s in self.local for t in list(self.stages[s].parameters()) + list(self.stages[s].buffers())}
+        mine = {k: v.detach().cpu() for k, v in self._model.state_dict(keep_vars=True).items() if id(v) in ids}
+        parts: list[Any] = [None] * self.world
+        if self.world > 1:
+            dist.all_gather_object(parts, mine)
+        else:
+            parts = [mine]
+        if self.rank != 0:
+            return None
+        full = {k: v.detach().cpu().clone() for k, v in self._model.state_dict().items()}
+        for part in parts:
+            full.update(part)
+        return full
+
+    # ----- one step -----
+    def _tag(self, boundary: int, grad: bool, mb: int, i: int) -> int:
+        return ((boundary * 2 + int(grad)) * self.M + mb) * self._V + i
+
+    def _post_receives(self) -> dict[tuple[int, int, bool], list[tuple[torch.Tensor, comm.Work] | None]]:
+        """Post every receive of the step ahead, so transfers overlap compute."""
+        dev = self.ctx.device
+        posted: dict[tuple[int, int, bool], list[tuple[torch.Tensor, comm.Work] | None]] = {}
+        for s in self.local:
+            for mb in range(self.M):
+                if s > 0:
+                    src = (s - 1) % self.world
+                    bufs: list[tuple[torch.Tensor, comm.Work] | None] = []
+                    for i, v in enumerate(self.plan.stages[s].recv):
+                        t = torch.empty(v.shape, dtype=getattr(torch, v.dtype), device=dev)
+                        bufs.append((t, self.transport.irecv(t, src, self._tag(s, False, mb, i))))
+                    posted[(s, mb, False)] = bufs
+                if s < self.S - 1:
+                    dst = (s + 1) % self.world
+                    gbufs: list[tuple[torch.Tensor, comm.Work] | None] = []
+                    for i, v in enumerate(self.plan.stages[s + 1].recv):
+                        if _is_float(v.dtype):
+                            t = torch.empty(v.shape, dtype=getattr(torch, v.dtype), device=dev)
+                            gbufs.append((t, self.transport.irecv(t, dst, self._tag(s + 1, True, mb, i))))
+                        else:
+                            gbufs.append(None)
+                    posted[(s, mb, True)] = gbufs
+        return posted
+
+    def _check_inputs(self, flat: list[Any]) -> None:
+        if self.dynamic:
+            return
+        for i, (x, v) in enumerate(zip(flat, self.plan.inputs)):
+            if v is not None and isinstance(x, torch.Tensor) and list(x.shape) != v.shape:
+                raise PipelineError(
+                    f"model input {i} of a microbatch has shape {list(x.shape)} but the plan was made for "
+                    f"{v.shape}; use microbatches of the planned shape (batch size = {v.shape[0] if v.shape else '?'}"
+                    f" x microbatches), or re-plan with an example of this shape")
+
+    def step(self, *batch_args: Any, target: Any = None, **batch_kwargs: Any) -> float:
+        """One training step over M microbatches; same call on every rank; returns the mean loss.
+
+        Gradients accumulate into this rank's parameters (scaled by 1/M); tied parameters'
+        gradients are summed over the ranks that hold them.
+        """
+        mbs = split_microbatches((batch_args, batch_kwargs), self.M)
+        targets = split_microbatches(target, self.M, "target") if target is not None else [None] * self.M
+        dev = self.ctx.device
+        flats = [[x.to(dev) if isinstance(x, torch.Tensor) else x
+                  for x in flatten_inputs(self._gm, a, k)] for a, k in mbs]
+        for f in flats:
+            self._check_inputs(f)
+        self._run = _StepState(self, flats, targets, self._post_receives())
+        self._run.execute(self.actions)
+        for group, params in self._tied_groups:
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=group)
+        loss = torch.tensor([self._run.loss_sum], dtype=torch.float64)
+        if self.world > 1:
+            dist.broadcast(loss, src=(self.S - 1) % self.world)
+        self.timeline = self._run.events
+        self._run = None  # type: ignore[assignment]
+        return float(loss.item())
+
+    def gather_timeline(self) -> Timeline | None:
+        """The last step's measured timeline of every rank, on rank 0 (a collective call)."""
+        parts: list[Any] = [None] * self.world
+        if self.world > 1:
+            dist.all_gather_object(parts, self.timeline)
+        else:
+            parts = [self.timeline]
+        if self.rank != 0:
+            return None
+        events = [e for p in parts for e in p]
+        t0 = min((e.start for e in events), default=0.0)
+        return Timeline([Event(e.rank, e.action, e.start - t0, e.end - t0) for e in events], self.world)
+
+
+class _StepState:
+    """The state of one step on one rank: microbatch inputs, posted receives, saved activations."""
+
+    def __init__(self, pp: Pipeline, flats: list[list[Any]], targets: list[Any],
+                 posted: dict[tuple[int, int, bool], list[tuple[torch.Tensor, comm.Work] | None]]) -> None:
+        self.pp, self.flats, self.targets, self.posted = pp, flats, targets, posted
+        self.saved: dict[tuple[int, int], Saved] = {}
+        self.sends: list[tuple[torch.Tensor, comm.Work]] = []
+        self.loss_sum = 0.0
+        self.events: list[Event] = []
+        self.handlers = {"F": self.forward, "B": self.backward, "W": self.weight}
+
+    def execute(self, actions: list[Action]) -> None:
+        for a in actions:
+            self.handlers[a.kind](a)
+        for _, work in self.sends:
+            work.wait()
+
+    def _record(self, a: Action, start: float) -> None:
+        self.events.append(Event(self.pp.rank, a, start * 1e3, time.perf_counter() * 1e3))
+
+    def _wait(self, key: tuple[int, int, bool]) -> list[torch.Tensor | None]:
+        out: list[torch.Tensor | None] = []
+        for item in self.posted.pop(key):
+            if item is None:
+                out.append(None)
+            else:
+                item[1].wait()
+                out.append(item[0])
+        return out
+
+    def _send(self, tensors: Sequence[torch.Tensor | None], dst: int, boundary: int, grad: bool, mb: int) -> None:
+        for i, t in enumerate(tensors):
+            if t is None:
+                continue
+            t = t.detach().contiguous()
+            self.sends.append((t, self.pp.transport.isend(t, dst, self.pp._tag(boundary, grad, mb, i))))
+
+    def forward(self, a: Action) -> None:
+        pp, s, mb = self.pp, a.stage, a.mb
+        stage = pp.stages[s]
+        io = stage.io
+        leaves: list[torch.Tensor | None] = []
+        if s > 0:
+            for t in self._wait((s, mb, False)):
+                assert t is not None
+                leaves.append(t.requires_grad_(True) if t.is_floating_point() else t)
+        start = time.perf_counter()
+        args = [x for x in leaves] + [self.flats[mb][i] for i in io.inputs]
+        if pp.has_w:
+            zb, _, _ = pp._zb[s]
+            outs, param_outs = zb(*args)
+        else:
+            outs, param_outs = stage(*args), ()
+        outs = list(outs)
+        if io.last:
+            output = unflatten_outputs(outs, io.out_spec)
+            loss = pp.loss_fn(output, self.targets[mb])
+            self.loss_sum += float(loss.detach()) / pp.M
+            roots = [loss / pp.M]
+        else:
+            self._check_shapes(s, outs)
+            self._send(outs, (s + 1) % pp.world, s + 1, False, mb)
+            roots = outs
+        self.saved[(s, mb)] = Saved(roots=roots, leaves=[x if x is not None and x.is_floating_point() else None
+                                                         for x in leaves], param_outs=list(param_outs))
+        self._record(a, start)
+
+    def _check_shapes(self, s: int, outs: list[torch.Tensor]) -> None:
+        if self.pp.dynamic:
+            return
+        for o, v in zip(outs, self.pp.plan.stages[s + 1].recv):
+            if list(o.shape) != v.shape:
+                raise PlanError(f"stage {s} produced {v.name} with shape {list(o.shape)} but the plan says "
+                                f"{v.shape}; inputs must keep the planned shapes (or pass dynamic_shapes=True)")
+
+    def backward(self, a: Action) -> None:
+        pp, s, mb = self.pp, a.stage, a.mb
+        grads: list[torch.Tensor | None] = [None]
+        if s < pp.S - 1:
+            grads = self._wait((s, mb, True))
+        start = time.perf_counter()
+        saved = self.saved[(s, mb)]
+        if pp.has_w:
+            leaf_grads = backward_input(saved, grads, pp._zb[s][2])
+        else:
+            leaf_grads = backward_full(saved, grads)
+            del self.saved[(s, mb)]
+        if s > 0:
+            self._send(leaf_grads, (s - 1) % pp.world, s, True, mb)
+        self._record(a, start)
+
+    def weight(self, a: Action) -> None:
+        start = time.perf_counter()
+        saved = self.saved.pop((a.stage, a.mb))
+        backward_weight(saved, self.pp._zb[a.stage][1])
+        self._record(a, start)

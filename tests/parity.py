@@ -1,0 +1,60 @@
+"""Test bodies shared by the runtime tests: a pipelined step against the unpartitioned model."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import partition
+
+
+def reference_step(w: partition.Workload, args: tuple[Any, ...], target: Any, M: int,
+                   kwargs: dict[str, Any] | None = None) -> float:
+    """Loss and grads of the unpartitioned model over the same microbatches (loss / M each)."""
+    from pipe.runtime import split_microbatches
+    mbs = split_microbatches((args, kwargs or {}), M)
+    tgts = split_microbatches(target, M, "target") if target is not None else [None] * M
+    total = 0.0
+    for (a, k), t in zip(mbs, tgts):
+        loss = w.loss_fn(w.model(*a, **k), t) / M
+        loss.backward()
+        total += float(loss.detach())
+    return total
+
+
+def parity_body(rank: int, world: int, *, spec: str, model_args: dict[str, Any], schedule: str, M: int,
+                v: int = 1, steps: int = 3) -> list[float]:
+    import pipe
+    pipe.init()
+    w = partition.load(spec, **model_args)
+    ref = partition.load(spec, **model_args)
+    pp = pipe.Pipeline(w.model, w.example_args, example_kwargs=w.example_kwargs, loss_fn=w.loss_fn,
+                       microbatches=M, schedule=schedule, stages_per_rank=v, cost="flops")
+    opt = torch.optim.Adam(list(pp.parameters()), lr=1e-3)
+    ref_opt = torch.optim.Adam(ref.model.parameters(), lr=1e-3)
+    ref_params = dict(ref.model.named_parameters())
+    losses = []
+    for step in range(steps):
+        args, target = w.make_batch(w.microbatch_size * M, step)
+        loss = pp.step(*args, target=target)
+        ref_loss = reference_step(ref, args, target, M)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        names = []
+        for name, p in pp.named_parameters():
+            names.append(name)
+            rp = ref_params[name]
+            if rp.grad is None:
+                assert p.grad is None or not p.grad.any(), name
+                continue
+            assert p.grad is not None, f"{name} got no grad on rank {rank}"
+            torch.testing.assert_close(p.grad, rp.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        opt.step(); opt.zero_grad(set_to_none=True)
+        ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
+        for name, p in pp.named_parameters():
+            torch.testing.assert_close(p, ref_params[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        losses.append(loss)
+    all_names: list[Any] = [None] * world
+    import torch.distributed as dist
+    dist.all_gather_object(all_names, names)
+    assert set().union(*all_names) == set(ref_params), "ranks together must hold every parameter"
+    return losses
