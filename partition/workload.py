@@ -47,8 +47,8 @@ class Workload:
 
     `example_args` is ONE microbatch of positional inputs. `loss_fn(output, target)`
     returns the scalar mean loss over a microbatch. `make_batch(batch_size, step)`
-    returns `(args, target)` whose first dimension is `batch_size`, the same for the
-    same `step`. `layer_prefixes` names the repeated layers in order, for baselines
+    returns `(args, target)` or `(args, kwargs, target)` whose tensors have `batch_size`
+    along dim 0, the same for the same `step` (`batch` normalises both forms). `layer_prefixes` names the repeated layers in order, for baselines
     that split by layer (may be empty).
     """
 
@@ -57,7 +57,7 @@ class Workload:
     example_args: tuple[Any, ...]
     example_kwargs: dict[str, Any] = field(default_factory=dict)
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
-    make_batch: Callable[[int, int], tuple[tuple[Any, ...], torch.Tensor]]
+    make_batch: Callable[[int, int], tuple[Any, ...]]
     microbatch_size: int
     tokens_per_sample: int = 1
     layer_prefixes: tuple[str, ...] = ()
@@ -81,6 +81,14 @@ class Workload:
                 f"Workload {self.name!r}: layer_prefixes {missing} are not modules of the model; "
                 "use qualified names from model.named_modules(), e.g. 'blocks.0'"
             )
+
+
+    def batch(self, batch_size: int, step: int) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+        """(args, kwargs, target) of one batch, whichever form make_batch returns."""
+        got = self.make_batch(batch_size, step)
+        if len(got) == 3:
+            return tuple(got[0]), dict(got[1]), got[2]
+        return tuple(got[0]), {}, got[1]
 
 
 def load(spec: str, **kwargs: Any) -> Workload:

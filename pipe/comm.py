@@ -5,12 +5,13 @@ import datetime
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Context", "init", "context", "Transport", "TorchTransport", "LaunchError", "Work"]
+__all__ = ["Context", "init", "context", "Transport", "TorchTransport", "LaunchError", "Work", "alloc_layout",
+           "to_layout", "is_dense"]
 
 
 class LaunchError(RuntimeError):
@@ -137,3 +138,35 @@ class TorchTransport:
         work = dist.irecv(tensor, src, tag=tag)
         assert work is not None
         return work
+
+
+def is_dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """True when (shape, stride) covers one block of memory exactly once (any dim order)."""
+    if len(shape) != len(stride):
+        return False
+    expected = 1
+    for size, st in sorted(((sz, st) for sz, st in zip(shape, stride) if sz != 1), key=lambda x: x[1]):
+        if st != expected:
+            return False
+        expected *= size
+    return True
+
+
+def alloc_layout(shape: Sequence[int], stride: Sequence[int], dtype: torch.dtype, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A receive buffer with the producer's layout, and the 1-D view of its memory to receive into."""
+    if stride and is_dense(shape, stride):
+        t = torch.empty_strided(tuple(shape), tuple(stride), dtype=dtype, device=device)
+        return t, torch.as_strided(t, (t.numel(),), (1,))
+    t = torch.empty(tuple(shape), dtype=dtype, device=device)
+    return t, t.view(-1)
+
+
+def to_layout(t: torch.Tensor, stride: Sequence[int]) -> torch.Tensor:
+    """The 1-D memory to send for `t`, laid out as `alloc_layout` expects on the other side."""
+    t = t.detach()
+    if stride and is_dense(t.shape, stride):
+        if tuple(t.stride()) != tuple(stride) or not is_dense(t.shape, t.stride()):
+            t = torch.empty_strided(t.shape, tuple(stride), dtype=t.dtype, device=t.device).copy_(t)
+        return torch.as_strided(t, (t.numel(),), (1,), t.storage_offset())
+    return t.contiguous().view(-1)

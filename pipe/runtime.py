@@ -211,8 +211,8 @@ class Pipeline:
                     src = (s - 1) % self.world
                     bufs: list[tuple[torch.Tensor, comm.Work] | None] = []
                     for i, v in enumerate(self.plan.stages[s].recv):
-                        t = torch.empty(v.shape, dtype=getattr(torch, v.dtype), device=dev)
-                        bufs.append((t, self.transport.irecv(t, src, self._tag(s, False, mb, i))))
+                        t, wire = comm.alloc_layout(v.shape, v.stride, getattr(torch, v.dtype), dev)
+                        bufs.append((t, self.transport.irecv(wire, src, self._tag(s, False, mb, i))))
                     posted[(s, mb, False)] = bufs
                 if s < self.S - 1:
                     dst = (s + 1) % self.world
@@ -220,7 +220,7 @@ class Pipeline:
                     for i, v in enumerate(self.plan.stages[s + 1].recv):
                         if _is_float(v.dtype):
                             t = torch.empty(v.shape, dtype=getattr(torch, v.dtype), device=dev)
-                            gbufs.append((t, self.transport.irecv(t, dst, self._tag(s + 1, True, mb, i))))
+                            gbufs.append((t, self.transport.irecv(t.view(-1), dst, self._tag(s + 1, True, mb, i))))
                         else:
                             gbufs.append(None)
                     posted[(s, mb, True)] = gbufs
@@ -309,11 +309,12 @@ class _StepState:
         return out
 
     def _send(self, tensors: Sequence[torch.Tensor | None], dst: int, boundary: int, grad: bool, mb: int) -> None:
+        values = self.pp.plan.stages[boundary].recv
         for i, t in enumerate(tensors):
             if t is None:
                 continue
-            t = t.detach().contiguous()
-            self.sends.append((t, self.pp.transport.isend(t, dst, self.pp._tag(boundary, grad, mb, i))))
+            wire = t.detach().contiguous().view(-1) if grad else comm.to_layout(t, values[i].stride)
+            self.sends.append((wire, self.pp.transport.isend(wire, dst, self.pp._tag(boundary, grad, mb, i))))
 
     def forward(self, a: Action) -> None:
         pp, s, mb = self.pp, a.stage, a.mb

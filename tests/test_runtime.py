@@ -1,0 +1,101 @@
+"""The pipeline runtime on 2 and 4 gloo ranks: parity with the unpartitioned model, determinism, errors."""
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.mp import free_port, run_command, run_ranks
+
+BIN = Path(sys.executable).parent
+ALL = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)]
+SMALL_GPT = {"n_layer": 4, "d_model": 64, "n_head": 4, "seq_len": 32, "vocab": 256}
+HF = {"n_layer": 4}
+
+
+def _check(results: list[dict[str, list[float]]]) -> None:
+    for r in results[1:]:
+        assert r == results[0], "every rank must return the same mean losses"
+    for name, losses in results[0].items():
+        assert len(losses) == 3 and all(x == x for x in losses), name
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("spec,args", [("gpt", SMALL_GPT), ("unet", {}), ("bench.hf_models:gpt2", HF)],
+                         ids=["gpt", "unet", "hf-gpt2"])
+def test_parity_every_schedule(world: int, spec: str, args: dict) -> None:
+    _check(run_ranks("tests.parity:parity_body", world, timeout=240, spec=spec, model_args=args,
+                     schedules=ALL, M=4))
+
+
+@pytest.mark.parametrize("spec", ["bench.hf_models:bert", "bench.hf_models:t5"], ids=["hf-bert", "hf-t5"])
+def test_parity_encoder_models(spec: str) -> None:
+    _check(run_ranks("tests.parity:parity_body", 2, timeout=180, spec=spec, model_args={},
+                     schedules=[("1f1b", 1), ("zb-h1", 1)], M=2))
+
+
+def test_same_seed_same_losses_bitwise() -> None:
+    kw = dict(spec="gpt", model_args=SMALL_GPT, schedules=[("1f1b", 1)], M=4, steps=3)
+    a = run_ranks("tests.parity:parity_body", 2, timeout=120, **kw)
+    b = run_ranks("tests.parity:parity_body", 2, timeout=120, **kw)
+    assert a[0]["1f1b/v1"] == b[0]["1f1b/v1"]
+
+
+def test_parity_under_torchrun() -> None:
+    out = run_command([str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", str(free_port()),
+                       "tests/scripts/parity.py"], timeout=180).output
+    assert out.count("parity ok") == 2, out
+
+
+def test_parity_under_mpiexec() -> None:
+    out = run_command([str(BIN / "mpiexec"), "-n", "2", sys.executable, "tests/scripts/parity.py"],
+                      timeout=180).output
+    assert out.count("parity ok") == 2, out
+
+
+def errors_body(rank: int, world: int) -> list[str]:
+    """Each bad request must raise on every rank, before any rank waits on another."""
+    import torch
+    import partition
+    import pipe
+    pipe.init()
+    w = partition.load("gpt", **SMALL_GPT)
+    messages = []
+
+    def expect(fn) -> None:  # type: ignore[no-untyped-def]
+        try:
+            fn()
+        except (ValueError, TypeError) as e:
+            messages.append(str(e))
+        else:
+            messages.append("NO ERROR")
+
+    def make(**kw):  # type: ignore[no-untyped-def]
+        base = dict(loss_fn=w.loss_fn, microbatches=4, cost="flops")
+        base.update(kw)
+        return pipe.Pipeline(w.model, w.example_args, **base)
+
+    expect(lambda: make(schedule="1f2b"))
+    expect(lambda: make(schedule="interleaved-1f1b", stages_per_rank=2, microbatches=3))
+    expect(lambda: make(loss_fn=None))
+    three = partition.plan(w.model, w.example_args, 3, cost="flops")
+    expect(lambda: make(plan=three))
+    pp = make()
+    args, target = w.make_batch(w.microbatch_size * 4 + 1, 0)
+    expect(lambda: pp.step(*args, target=target))
+    args, target = w.make_batch(w.microbatch_size * 4, 0)
+    expect(lambda: pp.step(args[0][:, :16], target=target[:, :16]))
+    loss = pp.step(*args, target=target)  # the pipeline still works after refused calls
+    assert loss == loss and torch.isfinite(torch.tensor(loss))
+    return messages
+
+
+def test_bad_input_errors_on_every_rank() -> None:
+    results = run_ranks("tests.test_runtime:errors_body", 2, timeout=120)
+    assert results[0] == results[1]
+    unknown, too_few, no_loss, world, divisible, shape = results[0]
+    assert "1f2b" in unknown and "1f1b" in unknown and "gpipe" in unknown
+    assert "3" in too_few and "microbatch" in too_few
+    assert "loss_fn" in no_loss
+    assert "3 stages" in world and "world size 2" in world
+    assert "not divisible into 4 microbatches" in divisible
+    assert "shape" in shape and "[4, 16]" in shape and "[4, 32]" in shape
