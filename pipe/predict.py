@@ -1,0 +1,29 @@
+"""The simulator fed with a plan's predicted stage costs: the predicted timeline of one step."""
+from __future__ import annotations
+
+from partition.plan import Plan
+from pipe.schedules import build
+from pipe.simulate import Timeline, simulate
+
+__all__ = ["predicted_timeline", "stage_costs"]
+
+
+def stage_costs(plan: Plan, has_w: bool) -> tuple[list[float], list[float], list[float], list[float]]:
+    """(f_ms, b_ms, w_ms, comm_ms) per stage from the plan. With a W pass, backward is split in
+    half between input and weight grads (each is one matmul per weight matmul of forward)."""
+    f = [s.fwd_ms for s in plan.stages]
+    b = [s.bwd_ms / 2 if has_w else s.bwd_ms for s in plan.stages]
+    w = [s.bwd_ms / 2 if has_w else 0.0 for s in plan.stages]
+    comm = [(plan.latency_ms + s.send_bytes / plan.bytes_per_ms) if s.send_bytes else 0.0
+            for s in plan.stages[:-1]]
+    return f, b, w, comm
+
+
+def predicted_timeline(plan: Plan, n_ranks: int, schedule: str | None = None,
+                       microbatches: int | None = None) -> Timeline:
+    """Simulate `schedule` (default: the plan's) over the plan's per-stage costs."""
+    name = schedule or plan.schedule
+    sched = build(name, n_ranks, microbatches or plan.microbatches, plan.n_stages // n_ranks)
+    has_w = any(a.kind == "W" for acts in sched.values() for a in acts)
+    f, b, w, comm = stage_costs(plan, has_w)
+    return simulate(sched, f_ms=f, b_ms=b, w_ms=w, comm_ms=comm)
