@@ -152,21 +152,41 @@ def is_dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
     return True
 
 
-def alloc_layout(shape: Sequence[int], stride: Sequence[int], dtype: torch.dtype, device: torch.device
+def _layout(shape: Sequence[int], ref_shape: Sequence[int], ref_stride: Sequence[int]) -> tuple[int, ...] | None:
+    """Dense strides for `shape` in the dim order of (ref_shape, ref_stride); None: contiguous."""
+    if not ref_stride or len(ref_stride) != len(shape) or not is_dense(ref_shape, ref_stride):
+        return None
+    order = sorted(range(len(shape)), key=lambda d: (ref_stride[d], -d))  # innermost first
+    stride = [0] * len(shape)
+    step = 1
+    for d in order:
+        stride[d] = step
+        step *= max(1, shape[d])
+    return tuple(stride)
+
+
+def alloc_layout(shape: Sequence[int], dtype: torch.dtype, device: torch.device, *,
+                 ref_shape: Sequence[int] = (), ref_stride: Sequence[int] = ()
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A receive buffer with the producer's layout, and the 1-D view of its memory to receive into."""
-    if stride and is_dense(shape, stride):
-        t = torch.empty_strided(tuple(shape), tuple(stride), dtype=dtype, device=device)
-        return t, torch.as_strided(t, (t.numel(),), (1,))
-    t = torch.empty(tuple(shape), dtype=dtype, device=device)
-    return t, t.view(-1)
+    """A receive buffer laid out like the producer's value, and the 1-D view of its memory.
+
+    Values keep their producer's dim order across the wire (a transposed activation stays
+    transposed), so graph ops such as `view` that depend on layout behave as unsplit.
+    """
+    stride = _layout(shape, ref_shape or shape, ref_stride)
+    if stride is None:
+        t = torch.empty(tuple(shape), dtype=dtype, device=device)
+        return t, t.view(-1)
+    t = torch.empty_strided(tuple(shape), stride, dtype=dtype, device=device)
+    return t, torch.as_strided(t, (t.numel(),), (1,))
 
 
-def to_layout(t: torch.Tensor, stride: Sequence[int]) -> torch.Tensor:
-    """The 1-D memory to send for `t`, laid out as `alloc_layout` expects on the other side."""
+def to_layout(t: torch.Tensor, ref_shape: Sequence[int] = (), ref_stride: Sequence[int] = ()) -> torch.Tensor:
+    """The 1-D memory to send for `t`, in the layout `alloc_layout` gives the receiver."""
     t = t.detach()
-    if stride and is_dense(t.shape, stride):
-        if tuple(t.stride()) != tuple(stride) or not is_dense(t.shape, t.stride()):
-            t = torch.empty_strided(t.shape, tuple(stride), dtype=t.dtype, device=t.device).copy_(t)
-        return torch.as_strided(t, (t.numel(),), (1,), t.storage_offset())
-    return t.contiguous().view(-1)
+    stride = _layout(t.shape, ref_shape or t.shape, ref_stride)
+    if stride is None:
+        return t.contiguous().view(-1)
+    if tuple(t.stride()) != stride:
+        t = torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
+    return torch.as_strided(t, (t.numel(),), (1,), t.storage_offset())

@@ -10,10 +10,12 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 import partition
-from partition.plan import Plan, PlanError
+from partition.plan import Plan
+from partition.split import StageIO
 from partition.split import split_graph
 from partition.trace import flatten_inputs, trace, unflatten_outputs
 from pipe import comm
+from pipe.exchange import Exchange
 from pipe.backward import Saved, backward_full, backward_input, backward_weight, with_param_outputs
 from pipe.schedules import Action, ScheduleError, build, in_flight_limit
 from pipe.simulate import Event, Timeline
@@ -23,10 +25,6 @@ __all__ = ["Pipeline", "PipelineError", "split_microbatches"]
 
 class PipelineError(ValueError):
     """A request the pipeline cannot run; the message names the constraint, the values and the fix."""
-
-
-def _is_float(dtype: str) -> bool:
-    return getattr(torch, dtype).is_floating_point
 
 
 def split_microbatches(tree: Any, n: int, what: str = "batch") -> list[Any]:
@@ -119,17 +117,17 @@ class Pipeline:
         self._gm = gm
         self.local = [s for s in range(self.S) if s % self.world == self.rank]
         self.stages = {s: stages[s].to(self.ctx.device) for s in self.local}
+        self.io: dict[int, StageIO] = {s: stages[s].io for s in self.local}  # type: ignore[misc]
         self._zb: dict[int, tuple[torch.fx.GraphModule, list[tuple[str, list[torch.nn.Parameter]]],
                                   list[torch.nn.Parameter]]] = {}
         if self.has_w:
             for s in self.local:
-                self._zb[s] = with_param_outputs(self.stages[s], self.stages[s].io.param_nodes)
+                self._zb[s] = with_param_outputs(self.stages[s], self.io[s].param_nodes)
         self._names = {id(p): n for n, p in model.named_parameters()}
         self._model = model
         self._tied_groups = self._make_tied_groups()
         self.transport: comm.Transport = comm.TorchTransport()
         self.timeline: list[Event] = []
-        self._V = max([len(st.recv) for st in self.plan.stages] + [1])
 
     # ----- set-up -----
     def _agree_on_plan(self, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -145,8 +143,8 @@ class Pipeline:
             plan = Plan.from_dict(d)
         if plan.n_stages != self.S:
             raise PipelineError(f"the plan has {plan.n_stages} stages but world size {self.world} x "
-                                f"stages_per_rank {self.v} = {self.S}; launch {plan.n_stages // self.v or 1} "
-                                "processes per stage count, or re-plan for this world size")
+                                f"stages_per_rank {self.v} = {self.S}; launch as many processes as the plan has "
+                                "stages (divided by stages_per_rank), or re-plan for this world size")
         return plan
 
     def _make_tied_groups(self) -> list[tuple[Any, list[torch.nn.Parameter]]]:
@@ -198,34 +196,6 @@ class Pipeline:
         return full
 
     # ----- one step -----
-    def _tag(self, boundary: int, grad: bool, mb: int, i: int) -> int:
-        return ((boundary * 2 + int(grad)) * self.M + mb) * self._V + i
-
-    def _post_receives(self) -> dict[tuple[int, int, bool], list[tuple[torch.Tensor, comm.Work] | None]]:
-        """Post every receive of the step ahead, so transfers overlap compute."""
-        dev = self.ctx.device
-        posted: dict[tuple[int, int, bool], list[tuple[torch.Tensor, comm.Work] | None]] = {}
-        for s in self.local:
-            for mb in range(self.M):
-                if s > 0:
-                    src = (s - 1) % self.world
-                    bufs: list[tuple[torch.Tensor, comm.Work] | None] = []
-                    for i, v in enumerate(self.plan.stages[s].recv):
-                        t, wire = comm.alloc_layout(v.shape, v.stride, getattr(torch, v.dtype), dev)
-                        bufs.append((t, self.transport.irecv(wire, src, self._tag(s, False, mb, i))))
-                    posted[(s, mb, False)] = bufs
-                if s < self.S - 1:
-                    dst = (s + 1) % self.world
-                    gbufs: list[tuple[torch.Tensor, comm.Work] | None] = []
-                    for i, v in enumerate(self.plan.stages[s + 1].recv):
-                        if _is_float(v.dtype):
-                            t = torch.empty(v.shape, dtype=getattr(torch, v.dtype), device=dev)
-                            gbufs.append((t, self.transport.irecv(t.view(-1), dst, self._tag(s + 1, True, mb, i))))
-                        else:
-                            gbufs.append(None)
-                    posted[(s, mb, True)] = gbufs
-        return posted
-
     def _check_inputs(self, flat: list[Any]) -> None:
         if self.dynamic:
             return
@@ -249,7 +219,9 @@ class Pipeline:
                   for x in flatten_inputs(self._gm, a, k)] for a, k in mbs]
         for f in flats:
             self._check_inputs(f)
-        self._run = _StepState(self, flats, targets, self._post_receives())
+        exchange = Exchange(self.transport, self.plan, self.world, self.M, self.local, dev, self.dynamic)
+        exchange.post()
+        self._run = _StepState(self, flats, targets, exchange)
         self._run.execute(self.actions)
         for group, params in self._tied_groups:
             for p in params:
@@ -278,13 +250,11 @@ class Pipeline:
 
 
 class _StepState:
-    """The state of one step on one rank: microbatch inputs, posted receives, saved activations."""
+    """The state of one step on one rank: microbatch inputs, messages, saved activations."""
 
-    def __init__(self, pp: Pipeline, flats: list[list[Any]], targets: list[Any],
-                 posted: dict[tuple[int, int, bool], list[tuple[torch.Tensor, comm.Work] | None]]) -> None:
-        self.pp, self.flats, self.targets, self.posted = pp, flats, targets, posted
+    def __init__(self, pp: Pipeline, flats: list[list[Any]], targets: list[Any], exchange: Exchange) -> None:
+        self.pp, self.flats, self.targets, self.ex = pp, flats, targets, exchange
         self.saved: dict[tuple[int, int], Saved] = {}
-        self.sends: list[tuple[torch.Tensor, comm.Work]] = []
         self.loss_sum = 0.0
         self.events: list[Event] = []
         self.handlers = {"F": self.forward, "B": self.backward, "W": self.weight}
@@ -292,82 +262,46 @@ class _StepState:
     def execute(self, actions: list[Action]) -> None:
         for a in actions:
             self.handlers[a.kind](a)
-        for _, work in self.sends:
-            work.wait()
+        self.ex.finish()
 
     def _record(self, a: Action, start: float) -> None:
         self.events.append(Event(self.pp.rank, a, start * 1e3, time.perf_counter() * 1e3))
 
-    def _wait(self, key: tuple[int, int, bool]) -> list[torch.Tensor | None]:
-        out: list[torch.Tensor | None] = []
-        for item in self.posted.pop(key):
-            if item is None:
-                out.append(None)
-            else:
-                item[1].wait()
-                out.append(item[0])
-        return out
-
-    def _send(self, tensors: Sequence[torch.Tensor | None], dst: int, boundary: int, grad: bool, mb: int) -> None:
-        values = self.pp.plan.stages[boundary].recv
-        for i, t in enumerate(tensors):
-            if t is None:
-                continue
-            wire = t.detach().contiguous().view(-1) if grad else comm.to_layout(t, values[i].stride)
-            self.sends.append((wire, self.pp.transport.isend(wire, dst, self.pp._tag(boundary, grad, mb, i))))
-
     def forward(self, a: Action) -> None:
         pp, s, mb = self.pp, a.stage, a.mb
-        stage = pp.stages[s]
-        io = stage.io
-        leaves: list[torch.Tensor | None] = []
-        if s > 0:
-            for t in self._wait((s, mb, False)):
-                assert t is not None
-                leaves.append(t.requires_grad_(True) if t.is_floating_point() else t)
+        io = pp.io[s]
+        leaves = [t.requires_grad_(True) if t.is_floating_point() else t
+                  for t in (self.ex.recv_activations(s, mb) if s > 0 else [])]
         start = time.perf_counter()
-        args = [x for x in leaves] + [self.flats[mb][i] for i in io.inputs]
+        args = leaves + [self.flats[mb][i] for i in io.inputs]
         if pp.has_w:
-            zb, _, _ = pp._zb[s]
-            outs, param_outs = zb(*args)
+            outs, param_outs = pp._zb[s][0](*args)
         else:
-            outs, param_outs = stage(*args), ()
+            outs, param_outs = pp.stages[s](*args), ()
         outs = list(outs)
         if io.last:
-            output = unflatten_outputs(outs, io.out_spec)
-            loss = pp.loss_fn(output, self.targets[mb])
+            loss = pp.loss_fn(unflatten_outputs(outs, io.out_spec), self.targets[mb])
             self.loss_sum += float(loss.detach()) / pp.M
             roots = [loss / pp.M]
         else:
-            self._check_shapes(s, outs)
-            self._send(outs, (s + 1) % pp.world, s + 1, False, mb)
+            self.ex.send_activations(s, mb, outs)
             roots = outs
-        self.saved[(s, mb)] = Saved(roots=roots, leaves=[x if x is not None and x.is_floating_point() else None
-                                                         for x in leaves], param_outs=list(param_outs))
+        self.saved[(s, mb)] = Saved(roots=roots, leaves=[x if x.is_floating_point() else None for x in leaves],
+                                    param_outs=list(param_outs))
         self._record(a, start)
-
-    def _check_shapes(self, s: int, outs: list[torch.Tensor]) -> None:
-        if self.pp.dynamic:
-            return
-        for o, v in zip(outs, self.pp.plan.stages[s + 1].recv):
-            if list(o.shape) != v.shape:
-                raise PlanError(f"stage {s} produced {v.name} with shape {list(o.shape)} but the plan says "
-                                f"{v.shape}; inputs must keep the planned shapes (or pass dynamic_shapes=True)")
 
     def backward(self, a: Action) -> None:
         pp, s, mb = self.pp, a.stage, a.mb
-        grads: list[torch.Tensor | None] = [None]
-        if s < pp.S - 1:
-            grads = self._wait((s, mb, True))
-        start = time.perf_counter()
         saved = self.saved[(s, mb)]
+        grads: list[torch.Tensor | None] = self.ex.recv_grads(s, mb, saved.roots) if s < pp.S - 1 else [None]
+        start = time.perf_counter()
         if pp.has_w:
             leaf_grads = backward_input(saved, grads, pp._zb[s][2])
         else:
             leaf_grads = backward_full(saved, grads)
             del self.saved[(s, mb)]
         if s > 0:
-            self._send(leaf_grads, (s - 1) % pp.world, s, True, mb)
+            self.ex.send_grads(s, mb, leaf_grads)
         self._record(a, start)
 
     def weight(self, a: Action) -> None:

@@ -99,3 +99,34 @@ def test_bad_input_errors_on_every_rank() -> None:
     assert "3 stages" in world and "world size 2" in world
     assert "not divisible into 4 microbatches" in divisible
     assert "shape" in shape and "[4, 16]" in shape and "[4, 32]" in shape
+
+
+def dynamic_body(rank: int, world: int) -> list[float]:
+    """Sequence length changing from batch to batch, with shapes sent ahead of each activation."""
+    import torch
+    import partition
+    import pipe
+    from tests.parity import reference_step
+    pipe.init()
+    w = partition.load("gpt", **SMALL_GPT)
+    ref = partition.load("gpt", **SMALL_GPT)
+    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=4, schedule="1f1b",
+                       cost="flops", dynamic_shapes=True)
+    ref_params = dict(ref.model.named_parameters())
+    losses = []
+    for step, T in enumerate([32, 16, 24]):
+        args, target = w.make_batch(w.microbatch_size * 4, step)
+        args, target = (args[0][:, :T],), target[:, :T]
+        loss = pp.step(*args, target=target)
+        torch.testing.assert_close(loss, reference_step(ref, args, target, 4))
+        for name, p in pp.named_parameters():
+            torch.testing.assert_close(p.grad, ref_params[name].grad, rtol=1e-4, atol=1e-6)
+            p.grad = None
+        ref.model.zero_grad(set_to_none=True)
+        losses.append(loss)
+    return losses
+
+
+def test_dynamic_sequence_length() -> None:
+    results = run_ranks("tests.test_runtime:dynamic_body", 2, timeout=120)
+    assert results[0] == results[1] and len(results[0]) == 3
