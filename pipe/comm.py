@@ -10,8 +10,12 @@ from typing import Any, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["Context", "init", "context", "Transport", "TorchTransport", "LaunchError", "Work", "alloc_layout",
+__all__ = ["PeerLost", "Context", "init", "context", "Transport", "TorchTransport", "LaunchError", "Work", "alloc_layout",
            "to_layout", "is_dense"]
+
+
+class PeerLost(RuntimeError):
+    """Another rank died or stopped answering within the timeout."""
 
 
 class LaunchError(RuntimeError):

@@ -28,6 +28,7 @@ class _Incoming:
             self.work = ex.transport.irecv(wire, src, tag)
 
     def get(self) -> torch.Tensor:
+        self.ex.peer = self.src
         self.work.wait()
         if not self.ex.dynamic:
             return self.tensor
@@ -56,6 +57,7 @@ class Exchange:
         self.acts: dict[tuple[int, int], list[_Incoming]] = {}
         self.grads: dict[tuple[int, int], list[tuple[torch.Tensor, comm.Work] | None]] = {}
         self.sends: list[tuple[torch.Tensor, comm.Work]] = []
+        self.peer: int | None = None  # the rank last waited on, named when a wait fails
 
     def tag(self, boundary: int, kind: int, mb: int, i: int) -> int:
         return ((boundary * 3 + kind) * self.M + mb) * self.V + i
@@ -84,6 +86,7 @@ class Exchange:
 
     def recv_grads(self, s: int, mb: int, outs: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
         """Grads of stage s's outputs for microbatch mb, from stage s+1."""
+        self.peer = (s + 1) % self.world
         if not self.dynamic:
             out: list[torch.Tensor | None] = []
             for item in self.grads.pop((s, mb)):
@@ -126,6 +129,7 @@ class Exchange:
                 self._isend(g.detach().contiguous().view(-1), dst, self.tag(s, GRAD, mb, i))
 
     def _isend(self, t: torch.Tensor, dst: int, tag: int) -> None:
+        self.peer = dst
         self.sends.append((t, self.transport.isend(t, dst, tag)))
 
     def finish(self) -> None:

@@ -33,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--memory-budget", default=None, help="per-stage budget, e.g. 8GiB")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--out", default="out/run", help="folder for the trace, the PNG and the summary")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="passed to the factory as seed= when given")
     return p.parse_args(argv)
 
 
@@ -48,12 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     import partition
     import pipe
     from partition.workload import WorkloadError, parse_overrides
+    from pipe.comm import PeerLost
     from pipe.predict import predicted_timeline
 
     ctx = pipe.init()
     say = print if ctx.rank == 0 else (lambda *a, **k: None)
     try:
-        w = partition.load(args.model, seed=args.seed, **parse_overrides(args.model_arg))
+        extra = {} if args.seed is None else {"seed": args.seed}
+        w = partition.load(args.model, **extra, **parse_overrides(args.model_arg))
     except (WorkloadError, TypeError) as e:
         print(f"error (rank {ctx.rank}): {e}", file=sys.stderr)
         return 2
@@ -73,7 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     for step in range(args.steps):
         b_args, b_kwargs, target = w.batch(batch_size, step)
         t0 = time.perf_counter()
-        loss = pp.step(*b_args, target=target, **b_kwargs)
+        try:
+            loss = pp.step(*b_args, target=target, **b_kwargs)
+        except (ValueError, TypeError, ArithmeticError, RuntimeError) as e:
+            print(f"error (rank {ctx.rank}): {e}", file=sys.stderr, flush=True)
+            return 3 if isinstance(e, PeerLost) else 2
         opt.step()
         opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0

@@ -1,6 +1,7 @@
 """Pipeline: partition a model, keep this rank's stages, and run any schedule with one interpreter."""
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Callable, Iterator, Sequence
 
@@ -20,7 +21,7 @@ from pipe.backward import Saved, backward_full, backward_input, backward_weight,
 from pipe.schedules import Action, ScheduleError, build, in_flight_limit
 from pipe.simulate import Event, Timeline
 
-__all__ = ["Pipeline", "PipelineError", "split_microbatches"]
+__all__ = ["NonFiniteLoss", "Pipeline", "PipelineError", "split_microbatches"]
 
 
 class PipelineError(ValueError):
@@ -52,6 +53,10 @@ def _agree(error: str | None, rank: int, world: int) -> None:
     for r, e in enumerate(errors):
         if e is not None:
             raise PipelineError(f"rank {r} failed while setting up the pipeline: {e}")
+
+
+class NonFiniteLoss(FloatingPointError):
+    """The loss of a step was NaN or infinite."""
 
 
 class _Broadcast:
@@ -86,7 +91,7 @@ class Pipeline:
                  schedule: str = "1f1b", plan: Plan | str | None = None, stages_per_rank: int = 1,
                  example_kwargs: dict[str, Any] | None = None, cost: str = "measured",
                  memory_budget: float | str | None = None, dynamic_shapes: bool = False,
-                 recompute: str = "none", offload: str = "none") -> None:
+                 recompute: str = "none", offload: str = "none", skip_nonfinite: bool = False) -> None:
         if loss_fn is None or not callable(loss_fn):
             raise PipelineError(f"loss_fn must be a callable (output, target) -> scalar loss, got {loss_fn!r}; "
                                 "pass e.g. loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())")
@@ -99,6 +104,8 @@ class Pipeline:
         self.S = self.world * stages_per_rank
         self.loss_fn = loss_fn
         self.dynamic = dynamic_shapes
+        self.skip_nonfinite = skip_nonfinite
+        self.steps_done = 0
         self.schedule_name = schedule
         try:
             self.actions: list[Action] = build(schedule, self.world, microbatches, stages_per_rank)[self.rank]
@@ -124,6 +131,7 @@ class Pipeline:
             for s in self.local:
                 self._zb[s] = with_param_outputs(self.stages[s], self.io[s].param_nodes)
         self._names = {id(p): n for n, p in model.named_parameters()}
+        self._placed = {id(b) for st in stages for b in st.buffers()}
         self._model = model
         self._tied_groups = self._make_tied_groups()
         self.transport: comm.Transport = comm.TorchTransport()
@@ -179,6 +187,34 @@ class Pipeline:
         for _, p in self.named_parameters():
             yield p
 
+    def state_key_names(self) -> dict[str, str]:
+        """Every key of the model's state dict -> the name its tensor is saved under (tied aliases
+        point at the first name)."""
+        first: dict[int, str] = {}
+        out = {}
+        for k, v in self._model.state_dict(keep_vars=True).items():
+            out[k] = first.setdefault(id(v), k)
+        return out
+
+    def local_buffers(self) -> dict[str, torch.Tensor]:
+        """Buffers of this rank's stages by original name; rank 0 also keeps those no stage reads."""
+        mine = {id(b) for s in self.local for b in self.stages[s].buffers()}
+        out: dict[str, torch.Tensor] = {}
+        for k, b in self._model.named_buffers():
+            if id(b) in mine or (self.rank == 0 and id(b) not in self._placed):
+                out[k] = b
+        return out
+
+    def save(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> str:
+        """Checkpoint every rank's stages (collective); see pipe.checkpoint.save."""
+        from pipe import checkpoint
+        return str(checkpoint.save(self, path, optimizer))
+
+    def load(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> int:
+        """Resume from `save`'s folder (collective); returns the number of steps done."""
+        from pipe import checkpoint
+        return checkpoint.load(self, path, optimizer)
+
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """On rank 0: a state dict that loads into the unpartitioned model; None on other ranks."""
         ids = {id(t): t for s in self.local for t in list(self.stages[s].parameters()) + list(self.stages[s].buffers())}
@@ -220,20 +256,48 @@ class Pipeline:
         for f in flats:
             self._check_inputs(f)
         exchange = Exchange(self.transport, self.plan, self.world, self.M, self.local, dev, self.dynamic)
-        exchange.post()
-        self._run = _StepState(self, flats, targets, exchange)
-        self._run.execute(self.actions)
-        for group, params in self._tied_groups:
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=group)
-        loss = torch.tensor([self._run.loss_sum], dtype=torch.float64)
+        run = _StepState(self, flats, targets, exchange)
+        try:
+            exchange.post()
+            run.execute(self.actions)
+            for group, params in self._tied_groups:
+                for p in params:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    dist.all_reduce(p.grad, group=group)
+            loss = torch.tensor([run.loss_sum], dtype=torch.float64)
+            if self.world > 1:
+                dist.broadcast(loss, src=(self.S - 1) % self.world)
+        except RuntimeError as e:
+            if isinstance(e, PipelineError):
+                raise
+            peer = "another rank" if exchange.peer is None else f"rank {exchange.peer}"
+            raise comm.PeerLost(f"rank {self.rank} lost {peer} during step {self.steps_done} "
+                                f"({str(e).splitlines()[0][:200]}); that process died or stopped answering "
+                                f"within the timeout; see its output") from e
+        self.timeline = run.events
+        self.steps_done += 1
+        value = float(loss.item())
+        if not math.isfinite(value):
+            self._non_finite(value, run)
+        return value
+
+    def _non_finite(self, value: float, run: "_StepState") -> None:
+        """Name the first stage whose outputs were not finite; stop, or skip the step if asked."""
+        mine = min([s for s, ok in run.finite if not bool(ok)] + [self.S - 1])
+        firsts: list[Any] = [None] * self.world
         if self.world > 1:
-            dist.broadcast(loss, src=(self.S - 1) % self.world)
-        self.timeline = self._run.events
-        self._run = None  # type: ignore[assignment]
-        return float(loss.item())
+            dist.all_gather_object(firsts, mine)
+        else:
+            firsts = [mine]
+        stage = min(firsts)
+        if self.skip_nonfinite:
+            for p in self.parameters():
+                p.grad = None
+            return
+        raise NonFiniteLoss(f"the loss is {value} at step {self.steps_done - 1}; it first appeared on stage {stage} "
+                            f"(rank {stage % self.world}); lower the learning rate, check the data, or pass "
+                            "skip_nonfinite=True to drop such steps (their grads are cleared)")
 
     def gather_timeline(self) -> Timeline | None:
         """The last step's measured timeline of every rank, on rank 0 (a collective call)."""
@@ -255,6 +319,7 @@ class _StepState:
     def __init__(self, pp: Pipeline, flats: list[list[Any]], targets: list[Any], exchange: Exchange) -> None:
         self.pp, self.flats, self.targets, self.ex = pp, flats, targets, exchange
         self.saved: dict[tuple[int, int], Saved] = {}
+        self.finite: list[tuple[int, torch.Tensor]] = []  # (stage, all outputs finite), read only on NaN
         self.loss_sum = 0.0
         self.events: list[Event] = []
         self.handlers = {"F": self.forward, "B": self.backward, "W": self.weight}
@@ -286,6 +351,7 @@ class _StepState:
         else:
             self.ex.send_activations(s, mb, outs)
             roots = outs
+            self.finite += [(s, torch.isfinite(o).all()) for o in outs if o.is_floating_point()]
         self.saved[(s, mb)] = Saved(roots=roots, leaves=[x if x.is_floating_point() else None for x in leaves],
                                     param_outs=list(param_outs))
         self._record(a, start)

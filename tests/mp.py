@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RankFailure", "free_port", "run_ranks", "run_command", "Completed"]
+__all__ = ["RankExit", "RankFailure", "free_port", "run_ranks", "run_command", "Completed"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,13 +67,20 @@ def _report(what: str, logs: list[Path], codes: list[int | None]) -> str:
     return "\n".join(parts)
 
 
+@dataclass
+class RankExit:
+    code: int | None      # None: killed by the harness at the timeout
+    output: str
+
+
 def run_ranks(target: str, world_size: int, *, timeout: float = 120.0, threads: int = 1,
-              env: dict[str, str] | None = None, **kwargs: Any) -> list[Any]:
+              env: dict[str, str] | None = None, raw: bool = False, **kwargs: Any) -> list[Any]:
     """Run `module:function(rank, world_size, **kwargs)` on `world_size` processes.
 
     Each process gets the torchrun variables (RANK, WORLD_SIZE, MASTER_ADDR/PORT,
     LOCAL_RANK), so `pipe.init()` starts gloo exactly as under torchrun. Returns the
-    functions' return values by rank. Raises RankFailure with all ranks' output when a
+    functions' return values by rank (with raw=True: each rank's RankExit, failures included,
+    so tests can check exit codes and messages). Raises RankFailure with all ranks' output when a
     rank fails or the group runs past `timeout` seconds (then every rank is killed).
     """
     port = free_port()
@@ -94,7 +101,11 @@ def run_ranks(target: str, world_size: int, *, timeout: float = 120.0, threads: 
                 procs.append(subprocess.Popen([sys.executable, "-m", "tests.mp"], env=e, cwd=ROOT,
                                               stdout=out, stderr=subprocess.STDOUT,
                                               start_new_session=True))
-        if not _wait_all(procs, timeout):
+        finished = _wait_all(procs, timeout)
+        if raw:
+            return [RankExit(p.returncode if finished else None, log.read_text(errors="replace"))
+                    for p, log in zip(procs, logs)]
+        if not finished:
             raise RankFailure(_report(f"{target} on {world_size} ranks timed out after {timeout:.0f} s",
                                       logs, [p.returncode for p in procs]))
         codes = [p.returncode for p in procs]

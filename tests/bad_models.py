@@ -1,0 +1,87 @@
+"""Workload factories that go wrong on purpose, for the error-table tests (MODEL = tests/bad_models.py:NAME)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from bench import models
+from partition.workload import Workload
+
+
+class _Branchy(torch.nn.Module):
+    """Python control flow on a tensor's value, and a result no tracer can express."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        y = self.lin(x)
+        if y.sum().item() > 0:
+            return {"values": y, "extra": object()}
+        return {"values": -y, "extra": object()}
+
+
+def _mse(out: Any, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out["values"] if isinstance(out, dict) else out, target)
+
+
+def _pair(batch_size: int, step: int) -> tuple[tuple[Any, ...], torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return (torch.randn(batch_size, 8, generator=g),), torch.randn(batch_size, 8, generator=g)
+
+
+def untraceable() -> Workload:
+    x, y = _pair(2, 0)
+    return Workload(name="untraceable", model=_Branchy(), example_args=x, loss_fn=_mse, make_batch=_pair,
+                    microbatch_size=2)
+
+
+def one_block() -> Workload:
+    """A single linear layer: the graph cannot be cut into two stages."""
+    x, _ = _pair(2, 0)
+    return Workload(name="one_block", model=torch.nn.Linear(8, 8), example_args=x, loss_fn=_mse,
+                    make_batch=_pair, microbatch_size=2)
+
+
+def no_loss() -> Workload:
+    w = models.mlp(depth=2, width=16, in_features=8)
+    w.loss_fn = None  # type: ignore[assignment]
+    return w
+
+
+class _Longer:
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __call__(self, batch_size: int, step: int) -> tuple[tuple[Any, ...], torch.Tensor]:
+        (idx,), tgt = self.inner(batch_size, step)
+        return (torch.cat([idx, idx], 1),), torch.cat([tgt, tgt], 1)
+
+
+def wrong_shape() -> Workload:
+    """Batches twice as long as the example the plan was made for."""
+    w = models.gpt(n_layer=2, d_model=32, n_head=2, seq_len=16, vocab=64)
+    w.make_batch = _Longer(w.make_batch)
+    return w
+
+
+class _NaNAt:
+    def __init__(self, inner: Any, step: int) -> None:
+        self.inner, self.step = inner, step
+
+    def __call__(self, batch_size: int, step: int) -> tuple[tuple[Any, ...], torch.Tensor]:
+        (x,), y = self.inner(batch_size, step)
+        if step == self.step:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        return (x,), y
+
+
+def nan_data() -> Workload:
+    """Finite data except one NaN input at step 1."""
+    w = models.mlp(depth=4, width=16, in_features=8)
+    w.make_batch = _NaNAt(w.make_batch, 1)
+    return w

@@ -1,0 +1,217 @@
+"""Reliability: every bad input a clear error on every rank, lost ranks, checkpoints, NaN, soak."""
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.mp import run_ranks
+
+BAD = "tests/bad_models.py"
+GPT = ["--model-arg", "n_layer=2", "--model-arg", "d_model=32", "--model-arg", "n_head=2",
+       "--model-arg", "seq_len=16", "--model-arg", "vocab=64"]
+
+
+def cli_body(rank: int, world: int, *, argv: list[str]) -> None:
+    import sys
+    from pipe.run import main
+    sys.exit(main(argv + ["--cost", "flops", "--steps", "3", "--out", os.environ["FXPIPE_OUT"]]))
+
+
+def _plan_for(tmp: Path, model: list[str], stages: int) -> str:
+    import partition
+    from partition.workload import parse_overrides
+    w = partition.load(model[0], **parse_overrides(model[1:]))
+    p = partition.plan(w.model, w.example_args, stages, cost="flops")
+    return str(p.save(tmp / f"plan{stages}.json"))
+
+
+CASES = {
+    # name: (argv, words every rank's message must hold)
+    "unresolvable MODEL": (["nosuch.module:factory"], ["nosuch.module:factory", "package.module:factory"]),
+    "untraceable model": ([f"{BAD}:untraceable"], ["cannot trace", "symbolic_trace", "export", "Fix"]),
+    "more stages than the graph gives": ([f"{BAD}:one_block"], ["2 stages", "at most 1"]),
+    "batch not divisible": (["gpt", *GPT, "--batch-size", "7", "--microbatches", "2"],
+                            ["7 samples", "not divisible into 2 microbatches"]),
+    "infeasible memory budget": (["gpt", *GPT, "--memory-budget", "1KiB"], ["least budget", "518976"]),
+    "missing loss function": ([f"{BAD}:no_loss"], ["loss_fn must be a callable"]),
+    "wrong input shape at run time": ([f"{BAD}:wrong_shape"], ["shape", "[", "plan"]),
+    "plan for another model": (["mlp", "--plan", "@mlp-other"], ["fingerprint", "re-create"]),
+    "plan for another stage count": (["gpt", *GPT, "--plan", "@gpt3"], ["3 stages", "world size 2"]),
+    "NaN loss": ([f"{BAD}:nan_data"], ["nan", "step 1", "stage 0", "skip_nonfinite"]),
+    "world size vs stages per rank": (["gpt", *GPT, "--schedule", "interleaved-1f1b", "--stages-per-rank", "2",
+                                       "--microbatches", "3"], ["divisible", "M=3"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_fails_on_every_rank(case: str, tmp_path: Path) -> None:
+    argv, words = CASES[case]
+    argv = list(argv)
+    if "@mlp-other" in argv:
+        argv[argv.index("@mlp-other")] = _plan_for(tmp_path, ["mlp", "depth=3"], 2)
+    if "@gpt3" in argv:
+        argv[argv.index("@gpt3")] = _plan_for(tmp_path, ["gpt", *GPT[1::2]], 3)
+    start = time.monotonic()
+    exits = run_ranks("tests.test_reliability:cli_body", 2, timeout=30, raw=True, argv=argv,
+                      env={"FXPIPE_OUT": str(tmp_path / "out")})
+    assert time.monotonic() - start < 30
+    for r, ex in enumerate(exits):
+        assert ex.code not in (0, None), f"rank {r} exited {ex.code}:\n{ex.output[-3000:]}"
+        err = [line for line in ex.output.splitlines() if line.startswith("error (rank")]
+        assert err, f"rank {r} printed no error line:\n{ex.output[-3000:]}"
+        for word in words:
+            assert word in err[-1], f"rank {r}: {word!r} not in {err[-1]!r}"
+        assert "Traceback" not in ex.output, ex.output[-3000:]
+
+
+def kill_body(rank: int, world: int) -> None:
+    import partition
+    import pipe
+    pipe.init()
+    w = partition.load("gpt", n_layer=2, d_model=32, n_head=2, seq_len=16, vocab=64)
+    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=4, cost="flops")
+    stage = pp.stages[pp.local[0]]
+    calls = [0]
+    forward = stage.forward
+
+    def dying_forward(*args):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if rank == world - 1 and calls[0] == 6:  # step 2, second microbatch
+            os.kill(os.getpid(), signal.SIGKILL)
+        return forward(*args)
+    stage.forward = dying_forward  # type: ignore[method-assign]
+    for step in range(4):
+        args, target = w.make_batch(16, step)
+        pp.step(*args, target=target)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_lost_rank_ends_the_others(world: int) -> None:
+    start = time.monotonic()
+    exits = run_ranks("tests.test_reliability:kill_body", world, timeout=60, raw=True)
+    assert time.monotonic() - start < 60
+    assert exits[-1].code == -signal.SIGKILL
+    for ex in exits[:-1]:
+        assert ex.code not in (0, None), ex.output[-2000:]
+        assert "lost rank" in ex.output and "PeerLost" in ex.output, ex.output[-2000:]
+    assert f"lost rank {world - 1}" in exits[world - 2].output
+
+
+def resume_body(rank: int, world: int, *, path: str, k: int, total: int) -> dict:
+    import partition
+    import pipe
+    from pipe.checkpoint import CheckpointError, load_full_state_dict
+    pipe.init()
+    kw = dict(n_layer=2, d_model=32, n_head=2, seq_len=16, vocab=64)
+
+    def build(seed: int):  # type: ignore[no-untyped-def]
+        w = partition.load("gpt", seed=seed, **kw)
+        pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=4, cost="flops",
+                           plan=plan)
+        return w, pp, torch.optim.AdamW(list(pp.parameters()), lr=1e-2)
+
+    w0 = partition.load("gpt", **kw)
+    plan = pipe.Pipeline(w0.model, w0.example_args, loss_fn=w0.loss_fn, microbatches=4, cost="flops").plan
+
+    def run(pp, opt, steps):  # type: ignore[no-untyped-def]
+        out = []
+        for step in steps:
+            args, target = w0.make_batch(16, step)
+            out.append(pp.step(*args, target=target))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return out
+
+    w, pp, opt = build(0)
+    straight = run(pp, opt, range(total))
+    w, pp, opt = build(0)
+    first = run(pp, opt, range(k))
+    pp.save(path, optimizer=opt)
+    w2, pp2, opt2 = build(123)  # other weights, restored by load
+    with pytest.raises(CheckpointError, match="no manifest|not a complete"):
+        pp2.load(path + "-missing", optimizer=opt2)
+    done = pp2.load(path, optimizer=opt2)
+    resumed = run(pp2, opt2, range(done, total))
+    full = pp2.full_state_dict()
+    pp2.save(path + "-final", optimizer=opt2)
+    if rank == 0:
+        ref = partition.load("gpt", seed=7, **kw).model
+        ref.load_state_dict(load_full_state_dict(path + "-final"), strict=True)
+        for name, t in ref.state_dict().items():
+            torch.testing.assert_close(t, full[name], rtol=0, atol=0)
+    return {"straight": straight, "first": first, "resumed": resumed, "done": done}
+
+
+def test_checkpoint_resume_is_bitwise(tmp_path: Path) -> None:
+    res = run_ranks("tests.test_reliability:resume_body", 2, timeout=120, path=str(tmp_path / "ckpt"), k=2,
+                    total=5)
+    r = res[0]
+    assert r["done"] == 2
+    assert r["first"] + r["resumed"] == r["straight"]  # bitwise: floats compared with ==
+    assert res[1]["resumed"] == r["resumed"]
+    assert (tmp_path / "ckpt-final" / "manifest.json").exists()
+
+
+def test_interrupted_save_is_never_taken_for_complete(tmp_path: Path) -> None:
+    from pipe.checkpoint import CheckpointError, _manifest
+    half = tmp_path / "half"
+    half.mkdir()
+    torch.save({"params": {}}, half / "rank-0.pt")
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        _manifest(half)
+
+
+def skip_body(rank: int, world: int) -> list[float]:
+    import partition
+    import pipe
+    pipe.init()
+    w = partition.load(f"{BAD}:nan_data")
+    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=2, cost="flops",
+                       skip_nonfinite=True)
+    opt = torch.optim.AdamW(list(pp.parameters()), lr=1e-2)
+    losses = []
+    for step in range(3):
+        args, target = w.make_batch(w.microbatch_size * 2, step)
+        before = [p.detach().clone() for p in pp.parameters()]
+        losses.append(pp.step(*args, target=target))
+        if step == 1:
+            assert all(p.grad is None for p in pp.parameters())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step == 1:  # the skipped step changed nothing
+            assert all(torch.equal(a, p) for a, p in zip(before, pp.parameters()))
+    return losses
+
+
+def test_skip_nonfinite_drops_the_step() -> None:
+    losses = run_ranks("tests.test_reliability:skip_body", 2, timeout=60)[0]
+    assert losses[1] != losses[1] and losses[0] == losses[0] and losses[2] == losses[2]
+
+
+def soak_body(rank: int, world: int, *, steps: int) -> list[int]:
+    import resource
+    import partition
+    import pipe
+    pipe.init()
+    w = partition.load("gpt", n_layer=2, d_model=32, n_head=2, seq_len=16, vocab=64)
+    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=4, cost="flops")
+    opt = torch.optim.AdamW(list(pp.parameters()), lr=1e-3)
+    rss = []
+    for step in range(steps):
+        args, target = w.make_batch(16, step)
+        pp.step(*args, target=target)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 50 == 49:
+            rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)  # KiB
+    return rss
+
+
+@pytest.mark.slow
+def test_soak_500_steps_no_growth() -> None:
+    for rss in run_ranks("tests.test_reliability:soak_body", 2, timeout=240, steps=500):
+        # the peak resident size after warm-up may not grow by more than 2% over 450 steps
+        assert rss[-1] <= rss[0] * 1.02, rss
