@@ -15,6 +15,7 @@ from partition.plan import Plan
 from partition.split import StageIO
 from partition.split import split_graph
 from partition.trace import flatten_inputs, trace, unflatten_outputs
+from memory import MemoryManager
 from pipe import comm
 from pipe.exchange import Exchange
 from pipe.backward import Saved, backward_full, backward_input, backward_weight, with_param_outputs
@@ -136,6 +137,7 @@ class Pipeline:
         self._tied_groups = self._make_tied_groups()
         self.transport: comm.Transport = comm.TorchTransport()
         self.timeline: list[Event] = []
+        self.memory: MemoryManager = MemoryManager()
 
     # ----- set-up -----
     def _agree_on_plan(self, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -186,6 +188,10 @@ class Pipeline:
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         for _, p in self.named_parameters():
             yield p
+
+    def memory_report(self) -> dict[int, dict[str, int]]:
+        """Per local stage: bytes held by kind, current and peak ('peak' in the key names)."""
+        return self.memory.report()
 
     def state_key_names(self) -> dict[str, str]:
         """Every key of the model's state dict -> the name its tensor is saved under (tied aliases
@@ -259,7 +265,9 @@ class Pipeline:
         run = _StepState(self, flats, targets, exchange)
         try:
             exchange.post()
+            self.memory.step_begin()
             run.execute(self.actions)
+            self.memory.step_end()
             for group, params in self._tied_groups:
                 for p in params:
                     if p.grad is None:
@@ -325,8 +333,11 @@ class _StepState:
         self.handlers = {"F": self.forward, "B": self.backward, "W": self.weight}
 
     def execute(self, actions: list[Action]) -> None:
+        mem = self.pp.memory
         for a in actions:
+            mem.before(a)
             self.handlers[a.kind](a)
+            mem.after(a)
         self.ex.finish()
 
     def _record(self, a: Action, start: float) -> None:
@@ -339,10 +350,11 @@ class _StepState:
                   for t in (self.ex.recv_activations(s, mb) if s > 0 else [])]
         start = time.perf_counter()
         args = leaves + [self.flats[mb][i] for i in io.inputs]
-        if pp.has_w:
-            outs, param_outs = pp._zb[s][0](*args)
-        else:
-            outs, param_outs = pp.stages[s](*args), ()
+        with pp.memory.forward(s, mb):
+            if pp.has_w:
+                outs, param_outs = pp._zb[s][0](*args)
+            else:
+                outs, param_outs = pp.stages[s](*args), ()
         outs = list(outs)
         if io.last:
             loss = pp.loss_fn(unflatten_outputs(outs, io.out_spec), self.targets[mb])

@@ -1,0 +1,41 @@
+"""The interface between the pipeline interpreter and memory features: hooks around stages and actions."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+__all__ = ["MemoryManager"]
+
+
+class MemoryManager:
+    """No memory features: every hook does nothing. Subclasses add recompute, offload and the ledger.
+
+    The interpreter calls, for each action `a` (kind "F", "B" or "W", with `a.stage`, `a.mb`):
+    `before(a)`, then for F the stage's forward inside `forward(stage, mb)`, then `after(a)`.
+    `wrap_stage` may replace a stage module (e.g. with a recomputing one) before the run.
+    """
+
+    def wrap_stage(self, stage: int, module: torch.nn.Module) -> torch.nn.Module:
+        return module
+
+    @contextlib.contextmanager
+    def forward(self, stage: int, mb: int) -> Iterator[None]:
+        yield
+
+    def before(self, action: Any) -> None:
+        pass
+
+    def after(self, action: Any) -> None:
+        pass
+
+    def step_begin(self) -> None:
+        pass
+
+    def step_end(self) -> None:
+        pass
+
+    def report(self) -> dict[int, dict[str, int]]:
+        """Per stage: bytes by kind, current and peak (keys such as 'activations', 'peak_activations')."""
+        return {}
