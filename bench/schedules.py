@@ -1,0 +1,136 @@
+"""Schedules side by side in one launch, alternating step by step (run through `python -m bench schedules`):
+torchrun --nproc-per-node 2 -m bench.schedules gpt --microbatches 4,8 --schedules gpipe,1f1b --out out/bench"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["main", "parse_args"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench.schedules", description=__doc__)
+    p.add_argument("model")
+    p.add_argument("--model-arg", action="append", default=[])
+    p.add_argument("--microbatches", default="4,8")
+    p.add_argument("--schedules", default="gpipe,1f1b,interleaved-1f1b,zb-h1")
+    p.add_argument("--stages-per-rank", type=int, default=2, help="v for interleaved schedules")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per candidate")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--cost", default="measured", choices=["measured", "flops"])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default="out/bench")
+    return p.parse_args(argv)
+
+
+def _versions() -> dict[str, Any]:
+    return {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.platform(),
+            "cpus": os.cpu_count(), "processor": platform.processor()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    import partition
+    import pipe
+    from partition.workload import parse_overrides
+    from pipe.predict import predicted_timeline
+    from pipe.simulate import textbook_bubble
+
+    ctx = pipe.init()
+    rank, world = ctx.rank, ctx.world_size
+    say = print if rank == 0 else (lambda *a, **k: None)
+    overrides = parse_overrides(args.model_arg)
+    cands: list[dict[str, Any]] = []
+    for M in [int(x) for x in args.microbatches.split(",")]:
+        for name in args.schedules.split(","):
+            v = args.stages_per_rank if name.startswith("interleaved") else 1
+            if name.startswith("interleaved") and M % world:
+                say(f"skip {name} M={M}: needs M divisible by {world}")
+                continue
+            w = partition.load(args.model, **overrides)
+            pp = pipe.Pipeline(w.model, w.example_args, example_kwargs=w.example_kwargs, loss_fn=w.loss_fn,
+                               microbatches=M, schedule=name, stages_per_rank=v, cost=args.cost)
+            cands.append({"schedule": name, "M": M, "v": v, "w": w, "pp": pp,
+                          "opt": torch.optim.AdamW(list(pp.parameters()), lr=1e-4), "times": [],
+                          "bubbles": [], "last_timeline": None})
+            say(f"built {name} M={M} v={v}", flush=True)
+    total = args.warmup + args.steps
+    for step in range(total):
+        for k in range(len(cands)):  # rotate the order each round so drift hits all alike
+            c = cands[(k + step) % len(cands)]
+            w, pp = c["w"], c["pp"]
+            b_args, b_kwargs, target = w.batch(w.microbatch_size * c["M"], step)
+            dist.barrier()
+            t0 = time.perf_counter()
+            pp.step(*b_args, target=target, **b_kwargs)
+            c["opt"].step()
+            c["opt"].zero_grad(set_to_none=True)
+            dt = torch.tensor([time.perf_counter() - t0])
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            tl = pp.gather_timeline()
+            if step >= args.warmup:
+                c["times"].append(float(dt))
+                if tl is not None:
+                    c["bubbles"].append(tl.bubble)
+                    c["last_timeline"] = tl
+        say(f"round {step + 1}/{total} {'(warm-up)' if step < args.warmup else ''}", flush=True)
+    if rank == 0:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        rows = []
+        for c in cands:
+            pp, w = c["pp"], c["w"]
+            pred = predicted_timeline(pp.plan, world)
+            med = statistics.median(c["times"])
+            tag = f"{c['schedule']}-M{c['M']}"
+            tl = c["last_timeline"]
+            tl.to_png(str(out / f"timeline-{tag}.png"), title=f"{args.model} {tag} (measured)")
+            (out / f"trace-{tag}.json").write_text(json.dumps(tl.to_chrome_trace()))
+            report = pp.memory_report()
+            rows.append({
+                "schedule": c["schedule"], "microbatches": c["M"], "stages_per_rank": c["v"],
+                "median_step_s": med, "samples_s": c["times"],
+                "tokens_per_s": w.microbatch_size * c["M"] * w.tokens_per_sample / med,
+                "measured_bubble": statistics.median(c["bubbles"]), "predicted_bubble": pred.bubble,
+                "textbook_bubble": textbook_bubble(c["schedule"], pp.S, c["M"], c["v"]),
+                "measured_step_ms": tl.makespan, "predicted_step_ms": pred.makespan,
+                "peak_bytes_by_stage": {str(s): max([v for k, v in r.items() if "peak" in k] or [0])
+                                        for s, r in report.items()},
+                "predicted_peak_bytes_by_stage": {str(s.index): s.peak_bytes for s in pp.plan.stages},
+            })
+        result = {"command": " ".join(["python -m bench schedules"] + (argv or sys.argv[1:])),
+                  "model": args.model, "model_args": overrides, "ranks": world, "launcher": ctx.launcher,
+                  "threads_per_rank": args.threads, "versions": _versions(), "results": rows}
+        (out / "schedules.json").write_text(json.dumps(result, indent=1))
+        table = markdown_table(rows)
+        (out / "schedules.md").write_text(table + "\n")
+        print(table)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    head = ("| schedule | M | step (s) | tokens/s | bubble measured | bubble simulated | bubble textbook "
+            "| step simulated (ms) | step measured (ms) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    lines = [head]
+    for r in rows:
+        lines.append(f"| {r['schedule']} | {r['microbatches']} | {r['median_step_s']:.3f} | {r['tokens_per_s']:.0f} "
+                     f"| {r['measured_bubble']:.3f} | {r['predicted_bubble']:.3f} | {r['textbook_bubble']:.3f} "
+                     f"| {r['predicted_step_ms']:.1f} | {r['measured_step_ms']:.1f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
