@@ -12,7 +12,8 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["NodeCost", "node_costs", "preserve_state", "param_names", "FLOP_PER_MS", "BYTES_PER_MS"]
+__all__ = ["NodeCost", "node_costs", "preserve_state", "param_names", "whole_graph_ms", "FLOP_PER_MS",
+           "BYTES_PER_MS"]
 
 # The "flops" cost model's notional device: 20 GFLOP/s and 5 GB/s of memory traffic (a CPU
 # core). Only ratios between nodes matter to the partitioner, and they are deterministic.
@@ -22,19 +23,32 @@ BYTES_PER_MS = 5.0e6
 
 @dataclass
 class NodeCost:
-    """What one fx node costs. Bytes are per microbatch; times in milliseconds."""
+    """What one fx node costs. Bytes are per microbatch; times in milliseconds.
+
+    `saved` names every storage the node's backward keeps alive: the storage id is the
+    node that allocated it (`"add_3"`, `"split#1"` for its second output storage) or, for a
+    temporary only backward sees, `"mm@0"`. Several nodes saving one storage share its id,
+    so a stage's activation memory is the sum over the distinct ids its nodes save.
+    """
     fwd_ms: float = 0.0
     bwd_ms: float = 0.0
     out_bytes: int = 0            # bytes of the tensors the node outputs
     is_tensor: bool = False       # the output is one tensor (may cross a stage boundary)
     requires_grad: bool = False   # the output is part of the autograd graph
     shape: tuple[int, ...] = ()
+    stride: tuple[int, ...] = ()
     dtype: str = ""
-    saved_bytes: int = 0          # bytes saved for backward that are neither inputs, outputs nor params
-    saves_output: bool = False    # backward keeps this node's output alive
-    saved_inputs: set[str] = field(default_factory=set)  # input nodes whose values backward keeps
+    saved: dict[str, int] = field(default_factory=dict)  # storage id -> bytes, kept for backward
+    saved_bytes: int = 0          # of `saved`: temporaries the node allocated and only backward sees
+    saves_output: bool = False    # of `saved`: the node's own output
+    saved_inputs: set[str] = field(default_factory=set)  # of `saved`: nodes whose storages it keeps
     params: tuple[str, ...] = ()  # canonical names of the parameters it reads
     buffer_bytes: int = 0         # bytes of buffers and constant tensors it reads
+
+
+def storage_owner(sid: str) -> str:
+    """The fx node that allocated a storage id of `NodeCost.saved`."""
+    return sid.split("@")[0].split("#")[0]
 
 
 @contextlib.contextmanager
@@ -42,15 +56,16 @@ def preserve_state(module: torch.nn.Module) -> Iterator[None]:
     """Restore the module's buffers (e.g. batch-norm statistics), parameter grads and the RNG state."""
     saved = {n: b.detach().clone() for n, b in module.named_buffers()}
     grads = {n: p.grad for n, p in module.named_parameters()}
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
+    with torch.random.fork_rng(devices=[]):
         try:
             yield
         finally:
-            for n, b in module.named_buffers():
-                if n in saved:
-                    b.copy_(saved[n])
-            for n, p in module.named_parameters():
-                p.grad = grads.get(n)
+            with torch.no_grad():
+                for n, b in module.named_buffers():
+                    if n in saved:
+                        b.copy_(saved[n])
+                for n, p in module.named_parameters():
+                    p.grad = grads.get(n)
 
 
 def param_names(model: torch.nn.Module) -> dict[int, str]:
@@ -100,120 +115,255 @@ def _node_params(gm: torch.fx.GraphModule, node: torch.fx.Node, names: dict[int,
     return sorted(set(params)), buffers
 
 
-def _forward_values(gm: torch.fx.GraphModule, flat_inputs: list[Any]) -> dict[str, Any]:
-    """Run the graph once with autograd on; every node's value by node name."""
-    env: dict[str, Any] = {}
+def _is_call(node: torch.fx.Node) -> bool:
+    return node.op in ("call_function", "call_method", "call_module")
+
+
+def _grad_outputs(value: Any) -> list[torch.Tensor]:
+    return [t for t in _tensors(value) if t.requires_grad and t.is_floating_point()]
+
+
+@dataclass
+class _Pass:
+    """One forward pass of the whole graph, node by node, with what it observed."""
+    env: dict[str, Any]
+    fwd_ms: dict[str, float]
+    saved: dict[str, dict[str, int]]          # node -> storage id -> bytes
+    fn_owner: dict[Any, str]                  # autograd node -> the fx node whose forward made it
+    outputs: list[torch.Tensor]               # model outputs that backward starts from
+
+
+class _Storages:
+    """Names every storage a pass allocates after the node that allocated it."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        self.skip = {t.untyped_storage().data_ptr() for t in [*gm.parameters(), *gm.buffers()]}
+        self.owner: dict[int, str] = {}
+        self.size: dict[str, int] = {}
+        self.count: dict[tuple[str, bool], int] = {}
+
+    def add(self, name: str, value: Any, temporary: bool = False) -> list[str]:
+        ids = []
+        for t in _tensors(value):
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+            if ptr in self.skip or st.nbytes() == 0:
+                continue
+            if ptr not in self.owner:
+                k = self.count.get((name, temporary), 0)
+                self.count[(name, temporary)] = k + 1
+                sid = f"{name}@{k}" if temporary else (name if k == 0 else f"{name}#{k}")
+                self.owner[ptr] = sid
+                self.size[sid] = st.nbytes()
+            ids.append(self.owner[ptr])
+        return ids
+
+
+def _claim(name: str, value: Any, fn_owner: dict[Any, str]) -> None:
+    """Mark the autograd nodes first reachable from this fx node's outputs as its backward."""
+    todo: list[Any] = [t.grad_fn for t in _tensors(value) if t.grad_fn is not None]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in fn_owner:
+            continue
+        fn_owner[fn] = name
+        todo.extend(f for f, _ in fn.next_functions)
+
+
+def _forward(gm: torch.fx.GraphModule, flat_inputs: list[Any], *, observe_saved: bool) -> _Pass:
+    """Run the graph once with autograd on, timing each node and claiming its autograd nodes."""
+    p = _Pass(env={}, fwd_ms={}, saved={}, fn_owner={}, outputs=[])
+    storages = _Storages(gm)
+    packed: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        packed.append(t)
+        return t
+
+    hooks = (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if observe_saved
+             else contextlib.nullcontext())
     placeholders = iter(flat_inputs)
-    with torch.enable_grad():
+    env = p.env
+    with torch.enable_grad(), hooks:
         for node in gm.graph.nodes:
             if node.op == "placeholder":
                 env[node.name] = next(placeholders)
+                storages.add(node.name, env[node.name])
             elif node.op == "get_attr":
                 env[node.name] = _fetch(gm, str(node.target))
-            elif node.op != "output":
+                storages.skip |= {t.untyped_storage().data_ptr() for t in _tensors(env[node.name])}
+            elif node.op == "output":
+                p.outputs = _grad_outputs(torch.fx.node.map_arg(node.args[0], lambda n: env[n.name]))
+            else:
                 args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n.name])
-                env[node.name] = _callable(gm, node)(*args, **kwargs)
-    return env
+                fn = _callable(gm, node)
+                packed.clear()
+                t0 = time.perf_counter()
+                value = fn(*args, **kwargs)
+                p.fwd_ms[node.name] = (time.perf_counter() - t0) * 1e3
+                env[node.name] = value
+                _claim(node.name, value, p.fn_owner)
+                if observe_saved:
+                    storages.add(node.name, value)
+                    ids = storages.add(node.name, packed, temporary=True)
+                    p.saved[node.name] = {sid: storages.size[sid] for sid in ids}
+    return p
 
 
-def _profile(gm: torch.fx.GraphModule, node: torch.fx.Node, env: dict[str, Any], cost: "NodeCost",
-             mode: str, repeats: int) -> None:
-    fn = _callable(gm, node)
-    param_ptrs = {p.untyped_storage().data_ptr() for p in gm.parameters()}
+def _backward_ms(p: _Pass) -> dict[str, float]:
+    """Backward from the pass's outputs; the time since the previous autograd node finished goes to
+    the fx node that owns the autograd node finishing now (single-threaded CPU engine order)."""
+    marks: list[tuple[str, float]] = []
+    handles = [fn.register_hook(lambda *_, u=u: marks.append((u, time.perf_counter())))
+               for fn, u in p.fn_owner.items()]
+    grads = [torch.ones_like(t) for t in p.outputs]
+    try:
+        t0 = time.perf_counter()
+        if p.outputs:
+            torch.autograd.backward(p.outputs, grads)
+    finally:
+        for h in handles:
+            h.remove()
+    out: dict[str, float] = {}
+    for u, t in marks:
+        out[u] = out.get(u, 0.0) + (t - t0) * 1e3
+        t0 = t
+    return out
 
-    def inputs() -> tuple[tuple[Any, ...], dict[str, Any], dict[int, str]]:
-        ptrs: dict[int, str] = {}
 
-        def prep(n: torch.fx.Node) -> Any:
-            v = env[n.name]
-            if n.op == "get_attr" or not isinstance(v, torch.Tensor):
-                return v
-            t = v.detach().requires_grad_(v.requires_grad)
-            t = t.clone() if t.requires_grad else t  # a non-leaf, so in-place ops are allowed
-            ptrs[t.untyped_storage().data_ptr()] = n.name
-            return t
-        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), prep)
-        return args, kwargs, ptrs
+def _clean_once(module: Callable[..., Any], inputs: list[Any]) -> tuple[float, float]:
+    """Forward and backward ms of one uninstrumented call, backward from ones on its float outputs."""
+    with torch.enable_grad():
+        t0 = time.perf_counter()
+        out = module(*inputs)
+        t1 = time.perf_counter()
+    outs = _grad_outputs(out)
+    grads = [torch.ones_like(t) for t in outs]
+    t2 = time.perf_counter()
+    if outs:
+        torch.autograd.backward(outs, grads)
+    return (t1 - t0) * 1e3, (time.perf_counter() - t2) * 1e3
 
-    fwd: list[float] = []
-    bwd: list[float] = []
+
+def whole_graph_ms(module: Callable[..., Any], inputs: list[Any], repeats: int = 5) -> tuple[float, float]:
+    """Median forward and backward ms of `module(*inputs)` after one warm-up call.
+
+    For a traced model pass `gm.forward`, which takes the placeholders in order (torch.export's
+    module checks, in a hook, that it is called as the model was).
+    """
+    runs = [_clean_once(module, inputs) for _ in range(repeats + 1)][1:]
+    return statistics.median(f for f, _ in runs), statistics.median(b for _, b in runs)
+
+
+def _fit(times: dict[str, float], total: float) -> dict[str, float]:
+    """Per-node times that add up to a clean measurement of the whole graph.
+
+    The node-by-node run pays a fixed interpreter (or hook) overhead per node that the
+    generated code does not; it is taken off every node equally, then any remaining
+    difference is spread in proportion.
+    """
+    n = sum(1 for t in times.values() if t > 0)
+    if n == 0:
+        return {u: 0.0 for u in times}
+    extra = max(sum(times.values()) - total, 0.0) / n
+    lowered = {u: max(t - extra, 0.05 * t) for u, t in times.items()}
+    s = sum(lowered.values())
+    return {u: t * total / s if s > 0 else 0.0 for u, t in lowered.items()}
+
+
+def _measure(gm: torch.fx.GraphModule, flat_inputs: list[Any], costs: dict[str, NodeCost], repeats: int) -> None:
+    """Node-by-node passes alternate with clean passes, so a change in load hits both alike."""
+    fwd_runs: list[dict[str, float]] = []
+    bwd_runs: list[dict[str, float]] = []
+    clean: list[tuple[float, float]] = []
     for i in range(repeats + 1):
-        args, kwargs, in_ptrs = inputs()
-        saved: list[torch.Tensor] = []
-        counter = FlopCounterMode(display=False) if mode == "flops" else contextlib.nullcontext()
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
-                lambda t: saved.append(t) or t, lambda t: t), counter:
-            t0 = time.perf_counter()
-            out = fn(*args, **kwargs)
-            t1 = time.perf_counter()
-        fwd_flops = counter.get_total_flops() if isinstance(counter, FlopCounterMode) else 0
-        outs = [t for t in _tensors(out) if t.requires_grad]
-        counter = FlopCounterMode(display=False) if mode == "flops" else contextlib.nullcontext()
-        t2 = t3 = 0.0
-        if outs:
-            grads = [torch.ones_like(t) for t in outs]
-            with counter:
-                t2 = time.perf_counter()
-                torch.autograd.backward(outs, grads)
-                t3 = time.perf_counter()
-        bwd_flops = counter.get_total_flops() if isinstance(counter, FlopCounterMode) else 0
-        if i == 0:  # the first run warms up; it also tells what backward saves
-            _classify_saved(cost, saved, in_ptrs, param_ptrs, _tensors(out))
-            if mode == "flops":
-                moved = cost.out_bytes + sum(_nbytes(_tensors(env[a.name])) for a in node.all_input_nodes)
-                cost.fwd_ms = fwd_flops / FLOP_PER_MS + moved / BYTES_PER_MS
-                cost.bwd_ms = (bwd_flops / FLOP_PER_MS + 2 * moved / BYTES_PER_MS) if outs else 0.0
-                return
-            continue
-        fwd.append((t1 - t0) * 1e3)
-        bwd.append((t3 - t2) * 1e3)
-    cost.fwd_ms = statistics.median(fwd)
-    cost.bwd_ms = statistics.median(bwd)
+        p = _forward(gm, flat_inputs, observe_saved=False)
+        bwd = _backward_ms(p)
+        fwd = p.fwd_ms
+        del p  # its values would crowd the clean pass's memory
+        whole = _clean_once(gm.forward, flat_inputs)
+        if i:  # the first round warms up
+            fwd_runs.append(fwd)
+            bwd_runs.append(bwd)
+            clean.append(whole)
+    fwd = _fit({u: statistics.median(r.get(u, 0.0) for r in fwd_runs) for u in costs},
+               statistics.median(f for f, _ in clean))
+    bwd = _fit({u: statistics.median(r.get(u, 0.0) for r in bwd_runs) for u in costs},
+               statistics.median(b for _, b in clean))
+    for u, c in costs.items():
+        c.fwd_ms, c.bwd_ms = fwd[u], bwd[u]
 
 
-def _classify_saved(cost: NodeCost, saved: list[torch.Tensor], in_ptrs: dict[int, str],
-                    param_ptrs: set[int], outs: list[torch.Tensor]) -> None:
-    out_ptrs = {t.untyped_storage().data_ptr() for t in outs}
-    seen: set[int] = set()
-    for t in saved:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in seen or ptr in param_ptrs:
-            continue
-        seen.add(ptr)
-        if ptr in in_ptrs:
-            cost.saved_inputs.add(in_ptrs[ptr])
-        elif ptr in out_ptrs:
-            cost.saves_output = True
-        else:
-            cost.saved_bytes += t.untyped_storage().nbytes()
+def _count_flops(gm: torch.fx.GraphModule, node: torch.fx.Node, env: dict[str, Any], cost: NodeCost) -> None:
+    """FLOPs of the node's forward and backward run in isolation, plus bytes moved, as ms."""
+    def prep(n: torch.fx.Node) -> Any:
+        v = env[n.name]
+        if n.op == "get_attr":
+            return v
+
+        def fresh(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor):
+                return x
+            t = x.detach().requires_grad_(x.requires_grad)
+            return t.clone() if t.requires_grad else t  # a non-leaf, so in-place ops are allowed
+        return pytree.tree_map(fresh, v)
+
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), prep)
+    with torch.enable_grad(), FlopCounterMode(display=False) as fwd:
+        out = _callable(gm, node)(*args, **kwargs)
+    outs = [t for t in _tensors(out) if t.requires_grad]
+    bwd_flops = 0
+    if outs:
+        with FlopCounterMode(display=False) as bwd:
+            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+        bwd_flops = bwd.get_total_flops()
+    moved = cost.out_bytes + sum(_nbytes(_tensors(env[a.name])) for a in node.all_input_nodes)
+    cost.fwd_ms = fwd.get_total_flops() / FLOP_PER_MS + moved / BYTES_PER_MS
+    cost.bwd_ms = (bwd_flops / FLOP_PER_MS + 2 * moved / BYTES_PER_MS) if outs else 0.0
 
 
 def node_costs(gm: torch.fx.GraphModule, flat_inputs: list[Any], *, cost: str = "measured",
                names: dict[int, str] | None = None, repeats: int = 5) -> dict[str, NodeCost]:
     """Cost of every call node of `gm` on one example microbatch.
 
-    cost="measured" times each node's forward and backward in isolation (median of
-    `repeats` after a warm-up) on the inputs' device; cost="flops" counts FLOPs and bytes
-    moved (deterministic). Saved-for-backward bytes are observed with saved_tensors_hooks
-    and attributed once: to the node that allocated them, or to the producer of a saved input.
+    Bytes saved for backward come from one forward pass of the whole graph under
+    saved_tensors_hooks, each storage named after the node that allocated it.
+    cost="measured" runs the whole graph node by node (median of `repeats` after a
+    warm-up), times each node's forward, gives each node the backward time of the autograd
+    nodes its forward created, and fits both to a clean timing of the whole graph.
+    cost="flops" counts FLOPs and bytes moved per node in isolation (deterministic).
     """
     if cost not in ("measured", "flops"):
         raise ValueError(f"cost must be 'measured' or 'flops', got {cost!r}")
     names = names if names is not None else param_names(gm)
     out: dict[str, NodeCost] = {}
     with preserve_state(gm):
-        env = _forward_values(gm, flat_inputs)
+        p = _forward(gm, flat_inputs, observe_saved=True)
         for node in gm.graph.nodes:
-            if node.op not in ("call_function", "call_method", "call_module"):
+            if not _is_call(node):
                 continue
-            value = env[node.name]
+            value = p.env[node.name]
             ts = _tensors(value)
             params, buffers = _node_params(gm, node, names)
             c = NodeCost(out_bytes=_nbytes(ts), is_tensor=isinstance(value, torch.Tensor),
                          requires_grad=any(t.requires_grad for t in ts), params=tuple(params),
-                         buffer_bytes=buffers)
+                         buffer_bytes=buffers, saved=p.saved.get(node.name, {}))
             if isinstance(value, torch.Tensor):
                 c.shape, c.dtype = tuple(value.shape), str(value.dtype).removeprefix("torch.")
-            _profile(gm, node, env, c, cost, repeats)
+                c.stride = tuple(value.stride())
+            for sid, nb in c.saved.items():
+                if "@" in sid:
+                    c.saved_bytes += nb
+                elif storage_owner(sid) == node.name:
+                    c.saves_output = True
+                else:
+                    c.saved_inputs.add(storage_owner(sid))
             out[node.name] = c
+        if cost == "flops":
+            for node in gm.graph.nodes:
+                if _is_call(node):
+                    _count_flops(gm, node, p.env, out[node.name])
+        else:
+            del p
+            _measure(gm, flat_inputs, out, repeats)
     return out

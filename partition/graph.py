@@ -7,8 +7,8 @@ import networkx as nx
 import numpy as np
 import torch.fx
 
-from partition.costs import NodeCost
-from partition.solve import Chain
+from partition.costs import NodeCost, storage_owner
+from partition.solve import Chain, PartitionError
 
 __all__ = ["build_graph", "Blocks", "coarsen"]
 
@@ -39,11 +39,34 @@ def _replicated(g: nx.DiGraph) -> set[str]:
     rep: set[str] = set()
     for name in sorted(g.nodes, key=lambda n: g.nodes[n]["order"]):
         attrs = g.nodes[name]
-        if attrs["op"] not in ("call_function", "call_method", "call_module") or attrs["cost"].params:
+        if (attrs["op"] not in ("call_function", "call_method", "call_module") or attrs["cost"].params
+                or g.out_degree(name) == 0):  # nobody reads it: it runs once, for its effect
             continue
         if all(g.nodes[p]["op"] in ("placeholder", "get_attr") or p in rep for p in g.predecessors(name)):
             rep.add(name)
     return rep
+
+
+def _activation_bytes(g: nx.DiGraph, members: list[list[str]], placed: set[str]) -> list[float]:
+    """Bytes each block keeps for backward per microbatch, every storage counted once.
+
+    A storage allocated on a stage (by a placed node) goes to the first block that saves
+    it; one of a model input or a replicated node exists on every stage that computes or
+    receives it, so every block that saves it counts it.
+    """
+    holder: set[str] = set()
+    act = []
+    for block in members:
+        mine: dict[str, int] = {}
+        for u in block:
+            for sid, nb in g.nodes[u]["cost"].saved.items():
+                if storage_owner(sid) in placed:
+                    if sid in holder:
+                        continue
+                    holder.add(sid)
+                mine[sid] = nb
+        act.append(float(sum(mine.values())))
+    return act
 
 
 @dataclass
@@ -69,7 +92,8 @@ def coarsen(g: nx.DiGraph, param_bytes: dict[str, int], *, max_blocks: int = 200
     nodes = [n for n in sorted(g.nodes, key=lambda n: g.nodes[n]["order"])
              if g.nodes[n]["op"] in ("call_function", "call_method", "call_module") and n not in rep]
     if not nodes:
-        raise ValueError("the traced graph has no operations to place on stages")
+        raise PartitionError("the traced graph has no operations to place on stages (it only passes inputs "
+                         "or constants through); pipeline a model that computes something from its inputs")
     pos = {n: i for i, n in enumerate(nodes)}
     n = len(nodes)
     # last[i]: the last position that reads node i's value (n when the model outputs it)
@@ -84,6 +108,9 @@ def coarsen(g: nx.DiGraph, param_bytes: dict[str, int], *, max_blocks: int = 200
             target[i + 1] += c.out_bytes if c.is_tensor else 1
             target[last[i] + 1 if last[i] < n else n] -= c.out_bytes if c.is_tensor else 1
     live, blocked = np.cumsum(live), np.cumsum(blocked)
+    for i, u in enumerate(nodes):  # a node nobody reads runs for its effect (a buffer update):
+        if i and g.out_degree(u) == 0:  # it stays with the node before it
+            blocked[i] += 1
     cuts = [i for i in range(1, n) if blocked[i] == 0]
     if len(cuts) + 1 > max_blocks:
         step = (len(cuts) + 1) / max_blocks
@@ -92,20 +119,13 @@ def coarsen(g: nx.DiGraph, param_bytes: dict[str, int], *, max_blocks: int = 200
     ends = cuts + [n]
     members = [nodes[a:b] for a, b in zip(starts, ends)]
 
-    saved_by_consumer: set[str] = set()
-    for u in g.nodes:
-        c = g.nodes[u]["cost"]
-        if c is not None:
-            saved_by_consumer |= c.saved_inputs
+    act = _activation_bytes(g, members, set(pos))
     pid: dict[str, int] = {}
-    fwd, bwd, act, params = [], [], [], []
+    fwd, bwd, params = [], [], []
     for block in members:
         costs: list[NodeCost] = [g.nodes[u]["cost"] for u in block]
         fwd.append(sum(c.fwd_ms for c in costs))
         bwd.append(sum(c.bwd_ms for c in costs))
-        act.append(sum(c.saved_bytes +
-                       (c.out_bytes if (c.saves_output or u in saved_by_consumer) else 0)
-                       for u, c in zip(block, costs)))
         params.append(tuple(sorted({pid.setdefault(p, len(pid)) for c in costs for p in c.params})))
     names = list(pid)
     chain = Chain(fwd_ms=np.array(fwd), bwd_ms=np.array(bwd), act_bytes=np.array(act, dtype=np.float64),

@@ -26,6 +26,7 @@ class Value:
     name: str
     shape: list[int]
     dtype: str
+    stride: list[int] = field(default_factory=list)  # the producer's layout; [] = contiguous
 
     @property
     def nbytes(self) -> int:
@@ -68,6 +69,7 @@ class Plan:
     tracer: str
     inputs: list[Value | None]       # the flat example (args, kwargs) leaves (None: not a tensor)
     input_spec: str = ""             # their pytree structure (torch.utils._pytree.treespec_dumps)
+    input_constants: dict[str, Any] = field(default_factory=dict)  # flat index -> a non-tensor leaf (JSON)
     state_factor: float = 4.0
     bytes_per_ms: float = 1e6
     latency_ms: float = 0.05
@@ -86,13 +88,17 @@ class Plan:
         if d.get("format") != FORMAT:
             raise PlanError(f"plan format {d.get('format')!r} is not {FORMAT}; re-create the plan "
                             "with this version of fxpipe (python -m partition ...)")
-        stages = []
-        for s in d.pop("stages"):
-            s = dict(s)
-            s["recv"] = [Value(**v) for v in s["recv"]]
-            stages.append(StagePlan(**s))
-        d["inputs"] = [None if v is None else Value(**v) for v in d["inputs"]]
-        return cls(stages=stages, **d)
+        try:
+            stages = []
+            for s in d.pop("stages"):
+                s = dict(s)
+                s["recv"] = [Value(**v) for v in s["recv"]]
+                stages.append(StagePlan(**s))
+            d["inputs"] = [None if v is None else Value(**v) for v in d["inputs"]]
+            return cls(stages=stages, **d)
+        except (TypeError, KeyError, AttributeError) as e:
+            raise PlanError(f"the plan's fields do not match this version of fxpipe ({type(e).__name__}: {e}); "
+                            "re-create the plan with partition.plan(...) or python -m partition") from e
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -104,9 +110,18 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
         try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise PlanError(f"cannot read plan {path}: {e}") from e
+            text = Path(path).read_text()
+        except OSError as e:
+            raise PlanError(f"cannot read plan file {str(path)!r}: {e}; give the path of a file written by "
+                            "Plan.save or python -m partition ... --out plan.json") from e
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise PlanError(f"plan file {str(path)!r} is not JSON ({e}); give a file written by Plan.save or "
+                            "python -m partition ... --out plan.json") from e
+        if not isinstance(data, dict) or "stages" not in data:
+            raise PlanError(f"plan file {str(path)!r} is JSON but not a plan (no 'stages'); give a file "
+                            "written by Plan.save or python -m partition ... --out plan.json")
         return cls.from_dict(data)
 
     def table(self) -> str:

@@ -1,6 +1,8 @@
 """partition.plan and partition.split: trace, cost, coarsen, solve, and cut a model into stages."""
 from __future__ import annotations
 
+import json
+import math
 from typing import Any, Sequence
 
 import torch
@@ -9,10 +11,10 @@ import torch.utils._pytree as pytree
 
 from partition.costs import node_costs, param_names
 from partition.graph import build_graph, coarsen
-from partition.plan import Plan, PlanError, StagePlan, Value, fingerprint, in_flight, parse_bytes
-from partition.solve import Chain, CostModel, Solution, solve
+from partition.plan import Plan, PlanError, StagePlan, Value, fingerprint, human_bytes, in_flight, parse_bytes
+from partition.solve import Chain, CostModel, InfeasibleBudget, Solution, solve
 from partition.split import example_from_plan, live_values, split_graph
-from partition.trace import flatten_inputs, trace
+from partition.trace import TraceError, flatten_inputs, trace
 
 __all__ = ["plan", "split", "Analysis", "analyse", "plan_from_bounds"]
 
@@ -52,6 +54,16 @@ def _value(x: Any) -> Value | None:
     return Value(name="", shape=list(x.shape), dtype=str(x.dtype).removeprefix("torch."))
 
 
+def _json_exact(x: Any) -> bool:
+    return not (isinstance(x, float) and not math.isfinite(x)) and json.loads(json.dumps(x)) == x
+
+
+def _constants(leaves: list[Any]) -> dict[str, Any]:
+    """The example's non-tensor leaves that JSON keeps exactly (flags such as use_cache=False)."""
+    return {str(i): x for i, x in enumerate(leaves)
+            if x is None or isinstance(x, (bool, int, float, str)) and _json_exact(x)}
+
+
 def plan_from_bounds(a: Analysis, bounds: Sequence[int], cost_model: CostModel, *, schedule: str,
                      microbatches: int, stages_per_rank: int, memory_budget: float | None) -> Plan:
     """The Plan for given block bounds (the solver's, or a baseline's), with predicted figures."""
@@ -77,7 +89,7 @@ def plan_from_bounds(a: Analysis, bounds: Sequence[int], cost_model: CostModel, 
         values = []
         for r in recv[s]:
             c = a.costs[r]
-            values.append(Value(name=r, shape=list(c.shape), dtype=c.dtype))
+            values.append(Value(name=r, shape=list(c.shape), dtype=c.dtype, stride=list(c.stride)))
         stages.append(StagePlan(
             index=s, nodes=nodes_of[s], params=params_of[s],
             fwd_ms=float(ch.fwd_ms[lo:hi].sum()), bwd_ms=float(ch.bwd_ms[lo:hi].sum()),
@@ -93,7 +105,8 @@ def plan_from_bounds(a: Analysis, bounds: Sequence[int], cost_model: CostModel, 
                 imbalance=float(max(times) / (sum(times) / len(times))) if sum(times) > 0 else 1.0,
                 model=type(a.model).__name__, fingerprint=fingerprint(a.gm),
                 tracer=str(a.gm.meta.get("fxpipe_tracer", "")), inputs=[_value(x) for x in flat_leaves],
-                input_spec=pytree.treespec_dumps(spec), state_factor=cost_model.state_factor,
+                input_spec=pytree.treespec_dumps(spec), input_constants=_constants(flat_leaves),
+                state_factor=cost_model.state_factor,
                 bytes_per_ms=cost_model.bytes_per_ms, latency_ms=cost_model.latency_ms)
 
 
@@ -111,39 +124,67 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
     microbatches the schedule keeps in flight there (1F1B: min(M, S - s); pass
     `in_flight_counts` for other schedules), plus one received and one sent buffer.
     """
-    if not isinstance(n_stages, int) or n_stages < 1:
-        raise PlanError(f"n_stages must be a positive integer, got {n_stages!r}")
+    if isinstance(n_stages, bool) or not isinstance(n_stages, int) or n_stages < 1:
+        raise PlanError(f"n_stages must be a positive integer (one per pipeline stage), got {n_stages!r}; "
+                        "pass e.g. n_stages=2, usually the number of ranks times stages_per_rank")
     M = microbatches if microbatches is not None else n_stages
-    if M < 1:
-        raise PlanError(f"microbatches must be >= 1, got {M}")
+    if isinstance(M, bool) or not isinstance(M, int) or M < 1:
+        raise PlanError(f"microbatches must be a positive integer, got {M!r}; pass e.g. microbatches="
+                        f"{2 * n_stages} (at least n_stages={n_stages} keeps every stage busy)")
     budget = parse_bytes(memory_budget)
     a = analysis or Analysis(model, example_args, example_kwargs, cost=cost, leaf_modules=leaf_modules,
                              max_blocks=max_blocks)
     n = len(a.blocks.members)
     if n_stages > n:
-        raise PlanError(f"cannot cut {type(model).__name__} into {n_stages} stages: its graph has only {n} "
-                        f"places that can hold a stage; use at most {n} stages")
+        raise PlanError(f"cannot cut {type(model).__name__} into {n_stages} stages: its traced graph has "
+                        f"only {n} blocks between which a stage boundary can go (n_stages <= {n}); use at "
+                        f"most {n} stages, or a larger model per stage")
     flights = list(in_flight_counts) if in_flight_counts is not None else in_flight(schedule, n_stages, M)
     if len(flights) != n_stages:
         raise PlanError(f"in_flight_counts has {len(flights)} entries for {n_stages} stages")
     cm = CostModel(bytes_per_ms=bytes_per_ms, latency_ms=latency_ms, state_factor=state_factor,
                    in_flight=tuple(flights), speeds=tuple(speeds) if speeds is not None else None,
                    memory_budget=budget)
-    sol = solve(a.chain, n_stages, cm)
+    try:
+        sol = solve(a.chain, n_stages, cm)
+    except InfeasibleBudget as e:
+        need = e.needed_bytes
+        raise InfeasibleBudget(
+            f"{type(model).__name__} does not fit {n_stages} stages with memory_budget={human_bytes(budget or 0)} "
+            f"({budget:.0f} bytes) per stage under schedule {schedule!r} with {M} microbatches: the "
+            f"least budget any split fits is {human_bytes(need)} ({need:.0f} bytes; parameters x "
+            f"{state_factor:g} for weights, grads and optimizer state, plus in-flight activations). "
+            f"Fix: give memory_budget >= {need:.0f}, use more stages, fewer microbatches in flight, or "
+            "recompute/offload activations", need) from None
     return plan_from_bounds(a, sol.bounds, cm, schedule=schedule, microbatches=M,
                             stages_per_rank=stages_per_rank, memory_budget=budget)
 
 
 def split(model: torch.nn.Module, plan: Plan, example_args: Sequence[Any] | None = None,
-          example_kwargs: dict[str, Any] | None = None) -> list[torch.fx.GraphModule]:
+          example_kwargs: dict[str, Any] | None = None, *, gm: torch.fx.GraphModule | None = None
+          ) -> list[torch.fx.GraphModule]:
     """One module per stage of `plan` (see partition.split.StageIO for how to call them).
 
     The model is traced again (with the example inputs when given, else zeros of the
-    shapes the plan recorded) and must be the model the plan was made for.
+    shapes the plan recorded; `gm=` passes a trace already made) and must be the model the
+    plan was made for.
     """
-    if example_args is None:
-        args, kwargs = example_from_plan(plan)
-    else:
-        args, kwargs = tuple(example_args), dict(example_kwargs or {})
-    gm = trace(model, args, kwargs)
+    name = type(model).__name__
+    if name != plan.model:
+        raise PlanError(f"the plan was made for a {plan.model} (fingerprint {plan.fingerprint}), not for this "
+                        f"{name}; re-create the plan for this model with partition.plan(...) or "
+                        "python -m partition")
+    if gm is None:
+        if example_args is None:
+            args, kwargs = example_from_plan(plan)
+        else:
+            args, kwargs = tuple(example_args), dict(example_kwargs or {})
+        try:
+            gm = trace(model, args, kwargs)
+        except TraceError as e:
+            if example_args is not None:
+                raise
+            raise PlanError(f"cannot re-trace {name} on inputs shaped as the plan records ({e}); the plan "
+                            f"(fingerprint {plan.fingerprint}) may be for another model: pass "
+                            "example_args=, or re-create the plan") from e
     return split_graph(gm, plan)

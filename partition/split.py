@@ -10,7 +10,7 @@ import torch.fx
 from partition.plan import Plan, PlanError, fingerprint
 from partition.trace import flatten_outputs
 
-__all__ = ["StageIO", "split_graph", "live_values", "example_from_plan"]
+__all__ = ["StageIO", "stage_io", "split_graph", "live_values", "example_from_plan"]
 
 
 @dataclass
@@ -27,6 +27,14 @@ class StageIO:
     last: bool
     out_spec: Any = None
     param_nodes: dict[str, list[str]] = field(default_factory=dict)  # node -> params it reads
+
+
+def stage_io(stage: torch.nn.Module) -> StageIO:
+    """The StageIO that split_graph attached to a stage module."""
+    io = getattr(stage, "io", None)
+    if not isinstance(io, StageIO):
+        raise TypeError(f"{type(stage).__name__} is not a stage made by partition.split (it has no StageIO .io)")
+    return io
 
 
 def live_values(gm: torch.fx.GraphModule, stage_of: dict[str, int], n_stages: int) -> list[list[str]]:
@@ -134,11 +142,11 @@ def split_graph(gm: torch.fx.GraphModule, plan: Plan) -> list[torch.fx.GraphModu
 
 
 def example_from_plan(plan: Plan) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Example (args, kwargs) rebuilt from the plan's recorded shapes (zeros), for re-tracing."""
+    """Example (args, kwargs) for re-tracing: zeros of the recorded shapes and the recorded flags."""
     import torch.utils._pytree as pytree
     if not plan.input_spec:
         raise PlanError("the plan records no input structure; pass example_args to split()")
-    flat = [torch.zeros(v.shape, dtype=getattr(torch, v.dtype)) if v is not None else None
-            for v in plan.inputs]
+    flat = [torch.zeros(v.shape, dtype=getattr(torch, v.dtype)) if v is not None
+            else plan.input_constants.get(str(i)) for i, v in enumerate(plan.inputs)]
     args, kwargs = pytree.tree_unflatten(flat, pytree.treespec_loads(plan.input_spec))
     return tuple(args), dict(kwargs)

@@ -1,13 +1,18 @@
 """Trace a model into a torch.fx GraphModule: symbolic_trace first, torch.export as the fallback."""
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
+import warnings
 from typing import Any, Sequence
 
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch.fx._pytree import tree_flatten_spec
+
+from partition.costs import preserve_state
 
 __all__ = ["trace", "TraceError", "flatten_inputs", "flatten_outputs", "unflatten_outputs"]
 
@@ -46,13 +51,58 @@ def _symbolic(model: torch.nn.Module, leaf_modules: tuple[type[torch.nn.Module],
     return torch.fx.GraphModule(model, graph, model.__class__.__name__)
 
 
+def _is_check(node: torch.fx.Node) -> bool:
+    """Guard and assertion nodes torch.export leaves in its graph; they compute nothing."""
+    if node.op == "call_module" and str(node.target).startswith("_guards_fn"):
+        return True
+    name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+    return name.startswith(("_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range"))
+
+
+def _updates_next_to_values(graph: torch.fx.Graph) -> None:
+    """Move each buffer update torch.export appends (copy_ of a new batch-norm statistic into its
+    buffer) to just after its value and the buffer's readers, so it runs on the stage that makes
+    the value instead of the value travelling to the last stage."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        if (node.op != "call_function" or node.target is not torch.ops.aten.copy_.default or node.users
+                or not isinstance(node.args[0], torch.fx.Node) or node.args[0].op != "get_attr"):
+            continue
+        dst = node.args[0]
+        after = max([a for a in node.all_input_nodes] + [u for u in dst.users if u is not node],
+                    key=lambda n: order[n])
+        after.append(node)
+
+
 def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.fx.GraphModule:
-    ep = torch.export.export(model, args, kwargs, strict=False)
-    gm = ep.module()
+    """torch.export, lowered so the graph holds only ATen ops and reads no global state.
+
+    `run_decompositions({})` inlines higher-order ops such as the vmap that transformers
+    uses to build attention masks (its nesting counters are side effects that a stage
+    holding only part of the graph would break) and keeps the ATen ops themselves.
+    """
+    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")  # deprecations inside torch.export, and its graph dumps
+        ep = torch.export.export(model, args, kwargs, strict=False)
+        gm = ep.run_decompositions({}).module()
     assert isinstance(gm, torch.fx.GraphModule)
+    for node in reversed(list(gm.graph.nodes)):
+        if _is_check(node) and not node.users:
+            gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code()
+    _updates_next_to_values(gm.graph)
+    for name, _ in list(gm.named_children()):
+        if name.startswith("_guards_fn"):
+            delattr(gm, name)
     gm.recompile()
     return gm
+
+
+def _run(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """fn(*args, **kwargs) without autograd, from a fixed RNG state (dropout draws the same masks)."""
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(0)
+        return fn(*args, **kwargs)
 
 
 def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: dict[str, Any] | None = None,
@@ -62,31 +112,44 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
     `torch.fx.symbolic_trace` is tried first and its result is checked against the model on
     the example inputs (control flow on values can make a trace silently wrong); when it
     fails or disagrees, `torch.export.export(strict=False)` traces the model instead.
+    The model's buffers (e.g. batch-norm statistics) and the RNG state are left as they were.
     """
     args = tuple(example_args)
     kwargs = dict(example_kwargs or {})
     leaves = tuple(leaf_modules)
-    with torch.no_grad():
-        expected = model(*args, **kwargs)
-    reasons: list[str] = []
-    for name, fn in (("torch.fx.symbolic_trace", lambda: _symbolic(model, leaves)),
-                     ("torch.export.export", lambda: _export(model, args, kwargs))):
+    name = type(model).__name__
+    with preserve_state(model):
         try:
-            gm = fn()
-            with torch.no_grad():
-                got = gm(*args, **kwargs)
-        except Exception as e:  # both tracers raise many kinds of errors
-            reasons.append(f"{name}: {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}")
-            continue
-        if _same(got, expected):
-            gm.meta["fxpipe_tracer"] = name
-            return gm
-        reasons.append(f"{name}: the traced graph's output differs from the model's on the example inputs")
+            expected = _run(model, args, kwargs)
+        except Exception as e:
+            raise TraceError(f"cannot trace {name}: calling it on the example inputs fails "
+                             f"({type(e).__name__}: {_first_line(e)}); pass one microbatch the model "
+                             "accepts as example_args (positional) and example_kwargs (keywords)") from e
+        reasons: list[str] = []
+        for tracer, fn in (("torch.fx.symbolic_trace", lambda: _symbolic(model, leaves)),
+                           ("torch.export.export", lambda: _export(model, args, kwargs))):
+            try:
+                gm = fn()
+                got = _run(gm, args, kwargs)
+            except Exception as e:  # both tracers raise many kinds of errors
+                reasons.append(f"{tracer} failed with {type(e).__name__}: {_first_line(e)}")
+                continue
+            if _same(got, expected):
+                gm.meta["fxpipe_tracer"] = tracer
+                return gm
+            reasons.append(f"{tracer} gave a graph whose output differs from the model's on the example inputs")
     raise TraceError(
-        f"cannot trace {type(model).__name__}: " + "; ".join(reasons) +
-        ". Fix: make control flow independent of tensor values (or move it into a module passed in "
-        "leaf_modules=...), turn off caches and dropout (e.g. config.use_cache=False), or pass the "
-        "inputs the model really takes as example_args/example_kwargs.")
+        f"cannot trace {name}: " + "; ".join(reasons) + ". Fix: make control flow independent of "
+        "tensor values (no `if` on a tensor, no .item()/.tolist() deciding what runs), or move the "
+        "dynamic part into a module passed as leaf_modules=(ThatModule,) so fx treats it as one op; "
+        "return tensors in tuples, lists, dicts or registered pytree types; turn off caches and "
+        "dropout for tracing (e.g. config.use_cache=False); pass the inputs the model really takes "
+        "as example_args/example_kwargs.")
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0][:300] if lines else ""
 
 
 def flatten_inputs(gm: torch.fx.GraphModule, args: Sequence[Any], kwargs: dict[str, Any] | None = None

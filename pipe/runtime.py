@@ -273,7 +273,7 @@ class Pipeline:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                     dist.all_reduce(p.grad, group=group)
-            loss = torch.tensor([run.loss_sum], dtype=torch.float64)
+            loss = torch.as_tensor(run.loss_sum, dtype=torch.float64).reshape(1).to(dev)
             if self.world > 1:
                 dist.broadcast(loss, src=(self.S - 1) % self.world)
         except RuntimeError as e:
@@ -328,7 +328,7 @@ class _StepState:
         self.pp, self.flats, self.targets, self.ex = pp, flats, targets, exchange
         self.saved: dict[tuple[int, int], Saved] = {}
         self.finite: list[tuple[int, torch.Tensor]] = []  # (stage, all outputs finite), read only on NaN
-        self.loss_sum = 0.0
+        self.loss_sum: torch.Tensor | float = 0.0
         self.events: list[Event] = []
         self.handlers = {"F": self.forward, "B": self.backward, "W": self.weight}
 
@@ -358,7 +358,7 @@ class _StepState:
         outs = list(outs)
         if io.last:
             loss = pp.loss_fn(unflatten_outputs(outs, io.out_spec), self.targets[mb])
-            self.loss_sum += float(loss.detach()) / pp.M
+            self.loss_sum = self.loss_sum + loss.detach().double() / pp.M  # stays on device: no sync
             roots = [loss / pp.M]
         else:
             self.ex.send_activations(s, mb, outs)
