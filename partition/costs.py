@@ -170,7 +170,21 @@ def _claim(name: str, value: Any, fn_owner: dict[Any, str]) -> None:
         todo.extend(f for f, _ in fn.next_functions)
 
 
-def _forward(gm: torch.fx.GraphModule, flat_inputs: list[Any], *, observe_saved: bool) -> _Pass:
+def _clock(module: Any, inputs: list[Any]) -> Callable[[], float]:
+    """perf_counter, after waiting for the GPU when the work runs there (kernels start asynchronously)."""
+    owner = getattr(module, "__self__", module)
+    params = list(owner.parameters()) if isinstance(owner, torch.nn.Module) else []
+    if not any(t.is_cuda for t in _tensors((params, inputs))):
+        return time.perf_counter
+
+    def now() -> float:
+        torch.cuda.synchronize()
+        return time.perf_counter()
+    return now
+
+
+def _forward(gm: torch.fx.GraphModule, flat_inputs: list[Any], *, observe_saved: bool,
+             clock: Callable[[], float] = time.perf_counter) -> _Pass:
     """Run the graph once with autograd on, timing each node and claiming its autograd nodes."""
     p = _Pass(env={}, fwd_ms={}, saved={}, fn_owner={}, outputs=[])
     storages = _Storages(gm)
@@ -198,9 +212,9 @@ def _forward(gm: torch.fx.GraphModule, flat_inputs: list[Any], *, observe_saved:
                 args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n.name])
                 fn = _callable(gm, node)
                 packed.clear()
-                t0 = time.perf_counter()
+                t0 = clock()
                 value = fn(*args, **kwargs)
-                p.fwd_ms[node.name] = (time.perf_counter() - t0) * 1e3
+                p.fwd_ms[node.name] = (clock() - t0) * 1e3
                 env[node.name] = value
                 _claim(node.name, value, p.fn_owner)
                 if observe_saved:
@@ -210,15 +224,27 @@ def _forward(gm: torch.fx.GraphModule, flat_inputs: list[Any], *, observe_saved:
     return p
 
 
-def _backward_ms(p: _Pass) -> dict[str, float]:
+SHARED = ""  # _backward_ms's key for the gradient accumulation of parameters several nodes read
+
+
+def _backward_ms(p: _Pass, clock: Callable[[], float] = time.perf_counter,
+                 shared: frozenset[int] = frozenset()) -> dict[str, float]:
     """Backward from the pass's outputs; the time since the previous autograd node finished goes to
-    the fx node that owns the autograd node finishing now (single-threaded CPU engine order)."""
+    the fx node that owns the autograd node finishing now (single-threaded CPU engine order).
+
+    The accumulation of a parameter in `shared` (ids of tied weights) goes to SHARED instead: in
+    one graph it sums the grads of all its readers, while a pipeline sums them across stages
+    once per step (an all-reduce), so no stage does that work per microbatch.
+    """
     marks: list[tuple[str, float]] = []
-    handles = [fn.register_hook(lambda *_, u=u: marks.append((u, time.perf_counter())))
+
+    def owner(fn: Any, u: str) -> str:
+        return SHARED if id(getattr(fn, "variable", None)) in shared else u
+    handles = [fn.register_hook(lambda *_, u=owner(fn, u): marks.append((u, clock())))
                for fn, u in p.fn_owner.items()]
     grads = [torch.ones_like(t) for t in p.outputs]
     try:
-        t0 = time.perf_counter()
+        t0 = clock()
         if p.outputs:
             torch.autograd.backward(p.outputs, grads)
     finally:
@@ -231,18 +257,19 @@ def _backward_ms(p: _Pass) -> dict[str, float]:
     return out
 
 
-def _clean_once(module: Callable[..., Any], inputs: list[Any]) -> tuple[float, float]:
+def _clean_once(module: Callable[..., Any], inputs: list[Any],
+                clock: Callable[[], float] = time.perf_counter) -> tuple[float, float]:
     """Forward and backward ms of one uninstrumented call, backward from ones on its float outputs."""
     with torch.enable_grad():
-        t0 = time.perf_counter()
+        t0 = clock()
         out = module(*inputs)
-        t1 = time.perf_counter()
+        t1 = clock()
     outs = _grad_outputs(out)
     grads = [torch.ones_like(t) for t in outs]
-    t2 = time.perf_counter()
+    t2 = clock()
     if outs:
         torch.autograd.backward(outs, grads)
-    return (t1 - t0) * 1e3, (time.perf_counter() - t2) * 1e3
+    return (t1 - t0) * 1e3, (clock() - t2) * 1e3
 
 
 def whole_graph_ms(module: Callable[..., Any], inputs: list[Any], repeats: int = 5) -> tuple[float, float]:
@@ -251,7 +278,8 @@ def whole_graph_ms(module: Callable[..., Any], inputs: list[Any], repeats: int =
     For a traced model pass `gm.forward`, which takes the placeholders in order (torch.export's
     module checks, in a hook, that it is called as the model was).
     """
-    runs = [_clean_once(module, inputs) for _ in range(repeats + 1)][1:]
+    clock = _clock(module, inputs)
+    runs = [_clean_once(module, inputs, clock) for _ in range(repeats + 1)][1:]
     return statistics.median(f for f, _ in runs), statistics.median(b for _, b in runs)
 
 
@@ -271,17 +299,19 @@ def _fit(times: dict[str, float], total: float) -> dict[str, float]:
     return {u: t * total / s if s > 0 else 0.0 for u, t in lowered.items()}
 
 
-def _measure(gm: torch.fx.GraphModule, flat_inputs: list[Any], costs: dict[str, NodeCost], repeats: int) -> None:
+def _measure(gm: torch.fx.GraphModule, flat_inputs: list[Any], costs: dict[str, NodeCost], repeats: int,
+             shared: frozenset[int]) -> None:
     """Node-by-node passes alternate with clean passes, so a change in load hits both alike."""
     fwd_runs: list[dict[str, float]] = []
     bwd_runs: list[dict[str, float]] = []
     clean: list[tuple[float, float]] = []
+    clock = _clock(gm, flat_inputs)
     for i in range(repeats + 1):
-        p = _forward(gm, flat_inputs, observe_saved=False)
-        bwd = _backward_ms(p)
+        p = _forward(gm, flat_inputs, observe_saved=False, clock=clock)
+        bwd = _backward_ms(p, clock, shared)
         fwd = p.fwd_ms
         del p  # its values would crowd the clean pass's memory
-        whole = _clean_once(gm.forward, flat_inputs)
+        whole = _clean_once(gm.forward, flat_inputs, clock)
         if i:  # the first round warms up
             fwd_runs.append(fwd)
             bwd_runs.append(bwd)
@@ -289,7 +319,7 @@ def _measure(gm: torch.fx.GraphModule, flat_inputs: list[Any], costs: dict[str, 
     fwd = _fit({u: statistics.median(r.get(u, 0.0) for r in fwd_runs) for u in costs},
                statistics.median(f for f, _ in clean))
     bwd = _fit({u: statistics.median(r.get(u, 0.0) for r in bwd_runs) for u in costs},
-               statistics.median(b for _, b in clean))
+               statistics.median(b for _, b in clean) - statistics.median(r.get(SHARED, 0.0) for r in bwd_runs))
     for u, c in costs.items():
         c.fwd_ms, c.bwd_ms = fwd[u], bwd[u]
 
@@ -365,5 +395,10 @@ def node_costs(gm: torch.fx.GraphModule, flat_inputs: list[Any], *, cost: str = 
                     _count_flops(gm, node, p.env, out[node.name])
         else:
             del p
-            _measure(gm, flat_inputs, out, repeats)
+            readers: dict[str, int] = {}
+            for c in out.values():
+                for name in c.params:
+                    readers[name] = readers.get(name, 0) + 1
+            tied = frozenset(i for i, name in names.items() if readers.get(name, 0) > 1)
+            _measure(gm, flat_inputs, out, repeats, tied)
     return out

@@ -52,6 +52,8 @@ class StagePlan:
     recv_bytes: int
     recv: list[Value] = field(default_factory=list)
     shared: list[str] = field(default_factory=list)  # params another stage also holds (tied)
+    memory: str = ""                 # memory plan (recompute / offload) chosen by memory/, if any
+    memory_peak: float = 0.0         # its predicted peak bytes
 
 
 @dataclass
@@ -130,9 +132,13 @@ class Plan:
                 "budget", "send/mb"]
         rows = [[str(s.index), str(len(s.nodes)), human_bytes(s.param_bytes), f"{s.fwd_ms:.2f}",
                  f"{s.bwd_ms:.2f}", human_bytes(s.activation_bytes), str(s.in_flight),
-                 human_bytes(s.peak_bytes),
+                 human_bytes(s.memory_peak if s.memory else s.peak_bytes),
                  "-" if self.memory_budget is None else human_bytes(self.memory_budget),
                  human_bytes(s.send_bytes)] for s in self.stages]
+        if any(s.memory for s in self.stages):  # the memory plan: policy per stage, its peak in "peak"
+            head.insert(7, "memory")
+            for r, s in zip(rows, self.stages):
+                r.insert(7, s.memory or "-")
         widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
         fmt = "  ".join("{:>%d}" % w for w in widths)
         lines = [f"{self.model}: {self.n_stages} stages, schedule {self.schedule}, "

@@ -1,6 +1,7 @@
 """partition.plan and partition.split: trace, cost, coarsen, solve, and cut a model into stages."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from typing import Any, Sequence
@@ -116,13 +117,17 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
          stages_per_rank: int = 1, in_flight_counts: Sequence[int] | None = None,
          speeds: Sequence[float] | None = None, leaf_modules: Sequence[type[torch.nn.Module]] = (),
          bytes_per_ms: float = 1e6, latency_ms: float = 0.05, state_factor: float = 4.0,
-         max_blocks: int = 2000, analysis: Analysis | None = None) -> Plan:
+         max_blocks: int = 2000, analysis: Analysis | None = None, recompute: str = "none",
+         offload: str = "none") -> Plan:
     """Balanced stages for `model`, found by the exact solver under a per-stage memory budget.
 
     `example_args`/`example_kwargs` are one microbatch. Memory per stage counts parameters
     times `state_factor` (weight, grad, Adam's two moments), plus the activations of the
     microbatches the schedule keeps in flight there (1F1B: min(M, S - s); pass
     `in_flight_counts` for other schedules), plus one received and one sent buffer.
+    The memory check counts what memory/ can reach: with `recompute` 'full' or 'auto' one
+    microbatch's activations (recomputed in its backward), with `offload` 'states' or 'all' no
+    model state (its chunks stream through the device).
     """
     if isinstance(n_stages, bool) or not isinstance(n_stages, int) or n_stages < 1:
         raise PlanError(f"n_stages must be a positive integer (one per pipeline stage), got {n_stages!r}; "
@@ -145,8 +150,10 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
     cm = CostModel(bytes_per_ms=bytes_per_ms, latency_ms=latency_ms, state_factor=state_factor,
                    in_flight=tuple(flights), speeds=tuple(speeds) if speeds is not None else None,
                    memory_budget=budget)
+    kept = dataclasses.replace(cm, in_flight=(1,) * n_stages if recompute in ("full", "auto") else cm.in_flight,
+                               state_factor=0.0 if offload in ("states", "all") else state_factor)
     try:
-        sol = solve(a.chain, n_stages, cm)
+        sol = solve(a.chain, n_stages, kept)
     except InfeasibleBudget as e:
         need = e.needed_bytes
         raise InfeasibleBudget(

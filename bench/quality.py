@@ -1,0 +1,295 @@
+# .venv/bin/python -m bench.quality --model gpt_wide_vocab,unet --stages 2,4 --accuracy gpt --out out/bench
+"""Partition quality: fxpipe's plan against three baselines, every stage measured; cost-model accuracy."""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx
+
+import partition
+from partition.costs import preserve_state
+from partition.plan import in_flight
+from partition.planner import Analysis, plan_from_bounds
+from partition.solve import CostModel, balance_by_param_count, balance_by_time, even_split, solve
+from partition.split import split_graph, stage_io
+from partition.workload import Workload, parse_overrides
+
+__all__ = ["quality", "layer_spans", "baselines", "measure_stages", "markdown", "plot", "main"]
+
+METHODS = ("fxpipe", "even layers", "param count", "layer time")
+
+
+def _module_paths(node: torch.fx.Node) -> list[str]:
+    paths = [str(path) for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
+    if node.op == "call_module":
+        paths.append(str(node.target))
+    return paths
+
+
+def layer_spans(a: Analysis, prefixes: Sequence[str]) -> list[tuple[int, int]]:
+    """[first, last + 1) blocks holding each layer's nodes, found by the nodes' module paths."""
+    nodes = {n.name: n for n in a.gm.graph.nodes}
+    spans = []
+    for p in prefixes:
+        hits = [b for b, block in enumerate(a.blocks.members)
+                if any(path == p or path.startswith(p + ".") for u in block for path in _module_paths(nodes[u]))]
+        if not hits:
+            raise ValueError(f"layer {p!r} owns no block of the traced graph; check Workload.layer_prefixes")
+        spans.append((min(hits), max(hits) + 1))
+    starts = [s for s, _ in spans]
+    if starts != sorted(set(starts)):
+        raise ValueError(f"layers {list(prefixes)} do not start in program order at distinct blocks ({starts})")
+    return spans
+
+
+def _units(spans: list[tuple[int, int]], n: int) -> list[int]:
+    """Start blocks of torchgpipe-style layers: what precedes the first layer, each layer, what follows."""
+    starts = ([0] if spans[0][0] > 0 else []) + [s for s, _ in spans]
+    end = spans[-1][1]
+    return starts + ([end] if end < n else [])
+
+
+def baselines(a: Analysis, n_stages: int, prefixes: Sequence[str], cm: CostModel) -> dict[str, tuple[int, ...]]:
+    """Block bounds of fxpipe's solver and of the three baselines, each as its source describes it."""
+    ch = a.chain
+    n = ch.n
+    spans = layer_spans(a, prefixes)
+    units = _units(spans, n)
+    unit_ms = [float((ch.fwd_ms[lo:hi] + ch.bwd_ms[lo:hi]).sum()) for lo, hi in zip(units, units[1:] + [n])]
+    by_time = balance_by_time(unit_ms, n_stages)
+    block_bytes = [float(sum(ch.param_bytes[p] for p in ps)) for ps in ch.params]
+    return {
+        "fxpipe": solve(ch, n_stages, cm).bounds,
+        # what users write for torch.distributed.pipelining: a split point before every k-th layer
+        "even layers": even_split([s for s, _ in spans], n_stages, n_blocks=n),
+        # DeepSpeed partition_method="parameters": balance the parameter count of the blocks
+        "param count": balance_by_param_count(block_bytes, n_stages),
+        # torchgpipe balance_by_time over measured per-layer times; layer bounds mapped to blocks
+        "layer time": tuple([0] + [units[u] if u < len(units) else n for u in by_time[1:-1]] + [n]),
+    }
+
+
+def _stage_inputs(stages: Sequence[torch.fx.GraphModule], flat: list[Any]) -> list[list[Any]]:
+    """Each stage's call arguments for the example microbatch; received values as fresh leaves."""
+    env: dict[str, Any] = {}
+    out = []
+    for st in stages:
+        io = stage_io(st)
+        recv = [env[r].detach().clone().requires_grad_(env[r].is_floating_point()) for r in io.recv]
+        args = recv + [flat[i] for i in io.inputs]
+        out.append(args)
+        with torch.no_grad():
+            result = st(*args)
+        if not io.last:
+            env.update(zip(io.send, result))
+    return out
+
+
+def _fwd_bwd(stage: torch.nn.Module, args: list[Any]) -> Callable[[], tuple[float, float]]:
+    def once() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        out = stage(*args)
+        t1 = time.perf_counter()
+        outs = [t for t in out if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+        if outs:
+            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+        return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
+    return once
+
+
+def measure_stages(runs: dict[Any, Callable[[], tuple[float, float]]], repeats: int, warmup: int = 2,
+                   burst: int = 4) -> dict[Any, tuple[float, float]]:
+    """Median (fwd ms, bwd ms) of each run over `repeats` timed calls.
+
+    Rounds go over all runs so drifting load hits every method alike; within a round a run
+    is called `burst` times in a row and its first call only warms the caches, as a rank
+    running its one stage microbatch after microbatch would have them.
+    """
+    times: dict[Any, list[tuple[float, float]]] = {k: [] for k in runs}
+    rounds = warmup + -(-repeats // (burst - 1))
+    for r in range(rounds):
+        for k, once in runs.items():
+            got = [once() for _ in range(burst)][1:]
+            if r >= warmup:
+                times[k].extend(got)
+    return {k: (statistics.median(f for f, _ in v), statistics.median(b for _, b in v)) for k, v in times.items()}
+
+
+def steady_malloc() -> bool:
+    """Ask glibc to keep freed memory instead of returning it to the OS (Linux only; process-wide).
+
+    Otherwise every large tensor of a repeated run may be page-faulted in afresh, and times
+    swing by a third with the allocator's state rather than with the work; this benchmark
+    process is its own, so it measures the work.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(libc.mallopt(m_trim_threshold, 1 << 62))
+    except (OSError, AttributeError):
+        return False
+
+
+def quality(model_spec: str | Workload, stages: list[int], *, cost: str = "measured", repeats: int = 20,
+            methods: Sequence[str] = METHODS, **model_args: Any) -> list[dict[str, Any]]:
+    """One row per (stage count, method): predicted and measured fwd+bwd ms of every stage.
+
+    The model is costed once (`cost`); every method's bounds become a Plan and stage modules
+    (plan_from_bounds + split_graph), and each stage's forward and backward on one microbatch
+    is timed on one thread, median of `repeats`, with glibc told to keep freed memory.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    steady_malloc()
+    try:
+        return _quality(model_spec, stages, cost=cost, repeats=repeats, methods=methods, **model_args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _quality(model_spec: str | Workload, stages: list[int], *, cost: str, repeats: int, methods: Sequence[str],
+             **model_args: Any) -> list[dict[str, Any]]:
+    w = partition.load(model_spec, **model_args) if isinstance(model_spec, str) else model_spec
+    if not w.layer_prefixes:
+        raise ValueError(f"workload {w.name!r} names no layer_prefixes; the layer baselines need them")
+    a = Analysis(w.model, w.example_args, w.example_kwargs, cost=cost, repeats=max(5, repeats // 2))
+    rows: list[dict[str, Any]] = []
+    runs: dict[tuple[int, int], Callable[[], tuple[float, float]]] = {}
+    with preserve_state(w.model):
+        for S in stages:
+            cm = CostModel(in_flight=tuple(in_flight("1f1b", S, S)))
+            for method, bounds in baselines(a, S, w.layer_prefixes, cm).items():
+                if method not in methods:
+                    continue
+                p = plan_from_bounds(a, bounds, cm, schedule="1f1b", microbatches=S, stages_per_rank=1,
+                                     memory_budget=None)
+                mods = split_graph(a.gm, p)
+                for st, args in zip(mods, _stage_inputs(mods, a.flat)):
+                    runs[(len(rows), stage_io(st).index)] = _fwd_bwd(st, args)
+                rows.append(dict(model=w.name, stages=S, method=method, bounds=list(bounds),
+                                 predicted_fwd=[sp.fwd_ms for sp in p.stages],
+                                 predicted_bwd=[sp.bwd_ms for sp in p.stages],
+                                 predicted=[sp.fwd_ms + sp.bwd_ms for sp in p.stages],
+                                 predicted_bottleneck=p.bottleneck_ms))
+        measured = measure_stages(runs, repeats)
+    for i, row in enumerate(rows):
+        per = [measured[(i, s)] for s in range(row["stages"])]
+        row["measured"] = [f + b for f, b in per]
+        row["measured_fwd"] = [f for f, _ in per]
+        row["measured_bwd"] = [b for _, b in per]
+    return rows
+
+
+def print_quality(rows: list[dict[str, Any]]) -> None:
+    print(f"{'model':<15} {'S':>2} {'method':<12} {'pred slowest':>12} {'meas slowest':>12}  "
+          "per-stage measured ms (= : same cuts as fxpipe)")
+    ours = {(r["model"], r["stages"]): r["bounds"] for r in rows if r["method"] == "fxpipe"}
+    for r in rows:
+        per = " ".join(f"{x:7.2f}" for x in r["measured"])
+        same = " =" if r["method"] != "fxpipe" and ours.get((r["model"], r["stages"])) == r["bounds"] else ""
+        print(f"{r['model']:<15} {r['stages']:>2} {r['method']:<12} {max(r['predicted']):>12.2f} "
+              f"{max(r['measured']):>12.2f}  {per}{same}")
+    for model in dict.fromkeys(r["model"] for r in rows):
+        for S in dict.fromkeys(r["stages"] for r in rows if r["model"] == model):
+            group = {r["method"]: max(r["measured"]) for r in rows if r["model"] == model and r["stages"] == S}
+            if "fxpipe" in group:
+                best_other = min((v, k) for k, v in group.items() if k != "fxpipe")
+                print(f"{model} S={S}: fxpipe slowest stage {group['fxpipe']:.2f} ms vs best baseline "
+                      f"{best_other[1]} {best_other[0]:.2f} ms ({group['fxpipe'] / best_other[0]:.2f}x)")
+
+
+def print_accuracy(rows: list[dict[str, Any]]) -> None:
+    print(f"{'model':<15} {'S':>2} {'stage':>5} {'pred ms':>8} {'meas ms':>8} {'pred/meas':>9}")
+    worst = 0.0
+    for r in rows:
+        for s, (p, m) in enumerate(zip(r["predicted"], r["measured"])):
+            worst = max(worst, abs(p / m - 1))
+            print(f"{r['model']:<15} {r['stages']:>2} {s:>5} {p:>8.2f} {m:>8.2f} {p / m:>9.3f}")
+    print(f"largest per-stage error: {100 * worst:.1f}%")
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The quality rows as a Markdown table (slowest stage predicted and measured, per-stage measured)."""
+    lines = ["| model | S | method | predicted slowest (ms) | measured slowest (ms) | per-stage measured (ms) |",
+             "|---|---:|---|---:|---:|---|"]
+    for r in rows:
+        per = ", ".join(f"{x:.2f}" for x in r["measured"])
+        lines.append(f"| {r['model']} | {r['stages']} | {r['method']} | {max(r['predicted']):.2f} "
+                     f"| {max(r['measured']):.2f} | {per} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> bool:
+    """Per-stage measured fwd+bwd ms, one panel per (model, S), one bar group per method."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    groups = list(dict.fromkeys((r["model"], r["stages"]) for r in rows))
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 3.5), squeeze=False)
+    for ax, (model, S) in zip(axes[0], groups):
+        mine = [r for r in rows if (r["model"], r["stages"]) == (model, S)]
+        width = 0.8 / S
+        for s in range(S):
+            ax.bar([i + s * width for i in range(len(mine))], [r["measured"][s] for r in mine], width,
+                   label=f"stage {s}")
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(mine))], [r["method"] for r in mine], fontsize=8)
+        ax.set_title(f"{model}, {S} stages")
+        ax.set_ylabel("measured fwd+bwd ms")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.quality", description=__doc__)
+    ap.add_argument("--model", default="gpt_wide_vocab,unet", help="comma-separated workload specs")
+    ap.add_argument("--stages", default="2,4", help="comma-separated stage counts")
+    ap.add_argument("--accuracy", default="", help="more workloads for the cost-model accuracy table "
+                    "(fxpipe's plan only); --model's own fxpipe rows are always in it")
+    ap.add_argument("--cost", choices=("measured", "flops"), default="measured")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--model-arg", action="append", default=[], metavar="K=V",
+                    help="keyword argument for every model factory (repeatable)")
+    ap.add_argument("--out", default=None, help="folder for partition.json, partition.md and partition.png")
+    args = ap.parse_args(argv)
+    stages = [int(s) for s in args.stages.split(",")]
+    overrides = parse_overrides(args.model_arg)
+    rows = [r for m in args.model.split(",") if m
+            for r in quality(m, stages, cost=args.cost, repeats=args.repeats, **overrides)]
+    print_quality(rows)
+    acc = [r for r in rows if r["method"] == "fxpipe"]
+    acc += [r for m in args.accuracy.split(",") if m
+            for r in quality(m, stages, cost=args.cost, repeats=args.repeats, methods=("fxpipe",), **overrides)]
+    print()
+    print_accuracy(acc)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        result = {"command": " ".join(["python -m bench.quality", *(argv if argv is not None else sys.argv[1:])]),
+                  "cost": args.cost, "repeats": args.repeats, "model_args": overrides, "threads": 1,
+                  "torch": torch.__version__, "machine": platform.platform(), "cpus": os.cpu_count(),
+                  "quality": rows, "accuracy": acc}
+        (out / "partition.json").write_text(json.dumps(result, indent=1))
+        (out / "partition.md").write_text(markdown(rows) + "\n")
+        plot(rows, out / "partition.png")
+        print(f"wrote {out / 'partition.json'}, partition.md and partition.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""python -m partition MODEL --stages N: plan a model's pipeline stages, print the table, write the plan."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from partition.plan import PlanError
+from partition.planner import plan
+from partition.solve import PartitionError
+from partition.trace import TraceError
+from partition.workload import BUNDLED, WorkloadError, load, parse_overrides
+
+USAGE_ERRORS = (WorkloadError, PlanError, PartitionError, TraceError)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m partition",
+        description="Trace MODEL on one example microbatch, cost it, and cut it into balanced pipeline "
+                    "stages under an optional per-stage memory budget.")
+    p.add_argument("model", metavar="MODEL",
+                   help=f"package.module:factory, path/file.py:factory or a bundled name ({', '.join(BUNDLED)})")
+    p.add_argument("--stages", type=int, required=True, metavar="N", help="number of pipeline stages")
+    p.add_argument("--cost", choices=("measured", "flops"), default="measured",
+                   help="time each op on this machine (default) or count FLOPs (deterministic)")
+    p.add_argument("--memory-budget", default=None, metavar="BYTES",
+                   help="per-stage memory limit, e.g. 8GiB, 512MB or a number of bytes")
+    p.add_argument("--schedule", choices=("1f1b", "gpipe", "zb-h1"), default="1f1b",
+                   help="the schedule whose microbatches in flight the memory limit counts")
+    p.add_argument("--microbatches", type=int, default=None, metavar="M",
+                   help="microbatches per step (default: the number of stages)")
+    p.add_argument("--out", default=None, metavar="PATH", help="write the plan as JSON to PATH")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
+    p.add_argument("--model-arg", action="append", default=[], metavar="K=V",
+                   help="keyword argument for the model factory, e.g. --model-arg n_layer=8 (repeatable)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        w = load(args.model, **parse_overrides(args.model_arg))
+        result = plan(w.model, w.example_args, args.stages, example_kwargs=w.example_kwargs, cost=args.cost,
+                      schedule=args.schedule, microbatches=args.microbatches,
+                      memory_budget=args.memory_budget)
+    except USAGE_ERRORS as e:
+        print(f"python -m partition: error: {e}", file=sys.stderr)
+        return 2
+    if args.out:
+        result.save(args.out)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=1))
+    else:
+        print(result.table())
+        if args.out:
+            print(f"plan written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Tests for partition/costs.py: deterministic FLOP costs, timed costs, parameters and saved bytes."""
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any, Sequence
+
+import pytest
+import torch
+import torch.fx
+
+import partition
+from bench import models
+from partition.costs import node_costs, preserve_state
+from partition.split import stage_io
+from tests.test_split import WORKLOADS, hf_gpt2
+
+B = 4  # microbatch of the literal model
+
+
+def tiny() -> tuple[torch.nn.Module, tuple[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    return model, (torch.randn(B, 8),)  # (B, 8)
+
+
+def saved_bytes(stages: Sequence[torch.fx.GraphModule], flat: list[Any]) -> list[int]:
+    """Bytes autograd keeps for backward on each stage, measured on the real stage forward.
+
+    Received values arrive as fresh tensors (as from the wire); storages count once however
+    many saved tensors view them; parameters and buffers are state, not activations.
+    """
+    env: dict[str, Any] = {}
+    out = []
+    for st in stages:
+        io = stage_io(st)
+        recv = [env[r].detach().clone().requires_grad_(env[r].is_floating_point()) for r in io.recv]
+        state = {t.untyped_storage().data_ptr() for t in [*st.parameters(), *st.buffers()]}
+        kept: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            s = t.untyped_storage()
+            if s.data_ptr() not in state:
+                kept[s.data_ptr()] = s.nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            result = st(*recv, *[flat[i] for i in io.inputs])
+        out.append(sum(kept.values()))
+        if not io.last:
+            env.update(zip(io.send, result))
+    return out
+
+
+def test_flops_costs_are_deterministic() -> None:
+    w = models.gpt(n_layer=2, d_model=64, seq_len=32, vocab=128)
+    gm = partition.trace(w.model, w.example_args)
+    first = node_costs(gm, list(w.example_args), cost="flops")
+    second = node_costs(gm, list(w.example_args), cost="flops")
+    assert {k: asdict(v) for k, v in first.items()} == {k: asdict(v) for k, v in second.items()}
+    assert sum(c.fwd_ms for c in first.values()) > 0
+
+
+def test_measured_costs_are_positive_times() -> None:
+    model, args = tiny()
+    gm = partition.trace(model, args)
+    costs = node_costs(gm, list(args), cost="measured", repeats=3)
+    assert set(costs) == {"_0", "_1", "_2"}
+    for name, c in costs.items():
+        assert c.fwd_ms > 0 and c.bwd_ms > 0, (name, c)
+
+
+def test_unknown_cost_model_is_refused() -> None:
+    model, args = tiny()
+    with pytest.raises(ValueError, match="'measured' or 'flops'"):
+        partition.plan(model, args, 2, cost="guess")
+
+
+def test_linear_relu_linear_parameters_and_saved_bytes() -> None:
+    """Linear1 keeps its input x; ReLU keeps its output, which Linear2 keeps too: one storage."""
+    model, args = tiny()
+    gm = partition.trace(model, args)
+    costs = node_costs(gm, list(args), cost="flops")
+    assert costs["_0"].params == ("0.bias", "0.weight")
+    assert costs["_1"].params == ()
+    assert costs["_2"].params == ("2.bias", "2.weight")
+    x_bytes, h_bytes = B * 8 * 4, B * 16 * 4
+    assert costs["_0"].saved == {"input_1": x_bytes}
+    assert costs["_1"].saved == {"_1": h_bytes} and costs["_1"].saves_output
+    assert costs["_2"].saved == {"_1": h_bytes} and costs["_2"].saved_inputs == {"_1"}
+    assert costs["_0"].out_bytes == h_bytes and costs["_0"].shape == (B, 16)
+
+    plan = partition.plan(model, args, 1, cost="flops")
+    assert plan.stages[0].activation_bytes == x_bytes + h_bytes
+    assert plan.stages[0].param_bytes == sum(p.numel() * 4 for p in model.parameters())
+    stages = partition.split(model, plan, args)
+    assert saved_bytes(stages, list(args)) == [x_bytes + h_bytes]
+
+
+@pytest.mark.parametrize("n_stages", [2, 3, 4])
+def test_predicted_activation_bytes_match_autograd_on_gpt(n_stages: int) -> None:
+    factory, kw = WORKLOADS["gpt"]
+    w = factory(**kw)
+    plan = partition.plan(w.model, w.example_args, n_stages, cost="flops")
+    stages = partition.split(w.model, plan, w.example_args)
+    measured = saved_bytes(stages, list(w.example_args))
+    for sp, real in zip(plan.stages, measured):
+        assert sp.activation_bytes == pytest.approx(real, rel=0.10), (sp.index, sp.activation_bytes, real)
+
+
+def test_predicted_activation_bytes_match_autograd_on_hf_gpt2() -> None:
+    model, args, kwargs = hf_gpt2()
+    a = partition.Analysis(model, args, kwargs, cost="flops")
+    for n_stages in (1, 3):
+        plan = partition.plan(model, args, n_stages, analysis=a)
+        measured = saved_bytes(partition.split(model, plan, gm=a.gm), a.flat)
+        for sp, real in zip(plan.stages, measured):
+            assert sp.activation_bytes == pytest.approx(real, rel=0.10), (sp.index, sp.activation_bytes, real)
+
+
+@pytest.mark.parametrize("cost", ["flops", "measured"])
+def test_planning_leaves_batch_norm_statistics_alone(cost: str) -> None:
+    factory, kw = WORKLOADS["resnet"]
+    w = factory(**kw)
+    before = {n: b.clone() for n, b in w.model.named_buffers()}
+    assert any("running_mean" in n for n in before)
+    partition.plan(w.model, w.example_args, 2, cost=cost)
+    for n, b in w.model.named_buffers():
+        assert torch.equal(b, before[n]), n
+    assert all(p.grad is None for p in w.model.parameters())
+
+
+def test_preserve_state_restores_buffers_grads_and_rng() -> None:
+    bn = torch.nn.BatchNorm1d(3)
+    torch.manual_seed(5)
+    expected = torch.rand(2)
+    torch.manual_seed(5)
+    with preserve_state(bn):
+        bn(torch.randn(4, 3) + 10).sum().backward()
+        torch.rand(7)
+    assert torch.equal(bn.running_mean, torch.zeros(3)) and bn.weight.grad is None
+    assert torch.equal(torch.rand(2), expected)

@@ -1,0 +1,84 @@
+"""Tests for python -m partition: the table, the plan file, --json, and errors without tracebacks."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import partition
+from partition.__main__ import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "partition", *args], capture_output=True, text=True,
+                          timeout=120, cwd=cwd, env=env)
+
+
+def test_plans_a_bundled_workload_and_writes_the_plan(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    r = run("mlp", "--stages", "3", "--cost", "flops", "--model-arg", "depth=4", "--model-arg", "width=32",
+            "--schedule", "gpipe", "--microbatches", "6", "--memory-budget", "1GiB", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    rows = [ln for ln in r.stdout.splitlines() if ln.strip()[:1].isdigit()]
+    assert len(rows) == 3 and "bottleneck" in r.stdout and f"plan written to {out}" in r.stdout
+    plan = partition.Plan.load(out)
+    assert (plan.n_stages, plan.schedule, plan.microbatches, plan.memory_budget) == (3, "gpipe", 6, 2**30)
+    assert [sp.in_flight for sp in plan.stages] == [6, 6, 6]
+    w = partition.load("mlp", depth=4, width=32)  # the plan file serves another process's model
+    assert len(partition.split(w.model, plan, w.example_args)) == 3
+
+
+def test_json_output_is_the_plan(tmp_path: Path) -> None:
+    factory = tmp_path / "my_models.py"
+    factory.write_text(textwrap.dedent("""
+        import torch
+        from partition.workload import Workload
+
+        def two_layers(width: int = 8) -> Workload:
+            model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh(), torch.nn.Linear(width, 2))
+            x = torch.randn(4, width)
+            return Workload(name="two", model=model, example_args=(x,), loss_fn=torch.nn.functional.mse_loss,
+                            make_batch=lambda b, s: ((torch.randn(b, width),), torch.zeros(b, 2)),
+                            microbatch_size=4)
+    """))
+    out = tmp_path / "p.json"
+    r = run("my_models.py:two_layers", "--stages", "2", "--cost", "flops", "--json", "--out", str(out),
+            cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    printed = partition.Plan.from_dict(json.loads(r.stdout))
+    assert printed == partition.Plan.load(out)
+    assert printed.model == "Sequential" and printed.n_stages == 2
+
+
+def test_an_error_exits_2_with_one_paragraph_and_no_traceback() -> None:
+    r = run("mlp", "--stages", "500", "--cost", "flops", "--model-arg", "depth=2")
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "use at most" in r.stderr and "Traceback" not in r.stderr and r.stdout == ""
+    assert r.stderr.startswith("python -m partition: error:") and r.stderr.strip().count("\n") == 0
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["nosuch", "--stages", "2"], "is not a bundled name"),
+    (["no_module_here:f", "--stages", "2"], "importing module 'no_module_here' failed"),
+    (["mlp", "--stages", "2", "--cost", "flops", "--memory-budget", "1KiB", "--model-arg", "depth=2"],
+     "the least budget any split fits"),
+    (["mlp", "--stages", "0"], "n_stages must be a positive integer"),
+    (["mlp", "--stages", "2", "--memory-budget", "lots"], "is not a size"),
+    (["mlp", "--stages", "2", "--memory-budget", "0"], "must be positive"),
+    (["mlp", "--stages", "2", "--model-arg", "depth"], "key=value"),
+    (["mlp", "--stages", "2", "--model-arg", "colour=red"], "unexpected keyword argument"),
+])
+def test_usage_errors_print_one_paragraph_and_return_2(args: list[str], needle: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.startswith("python -m partition: error:")
+    assert err.strip().count("\n") == 0

@@ -1,0 +1,233 @@
+"""Tests for partition/split.py: the stages, run in order, compute the model; names and ties kept."""
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+import pytest
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+import partition
+from bench import models
+from partition.costs import param_names
+from partition.split import stage_io
+from partition.trace import flatten_inputs, unflatten_outputs
+
+# Small configurations of every bundled workload: (factory, keyword arguments).
+WORKLOADS: dict[str, tuple[Any, dict[str, Any]]] = {
+    "gpt": (models.gpt, dict(n_layer=3, d_model=64, seq_len=32, vocab=128, microbatch_size=2)),
+    "gpt_untied": (models.gpt, dict(n_layer=2, d_model=64, seq_len=32, vocab=128, tie=False)),
+    "gpt_wide_vocab": (models.gpt_wide_vocab, dict(n_layer=2, d_model=64, seq_len=32, vocab=4000,
+                                                   microbatch_size=2)),
+    "gpt_text": (models.gpt_text, dict(n_layer=2, d_model=64, seq_len=32, max_bytes=20_000)),
+    "mlp": (models.mlp, dict(depth=4, width=64)),
+    "resnet": (models.resnet, dict(blocks=3, channels=8, image=16, microbatch_size=4)),
+    "unet": (models.unet, dict(depth=2, channels=8, image=16, microbatch_size=2)),
+}
+
+
+def hf_gpt2(n_layer: int = 2) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]:
+    """GPT2LMHeadModel from a small config (random weights), its input ids; no cache, no dropout."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=n_layer, n_embd=64, n_head=4, vocab_size=128, n_positions=32, use_cache=False,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    ids = torch.randint(0, 128, (2, 16))
+    return GPT2LMHeadModel(cfg), (ids,), {}
+
+
+def hf_bert(n_layer: int = 2) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]:
+    """BertForMaskedLM from a small config; a padding attention_mask and labels as keywords."""
+    from transformers import BertConfig, BertForMaskedLM
+    torch.manual_seed(0)
+    cfg = BertConfig(num_hidden_layers=n_layer, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                     vocab_size=128, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0)
+    ids = torch.randint(0, 128, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 11:] = 0  # (B, T) the second sequence is padded
+    labels = torch.where(torch.arange(16) % 3 == 0, ids, torch.full_like(ids, -100))  # (B, T)
+    return BertForMaskedLM(cfg), (ids,), {"attention_mask": mask, "labels": labels}
+
+
+def run_stages(stages: Sequence[torch.fx.GraphModule], flat: list[Any]) -> Any:
+    """Run the stages in order as a pipeline would: values by name, model inputs by flat index."""
+    env: dict[str, Any] = {}
+    for st in stages:
+        io = stage_io(st)
+        result = st(*[env[r] for r in io.recv], *[flat[i] for i in io.inputs])
+        if io.last:
+            return unflatten_outputs(list(result), io.out_spec)
+        assert len(result) == len(io.send)
+        env.update(zip(io.send, result))
+    raise AssertionError("no stage is marked last")
+
+
+def assert_same_output(got: Any, ref: Any) -> None:
+    assert type(got) is type(ref)
+    got_leaves, got_spec = pytree.tree_flatten(got)
+    ref_leaves, ref_spec = pytree.tree_flatten(ref)
+    assert got_spec == ref_spec
+    torch.testing.assert_close(got_leaves, ref_leaves)
+
+
+def check_split(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                a: partition.Analysis, n_stages: int, *, retrace: bool) -> partition.Plan:
+    """Plan, split, compose: same output, the model's own parameter names, every parameter placed."""
+    plan = partition.plan(model, args, n_stages, example_kwargs=kwargs, analysis=a)
+    stages = partition.split(model, plan, args, kwargs, gm=None if retrace else a.gm)
+    assert len(stages) == n_stages
+    assert [st.io.index for st in stages] == list(range(n_stages))
+    assert [st.io.last for st in stages] == [False] * (n_stages - 1) + [True]
+    for st, nxt in zip(stages, stages[1:]):
+        assert st.io.send == nxt.io.recv
+    flat = flatten_inputs(a.gm, args, kwargs)
+    with torch.no_grad():
+        ref = model(*args, **kwargs)
+        got = run_stages(stages, flat)
+    assert_same_output(got, ref)
+
+    canonical = param_names(model)
+    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    placed: set[str] = set()
+    for st, sp in zip(stages, plan.stages):
+        names = {n for n, _ in st.named_parameters()}
+        assert names <= aliases, f"stage {sp.index} invents names {names - aliases}"
+        mine = {canonical[id(p)] for p in st.parameters()}
+        assert mine == set(sp.params)
+        placed |= mine
+    assert placed == set(canonical.values())
+    return plan
+
+
+@pytest.fixture(scope="module")
+def analyses() -> dict[str, tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any], partition.Analysis]]:
+    return {}
+
+
+def _workload(name: str, cache: dict[str, Any]) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any],
+                                                           partition.Analysis]:
+    if name not in cache:
+        if name == "hf_gpt2":
+            model, args, kwargs = hf_gpt2()
+        elif name == "hf_bert":
+            model, args, kwargs = hf_bert()
+        else:
+            factory, kw = WORKLOADS[name]
+            w = factory(**kw)
+            model, args, kwargs = w.model, w.example_args, w.example_kwargs
+        cache[name] = (model, args, kwargs, partition.Analysis(model, args, kwargs, cost="flops"))
+    return cache[name]
+
+
+@pytest.mark.parametrize("n_stages", [2, 3, 4])
+@pytest.mark.parametrize("name", [*WORKLOADS, "hf_gpt2", "hf_bert"])
+def test_stages_compose_to_the_model(name: str, n_stages: int, analyses: dict[str, Any]) -> None:
+    model, args, kwargs, a = _workload(name, analyses)
+    # fx traces are cheap to redo; the exported HF graphs are reused once the retrace is covered
+    retrace = not name.startswith("hf_") or n_stages == 2
+    plan = check_split(model, args, kwargs, a, n_stages, retrace=retrace)
+    expected = "torch.export.export" if name.startswith("hf_") else "torch.fx.symbolic_trace"
+    assert plan.tracer == expected
+
+
+def test_hf_models_keep_inputs_for_later_stages(analyses: dict[str, Any]) -> None:
+    """BERT's attention mask and labels reach the stages that read them, straight from the inputs."""
+    model, args, kwargs, a = _workload("hf_bert", analyses)
+    plan = partition.plan(model, args, 3, example_kwargs=kwargs, analysis=a)
+    stages = partition.split(model, plan, gm=a.gm)
+    flat_names = [n.name for n in a.gm.graph.nodes if n.op == "placeholder"]
+    assert flat_names == ["input_ids", "attention_mask", "labels"]
+    assert 2 in stages[-1].io.inputs  # the loss needs the labels on the last stage
+    assert any(1 in st.io.inputs for st in stages)  # the mask is read where attention is
+
+
+def test_tied_weight_is_on_both_stages_and_counted_twice() -> None:
+    factory, kw = WORKLOADS["gpt"]
+    w = factory(**kw)
+    plan = partition.plan(w.model, w.example_args, 2, cost="flops")
+    tied = "tok_emb.weight"
+    assert w.model.lm_head.weight is w.model.tok_emb.weight
+    sizes = {n: p.numel() * p.element_size() for n, p in w.model.named_parameters()}
+    for sp in plan.stages:
+        assert tied in sp.params and tied in sp.shared
+        assert sp.param_bytes == sum(sizes[p] for p in sp.params)
+    assert sum(sp.param_bytes for sp in plan.stages) == sum(sizes.values()) + sizes[tied]
+    stages = partition.split(w.model, plan, w.example_args)
+    for st in stages:  # the same Parameter object, so its gradients can be summed across stages
+        assert any(p is w.model.tok_emb.weight for p in st.parameters())
+
+
+def test_split_without_example_inputs_uses_the_plans_shapes() -> None:
+    factory, kw = WORKLOADS["mlp"]
+    w = factory(**kw)
+    plan = partition.plan(w.model, w.example_args, 3, cost="flops")
+    stages = partition.split(w.model, plan)  # re-traced on zeros shaped as plan.inputs
+    gm = partition.trace(w.model, w.example_args)
+    with torch.no_grad():
+        torch.testing.assert_close(run_stages(stages, flatten_inputs(gm, w.example_args)),
+                                   w.model(*w.example_args))
+
+
+def test_split_from_the_plan_alone_keeps_python_flags() -> None:
+    """Non-tensor inputs (here a bool that changes the graph) are recorded in the plan."""
+    from tests.test_trace import Keywords
+    model, x = Keywords(), torch.randn(3, 4)
+    kwargs = {"mask": torch.ones(3, 4), "scale": 0.5, "double": True}
+    plan = partition.plan(model, (x,), 2, example_kwargs=kwargs, cost="flops")
+    assert plan.tracer == "torch.export.export"
+    assert plan.input_constants == {"2": 0.5, "3": True}
+    assert partition.Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+    stages = partition.split(model, plan)
+    gm = partition.trace(model, (x,), kwargs)
+    with torch.no_grad():
+        assert_same_output(run_stages(stages, flatten_inputs(gm, (x,), kwargs)), model(x, **kwargs))
+
+
+def test_skip_connection_crosses_every_boundary_between_its_ends() -> None:
+    """A U-Net cut in 4: an encoder output read by the decoder is sent through each stage between."""
+    factory, kw = WORKLOADS["unet"]
+    w = factory(**kw)
+    plan = partition.plan(w.model, w.example_args, 4, cost="flops")
+    stage_of = {n: sp.index for sp in plan.stages for n in sp.nodes}
+    stages = partition.split(w.model, plan, w.example_args)
+    crossing = [r for st in stages for r in st.io.recv]
+    long = [r for r in set(crossing) if crossing.count(r) > 1]
+    assert long, "some skip should cross more than one boundary"
+    for r in long:
+        holders = [st.io.index for st in stages if r in st.io.recv]
+        assert holders == list(range(stage_of[r] + 1, holders[-1] + 1))
+        for s in holders[:-1]:  # forwarded by every stage in between
+            assert r in stages[s].io.send
+
+
+class ExportedBatchNorm(torch.nn.Module):
+    """Conv-BN twice with a branch on a shape, which symbolic_trace refuses: traced by torch.export."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.bn1 = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8)
+        self.c2, self.bn2 = torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 3, S, S)
+        if x.shape[0] > 1:
+            x = x * 2.0
+        h = torch.relu(self.bn1(self.c1(x)))  # (B, 8, S, S)
+        return self.bn2(self.c2(h)).mean(dim=(2, 3))  # (B, 8)
+
+
+@pytest.mark.parametrize("n_stages", [2, 3])
+def test_exported_buffer_updates_stay_on_their_stage(n_stages: int) -> None:
+    torch.manual_seed(0)
+    model, ref = ExportedBatchNorm(), ExportedBatchNorm()
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(4, 3, 8, 8)
+    plan = partition.plan(model, (x,), n_stages, cost="flops")
+    assert plan.tracer == "torch.export.export"
+    assert all(v.shape == [4, 8, 8, 8] for sp in plan.stages for v in sp.recv)  # no statistic travels
+    stages = partition.split(model, plan, (x,))
+    torch.testing.assert_close(run_stages(stages, [x]), ref(x))
+    for (name, got), want in zip(model.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(got, want, msg=name)

@@ -1,0 +1,153 @@
+"""Tests for partition/trace.py: fx first, torch.export as the fallback, inputs flattened, clear errors."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.fx
+
+import partition
+from bench import models
+from partition.trace import flatten_inputs, flatten_outputs, unflatten_outputs
+from tests.test_split import hf_bert, hf_gpt2
+
+
+class Keywords(torch.nn.Module):
+    """A model with keyword inputs, one of them optional and one a Python flag."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, scale: float = 1.0,
+                double: bool = False) -> dict[str, torch.Tensor]:
+        h = self.lin(x) * scale
+        if mask is not None:
+            h = h * mask
+        return {"h": h * 2 if double else h, "x": x}
+
+
+class ValueBranch(torch.nn.Module):
+    """Python control flow on a tensor's value: symbolic_trace and torch.export both refuse it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if h.sum().item() > 0:
+            return h * 2
+        return h - 1
+
+
+class Box:
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+
+class OpaqueOutput(torch.nn.Module):
+    """.item() turned into a size, and an output type that is no pytree."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> Box:
+        h = self.lin(x)
+        n = int(h.abs().sum().item() > -1)
+        return Box(h[: n + 1])
+
+
+def test_symbolic_trace_is_tried_first_and_keeps_parameters() -> None:
+    w = models.gpt(n_layer=2, d_model=64, seq_len=32, vocab=128)
+    gm = partition.trace(w.model, w.example_args)
+    assert gm.meta["fxpipe_tracer"] == "torch.fx.symbolic_trace"
+    own = dict(w.model.named_parameters())
+    for name, p in gm.named_parameters():
+        assert p is own[name]
+
+
+def test_hf_models_fall_back_to_export_with_no_guard_nodes() -> None:
+    for build in (hf_gpt2, hf_bert):
+        model, args, kwargs = build()
+        gm = partition.trace(model, args, kwargs)
+        assert gm.meta["fxpipe_tracer"] == "torch.export.export"
+        assert not [n for n in gm.graph.nodes if "_guards_fn" in str(n.target) or "assert" in str(n.target)]
+        own = {id(p) for p in model.parameters()}
+        assert all(id(p) in own for p in gm.parameters())  # the model's own tensors, not copies
+
+
+def test_keyword_inputs_none_and_python_flags() -> None:
+    model = Keywords()
+    x, mask = torch.randn(3, 4), torch.ones(3, 4)
+    for kwargs in ({"mask": mask}, {"mask": None, "scale": 0.5}, {"double": True}):
+        gm = partition.trace(model, (x,), kwargs)
+        flat = flatten_inputs(gm, (x,), kwargs)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        assert len(flat) == len(placeholders)
+        torch.testing.assert_close(gm.forward(*flat), model(x, **kwargs))  # placeholders in order
+        torch.testing.assert_close(gm(x, **kwargs), model(x, **kwargs))
+
+
+def test_export_flattening_follows_keyword_names_not_order() -> None:
+    model, args, kwargs = hf_bert()
+    gm = partition.trace(model, args, kwargs)
+    flat = flatten_inputs(gm, args, dict(reversed(list(kwargs.items()))))
+    assert flat[0] is args[0] and flat[1] is kwargs["attention_mask"] and flat[2] is kwargs["labels"]
+
+
+def test_outputs_flatten_and_rebuild() -> None:
+    model = Keywords()
+    x = torch.randn(3, 4)
+    gm = partition.trace(model, (x,))
+    leaves, spec = flatten_outputs(gm)
+    assert all(isinstance(leaf, torch.fx.Node) for leaf in leaves)
+    values = [torch.full((1,), float(i)) for i in range(len(leaves))]
+    rebuilt = unflatten_outputs(values, spec)
+    assert set(rebuilt) == {"h", "x"}
+
+
+@pytest.mark.parametrize("model", [ValueBranch(), OpaqueOutput()], ids=lambda m: type(m).__name__)
+def test_untraceable_model_names_both_reasons_and_the_fix(model: torch.nn.Module) -> None:
+    with pytest.raises(partition.TraceError) as err:
+        partition.trace(model, (torch.randn(2, 4),))
+    msg = str(err.value)
+    assert type(model).__name__ in msg
+    assert "torch.fx.symbolic_trace failed" in msg and "torch.export.export failed" in msg
+    assert "leaf_modules" in msg and "control flow" in msg
+
+
+def test_untraceable_model_fails_plan_with_the_same_error() -> None:
+    with pytest.raises(partition.TraceError, match="ValueBranch"):
+        partition.plan(ValueBranch(), (torch.randn(2, 4),), 2, cost="flops")
+
+
+def test_wrong_example_inputs_say_so() -> None:
+    with pytest.raises(partition.TraceError, match="calling it on the example inputs fails"):
+        partition.trace(torch.nn.Linear(4, 4), (torch.randn(2, 5),))
+
+
+def test_leaf_modules_keep_a_dynamic_module_whole() -> None:
+    class Outer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pre = torch.nn.Linear(4, 4)
+            self.dyn = ValueBranch()
+
+        def forward(self, x: torch.Tensor) -> Any:
+            return self.dyn(self.pre(x))
+
+    model = Outer()
+    x = torch.randn(2, 4)
+    gm = partition.trace(model, (x,), leaf_modules=[ValueBranch])
+    assert gm.meta["fxpipe_tracer"] == "torch.fx.symbolic_trace"
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["pre", "dyn"]
+
+
+def test_trace_leaves_buffers_alone() -> None:
+    w = models.resnet(blocks=2, channels=8, image=8)
+    before = {n: b.clone() for n, b in w.model.named_buffers()}
+    partition.trace(w.model, w.example_args)
+    assert all(torch.equal(b, before[n]) for n, b in w.model.named_buffers())
