@@ -124,7 +124,7 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
     `example_args`/`example_kwargs` are one microbatch. Memory per stage counts parameters
     times `state_factor` (weight, grad, Adam's two moments), plus the activations of the
     microbatches the schedule keeps in flight there (1F1B: min(M, S - s); pass
-    `in_flight_counts` for other schedules), plus one received and one sent buffer.
+    `in_flight_counts` for other schedules), each with its received inputs and sent outputs.
     The memory check counts what memory/ can reach: with `recompute` 'full' or 'auto' one
     microbatch's activations (recomputed in its backward), with `offload` 'states' or 'all' no
     model state (its chunks stream through the device).

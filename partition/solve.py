@@ -136,9 +136,12 @@ def _time(compute: Num, speed: Num, comm_in: Num, comm_out: Num) -> Num:
 
 def _memory(cost: CostModel, union: Num, in_flight: Num, act: Num, cut_in: Num,
             cut_out: Num) -> Num:
-    """M_s(a, b): the one definition of stage memory, shared by the DP and the reports."""
-    return (cost.state_factor * union + in_flight * act + cost.extra_bytes
-            + cut_in + cut_out)
+    """M_s(a, b): the one definition of stage memory, shared by the DP and the reports.
+
+    Each microbatch in flight holds its saved activations, its received inputs (kept for
+    their grads) and its sent outputs (the roots of its backward).
+    """
+    return (cost.state_factor * union + in_flight * (act + cut_in + cut_out) + cost.extra_bytes)
 
 
 @dataclass(frozen=True)

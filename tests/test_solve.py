@@ -64,8 +64,7 @@ def brute_costs(raw: Raw, bounds: tuple[int, ...], cost: CostModel
         for i in range(a, b):
             used |= raw.params[i]
         mems.append(cost.state_factor * sum(raw.sizes[p] for p in used)
-                    + in_flight[s] * sum(raw.act[a:b]) + cost.extra_bytes
-                    + raw.cut[a] + raw.cut[b])
+                    + in_flight[s] * (sum(raw.act[a:b]) + raw.cut[a] + raw.cut[b]) + cost.extra_bytes)
     return times, mems
 
 
