@@ -26,30 +26,11 @@ DEFAULTS = {"n_layer": 8, "d_model": 256, "n_head": 8, "seq_len": 128, "vocab": 
 
 
 def layer_bounds(analysis: Any, layer_prefixes: tuple[str, ...], n_stages: int) -> tuple[int, ...]:
-    """Block bounds of an even split by layers: stage k starts at layer round(k L / S)."""
-    L = len(layer_prefixes)
-    if L < n_stages:
-        raise ValueError(f"an even layer split needs at least one layer per stage ({L} layers, {n_stages} stages)")
-    starts = [layer_prefixes[(k * L) // n_stages] for k in range(1, n_stages)]
-    gm_nodes = {n.name: n for n in analysis.gm.graph.nodes}
-
-    def path(name: str) -> str:
-        node = gm_nodes[name]
-        if node.op == "call_module":
-            return str(node.target)
-        stack = list(node.meta.get("nn_module_stack", {}).values())
-        return str(stack[-1][0]) if stack else ""
-
-    bounds = [0]
-    for prefix in starts:
-        for b, members in enumerate(analysis.blocks.members):
-            if any(path(n) == prefix or path(n).startswith(prefix + ".") for n in members):
-                bounds.append(b)
-                break
-        else:
-            raise ValueError(f"no block belongs to layer {prefix}")
-    bounds.append(len(analysis.blocks.members))
-    return tuple(bounds)
+    """Block bounds of an even split by layers (what torch.distributed.pipelining users write)."""
+    from bench.quality import layer_spans
+    from partition.solve import even_split
+    return even_split([s for s, _ in layer_spans(analysis, layer_prefixes)], n_stages,
+                      n_blocks=len(analysis.blocks.members))
 
 
 def _torch_pipeline(w: Any, rank: int, world: int, M: int) -> tuple[Callable[..., float], list[Any]]:

@@ -1,0 +1,67 @@
+"""python -m bench: each subcommand on a tiny model writes valid JSON, PNG and trace files."""
+import json
+import sys
+from pathlib import Path
+
+from tests.mp import run_command
+
+TINY = ["--model-arg", "n_layer=2", "--model-arg", "d_model=32", "--model-arg", "n_head=2",
+        "--model-arg", "seq_len=16", "--model-arg", "vocab=64"]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _valid_trace(path: Path) -> None:
+    events = json.loads(path.read_text())["traceEvents"]
+    spans = [e for e in events if e.get("ph") == "X"]
+    assert spans and all(e["dur"] >= 0 and isinstance(e["ts"], (int, float)) for e in spans)
+    assert {"F", "B"} <= {e["name"][len(str(e["name"]).rstrip("0123456789")) - 1] for e in spans}
+
+
+def test_bench_schedules(tmp_path: Path) -> None:
+    out = run_command([sys.executable, "-m", "bench", "schedules", "gpt", *TINY, "--microbatches", "2,4",
+                       "--schedules", "gpipe,1f1b,interleaved-1f1b,zb-h1", "--steps", "2", "--warmup", "1",
+                       "--cost", "flops", "--out", str(tmp_path)], timeout=180).output
+    assert "| zb-h1 | 4 |" in out
+    data = json.loads((tmp_path / "schedules.json").read_text())
+    assert data["ranks"] == 2 and data["versions"]["torch"] and "bench schedules" in data["command"]
+    rows = data["results"]
+    assert {(r["schedule"], r["microbatches"]) for r in rows} == {
+        (s, m) for s in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1") for m in (2, 4)}
+    for r in rows:
+        assert len(r["samples_s"]) == 2 and r["median_step_s"] > 0 and r["tokens_per_s"] > 0
+        assert 0 <= r["measured_bubble"] < 1 and 0 <= r["predicted_bubble"] < 1
+        assert 0 < r["textbook_bubble"] < 1 and r["predicted_step_ms"] > 0
+        tag = f"{r['schedule']}-M{r['microbatches']}"
+        assert (tmp_path / f"timeline-{tag}.png").read_bytes()[:8] == PNG
+        _valid_trace(tmp_path / f"trace-{tag}.json")
+    assert (tmp_path / "schedules.md").read_text().startswith("| schedule |")
+
+
+def test_bench_vs_torch(tmp_path: Path) -> None:
+    out = run_command([sys.executable, "-m", "bench", "vs-torch", "gpt", *TINY, "--rounds", "2",
+                       "--cost", "flops", "--out", str(tmp_path)], timeout=180).output
+    assert "torch.distributed.pipelining, even layer split" in out
+    data = json.loads((tmp_path / "vs_torch.json").read_text())
+    assert set(data["median_s"]) == {"torch-even", "fxpipe-even", "fxpipe-auto", "one-process"}
+    assert all(len(v) == 2 for v in data["samples_s"].values())
+    for k in ("fxpipe-even", "fxpipe-auto"):
+        assert (tmp_path / f"timeline-{k}.png").read_bytes()[:8] == PNG
+        _valid_trace(tmp_path / f"trace-{k}.json")
+    # same model, same batch: torch's first loss equals fxpipe's
+    line = next(x for x in out.splitlines() if "first-step loss" in x)
+    torch_loss, fx_loss = [w.strip(",") for w in line.split() if w[0].isdigit()]
+    assert torch_loss == fx_loss
+
+
+def test_bench_partition(tmp_path: Path) -> None:
+    out = run_command([sys.executable, "-m", "bench", "partition", "gpt", *TINY, "--stages", "2",
+                       "--cost", "flops", "--out", str(tmp_path)], timeout=180).output
+    assert "even layers" in out and "fxpipe" in out
+    data = json.loads((tmp_path / "partition.json").read_text())
+    assert data["torch"] and data["command"]
+    methods = {r["method"]: r for r in data["quality"]}
+    assert set(methods) == {"fxpipe", "even layers", "param count", "layer time"}
+    for r in methods.values():
+        assert len(r["measured"]) == 2 and all(t > 0 for t in r["measured"]) and r["bounds"][0] == 0
+    assert (tmp_path / "partition.png").read_bytes()[:8] == PNG
+    assert (tmp_path / "partition.md").exists()
