@@ -48,7 +48,7 @@ def _torch_pipeline(w: Any, rank: int, world: int, M: int) -> tuple[Callable[...
             return float("nan")
         losses: list[torch.Tensor] = []
         sched.step(target=target, losses=losses)
-        return float(torch.stack(losses).mean())
+        return float(torch.stack(losses).detach().mean())
     return step, params
 
 
