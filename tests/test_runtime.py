@@ -27,10 +27,13 @@ def test_parity_every_schedule(world: int, spec: str, args: dict) -> None:
                      schedules=ALL, M=4))
 
 
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("spec", ["bench.hf_models:bert", "bench.hf_models:t5"], ids=["hf-bert", "hf-t5"])
-def test_parity_encoder_models(spec: str) -> None:
-    _check(run_ranks("tests.parity:parity_body", 2, timeout=180, spec=spec, model_args={},
-                     schedules=[("1f1b", 1), ("zb-h1", 1)], M=2))
+def test_parity_encoder_models(spec: str, world: int) -> None:
+    """BERT with a padding mask and T5 (encoder-decoder), keyword inputs through the same step call."""
+    schedules = [("1f1b", 1), ("zb-h1", 1)] if world == 2 else [("1f1b", 1)]
+    _check(run_ranks("tests.parity:parity_body", world, timeout=180, spec=spec, model_args={},
+                     schedules=schedules, M=world))
 
 
 def test_same_seed_same_losses_bitwise() -> None:
