@@ -72,6 +72,7 @@ class Plan:
     inputs: list[Value | None]       # the flat example (args, kwargs) leaves (None: not a tensor)
     input_spec: str = ""             # their pytree structure (torch.utils._pytree.treespec_dumps)
     input_constants: dict[str, Any] = field(default_factory=dict)  # flat index -> a non-tensor leaf (JSON)
+    rewrites: list[list[Any]] = field(default_factory=list)  # [node, parts]: linear layers cut in row slices
     state_factor: float = 4.0
     bytes_per_ms: float = 1e6
     latency_ms: float = 0.05

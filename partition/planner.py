@@ -12,6 +12,7 @@ import torch.utils._pytree as pytree
 
 from partition.costs import node_costs, param_names
 from partition.graph import build_graph, coarsen
+from partition.rewrite import apply_rewrites, splittable_linear
 from partition.plan import Plan, PlanError, StagePlan, Value, fingerprint, human_bytes, in_flight, parse_bytes
 from partition.solve import Chain, CostModel, InfeasibleBudget, Solution, solve
 from partition.split import example_from_plan, live_values, split_graph
@@ -26,12 +27,14 @@ class Analysis:
     def __init__(self, model: torch.nn.Module, example_args: Sequence[Any],
                  example_kwargs: dict[str, Any] | None = None, *, cost: str = "measured",
                  leaf_modules: Sequence[type[torch.nn.Module]] = (), max_blocks: int = 2000,
-                 repeats: int = 5) -> None:
+                 repeats: int = 5, rewrites: Sequence[tuple[str, int]] = ()) -> None:
         self.model = model
         self.args = tuple(example_args)
         self.kwargs = dict(example_kwargs or {})
         self.cost = cost
-        self.gm = trace(model, self.args, self.kwargs, leaf_modules=leaf_modules)
+        self.leaf_modules, self.max_blocks, self.repeats = tuple(leaf_modules), max_blocks, repeats
+        self.rewrites = [(str(n), int(k)) for n, k in rewrites]
+        self.gm = apply_rewrites(trace(model, self.args, self.kwargs, leaf_modules=leaf_modules), self.rewrites)
         self.flat = flatten_inputs(self.gm, self.args, self.kwargs)
         self.names = param_names(model)
         self.costs = node_costs(self.gm, self.flat, cost=cost, names=self.names, repeats=repeats)
@@ -104,7 +107,7 @@ def plan_from_bounds(a: Analysis, bounds: Sequence[int], cost_model: CostModel, 
     return Plan(stages=stages, schedule=schedule, microbatches=microbatches, stages_per_rank=stages_per_rank,
                 cost=a.cost, memory_budget=memory_budget, bottleneck_ms=float(sol.bottleneck_ms),
                 imbalance=float(max(times) / (sum(times) / len(times))) if sum(times) > 0 else 1.0,
-                model=type(a.model).__name__, fingerprint=fingerprint(a.gm),
+                model=type(a.model).__name__, fingerprint=fingerprint(a.gm), rewrites=[list(r) for r in a.rewrites],
                 tracer=str(a.gm.meta.get("fxpipe_tracer", "")), inputs=[_value(x) for x in flat_leaves],
                 input_spec=pytree.treespec_dumps(spec), input_constants=_constants(flat_leaves),
                 state_factor=cost_model.state_factor,
@@ -163,8 +166,40 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
             f"{state_factor:g} for weights, grads and optimizer state, plus in-flight activations). "
             f"Fix: give memory_budget >= {need:.0f}, use more stages, fewer microbatches in flight, or "
             "recompute/offload activations", need) from None
+    if analysis is None:
+        a, sol = _split_heavy_ops(a, sol, n_stages, kept)
     return plan_from_bounds(a, sol.bounds, cm, schedule=schedule, microbatches=M,
                             stages_per_rank=stages_per_rank, memory_budget=budget)
+
+
+def _split_heavy_ops(a: Analysis, sol: Solution, n_stages: int, cm: CostModel) -> tuple[Analysis, Solution]:
+    """When one block alone is slower than a perfectly balanced stage (total / S), split the
+    linear layers that make it so into row slices (partition.rewrite) and solve again; keep
+    the result only if its bottleneck is lower. Example: a wide-vocabulary LM head."""
+    ch = a.chain
+    work = ch.fwd_ms + ch.bwd_ms
+    fair = float(work.sum()) / n_stages
+    if n_stages < 2 or float(work.max()) <= fair:
+        return a, sol
+    nodes = {n.name: n for n in a.gm.graph.nodes}
+    rewrites = list(a.rewrites)
+    for b in range(ch.n):
+        if work[b] <= fair:
+            continue
+        for name in a.blocks.members[b]:
+            c = a.costs[name]
+            t = c.fwd_ms + c.bwd_ms
+            if t >= 0.5 * work[b] and splittable_linear(a.gm, nodes[name]) is not None:
+                rewrites.append((name, min(32, math.ceil(4 * t / fair))))  # slices of ~1/4 stage
+    if len(rewrites) == len(a.rewrites):
+        return a, sol
+    b2 = Analysis(a.model, a.args, a.kwargs, cost=a.cost, leaf_modules=a.leaf_modules,
+                  max_blocks=a.max_blocks, repeats=a.repeats, rewrites=rewrites)
+    try:
+        sol2 = solve(b2.chain, n_stages, cm)
+    except InfeasibleBudget:
+        return a, sol
+    return (b2, sol2) if sol2.bottleneck_ms < sol.bottleneck_ms * 0.98 else (a, sol)
 
 
 def split(model: torch.nn.Module, plan: Plan, example_args: Sequence[Any] | None = None,

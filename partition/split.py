@@ -8,6 +8,7 @@ import torch
 import torch.fx
 
 from partition.plan import Plan, PlanError, fingerprint
+from partition.rewrite import apply_rewrites
 from partition.trace import flatten_outputs
 
 __all__ = ["StageIO", "stage_io", "split_graph", "live_values", "example_from_plan"]
@@ -88,7 +89,12 @@ def split_graph(gm: torch.fx.GraphModule, plan: Plan) -> list[torch.fx.GraphModu
 
     Submodules and attributes keep their qualified names, so `named_parameters()` of a
     stage gives the model's own names; a tied weight appears on every stage that reads it.
+    The plan's rewrites (partition.rewrite) are applied to `gm` first, in place, if not yet.
     """
+    present = {n.name for n in gm.graph.nodes}
+    todo = [r for r in plan.rewrites if str(r[0]) in present]
+    if todo:
+        apply_rewrites(gm, todo)
     fp = fingerprint(gm)
     if fp != plan.fingerprint:
         raise PlanError(f"the plan was made for another model ({plan.model}, fingerprint {plan.fingerprint}) "

@@ -37,8 +37,10 @@ def one_schedule(rank: int, world: int, spec: str, model_args: dict[str, Any], s
     ref = partition.load(spec, **model_args)
     pp = pipe.Pipeline(w.model, w.example_args, example_kwargs=w.example_kwargs, loss_fn=w.loss_fn,
                        microbatches=M, schedule=schedule, stages_per_rank=v, cost="flops")
-    opt = torch.optim.Adam(list(pp.parameters()), lr=1e-3)
-    ref_opt = torch.optim.Adam(ref.model.parameters(), lr=1e-3)
+    # eps=1e-6: with the default 1e-8 Adam turns grads at float-noise level (1e-9, where
+    # summation order alone differs) into full-size steps, so parameters would compare noise.
+    opt = torch.optim.Adam(list(pp.parameters()), lr=1e-3, eps=1e-6)
+    ref_opt = torch.optim.Adam(ref.model.parameters(), lr=1e-3, eps=1e-6)
     ref_params = dict(ref.model.named_parameters())
     losses = []
     for step in range(steps):

@@ -27,6 +27,13 @@ def test_parity_every_schedule(world: int, spec: str, args: dict) -> None:
                      schedules=ALL, M=4))
 
 
+def test_parity_with_a_split_lm_head() -> None:
+    """A head wider than a fair stage is cut into row slices held by several stages (partition.rewrite)."""
+    _check(run_ranks("tests.parity:parity_body", 4, timeout=240, spec="gpt_wide_vocab",
+                     model_args={"n_layer": 2, "d_model": 64, "vocab": 4000, "seq_len": 32},
+                     schedules=[("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)], M=4))
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("spec", ["bench.hf_models:bert", "bench.hf_models:t5"], ids=["hf-bert", "hf-t5"])
 def test_parity_encoder_models(spec: str, world: int) -> None:
