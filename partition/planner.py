@@ -18,7 +18,7 @@ from partition.solve import Chain, CostModel, InfeasibleBudget, Solution, solve
 from partition.split import example_from_plan, live_values, split_graph
 from partition.trace import TraceError, flatten_inputs, trace
 
-__all__ = ["plan", "split", "Analysis", "analyse", "plan_from_bounds"]
+__all__ = ["plan", "split", "Analysis", "analyse", "plan_from_bounds", "split_heavy_ops"]
 
 
 class Analysis:
@@ -167,12 +167,12 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
             f"Fix: give memory_budget >= {need:.0f}, use more stages, fewer microbatches in flight, or "
             "recompute/offload activations", need) from None
     if analysis is None:
-        a, sol = _split_heavy_ops(a, sol, n_stages, kept)
+        a, sol = split_heavy_ops(a, sol, n_stages, kept)
     return plan_from_bounds(a, sol.bounds, cm, schedule=schedule, microbatches=M,
                             stages_per_rank=stages_per_rank, memory_budget=budget)
 
 
-def _split_heavy_ops(a: Analysis, sol: Solution, n_stages: int, cm: CostModel) -> tuple[Analysis, Solution]:
+def split_heavy_ops(a: Analysis, sol: Solution, n_stages: int, cm: CostModel) -> tuple[Analysis, Solution]:
     """When one block alone is slower than a perfectly balanced stage (total / S), split the
     linear layers that make it so into row slices (partition.rewrite) and solve again; keep
     the result only if its bottleneck is lower. Example: a wide-vocabulary LM head."""
