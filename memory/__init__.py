@@ -1,4 +1,9 @@
 """memory: per-stage memory budgets met by recomputation and chunked CPU offload."""
 from memory.base import MemoryManager
+from memory.budget import OFFLOAD, RECOMPUTE, BudgetError, StageChoice, check_options
+from memory.build import NodeCost, build
+from memory.manager import PlannedMemory
+from memory.streams import measure_speeds
 
-__all__ = ["MemoryManager"]
+__all__ = ["MemoryManager", "PlannedMemory", "BudgetError", "StageChoice", "NodeCost", "build",
+           "check_options", "measure_speeds", "RECOMPUTE", "OFFLOAD"]

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -23,6 +23,13 @@ class MemoryManager:
     @contextlib.contextmanager
     def forward(self, stage: int, mb: int) -> Iterator[None]:
         yield
+
+    def set_weight_order(self, stage: int, nodes: Sequence[str], multi: Sequence[torch.nn.Parameter]) -> None:
+        """Zero-bubble: the parameter nodes W differentiates, in order, and the parameters B handles."""
+
+    def fused_backward(self, stage: int) -> bool:
+        """True when B of `stage` must compute the weight grads too (its W then does nothing)."""
+        return False
 
     def before(self, action: Any) -> None:
         pass

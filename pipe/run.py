@@ -31,10 +31,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cost", default="measured", choices=["measured", "flops"])
     p.add_argument("--plan", default=None, help="a plan.json from python -m partition (default: plan now)")
     p.add_argument("--memory-budget", default=None, help="per-stage budget, e.g. 8GiB")
+    p.add_argument("--recompute", default="none", choices=["none", "full", "selective", "auto"],
+                   help="activation recomputation per stage (auto: chosen from --memory-budget)")
+    p.add_argument("--offload", default="none", choices=["none", "activations", "states", "all"],
+                   help="chunked offload to host memory of activations, model states, or both")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--out", default="out/run", help="folder for the trace, the PNG and the summary")
     p.add_argument("--seed", type=int, default=None, help="passed to the factory as seed= when given")
     return p.parse_args(argv)
+
+
+def _memory_lines(pp: Any) -> str:
+    """Every stage's memory (policy, predicted and measured peak by kind), gathered to every rank."""
+    mine = pp.memory.describe() if hasattr(pp.memory, "describe") else ""
+    parts: list[Any] = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
+    if dist.is_initialized():
+        dist.all_gather_object(parts, mine)
+    lines = [line for p in parts for line in str(p).splitlines() if line]
+    return "\n".join(sorted(lines, key=lambda line: int(line.split()[1].rstrip(":"))))
 
 
 def _bar(done: int, total: int, width: int = 20) -> str:
@@ -62,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         pp = pipe.Pipeline(w.model, w.example_args, example_kwargs=w.example_kwargs, loss_fn=w.loss_fn,
                            microbatches=args.microbatches, schedule=args.schedule, plan=args.plan,
-                           stages_per_rank=args.stages_per_rank, cost=args.cost, memory_budget=args.memory_budget)
+                           stages_per_rank=args.stages_per_rank, cost=args.cost, memory_budget=args.memory_budget,
+                           recompute=args.recompute, offload=args.offload)
     except (ValueError, TypeError) as e:
         print(f"error (rank {ctx.rank}): {e}", file=sys.stderr)
         return 2
@@ -88,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         last = loss
         say(f"step {step + 1:4d}/{args.steps} {_bar(step + 1, args.steps)} loss {loss:.4f}  "
             f"{tokens / dt:9.0f} tok/s  {dt * 1e3:7.1f} ms", flush=True)
+    memory_lines = _memory_lines(pp)
     measured = pp.gather_timeline()
     if ctx.rank == 0 and measured is not None:
         out = Path(args.out)
@@ -115,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{measured.makespan:.1f} ms measured, {predicted.makespan:.1f} ms predicted")
         say(measured.to_text(width=80))
         say(f"wrote {out / 'trace.json'} (open in ui.perfetto.dev or chrome://tracing){png}")
+        say("memory per stage (last step):\n" + memory_lines)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -15,6 +15,7 @@ from partition.plan import Plan
 from partition.split import StageIO
 from partition.split import split_graph
 from partition.trace import flatten_inputs, trace, unflatten_outputs
+import memory
 from memory import MemoryManager
 from pipe import comm
 from pipe.exchange import Exchange
@@ -96,9 +97,10 @@ class Pipeline:
         if loss_fn is None or not callable(loss_fn):
             raise PipelineError(f"loss_fn must be a callable (output, target) -> scalar loss, got {loss_fn!r}; "
                                 "pass e.g. loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())")
-        if recompute != "none" or offload != "none":
-            raise PipelineError(f"recompute={recompute!r}, offload={offload!r}: this build of fxpipe runs "
-                                "recompute='none' and offload='none' only")
+        try:
+            memory.check_options(recompute, offload)
+        except ValueError as e:
+            raise PipelineError(str(e)) from None
         self.ctx = comm.context()
         self.rank, self.world = self.ctx.rank, self.ctx.world_size
         self.M, self.v = microbatches, stages_per_rank
@@ -114,7 +116,7 @@ class Pipeline:
             raise PipelineError(str(e)) from e
         self.has_w = any(a.kind == "W" for a in self.actions)
         args, kwargs = tuple(example_args), dict(example_kwargs or {})
-        self.plan = self._agree_on_plan(model, args, kwargs, plan, cost, memory_budget)
+        self.plan = self._agree_on_plan(model, args, kwargs, plan, cost, memory_budget, (recompute, offload))
         try:
             gm = trace(model, args, kwargs)
             stages = split_graph(gm, self.plan)
@@ -124,24 +126,29 @@ class Pipeline:
         _agree(error, self.rank, self.world)
         self._gm = gm
         self.local = [s for s in range(self.S) if s % self.world == self.rank]
+        costs = self._memory_costs(args, kwargs, recompute, offload, memory_budget)
         self.stages = {s: stages[s].to(self.ctx.device) for s in self.local}
         self.io: dict[int, StageIO] = {s: stages[s].io for s in self.local}  # type: ignore[misc]
+        self.memory: MemoryManager = self._build_memory(model, costs, recompute, offload, memory_budget)
         self._zb: dict[int, tuple[torch.fx.GraphModule, list[tuple[str, list[torch.nn.Parameter]]],
                                   list[torch.nn.Parameter]]] = {}
         if self.has_w:
             for s in self.local:
                 self._zb[s] = with_param_outputs(self.stages[s], self.io[s].param_nodes)
+                self.memory.set_weight_order(s, [n for n, _ in self._zb[s][1]], self._zb[s][2])
+        self._call = {s: self.memory.wrap_stage(s, self._zb[s][0] if self.has_w else self.stages[s])
+                      for s in self.local}
         self._names = {id(p): n for n, p in model.named_parameters()}
         self._placed = {id(b) for st in stages for b in st.buffers()}
         self._model = model
         self._tied_groups = self._make_tied_groups()
         self.transport: comm.Transport = comm.TorchTransport()
         self.timeline: list[Event] = []
-        self.memory: MemoryManager = MemoryManager()
 
     # ----- set-up -----
     def _agree_on_plan(self, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                       plan: Plan | str | None, cost: str, budget: float | str | None) -> Plan:
+                       plan: Plan | str | None, cost: str, budget: float | str | None,
+                       features: tuple[str, str] = ("none", "none")) -> Plan:
         if isinstance(plan, str):
             plan = Plan.load(plan)
         if plan is None:
@@ -149,13 +156,56 @@ class Pipeline:
             d = _Broadcast.run(lambda: partition.plan(
                 model, args, self.S, example_kwargs=kwargs, cost=cost, schedule=self.schedule_name,
                 microbatches=self.M, memory_budget=budget, stages_per_rank=self.v,
-                in_flight_counts=flights).to_dict(), self.rank)
+                in_flight_counts=flights, recompute=features[0], offload=features[1]).to_dict(), self.rank)
             plan = Plan.from_dict(d)
         if plan.n_stages != self.S:
             raise PipelineError(f"the plan has {plan.n_stages} stages but world size {self.world} x "
                                 f"stages_per_rank {self.v} = {self.S}; launch as many processes as the plan has "
                                 "stages (divided by stages_per_rank), or re-plan for this world size")
         return plan
+
+    def _memory_costs(self, args: tuple[Any, ...], kwargs: dict[str, Any], recompute: str, offload: str,
+                      budget: float | str | None) -> dict[str, memory.NodeCost]:
+        """Per-node costs for the memory plan (FLOP-based, so every rank computes the same), or none
+        when no memory feature is asked for."""
+        if recompute == "none" and offload == "none" and budget is None:
+            return {}
+        from partition.costs import node_costs
+        found = node_costs(self._gm, flatten_inputs(self._gm, args, kwargs), cost="flops")
+        return {n: memory.NodeCost(c.fwd_ms, c.out_bytes, c.saved_bytes, tuple(c.params)) for n, c in found.items()}
+
+    def _build_memory(self, model: torch.nn.Module, costs: dict[str, memory.NodeCost], recompute: str,
+                      offload: str, budget: float | str | None) -> MemoryManager:
+        """The memory manager: every rank plans every stage alike, so a budget error is raised everywhere."""
+        from dataclasses import asdict
+        from partition.costs import FLOP_PER_MS
+        from partition.plan import parse_bytes
+        speeds: list[Any] = [(FLOP_PER_MS, 5e6)]
+        if costs:  # what recomputing and copying cost on this device; rank 0's, so every rank plans alike
+            if self.rank == 0:
+                speeds[0] = memory.measure_speeds(self.ctx.device)
+            if self.world > 1:
+                dist.broadcast_object_list(speeds, src=0)
+        mm: MemoryManager | None = None
+        error = None
+        try:
+            mm, choices = memory.build(
+                recompute=recompute, offload=offload, budget=parse_bytes(budget),
+                stages=[asdict(st) for st in self.plan.stages], costs=costs, gm=self._gm, modules=self.stages,
+                param_nodes={s: self.io[s].param_nodes for s in self.local},
+                param_sizes={n: (p.numel(), p.element_size()) for n, p in model.named_parameters()},
+                actions=[(a.stage, a.kind, a.mb) for a in self.actions], microbatches=self.M, device=self.ctx.device,
+                optim_factor=max(self.plan.state_factor - 2.0, 0.0), dynamic=self.dynamic,
+                input_bytes=sum(v.nbytes for v in self.plan.inputs if v is not None),
+                time_scale=FLOP_PER_MS / speeds[0][0], copy_bytes_per_ms=speeds[0][1])
+            for c in choices if costs else []:
+                self.plan.stages[c.stage].memory = c.label()
+                self.plan.stages[c.stage].memory_peak = c.predicted_peak
+        except ValueError as e:
+            error = f"{type(e).__name__}: {e}"
+        _agree(error, self.rank, self.world)
+        assert mm is not None
+        return mm
 
     def _make_tied_groups(self) -> list[tuple[Any, list[torch.nn.Parameter]]]:
         """Process groups for parameters held on several ranks; every rank creates them in one order."""
@@ -352,12 +402,13 @@ class _StepState:
         args = leaves + [self.flats[mb][i] for i in io.inputs]
         with pp.memory.forward(s, mb):
             if pp.has_w:
-                outs, param_outs = pp._zb[s][0](*args)
+                outs, param_outs = pp._call[s](*args)
             else:
-                outs, param_outs = pp.stages[s](*args), ()
+                outs, param_outs = pp._call[s](*args), ()
         outs = list(outs)
         if io.last:
-            loss = pp.loss_fn(unflatten_outputs(outs, io.out_spec), self.targets[mb])
+            with pp.memory.forward(s, mb):  # the loss's saved tensors count (and offload) too
+                loss = pp.loss_fn(unflatten_outputs(outs, io.out_spec), self.targets[mb])
             self.loss_sum = self.loss_sum + loss.detach().double() / pp.M  # stays on device: no sync
             roots = [loss / pp.M]
         else:
@@ -373,11 +424,13 @@ class _StepState:
         saved = self.saved[(s, mb)]
         grads: list[torch.Tensor | None] = self.ex.recv_grads(s, mb, saved.roots) if s < pp.S - 1 else [None]
         start = time.perf_counter()
-        if pp.has_w:
+        if pp.has_w and not pp.memory.fused_backward(s):
             leaf_grads = backward_input(saved, grads, pp._zb[s][2])
-        else:
+        else:  # a recomputing stage under zero-bubble computes its weight grads here; its W does nothing
             leaf_grads = backward_full(saved, grads)
-            del self.saved[(s, mb)]
+            saved.param_outs.clear()
+            if not pp.has_w:
+                del self.saved[(s, mb)]
         if s > 0:
             self.ex.send_grads(s, mb, leaf_grads)
         self._record(a, start)

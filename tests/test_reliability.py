@@ -35,7 +35,7 @@ CASES = {
     "more stages than the graph gives": ([f"{BAD}:one_block"], ["2 stages", "at most 1"]),
     "batch not divisible": (["gpt", *GPT, "--batch-size", "7", "--microbatches", "2"],
                             ["7 samples", "not divisible into 2 microbatches"]),
-    "infeasible memory budget": (["gpt", *GPT, "--memory-budget", "1KiB"], ["least budget", "518976"]),
+    "infeasible memory budget": (["gpt", *GPT, "--memory-budget", "1KiB"], ["least budget", "Fix: give memory_budget >="]),
     "missing loss function": ([f"{BAD}:no_loss"], ["loss_fn must be a callable"]),
     "wrong input shape at run time": ([f"{BAD}:wrong_shape"], ["shape", "[", "plan"]),
     "plan for another model": (["mlp", "--plan", "@mlp-other"], ["fingerprint", "re-create"]),

@@ -1,0 +1,205 @@
+"""python bench/gpu_check.py            (without a CUDA GPU it says so and exits 0; --dry-run: the same on CPU)
+
+GPU check of memory/ with real CUDA memory and pinned-memory transfers, one script under 5 minutes.
+
+Prints (1) pinned against pageable copy speed and how well side-stream copies overlap a matmul
+loop; (2) per memory configuration, the ledger's peak against torch.cuda.max_memory_allocated;
+(3) step times of plain, auto at half the plain peak, selective and full recompute; (4) the
+widest gpt that trains within a per-stage budget, plain against auto + offload of everything.
+Uses min(2, GPUs) ranks (one process per GPU); with one GPU the single stage runs GPipe so that
+several microbatches are in flight. Writes out/gpu_check/gpu_check.json.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.memory_bench import _build, _peaks, largest, timed  # noqa: E402
+
+__all__ = ["main"]
+
+GPU: dict[str, Any] = {
+    "timed": {"n_layer": 8, "d_model": 1024, "n_head": 16, "seq_len": 256, "vocab": 8192, "microbatch_size": 4,
+              "tie": False},
+    "scan": {"n_layer": 4, "n_head": 16, "seq_len": 64, "vocab": 8192, "microbatch_size": 2, "tie": False},
+    "widths": [1024, 1536, 2048, 3072, 4096, 6144], "budget": 1 << 30, "scan_s": 100.0}
+DRY: dict[str, Any] = {
+    "timed": {"n_layer": 4, "d_model": 64, "n_head": 4, "seq_len": 32, "vocab": 256, "microbatch_size": 2,
+              "tie": False},
+    "scan": {"n_layer": 2, "n_head": 4, "seq_len": 16, "vocab": 128, "microbatch_size": 2, "tie": False},
+    "widths": [32, 64, 128, 256], "budget": 4 << 20, "scan_s": 30.0}
+
+
+def copy_speeds(say: Callable[..., None]) -> dict[str, float]:
+    """GB/s host->device and device->host, pinned and pageable; overlap of side-stream copies with compute."""
+    dev = torch.device("cuda")
+    n = 256 << 20
+    out: dict[str, float] = {}
+    for pinned in (True, False):
+        h = torch.empty(n, dtype=torch.uint8, pin_memory=pinned)
+        d = torch.empty(n, dtype=torch.uint8, device=dev)
+        for name, dst, src in (("h2d", d, h), ("d2h", h, d)):
+            dst.copy_(src, non_blocking=pinned)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(5):
+                dst.copy_(src, non_blocking=pinned)
+            torch.cuda.synchronize()
+            out[f"{name}_{'pinned' if pinned else 'pageable'}_GBps"] = 5 * n / (time.perf_counter() - t0) / 1e9
+    a = torch.randn(8192, 8192, device=dev)
+    h = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+    d = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    side = torch.cuda.Stream()
+
+    def compute() -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+    alone = compute()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.cuda.stream(side):
+        for _ in range(4):
+            d.copy_(h, non_blocking=True)
+    for _ in range(20):
+        a @ a
+    torch.cuda.synchronize()
+    both = time.perf_counter() - t0
+    side.synchronize()
+    t0 = time.perf_counter()
+    with torch.cuda.stream(side):
+        for _ in range(4):
+            d.copy_(h, non_blocking=True)
+    side.synchronize()
+    copies = time.perf_counter() - t0
+    out.update(compute_s=alone, copies_s=copies, together_s=both,
+               overlap=(alone + copies - both) / min(alone, copies) if min(alone, copies) > 0 else 0.0)
+    for k, v in out.items():
+        say(f"    {k:24s} {v:8.3f}")
+    return out
+
+
+def ledger_vs_allocator(base: dict[str, Any], M: int, schedule: str, say: Callable[..., None]) -> list[dict[str, Any]]:
+    """Each config alone on the device: the ledger's peak (this rank's stages) against the allocator's."""
+    rows = []
+    for recompute, offload in (("none", "none"), ("full", "none"), ("selective", "none"), ("none", "activations"),
+                               ("none", "states"), ("auto", "all")):
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        try:
+            w, pp = _build(base, M, schedule, recompute=recompute, offload=offload)
+        except ValueError as e:
+            say(f"    {recompute:9s} {offload:11s} refused: {str(e).splitlines()[0][:160]}")
+            continue
+        opt = torch.optim.Adam(list(pp.parameters()), lr=1e-4)
+        t0 = time.perf_counter()
+        for step in range(3):
+            b, _, target = w.batch(w.microbatch_size * M, step)
+            pp.step(*b, target=target)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        report = pp.memory_report()
+        ledger = sum(r["peak_total"] for r in report.values())
+        cuda = max((r.get("cuda_peak_allocated", 0) for r in report.values()), default=0)
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, (ledger, cuda))
+        row = {"recompute": recompute, "offload": offload, "ledger_peak": [p[0] for p in parts],
+               "cuda_peak": [p[1] for p in parts], "s_per_step": (time.perf_counter() - t0) / 3,
+               "h2d_bytes": next(iter(report.values()))["h2d_bytes"]}
+        rows.append(row)
+        say(f"    {recompute:9s} {offload:11s} ledger {[f'{x / 2**20:.0f}' for x in row['ledger_peak']]} MiB, "
+            f"allocator {[f'{x / 2**20:.0f}' for x in row['cuda_peak']]} MiB, {row['s_per_step']:.3f} s/step")
+        del w, pp, opt
+    return rows
+
+
+def worker(dry: bool) -> int:
+    import pipe
+    ctx = pipe.init()
+    say: Callable[..., None] = (lambda *a, **k: print(*a, **k, flush=True)) if ctx.rank == 0 else (lambda *a, **k: None)
+    cfg: dict[str, Any] = DRY if dry else GPU
+    world = ctx.world_size
+    schedule, M = ("1f1b", 8) if world > 1 else ("gpipe", 8)
+    result: dict[str, Any] = {"command": " ".join(sys.argv), "device": str(ctx.device), "ranks": world,
+                              "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+                              "torch": torch.__version__, "machine": platform.platform()}
+    t_all = time.perf_counter()
+    steps: list[tuple[str, Callable[[], Any]]] = [
+        ("copies", lambda: copy_speeds(say) if (ctx.rank == 0 and not dry) else {}),
+        ("ledger", lambda: ledger_vs_allocator(cfg["timed"], M, schedule, say)),
+        ("time", lambda: timed(3, M, say, base=cfg["timed"], schedule=schedule)),
+        ("scan_plain", lambda: largest(cfg["budget"], {}, 4, say, base=cfg["scan"], widths=cfg["widths"],
+                                       schedule=schedule, seconds=cfg["scan_s"] / 2)),
+        ("scan_memory", lambda: largest(cfg["budget"], {"recompute": "auto", "offload": "all"}, 4, say,
+                                        base=cfg["scan"], widths=cfg["widths"], schedule=schedule,
+                                        seconds=cfg["scan_s"])),
+    ]
+    for name, fn in steps:
+        say(f"[{time.perf_counter() - t_all:6.1f} s] {name}")
+        try:
+            result[name] = fn()
+        except Exception as e:  # report and go on: one failing part must not hide the others
+            result[name] = {"error": f"{type(e).__name__}: {e}"[:400]}
+            say(f"    failed: {result[name]['error']}")
+            if dist.is_initialized():
+                raise  # a rank may be stuck in a collective: stop the whole check
+        dist.barrier()
+    if "scan_plain" in result and "scan_memory" in result:
+        a, b = result["scan_plain"].get("params", 0), result["scan_memory"].get("params", 0)
+        say(f"largest within {cfg['budget'] / 2**20:.0f} MiB per stage: plain {a / 1e6:.1f} M params, "
+            f"auto + offload all {b / 1e6:.1f} M: x{b / max(a, 1):.2f}")
+    say(f"done in {time.perf_counter() - t_all:.0f} s")
+    if ctx.rank == 0:
+        out = Path("out/gpu_check")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gpu_check.json").write_text(json.dumps(result, indent=1, default=str))
+        say(f"wrote {out / 'gpu_check.json'}")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench/gpu_check.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dry-run", action="store_true", help="run on CPU with small sizes (checks the script)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker(args.dry_run)
+    if not torch.cuda.is_available() and not args.dry_run:
+        print("gpu_check: skipped: no CUDA GPU on this machine (torch.cuda.is_available() is False); run it on a "
+              "GPU machine, or pass --dry-run to exercise the script on CPU")
+        return 0
+    import subprocess
+    import socket
+    ranks = min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 2
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", str(port),
+           str(Path(__file__).resolve()), "--worker"] + (["--dry-run"] if args.dry_run else [])
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1" if args.dry_run else "8"))
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
+    print("$ " + " ".join(cmd), flush=True)
+    return subprocess.call(cmd, env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Build the memory manager of a pipeline from plain data: the plan's stages and per-node costs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from memory.budget import COPY_BYTES_PER_MS, NodeInfo, StageChoice, StageInfo, check_options, choose, comm_peak
+from memory.chunks import choose_chunk_elems, pack
+from memory.manager import PlannedMemory
+from memory.recompute import is_matmul_node
+
+__all__ = ["NodeCost", "stage_infos", "build"]
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """Per fx node, per microbatch: forward time, output bytes, bytes of temporaries it saves for
+    backward, and the (canonical) names of the parameters it reads."""
+    fwd_ms: float
+    out_bytes: int
+    temp_bytes: int = 0
+    params: tuple[str, ...] = ()
+
+
+def _chunks(names: list[str], sizes: dict[str, tuple[int, int]], groups: list[tuple[str, ...]]
+            ) -> tuple[int, int, int, int]:
+    """(chunk elements, chunk bytes, chunks, most chunks one node needs at once) for a stage."""
+    if not names:
+        return 0, 0, 0, 0
+    numels = [sizes[n][0] for n in names]
+    elems = choose_chunk_elems(numels)
+    layout = pack([(n, sizes[n][0]) for n in names], elems)
+    where = {s.name: s.chunk for s in layout.slots}
+    need = max([len({where[p] for p in g if p in where}) for g in groups] + [1])
+    itemsize = max(sizes[n][1] for n in names)
+    return elems, elems * itemsize, layout.n_chunks, need
+
+
+def stage_infos(*, stages: Sequence[dict[str, Any]], costs: dict[str, NodeCost], gm: torch.fx.GraphModule,
+                param_sizes: dict[str, tuple[int, int]], microbatches: int, input_bytes: int = 0,
+                time_scale: float = 1.0, copy_bytes_per_ms: float = COPY_BYTES_PER_MS
+                ) -> tuple[list[StageInfo], dict[int, int]]:
+    """StageInfo per stage (from the plan's stage dicts and the costs) and each stage's chunk size.
+
+    The plan's activation bytes leave out model inputs that ops save (token ids, targets):
+    `input_bytes` (one microbatch's) is added to every stage's and to the loss's, and 2% on top
+    keeps the prediction an upper bound of what the ledger measures. `time_scale` turns the costs'
+    forward ms into this device's, to weigh recomputing against copying at `copy_bytes_per_ms`."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    loss = sum(costs[x.name].out_bytes for x in pytree.tree_leaves(out.args[0])
+               if isinstance(x, torch.fx.Node) and x.name in costs)
+    infos, elems = [], {}
+    last = len(stages) - 1
+    for s, st in enumerate(stages):
+        names = [n for n in st["nodes"] if n in costs]
+        infos_nodes = tuple(NodeInfo(n, costs[n].fwd_ms * time_scale, costs[n].out_bytes + costs[n].temp_bytes,
+                                     n in nodes and is_matmul_node(gm, nodes[n])) for n in names)
+        order = list(dict.fromkeys(p for n in names for p in costs[n].params if p in param_sizes))
+        e, chunk_bytes, n_chunks, need = _chunks(order, param_sizes, [costs[n].params for n in names])
+        elems[s] = e
+        infos.append(StageInfo(index=s, nodes=infos_nodes,
+                               act_bytes=int(1.02 * st["activation_bytes"]) + input_bytes,
+                               loss_bytes=int(1.02 * loss) + input_bytes if s == last else 0,
+                               in_flight=int(st["in_flight"]),
+                               param_bytes=int(st["param_bytes"]),
+                               comm_bytes=comm_peak(int(st["recv_bytes"]), int(st["send_bytes"]), microbatches,
+                                                    int(st["in_flight"])),
+                               chunk_bytes=chunk_bytes, n_chunks=n_chunks, min_resident=need,
+                               microbatches=microbatches, copy_bytes_per_ms=copy_bytes_per_ms))
+    return infos, elems
+
+
+def build(*, recompute: str, offload: str, budget: float | None, stages: Sequence[dict[str, Any]],
+          costs: dict[str, NodeCost], gm: torch.fx.GraphModule, modules: dict[int, torch.fx.GraphModule],
+          param_nodes: dict[int, dict[str, list[str]]], param_sizes: dict[str, tuple[int, int]],
+          actions: Sequence[tuple[int, str, int]], microbatches: int, device: torch.device,
+          optim_factor: float = 2.0, dynamic: bool = False, input_bytes: int = 0, time_scale: float = 1.0,
+          copy_bytes_per_ms: float = COPY_BYTES_PER_MS) -> tuple[PlannedMemory, list[StageChoice]]:
+    """Plan every stage (the same on every rank: only the plan and the costs go in), then the
+    manager for this rank's `modules`. BudgetError when the budget cannot be met."""
+    check_options(recompute, offload)
+    tied = sorted({p for st in stages for p in st.get("shared", [])})
+    if offload in ("states", "all") and device.type == "cuda" and tied:
+        raise ValueError(f"offload={offload!r} keeps gradients on the host at the end of a step, where NCCL "
+                         f"cannot sum the grads of weights tied across stages ({', '.join(tied[:3])}); untie "
+                         "them, or use offload='activations'")
+    infos, elems = stage_infos(stages=stages, costs=costs, gm=gm, param_sizes=param_sizes,
+                               microbatches=microbatches, input_bytes=input_bytes, time_scale=time_scale,
+                               copy_bytes_per_ms=copy_bytes_per_ms)
+    choices = choose(infos, recompute=recompute, offload=offload, budget=budget, optim_factor=optim_factor)
+    recv = [int(st["recv_bytes"]) for st in stages]
+    send = [int(st["send_bytes"]) for st in stages]
+    mm = PlannedMemory(choices=choices, modules=modules, param_nodes=param_nodes, actions=actions,
+                       microbatches=microbatches, recv_bytes=recv, send_bytes=send, device=device,
+                       budget=budget, dynamic=dynamic, chunk_elems={s: elems[s] for s in modules if elems.get(s)},
+                       predicted=bool(costs))
+    return mm, choices

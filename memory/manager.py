@@ -1,0 +1,377 @@
+"""PlannedMemory: the MemoryManager that carries out each stage's plan (recompute, offload) and keeps the ledger."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from memory.base import MemoryManager
+from memory.budget import StageChoice, human
+from memory.ledger import Ledger
+from memory.offload import ActivationOffload, Bundle, Handle, offloadable
+from memory.recompute import Markers, Recomputed, instrument
+from memory.store import ChunkStore
+from memory.streams import Copier
+
+__all__ = ["PlannedMemory"]
+
+Act = tuple[int, str, int]  # (stage, kind, mb)
+
+
+def _act(a: Any) -> Act:
+    s, kind, mb = tuple(a)
+    return int(s), str(kind), int(mb)
+
+
+@dataclass
+class _Held:
+    """What one (stage, mb) holds between its forward and the end of its backward."""
+    acts: int = 0                                   # bytes kept on the device (counted once per storage)
+    ptrs: set[int] = field(default_factory=set)
+    recompute: int = 0                              # bytes recomputed for the backward running now
+    rptrs: set[int] = field(default_factory=set)
+    bundle: Bundle | None = None                    # offloaded activations
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    st = t.untyped_storage()
+    return st.data_ptr(), st.nbytes()
+
+
+class PlannedMemory(MemoryManager):
+    """Runs `choices` (one per stage, from memory.budget.choose) on this rank's `modules`.
+
+    `param_nodes[s]`: node -> names of the parameters it reads (partition's StageIO);
+    `actions`: this rank's schedule as (stage, kind, mb); `recv_bytes`/`send_bytes`: per
+    stage and microbatch, for the communication buffers the ledger counts.
+    """
+
+    def __init__(self, *, choices: Sequence[StageChoice], modules: dict[int, torch.fx.GraphModule],
+                 param_nodes: dict[int, dict[str, list[str]]], actions: Sequence[Act], microbatches: int,
+                 recv_bytes: Sequence[int], send_bytes: Sequence[int], device: torch.device,
+                 budget: float | None = None, dynamic: bool = False,
+                 chunk_elems: dict[int, int] | None = None, predicted: bool = True) -> None:
+        self.choices = {c.stage: c for c in choices}
+        self.local = sorted(modules)
+        self.actions = [_act(a) for a in actions]
+        self.M, self.S = microbatches, len(recv_bytes)
+        self.recv, self.send = list(recv_bytes), list(send_bytes)
+        self.device, self.budget, self.dynamic = device, budget, dynamic
+        self.predicted = predicted  # choices carry predicted peaks (per-node costs were given)
+        self.zero_bubble = any(k == "W" for _, k, _ in self.actions)
+        self.ledger = Ledger(self.local, device)
+        self.copier = Copier(device)
+        self.held: dict[tuple[int, int], _Held] = {}
+        self.cur: tuple[int, int] = (-1, -1)       # (stage, mb) whose forward runs
+        self.bwd: tuple[int, int] = (-1, -1)       # (stage, mb) whose backward runs
+        self.i = 0                                 # index of the action running
+        self.modules = modules
+        self.owned: dict[int, list[tuple[str, torch.nn.Parameter]]] = {}
+        seen: set[int] = set()
+        for s in self.local:  # each parameter once, with the first local stage that reads it, in use order
+            named = [(n, modules[s].get_parameter(n)) for ns in param_nodes[s].values() for n in ns]
+            self.owned[s] = []
+            for n, p in named + list(modules[s].named_parameters()):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    self.owned[s].append((n, p))
+        self.offloaded = [s for s in self.local if self.choices[s].offload_states]
+        self.store = ChunkStore({s: self.owned[s] for s in self.offloaded}, device, self.ledger, self.copier,
+                                chunk_elems=chunk_elems) if self.offloaded else None
+        self.acts = ActivationOffload(device, self.copier, self._bundle_bytes) \
+            if any(self.choices[s].offload_activations for s in self.local) else None
+        self.param_ptrs: set[int] = set()
+        self._groups: dict[int, dict[int, tuple[int, ...]]] = {}   # stage -> marker index -> chunk group
+        self._fwd_groups: dict[int, list[tuple[int, ...]]] = {}
+        self._w_groups: dict[int, list[tuple[int, ...]]] = {}
+        self._multi: dict[int, tuple[int, ...]] = {}
+        self._node_index: dict[int, dict[str, int]] = {}
+        self._cursor = dict.fromkeys(self.local, -1)
+        self._windows: list[tuple[int, int]] = []
+        self._pinned: tuple[int, ...] = ()
+        for s in self.local:
+            self._instrument(s, modules[s], param_nodes[s])
+            if s not in self.offloaded:
+                self.ledger.set(s, "params", sum(p.numel() * p.element_size() for _, p in self.owned[s]))
+        self._optim_hook()
+
+    # ----- set-up -----
+    def _instrument(self, s: int, gm: torch.fx.GraphModule, param_nodes: dict[str, list[str]]) -> None:
+        calls = [n.name for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+        index = {name: i for i, name in enumerate(calls)}
+        self._node_index[s] = index
+        c = self.choices[s]
+        before: dict[str, int] = {}
+        after: dict[str, int] = {}
+        if c.checkpointed and c.recompute == "auto" and c.keep:
+            before.update(index)
+        if self.store is not None:
+            groups = {index[n]: self.store.group([gm.get_parameter(p) for p in ps])
+                      for n, ps in param_nodes.items() if n in index}
+            self._groups[s] = {i: g for i, g in groups.items() if g}
+            self._fwd_groups[s] = [self._groups[s][index[n]] for n in calls if index[n] in self._groups[s]]
+            for n in calls:
+                if index[n] in self._groups[s]:
+                    before[n] = after[n] = index[n]
+        if before or after:
+            instrument(gm, Markers(functools.partial(self._before_node, s), functools.partial(self._after_node, s)),
+                       before, after)
+
+    def _optim_hook(self) -> None:
+        ref = weakref.ref(self)
+
+        def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            me = ref()
+            if me is not None:
+                me._count_optimizer(opt)
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+        handle = register_optimizer_step_post_hook(hook)
+        weakref.finalize(self, handle.remove)
+
+    def set_weight_order(self, stage: int, nodes: Sequence[str], multi: Sequence[torch.nn.Parameter]) -> None:
+        """Zero-bubble: W visits `nodes` (the parameter nodes it differentiates) in this order, and B
+        accumulates the grads of `multi` (parameters read by several nodes) after its pass."""
+        if self.store is None:
+            return
+        index, groups = self._node_index[stage], self._groups[stage]
+        self._w_groups[stage] = [groups[index[n]] for n in nodes if index.get(n) in groups]
+        self._multi[stage] = self.store.group(multi)
+
+    def fused_backward(self, stage: int) -> bool:
+        """Under zero-bubble schedules a recomputing stage computes its weight grads in B (one
+        backward per recomputation; torch's selective checkpoint allows only one), W does nothing."""
+        return self.zero_bubble and self.choices[stage].checkpointed
+
+    def wrap_stage(self, stage: int, module: torch.nn.Module) -> torch.nn.Module:
+        c = self.choices[stage]
+        if not c.checkpointed:
+            return module
+        assert c.keep is not None
+        keep = frozenset(self._node_index[stage][n] for n in c.keep if n in self._node_index[stage])
+        policy = "selective" if c.recompute == "selective" else ("keep" if keep else "full")
+        return Recomputed(module, policy, keep=keep, cursor=functools.partial(self._cursor.__getitem__, stage),
+                          kept=self._count_kept, recomputed=self._count_recomputed)
+
+    # ----- counting -----
+    def _is_param(self, t: torch.Tensor) -> bool:
+        ptr = t.untyped_storage().data_ptr()
+        return ptr in self.param_ptrs or (self.store is not None and ptr in self.store.ptrs)
+
+    def _count_kept(self, t: torch.Tensor) -> None:
+        s, mb = self.cur
+        h = self.held[(s, mb)]
+        ptr, n = _storage(t)
+        if ptr not in h.ptrs and not self._is_param(t) and not (t.is_leaf and t.requires_grad):
+            h.ptrs.add(ptr)
+            h.acts += n
+            self.ledger.add(s, "activations", n)
+
+    def _count_recomputed(self, t: torch.Tensor) -> None:
+        s, mb = self.bwd
+        h = self.held.get((s, mb))
+        if h is None:
+            return
+        ptr, n = _storage(t)
+        if ptr in h.ptrs or ptr in h.rptrs or self._is_param(t) or (t.is_leaf and t.requires_grad):
+            return
+        h.rptrs.add(ptr)
+        h.recompute += n
+        self.ledger.add(s, "recompute", n)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        s, mb = self.cur
+        h = self.held[(s, mb)]
+        if self._is_param(t) or (t.is_leaf and t.requires_grad):
+            return t
+        if h.bundle is not None and t.device == self.device and offloadable(t):
+            return h.bundle.put(t)
+        ptr, n = _storage(t)
+        if ptr not in h.ptrs:
+            h.ptrs.add(ptr)
+            h.acts += n
+            self.ledger.add(s, "activations", n)
+        return t
+
+    @staticmethod
+    def _unpack(x: Any) -> torch.Tensor:
+        return x.unpack() if isinstance(x, Handle) else x
+
+    def _bundle_bytes(self, stage: int, delta: int) -> None:
+        self.ledger.add(stage, "activations", delta)
+
+    def _count_grads(self, s: int) -> None:
+        if s not in self.offloaded:
+            self.ledger.set(s, "grads", sum(p.grad.numel() * p.grad.element_size()
+                                            for _, p in self.owned[s] if p.grad is not None))
+
+    def _count_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        for s in self.local:  # an offloaded stage's optimizer steps host views: its state lives on the host
+            if s in self.offloaded:
+                continue
+            mine = {id(p) for _, p in self.owned[s]}
+            if not any(id(p) in mine for group in opt.param_groups for p in group["params"]):
+                continue  # another pipeline's optimizer
+            n = sum(v.numel() * v.element_size() for p, st in opt.state.items() if id(p) in mine
+                    for v in st.values() if isinstance(v, torch.Tensor) and v.device.type == self.device.type
+                    and v.dim() > 0)
+            self.ledger.set(s, "optimizer", n)
+
+    # ----- markers in the stage graphs -----
+    def _before_node(self, s: int, i: int) -> None:
+        self._cursor[s] = i
+        g = self._groups.get(s, {}).get(i)
+        if g and self.store is not None:
+            self.store.use(g)
+
+    def _after_node(self, s: int, i: int, value: Any) -> None:
+        g = self._groups.get(s, {}).get(i)
+        if not g or not torch.is_grad_enabled():
+            return
+        for t in pytree.tree_leaves(value):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(functools.partial(self._before_backward_node, g))
+
+    def _before_backward_node(self, g: tuple[int, ...], grad: torch.Tensor) -> None:
+        if self.store is not None:
+            self.store.use(g)
+
+    # ----- the hooks the interpreter calls -----
+    def _sequence(self) -> None:
+        seq: list[tuple[int, ...]] = []
+        self._windows = []
+        for s, kind, _ in self.actions:
+            groups = self._fwd_groups.get(s, [])
+            if kind == "B":
+                groups = groups[::-1]
+            elif kind == "W":
+                groups = [] if self.fused_backward(s) else self._w_groups.get(s, [])
+            self._windows.append((len(seq), len(seq) + len(groups)))
+            seq += groups
+        assert self.store is not None
+        self.store.set_sequence(seq, {s: max(self.choices[s].resident_chunks, 1) for s in self.offloaded})
+
+    def step_begin(self) -> None:
+        for (s, _), h in list(self.held.items()):  # left by a step that failed half-way
+            self.ledger.add(s, "activations", -h.acts)
+            self.ledger.add(s, "recompute", -h.recompute)
+            if h.bundle is not None and self.acts is not None:
+                self.acts.release(h.bundle)
+        self.held.clear()
+        self.ledger.step_begin()
+        self.i = 0
+        self._pinned = ()
+        if self.store is not None:
+            if not self._windows:
+                self._sequence()
+            self.store.step_begin()
+        self.param_ptrs = {p.untyped_storage().data_ptr() for s in self.local if s not in self.offloaded
+                           for _, p in self.owned[s]}
+        for s in self.local:
+            comm = self.M * (self.recv[s] if s > 0 else 0)
+            comm += self.M * (self.send[s] if s < self.S - 1 and not self.dynamic else 0)
+            self.ledger.set(s, "comm", comm)
+            self._count_grads(s)
+
+    @contextlib.contextmanager
+    def forward(self, stage: int, mb: int) -> Iterator[None]:
+        self.cur = (stage, mb)
+        h = self.held.setdefault((stage, mb), _Held())
+        if self.acts is not None and self.choices[stage].offload_activations and h.bundle is None:
+            h.bundle = Bundle(self.acts, stage, mb)
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+
+    def _frees(self, kind: str, s: int) -> bool:
+        return kind == ("W" if self.zero_bubble and not self.fused_backward(s) else "B")
+
+    def before(self, action: Any) -> None:
+        s, kind, mb = _act(action)
+        if kind in "BW":
+            self.bwd = (s, mb)
+            h = self.held.get((s, mb))
+            if h is not None and h.bundle is not None and self.acts is not None:
+                self.acts.to_device(h.bundle)
+        if self.store is not None:
+            self.store.begin(self._windows[self.i], backward=kind != "F")
+            if kind == "B" and self.zero_bubble and not self.fused_backward(s) and self._multi.get(s):
+                self._pinned = self._multi[s]
+                self.store.pin(self._pinned, True)
+
+    def after(self, action: Any) -> None:
+        s, kind, mb = _act(action)
+        h = self.held.get((s, mb))
+        if self._pinned and self.store is not None:
+            self.store.pin(self._pinned, False)
+            self._pinned = ()
+        if kind == "F":
+            if s < self.S - 1:
+                self.ledger.add(s, "comm", self.send[s])
+        if kind == "B" and s < self.S - 1 and not self.dynamic:
+            self.ledger.add(s, "comm", -self.send[s])  # the grad buffer was consumed
+        if h is not None and kind in "BW":
+            self.ledger.add(s, "recompute", -h.recompute)
+            h.recompute = 0
+            h.rptrs.clear()
+            if self._frees(kind, s):
+                self.ledger.add(s, "activations", -h.acts)
+                if h.bundle is not None and self.acts is not None:
+                    self.acts.release(h.bundle)
+                if s > 0:
+                    self.ledger.add(s, "comm", -self.recv[s])  # the received activation
+                del self.held[(s, mb)]
+            elif h.bundle is not None and self.acts is not None:
+                self.acts.drop_device(h.bundle)
+            self._count_grads(s)
+        if kind == "B" and s > 0:
+            self.ledger.add(s, "comm", self.recv[s])  # the grad sent back, held until the step ends
+        self.i += 1
+        if self.acts is not None and self.i < len(self.actions):
+            ns, nkind, nmb = self.actions[self.i]
+            nh = self.held.get((ns, nmb))
+            if nkind in "BW" and nh is not None and nh.bundle is not None:
+                self.acts.to_device(nh.bundle)  # ahead of the backward that runs next
+
+    def step_end(self) -> None:
+        assert not self.held, f"activations of (stage, mb) {sorted(self.held)} outlived their backward"
+        if self.store is not None:
+            self.store.step_end()
+        for s in self.local:
+            self.ledger.set(s, "comm", 0)
+
+    # ----- what it did -----
+    def report(self) -> dict[int, dict[str, int]]:
+        out = self.ledger.report()
+        for s in self.local:
+            c = self.choices[s]
+            if self.predicted:
+                out[s]["predicted_peak"] = int(c.predicted_peak)
+            if self.budget is not None:
+                out[s]["budget"] = int(self.budget)
+            out[s]["resident_chunks"] = c.resident_chunks
+        if self.store is not None:
+            for s in self.local:
+                out[s]["host_state_bytes"] = sum(2 * ch.nbytes for ch in self.store.chunks if ch.owner == s)
+        out_bytes = {"h2d_bytes": self.copier.bytes_h2d, "d2h_bytes": self.copier.bytes_d2h}
+        for s in self.local:
+            out[s].update(out_bytes)
+        return out
+
+    def describe(self) -> str:
+        """One line per local stage: the policy and the peak, predicted and measured."""
+        rep = self.report()
+        lines = []
+        for s in self.local:
+            c, r = self.choices[s], rep[s]
+            kinds = ", ".join(f"{k} {human(r['peak_' + k])}" for k in
+                              ("params", "grads", "optimizer", "activations", "recompute", "comm"))
+            budget = "-" if self.budget is None else human(self.budget)
+            predicted = human(c.predicted_peak) if self.predicted else "-"
+            lines.append(f"stage {s}: {c.label()}; peak {human(r['peak_total'])} (predicted "
+                         f"{predicted}, budget {budget}); {kinds}")
+        return "\n".join(lines)

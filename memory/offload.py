@@ -1,0 +1,131 @@
+"""Chunked activation offload: tensors a microbatch saves for backward go to host chunks as they are
+saved (saved_tensors_hooks), and come back to the device ahead of the backward that needs them."""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from memory.streams import Copier, host_empty
+
+__all__ = ["Bundle", "Handle", "ActivationOffload", "offloadable"]
+
+ALIGN = 64  # bytes; every tensor starts at a multiple of this inside its chunk
+
+
+def offloadable(t: torch.Tensor) -> bool:
+    """Tensors made by the forward (not leaves: parameters, inputs), strided, of nonzero size.
+    They come back contiguous, as with torch.autograd.graph.save_on_cpu."""
+    return not t.is_leaf and t.numel() > 0 and t.layout == torch.strided
+
+
+class Handle:
+    """What autograd stores instead of an offloaded tensor."""
+    __slots__ = ("bundle", "index")
+
+    def __init__(self, bundle: "Bundle", index: int) -> None:
+        self.bundle, self.index = bundle, index
+
+    def unpack(self) -> torch.Tensor:
+        return self.bundle.get(self.index)
+
+
+class Bundle:
+    """The offloaded activations of one (stage, mb): host chunks, and device chunks while on device."""
+
+    def __init__(self, owner: "ActivationOffload", stage: int, mb: int) -> None:
+        self.owner, self.stage, self.mb = owner, stage, mb
+        self.host: list[torch.Tensor] = []        # uint8 chunks
+        self.dev: list[torch.Tensor] | None = None
+        self.events: list[Any] = []
+        self.used: list[int] = []                  # bytes used in each host chunk
+        self.entries: list[tuple[int, int, int, torch.dtype, tuple[int, ...]]] = []  # chunk, start, bytes
+        self.keys: dict[tuple[Any, ...], tuple[Any, int]] = {}
+        self.stalls = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the bundle takes on the device (the used part of each chunk)."""
+        return sum(self.used)
+
+    def put(self, t: torch.Tensor) -> Handle:
+        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        seen = self.keys.get(key)
+        if seen is not None and seen[0]() is t:  # the same tensor saved again (not a new one at a freed address)
+            return Handle(self, seen[1])
+        size = t.element_size()
+        n = t.numel() * size
+        o = self.owner
+        start = -(-self.used[-1] // ALIGN) * ALIGN if self.used else 0
+        if not self.host or start + n > self.host[-1].numel():
+            self.host.append(o.take(max(n, o.chunk_bytes)))
+            self.used.append(0)
+            start = 0
+        c = len(self.host) - 1
+        self.used[c] = start + n
+        dst = self.host[c][start:start + n].view(t.dtype).view(t.shape)
+        o.copier.copy(dst, t, to_device=False)
+        o.copier.hold(t)  # its device memory waits for the copy, without stalling the host
+        self.entries.append((c, start, n, t.dtype, tuple(t.shape)))
+        self.keys[key] = (weakref.ref(t), len(self.entries) - 1)
+        return Handle(self, len(self.entries) - 1)
+
+    def get(self, i: int) -> torch.Tensor:
+        if self.dev is None:
+            self.stalls += 1
+            self.owner.to_device(self)
+        assert self.dev is not None
+        for e in self.events:
+            self.owner.copier.wait(e)
+        self.events.clear()
+        c, start, n, dtype, shape = self.entries[i]
+        return self.dev[c][start:start + n].view(dtype).view(shape)
+
+
+class ActivationOffload:
+    """Host chunks (pinned on CUDA, reused from a free list) and the moves of whole bundles.
+
+    `on_device(stage, delta)` is told how many device bytes bundles take or give back.
+    """
+
+    def __init__(self, device: torch.device, copier: Copier, on_device: Any, chunk_bytes: int = 4 << 20) -> None:
+        self.device, self.copier, self.on_device = device, copier, on_device
+        self.chunk_bytes = chunk_bytes
+        self.free: list[torch.Tensor] = []
+
+    def take(self, n: int) -> torch.Tensor:
+        for i, c in enumerate(self.free):
+            if c.numel() >= n:
+                return self.free.pop(i)
+        return host_empty(n, torch.uint8, self.device)
+
+    def to_device(self, b: Bundle) -> None:
+        """Copy a bundle's chunks to the device (asynchronously on CUDA; `get` waits for them)."""
+        if b.dev is not None or not b.host:
+            return
+        b.dev = []
+        for h, n in zip(b.host, b.used):
+            d = torch.empty(n, dtype=torch.uint8, device=self.device)
+            b.events.append(self.copier.copy(d, h[:n], to_device=True))
+            b.dev.append(d)
+        self.on_device(b.stage, b.nbytes)
+
+    def drop_device(self, b: Bundle) -> None:
+        """The device copies go; the host chunks still hold the values."""
+        if b.dev is None:
+            return
+        for e in b.events:
+            self.copier.wait(e)
+        b.events.clear()
+        b.dev = None
+        self.on_device(b.stage, -b.nbytes)
+
+    def release(self, b: Bundle) -> None:
+        """The microbatch's backward is done: device copies go, host chunks return to the free list."""
+        self.drop_device(b)
+        self.free += [c for c in b.host if c.numel() == self.chunk_bytes]
+        b.host.clear()
+        b.used.clear()
+        b.entries.clear()
+        b.keys.clear()

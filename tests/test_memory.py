@@ -1,0 +1,254 @@
+"""memory/ in one process: the ledger, the budget planner and knapsack, chunk packing and move orders
+(exact literals), chunk round trips, activation offload and recompute against plain autograd."""
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+import torch.fx
+
+from memory.budget import BudgetError, NodeInfo, StageChoice, StageInfo, check_options, choose, knapsack
+from memory.chunks import Belady, choose_chunk_elems, pack, plan_moves, use_sequence
+from memory.ledger import Ledger
+from memory.manager import PlannedMemory
+from memory.recompute import Recomputed
+
+
+# ----- ledger -----
+def test_ledger_current_and_peak_per_step() -> None:
+    led = Ledger([0, 1], torch.device("cpu"))
+    led.add(0, "params", 100)
+    led.add(0, "activations", 50)
+    led.add(0, "activations", -50)
+    led.add(0, "grads", 30)
+    r = led.report()[0]
+    assert (r["params"], r["activations"], r["grads"], r["total"]) == (100, 0, 30, 130)
+    assert (r["peak_activations"], r["peak_total"]) == (50, 150)  # the largest sum at one moment
+    led.step_begin()
+    r = led.report()[0]
+    assert (r["peak_activations"], r["peak_total"]) == (0, 130)
+    assert led.report()[1]["peak_total"] == 0
+    with pytest.raises(AssertionError, match="negative"):
+        led.add(1, "comm", -1)
+
+
+# ----- knapsack and the budget planner -----
+def test_knapsack_is_exact_on_small_cases() -> None:
+    assert knapsack([3, 4, 5], [4.0, 5.0, 6.0], 8) == [0, 2]
+    assert knapsack([0, 10], [1.0, 5.0], 5) == [0]           # weight-0 items are free
+    assert knapsack([1, 2], [1.0, 1.0], -1) == []
+    rng = random.Random(0)
+    for _ in range(30):
+        n = 8
+        w = [rng.randint(1, 50) * 1000 for _ in range(n)]
+        v = [rng.random() for _ in range(n)]
+        cap = rng.randint(20, 200) * 1000
+        got = knapsack(w, v, cap, resolution=cap // 1000)
+        best = max(sum(v[i] for i in c) for k in range(n + 1) for c in itertools.combinations(range(n), k)
+                   if sum(w[i] for i in c) <= cap)
+        assert sum(w[i] for i in got) <= cap
+        assert abs(sum(v[i] for i in got) - best) < 1e-9
+
+
+def _stage(s: int, in_flight: int, nodes: int = 6) -> StageInfo:
+    infos = tuple(NodeInfo(f"n{i}", fwd_ms=1.0 + (i % 3), kept_bytes=100_000 * (1 + i % 2), matmul=i % 3 == 0)
+                  for i in range(nodes))
+    return StageInfo(index=s, nodes=infos, act_bytes=900_000, loss_bytes=0, in_flight=in_flight,
+                     param_bytes=200_000, comm_bytes=50_000, chunk_bytes=40_000, n_chunks=5, min_resident=1)
+
+
+def test_auto_meets_the_budget_and_recomputes_more_on_earlier_stages() -> None:
+    stages = [_stage(s, 4 - s) for s in range(4)]
+    none = choose(stages, recompute="none", offload="none", budget=None)
+    budget = 0.6 * max(c.predicted_peak for c in none)
+    got = choose(stages, recompute="auto", offload="none", budget=budget)
+    assert all(c.predicted_peak <= budget for c in got)
+    assert got[0].recompute_ms > got[-1].recompute_ms
+    assert got[-1].keep is None  # one microbatch in flight: keeping everything costs what recomputing does
+    assert [c.recompute_ms for c in got] == sorted((c.recompute_ms for c in got), reverse=True)
+
+
+def test_states_offload_keeps_as_many_chunks_as_fit() -> None:
+    st = _stage(0, 2)
+    (c,) = choose([st], recompute="none", offload="states", budget=None)
+    assert (c.offload_states, c.resident_chunks) == (True, 2)
+    (c,) = choose([st], recompute="none", offload="states", budget=3_000_000)
+    assert c.resident_chunks == 5 and c.predicted_peak <= 3_000_000
+    # under auto, offloading is a permission: none while everything fits (2.65 MB), then the cheapest way
+    (c,) = choose([st], recompute="auto", offload="all", budget=3_000_000)
+    assert c.label() == "none" and c.cost_ms == 0
+    (c,) = choose([st], recompute="auto", offload="all", budget=2_200_000)  # 4 of 5 chunks fit; cheaper
+    assert (c.label(), c.resident_chunks) == ("none+states", 4)             # than recomputing
+
+
+def test_unmeetable_budget_names_the_smallest_feasible_figure() -> None:
+    stages = [_stage(s, 2 - s) for s in range(2)]
+    # full recompute: one microbatch's activations (the one in backward) and one chunk, params and grads
+    least = 50_000 + 900_000 + 2 * 40_000
+    with pytest.raises(BudgetError) as e:
+        choose(stages, recompute="auto", offload="all", budget=least - 1)
+    assert e.value.needed_bytes == least and f"{least:.0f}" in str(e.value) and "even with" in str(e.value)
+    got = choose(stages, recompute="auto", offload="all", budget=least)  # the figure itself is feasible
+    assert [c.label() for c in got] == ["full+states", "none+states"]  # one in flight: no need to recompute
+    with pytest.raises(BudgetError, match="recompute='none'") as e2:
+        choose(stages, recompute="none", offload="none", budget=least)
+    assert e2.value.needed_bytes > least
+    with pytest.raises(ValueError, match="selective"):
+        check_options("some", "none")
+    with pytest.raises(ValueError, match="activations"):
+        check_options("none", "disk")
+
+
+def test_choice_labels() -> None:
+    assert StageChoice(0, "auto", frozenset({"a", "b"}), offload_activations=True).label() == "keep 2+act"
+    assert StageChoice(0, "auto", frozenset(), offload_states=True).label() == "full+states"
+    assert StageChoice(0, "selective", frozenset({"a"})).label() == "selective"
+
+
+# ----- chunks: packing, size, use sequence and moves (literals worked out by hand) -----
+def test_pack_in_use_order_without_spanning_chunks() -> None:
+    lay = pack([("a", 10), ("b", 20), ("c", 5), ("d", 30)], 32, align=4)
+    assert [(s.name, s.chunk, s.offset) for s in lay.slots] == [("a", 0, 0), ("b", 0, 12), ("c", 1, 0),
+                                                                 ("d", 2, 0)]
+    assert (lay.n_chunks, lay.waste) == (3, 31)
+    with pytest.raises(ValueError, match="cannot hold a tensor of 30"):
+        pack([("d", 30)], 16)
+
+
+def test_chunk_size_wastes_least_padding() -> None:
+    assert choose_chunk_elems([10, 20, 5, 30], align=4, min_chunks=2) == 32
+    assert choose_chunk_elems([16, 16, 16, 16, 40], align=4, min_chunks=2) == 40  # waste 16 (44: 28, 48: 40)
+
+
+def test_use_sequence_follows_the_schedule() -> None:
+    acts = [(0, "F", 0), (0, "F", 1), (0, "B", 0), (0, "B", 1)]  # 1F1B, stage 0 of 2, M=2
+    fwd = {0: [(0,), (0, 1), (1,), (2,)]}
+    assert use_sequence(acts, fwd) == [(0,), (0, 1), (1,), (2,)] * 2 + [(2,), (1,), (0, 1), (0,)] * 2
+    zb = [(0, "F", 0), (0, "B", 0), (0, "W", 0)]
+    assert use_sequence(zb, fwd, {0: [(1,), (2,)]}) == [(0,), (0, 1), (1,), (2,), (2,), (1,), (0, 1), (0,),
+                                                         (1,), (2,)]
+
+
+def test_moves_fetch_prefetch_and_evict_by_next_use() -> None:
+    seq = [(0,), (1,), (2,), (2,), (1,), (0,)]  # one microbatch: forward over 3 chunks, then backward
+    assert plan_moves(seq, 2) == ["F0", "P1", "E0", "P2", "E2", "P0"]
+    assert plan_moves(seq, 2, prefetch=False) == ["F0", "F1", "E0", "F2", "E1", "F0"]
+    assert plan_moves(seq, 3) == ["F0", "P1", "P2"]
+    assert plan_moves([(0, 1), (2,), (0,)], 2, prefetch=False) == ["F0", "F1", "E1", "F2"]
+    with pytest.raises(ValueError, match="needs 2 chunks at once"):
+        Belady([(0, 1)], 1)
+
+
+# ----- chunk store: the runtime moves are the planned ones, nothing lost or duplicated -----
+def _toy(seed: int = 0) -> torch.fx.GraphModule:
+    torch.manual_seed(seed)
+    return torch.fx.symbolic_trace(torch.nn.Sequential(*[torch.nn.Linear(8, 8, bias=False) for _ in range(3)]))
+
+
+def _run_step(mm: PlannedMemory, gm: torch.nn.Module, actions: list[tuple[int, str, int]],
+              xs: list[torch.Tensor]) -> None:
+    outs = {}
+    mm.step_begin()
+    for a in actions:
+        mm.before(a)
+        s, kind, mb = a
+        if kind == "F":
+            with mm.forward(s, mb):
+                outs[mb] = gm(xs[mb]).pow(2).sum()
+        else:
+            outs.pop(mb).backward()
+        mm.after(a)
+    mm.step_end()
+
+
+def _manager(gm: torch.fx.GraphModule, choice: StageChoice, actions: list[tuple[int, str, int]],
+             elems: int | None = None) -> PlannedMemory:
+    param_nodes = {n.name: [f"{n.target}.weight"] for n in gm.graph.nodes if n.op == "call_module"}
+    return PlannedMemory(choices=[choice], modules={0: gm}, param_nodes={0: param_nodes}, actions=actions,
+                         microbatches=2, recv_bytes=[0], send_bytes=[0], device=torch.device("cpu"),
+                         chunk_elems={0: elems} if elems else None)
+
+
+def test_chunk_store_runs_the_planned_moves_and_loses_nothing() -> None:
+    gm, ref = _toy(), _toy()
+    before = {n: p.detach().clone() for n, p in gm.named_parameters()}
+    actions = [(0, "F", 0), (0, "B", 0)]
+    mm = _manager(gm, StageChoice(0, "none", offload_states=True, resident_chunks=2), actions, elems=64)
+    assert mm.store is not None and len(mm.store.chunks) == 3
+    assert sorted(mm.store.chunk_of.values()) == [0, 1, 2]          # each parameter in exactly one chunk
+    xs = [torch.randn(4, 8)]
+    _run_step(mm, gm, actions, xs)
+    assert mm.store.log == ["F0", "P1", "E0", "P2", "E2", "P0", "E0", "E1"]  # planned moves, then step end
+    assert mm.store.log[:6] == plan_moves([(0,), (1,), (2,), (2,), (1,), (0,)], 2)
+    ref(xs[0]).pow(2).sum().backward()
+    for (n, p), (_, q) in zip(gm.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p, before[n]) and torch.equal(p.grad, q.grad), n
+    _run_step(mm, gm, actions, xs)                                  # grads accumulate like torch's
+    for (n, p), (_, q) in zip(gm.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p.grad, 2 * q.grad), n
+    r = mm.report()[0]
+    assert (r["params"], r["grads"], r["peak_params"]) == (0, 0, 2 * 64 * 4)  # two chunks at most
+    with torch.no_grad():
+        for p in gm.parameters():
+            p.mul_(0.5)                                             # an optimizer step on the host views
+            p.grad = None
+    _run_step(mm, gm, actions, xs)
+    for (n, p), (_, q) in zip(gm.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p, before[n] * 0.5), n
+
+
+# ----- activation offload and recompute against plain autograd -----
+def test_activation_offload_round_trip_is_exact() -> None:
+    gm, ref = _toy(1), _toy(1)
+    actions = [(0, "F", 0), (0, "F", 1), (0, "B", 0), (0, "B", 1)]
+    mm = _manager(gm, StageChoice(0, "none", offload_activations=True), actions)
+    xs = [torch.randn(4, 8), torch.randn(4, 8)]
+    _run_step(mm, gm, actions, xs)
+    for x in xs:
+        ref(x).pow(2).sum().backward()
+    for p, q in zip(gm.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    r = mm.report()[0]
+    assert r["activations"] == 0 and 0 < r["peak_activations"] <= 2 * 3 * 4 * 8 * 4
+    assert r["d2h_bytes"] > 0 and r["h2d_bytes"] == r["d2h_bytes"]
+    assert mm.acts is not None and len(mm.acts.free) == 2           # host chunks kept for reuse
+
+
+@pytest.mark.parametrize("policy", ["full", "selective", "keep"])
+def test_recompute_policies_match_plain_autograd(policy: str) -> None:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8), torch.nn.Tanh())
+    kept: list[torch.Tensor] = []
+    again: list[torch.Tensor] = []
+    wrapped = Recomputed(net, policy, keep=frozenset({0}), cursor=lambda: 0 if len(kept) < 1 else 1,
+                         kept=kept.append, recomputed=again.append)
+    x = torch.randn(4, 8, requires_grad=True)
+    wrapped(x).sum().backward()
+    got = [p.grad.clone() for p in net.parameters()] + [x.grad.clone()]
+    net.zero_grad()
+    x.grad = None
+    net(x).sum().backward()
+    for a, b in zip(got, [p.grad for p in net.parameters()] + [x.grad]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert len(again) > 0                                           # the backward recomputed and saved
+    assert (len(kept) > 0) == (policy != "full")
+
+
+def test_offload_tells_a_new_tensor_at_a_reused_address_from_the_one_saved() -> None:
+    from memory.offload import ActivationOffload, Bundle
+    from memory.streams import Copier
+    acts = ActivationOffload(torch.device("cpu"), Copier(torch.device("cpu")), lambda s, n: None, chunk_bytes=256)
+    b = Bundle(acts, 0, 0)
+    base = torch.arange(8.0, requires_grad=True) * 1       # a non-leaf, as the forward saves them
+    x = base.view(8)
+    hx, hx2 = b.put(x), b.put(x)                             # the same tensor twice: stored once
+    with torch.no_grad():
+        base.mul_(10)
+    y = base.view(8)                                         # another tensor at the same address
+    hy = b.put(y)
+    assert (hx.index, hx2.index) == (0, 0) and hy.index == 1
+    acts.to_device(b)
+    assert torch.equal(hx.unpack(), torch.arange(8.0)) and torch.equal(hy.unpack(), 10 * torch.arange(8.0))
+    assert b.nbytes == 64 + 32                               # the second starts at the next 64-byte boundary
