@@ -101,8 +101,9 @@ class StageChoice:
 
 
 def comm_peak(recv_bytes: int, send_bytes: int, microbatches: int, in_flight: int) -> int:
-    """Upper bound of communication buffers on a stage. Every receive is posted at step start and
-    every send held until the step ends. Per microbatch the received activation lives until its
+    """Upper bound of communication buffers on a stage, as if every receive were posted at step start
+    and every send held until the step ends (pipe.exchange posts 2 ahead and frees sends as they
+    complete, so the real figure is lower). Per microbatch the received activation lives until its
     backward and the grad sent back after it: M x recv at any time. The M grad buffers go one by
     one at the backwards while the outputs sent pile up, at most `in_flight` ahead: (M + n) x send."""
     return microbatches * recv_bytes + (microbatches + max(in_flight, 1)) * send_bytes

@@ -121,6 +121,8 @@ def context() -> Context:
 class Work(Protocol):
     def wait(self) -> Any: ...
 
+    def is_completed(self) -> bool: ...
+
 
 class Transport(Protocol):
     """Point-to-point messages between ranks; `tag` keeps messages of one pair apart."""

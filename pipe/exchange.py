@@ -43,16 +43,18 @@ class _Incoming:
 class Exchange:
     """Messages between neighbouring stages; tags keep (boundary, kind, mb, value) apart.
 
-    Activations cross boundary s from stage s-1 to stage s; their grads cross back. Every
-    receive of the step is posted when the step starts, so transfers overlap compute.
+    Activations cross boundary s from stage s-1 to stage s; their grads cross back. Receives
+    are posted `window` microbatches ahead, so transfers overlap compute while buffers stay few;
+    sends are kept only until they complete.
     Shapes come from the plan; with `dynamic=True` each activation is preceded by its shape.
     """
 
     def __init__(self, transport: comm.Transport, plan: Plan, world: int, microbatches: int,
-                 local: Sequence[int], device: torch.device, dynamic: bool) -> None:
+                 local: Sequence[int], device: torch.device, dynamic: bool, window: int = 2) -> None:
         self.transport, self.plan, self.world, self.M = transport, plan, world, microbatches
         self.local, self.device, self.dynamic = list(local), device, dynamic
         self.S = plan.n_stages
+        self.window = max(1, window)  # receives posted ahead per stage and direction
         self.V = max([len(st.recv) for st in plan.stages] + [1])
         self.acts: dict[tuple[int, int], list[_Incoming]] = {}
         self.grads: dict[tuple[int, int], list[tuple[torch.Tensor, comm.Work] | None]] = {}
@@ -63,26 +65,35 @@ class Exchange:
         return ((boundary * 3 + kind) * self.M + mb) * self.V + i
 
     def post(self) -> None:
+        """Post the receives of the first `window` microbatches of every local stage."""
         for s in self.local:
-            for mb in range(self.M):
-                if s > 0:
-                    src = (s - 1) % self.world
-                    self.acts[(s, mb)] = [
-                        _Incoming(self, v, src, self.tag(s, SHAPE if self.dynamic else ACT, mb, i),
-                                  self.tag(s, ACT, mb, i)) for i, v in enumerate(self.plan.stages[s].recv)]
-                if s < self.S - 1 and not self.dynamic:
-                    dst = (s + 1) % self.world
-                    bufs: list[tuple[torch.Tensor, comm.Work] | None] = []
-                    for i, v in enumerate(self.plan.stages[s + 1].recv):
-                        if getattr(torch, v.dtype).is_floating_point:
-                            t = torch.empty(v.shape, dtype=getattr(torch, v.dtype), device=self.device)
-                            bufs.append((t, self.transport.irecv(t.view(-1), dst, self.tag(s + 1, GRAD, mb, i))))
-                        else:
-                            bufs.append(None)
-                    self.grads[(s, mb)] = bufs
+            for mb in range(min(self.window, self.M)):
+                self._post_acts(s, mb)
+                self._post_grads(s, mb)
+
+    def _post_acts(self, s: int, mb: int) -> None:
+        if s > 0 and mb < self.M:
+            src = (s - 1) % self.world
+            self.acts[(s, mb)] = [
+                _Incoming(self, v, src, self.tag(s, SHAPE if self.dynamic else ACT, mb, i),
+                          self.tag(s, ACT, mb, i)) for i, v in enumerate(self.plan.stages[s].recv)]
+
+    def _post_grads(self, s: int, mb: int) -> None:
+        if s < self.S - 1 and not self.dynamic and mb < self.M:
+            dst = (s + 1) % self.world
+            bufs: list[tuple[torch.Tensor, comm.Work] | None] = []
+            for i, v in enumerate(self.plan.stages[s + 1].recv):
+                if getattr(torch, v.dtype).is_floating_point:
+                    t = torch.empty(v.shape, dtype=getattr(torch, v.dtype), device=self.device)
+                    bufs.append((t, self.transport.irecv(t.view(-1), dst, self.tag(s + 1, GRAD, mb, i))))
+                else:
+                    bufs.append(None)
+            self.grads[(s, mb)] = bufs
 
     def recv_activations(self, s: int, mb: int) -> list[torch.Tensor]:
-        return [x.get() for x in self.acts.pop((s, mb))]
+        got = [x.get() for x in self.acts.pop((s, mb))]
+        self._post_acts(s, mb + self.window)  # keep `window` receives ahead (every schedule runs a stage's mbs in order)
+        return got
 
     def recv_grads(self, s: int, mb: int, outs: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
         """Grads of stage s's outputs for microbatch mb, from stage s+1."""
@@ -93,6 +104,7 @@ class Exchange:
                 if item is not None:
                     item[1].wait()
                 out.append(None if item is None else item[0])
+            self._post_grads(s, mb + self.window)
             return out
         src = (s + 1) % self.world
         got: list[torch.Tensor | None] = []
@@ -130,6 +142,7 @@ class Exchange:
 
     def _isend(self, t: torch.Tensor, dst: int, tag: int) -> None:
         self.peer = dst
+        self.sends = [(x, w) for x, w in self.sends if not w.is_completed()]  # free what has gone
         self.sends.append((t, self.transport.isend(t, dst, tag)))
 
     def finish(self) -> None:
