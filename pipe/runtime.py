@@ -65,13 +65,17 @@ class _Broadcast:
     """Run `fn` on rank 0 and give every rank its result, or the same error, so no rank hangs."""
 
     @staticmethod
-    def run(fn: Callable[[], Any], rank: int) -> Any:
+    def run(fn: Callable[[], Any], rank: int, everyone: bool = False) -> Any:
+        """With `everyone`, all ranks run `fn` at once (rank 0's result counts): measurements then
+        see the load the pipeline puts on shared cores, caches and memory bandwidth."""
         box: list[Any] = [None]
-        if rank == 0:
+        if rank == 0 or everyone:
+            result: tuple[Any, ...]
             try:
-                box[0] = ("ok", fn())
+                result = ("ok", fn())
             except Exception as e:  # re-raised on every rank below
-                box[0] = ("error", type(e).__name__, str(e))
+                result = ("error", type(e).__name__, str(e))
+            box[0] = result if rank == 0 else None
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(box, src=0)
         status, *rest = box[0]
@@ -156,7 +160,8 @@ class Pipeline:
             d = _Broadcast.run(lambda: partition.plan(
                 model, args, self.S, example_kwargs=kwargs, cost=cost, schedule=self.schedule_name,
                 microbatches=self.M, memory_budget=budget, stages_per_rank=self.v,
-                in_flight_counts=flights, recompute=features[0], offload=features[1]).to_dict(), self.rank)
+                in_flight_counts=flights, recompute=features[0], offload=features[1]).to_dict(), self.rank,
+                everyone=cost == "measured" and self.ctx.device.type == "cpu")
             plan = Plan.from_dict(d)
         if plan.n_stages != self.S:
             raise PipelineError(f"the plan has {plan.n_stages} stages but world size {self.world} x "
