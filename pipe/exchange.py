@@ -50,11 +50,13 @@ class Exchange:
     """
 
     def __init__(self, transport: comm.Transport, plan: Plan, world: int, microbatches: int,
-                 local: Sequence[int], device: torch.device, dynamic: bool, window: int = 2) -> None:
+                 local: Sequence[int], device: torch.device, dynamic: bool, window: int = 2,
+                 grads: bool = True) -> None:
         self.transport, self.plan, self.world, self.M = transport, plan, world, microbatches
         self.local, self.device, self.dynamic = list(local), device, dynamic
         self.S = plan.n_stages
         self.window = max(1, window)  # receives posted ahead per stage and direction
+        self.want_grads = grads  # False for inference: no grads come back
         self.V = max([len(st.recv) for st in plan.stages] + [1])
         self.acts: dict[tuple[int, int], list[_Incoming]] = {}
         self.grads: dict[tuple[int, int], list[tuple[torch.Tensor, comm.Work] | None]] = {}
@@ -79,7 +81,7 @@ class Exchange:
                           self.tag(s, ACT, mb, i)) for i, v in enumerate(self.plan.stages[s].recv)]
 
     def _post_grads(self, s: int, mb: int) -> None:
-        if s < self.S - 1 and not self.dynamic and mb < self.M:
+        if s < self.S - 1 and not self.dynamic and mb < self.M and self.want_grads:
             dst = (s + 1) % self.world
             bufs: list[tuple[torch.Tensor, comm.Work] | None] = []
             for i, v in enumerate(self.plan.stages[s + 1].recv):

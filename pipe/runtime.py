@@ -362,6 +362,36 @@ class Pipeline:
                             f"(rank {stage % self.world}); lower the learning rate, check the data, or pass "
                             "skip_nonfinite=True to drop such steps (their grads are cleared)")
 
+    def forward(self, *batch_args: Any, **batch_kwargs: Any) -> Any:
+        """Inference without grads: the model's output for the whole batch, on every rank.
+
+        Every rank makes the same call. Microbatches run through the stages in the schedule's
+        forward order; tensor outputs are concatenated along dim 0, 0-dim ones (a loss) averaged.
+        """
+        if getattr(self.memory, "store", None) is not None:
+            raise PipelineError("forward() does not stream offloaded model state; build an inference "
+                                "Pipeline with offload='none' or 'activations'")
+        mbs = split_microbatches((batch_args, batch_kwargs), self.M)
+        dev = self.ctx.device
+        flats = [[x.to(dev) if isinstance(x, torch.Tensor) else x
+                  for x in flatten_inputs(self._gm, a, k)] for a, k in mbs]
+        for f in flats:
+            self._check_inputs(f)
+        exchange = Exchange(self.transport, self.plan, self.world, self.M, self.local, dev, self.dynamic,
+                            grads=False)
+        run = _StepState(self, flats, [None] * self.M, exchange, inference=True)
+        with torch.no_grad():
+            exchange.post()
+            for a in self.actions:
+                if a.kind == "F":
+                    run.forward(a)
+            exchange.finish()
+        last = (self.S - 1) % self.world
+        box: list[Any] = [_concat(run.outputs) if self.rank == last else None]
+        if self.world > 1:
+            dist.broadcast_object_list(box, src=last)
+        return box[0]
+
     def gather_timeline(self) -> Timeline | None:
         """The last step's measured timeline of every rank, on rank 0 (a collective call)."""
         parts: list[Any] = [None] * self.world
@@ -376,11 +406,28 @@ class Pipeline:
         return Timeline([Event(e.rank, e.action, e.start - t0, e.end - t0) for e in events], self.world)
 
 
+def _concat(outputs: list[Any]) -> Any:
+    """Microbatch outputs as one batch: tensors concatenated along dim 0, 0-dim tensors averaged."""
+    flat = [pytree.tree_flatten(o) for o in outputs]
+    spec = flat[0][1]
+    leaves = []
+    for column in zip(*[f[0] for f in flat]):
+        x = column[0]
+        if isinstance(x, torch.Tensor):
+            leaves.append(torch.cat(column, 0).cpu() if x.dim() else torch.stack(column).mean().cpu())
+        else:
+            leaves.append(x)
+    return pytree.tree_unflatten(leaves, spec)
+
+
 class _StepState:
     """The state of one step on one rank: microbatch inputs, messages, saved activations."""
 
-    def __init__(self, pp: Pipeline, flats: list[list[Any]], targets: list[Any], exchange: Exchange) -> None:
+    def __init__(self, pp: Pipeline, flats: list[list[Any]], targets: list[Any], exchange: Exchange,
+                 inference: bool = False) -> None:
         self.pp, self.flats, self.targets, self.ex = pp, flats, targets, exchange
+        self.inference = inference
+        self.outputs: list[Any] = [None] * len(flats)  # inference: the last stage's output per mb
         self.saved: dict[tuple[int, int], Saved] = {}
         self.finite: list[tuple[int, torch.Tensor]] = []  # (stage, all outputs finite), read only on NaN
         self.loss_sum: torch.Tensor | float = 0.0
@@ -411,6 +458,12 @@ class _StepState:
             else:
                 outs, param_outs = pp._call[s](*args), ()
         outs = list(outs)
+        if self.inference:
+            if io.last:
+                self.outputs[mb] = unflatten_outputs(outs, io.out_spec)
+            else:
+                self.ex.send_activations(s, mb, outs)
+            return
         if io.last:
             with pp.memory.forward(s, mb):  # the loss's saved tensors count (and offload) too
                 loss = pp.loss_fn(unflatten_outputs(outs, io.out_spec), self.targets[mb])

@@ -140,3 +140,33 @@ def dynamic_body(rank: int, world: int) -> list[float]:
 def test_dynamic_sequence_length() -> None:
     results = run_ranks("tests.test_runtime:dynamic_body", 2, timeout=120)
     assert results[0] == results[1] and len(results[0]) == 3
+
+
+def inference_body(rank: int, world: int) -> list[str]:
+    """pp.forward: the model's output for a whole batch on every rank, without grads."""
+    import torch
+    import partition
+    import pipe
+    pipe.init()
+    done = []
+    for spec, args_, schedule, v in (("gpt", SMALL_GPT, "1f1b", 1), ("unet", {}, "interleaved-1f1b", 2),
+                                     ("bench.hf_models:gpt2", {"n_layer": 2}, "zb-h1", 1)):
+        w = partition.load(spec, **args_)
+        pp = pipe.Pipeline(w.model, w.example_args, example_kwargs=w.example_kwargs, loss_fn=w.loss_fn,
+                           microbatches=4, schedule=schedule, stages_per_rank=v, cost="flops")
+        args, kwargs, _ = w.batch(w.microbatch_size * 4, 5)
+        got = pp.forward(*args, **kwargs)
+        with torch.no_grad():
+            ref = w.model(*args, **kwargs)
+        if spec.endswith("gpt2"):
+            torch.testing.assert_close(got.logits, ref.logits, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(got.loss, ref.loss, rtol=1e-4, atol=1e-5)  # same-size mbs: mean of means
+        else:
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+        done.append(spec)
+    return done
+
+
+def test_inference_forward_on_every_rank() -> None:
+    results = run_ranks("tests.test_runtime:inference_body", 2, timeout=120)
+    assert results[0] == results[1] == ["gpt", "unet", "bench.hf_models:gpt2"]
