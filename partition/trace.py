@@ -91,6 +91,12 @@ def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
             gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code()
     _updates_next_to_values(gm.graph)
+    for node in gm.graph.nodes:
+        # export fixes each view against the layouts it saw while tracing; kernels may lay
+        # outputs out differently with autograd on (SDPA, e.g.) or after a value crosses a
+        # stage boundary, so a reshape (a view where the layout allows one) is the safe op
+        if node.op == "call_function" and node.target is torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
     for name, _ in list(gm.named_children()):
         if name.startswith("_guards_fn"):
             delattr(gm, name)
