@@ -155,9 +155,15 @@ def _child() -> None:
     try:
         import torch.distributed as dist
         if dist.is_initialized():
+            dist.barrier()  # no rank tears its connections down while another still uses them
             dist.destroy_process_group()
     except Exception:  # teardown must not mask the result
         pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # skip C++ static destructors: gloo's worker threads have aborted the process at exit
+    # ("terminate called without an active exception") after the body had returned
+    os._exit(0)
 
 
 if __name__ == "__main__":
