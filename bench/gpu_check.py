@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.memory_bench import _build, _peaks, largest, timed  # noqa: E402
+from bench.memory_bench import _build, largest, timed  # noqa: E402
 
 __all__ = ["main"]
 

@@ -18,7 +18,7 @@ from partition.solve import Chain, CostModel, InfeasibleBudget, Solution, solve
 from partition.split import example_from_plan, live_values, split_graph
 from partition.trace import TraceError, flatten_inputs, trace
 
-__all__ = ["plan", "split", "Analysis", "analyse", "plan_from_bounds", "split_heavy_ops"]
+__all__ = ["plan", "split", "Analysis", "plan_from_bounds", "split_heavy_ops"]
 
 
 class Analysis:
@@ -45,11 +45,6 @@ class Analysis:
     @property
     def chain(self) -> Chain:
         return self.blocks.chain
-
-
-def analyse(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: dict[str, Any] | None = None,
-            **kw: Any) -> Analysis:
-    return Analysis(model, example_args, example_kwargs, **kw)
 
 
 def _value(x: Any) -> Value | None:

@@ -95,7 +95,7 @@ def backward_input(saved: Saved, grads: list[torch.Tensor | None], multi: list[t
     """
     roots, gs = _roots(saved, grads)
     leaves = [x for x in saved.leaves if x is not None and x.requires_grad]
-    outs = [t for t in saved.param_outs]
+    outs = saved.param_outs
     targets: list[torch.Tensor] = leaves + list(multi) + [t for t in outs if t.requires_grad]
     got: dict[int, torch.Tensor | None] = {}
     if roots and targets:
