@@ -1,6 +1,7 @@
 """Process start-up under torchrun or mpirun, and the point-to-point transport the runtime uses."""
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
@@ -108,9 +109,17 @@ def init(*, backend: str | None = None, timeout_s: float = 300.0) -> Context:
                 port = int(s.getsockname()[1])
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
                                     world_size=1, timeout=timeout)
+    atexit.register(_shutdown)
     _CONTEXT = Context(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
                        device=device, backend=backend, launcher=launcher)
     return _CONTEXT
+
+
+def _shutdown() -> None:
+    """Destroy the process group at exit: left to C++ destructors, gloo's threads have aborted
+    finished processes ("terminate called without an active exception")."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def context() -> Context:

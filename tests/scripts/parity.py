@@ -1,5 +1,6 @@
 """Launched by tests under torchrun or mpiexec: a pipelined gpt in parity with the plain model."""
 import torch
+import torch.distributed as dist
 
 import pipe
 from tests.parity import parity_body
@@ -10,3 +11,5 @@ losses = parity_body(ctx.rank, ctx.world_size, spec="gpt",
                      model_args={"n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 32, "vocab": 256},
                      schedules=[("1f1b", 1), ("zb-h1", 1)], M=4)
 print(f"rank {ctx.rank} launcher={ctx.launcher} parity ok {losses}", flush=True)
+dist.barrier()
+dist.destroy_process_group()
