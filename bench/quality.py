@@ -162,7 +162,9 @@ def _quality(model_spec: str | Workload, stages: list[int], *, cost: str, repeat
     w = partition.load(model_spec, **model_args) if isinstance(model_spec, str) else model_spec
     if not w.layer_prefixes:
         raise ValueError(f"workload {w.name!r} names no layer_prefixes; the layer baselines need them")
-    a = Analysis(w.model, w.example_args, w.example_kwargs, cost=cost, repeats=max(5, repeats // 2))
+    # the loss is in the graph (partition.loss), so every method's last stage computes it, as in training
+    a = Analysis(w.model, w.example_args, w.example_kwargs, cost=cost, repeats=max(5, repeats // 2),
+                 loss_fn=w.loss_fn, example_target=w.example_target)
     rows: list[dict[str, Any]] = []
     runs: dict[tuple[int, int], Callable[[], tuple[float, float]]] = {}
     with preserve_state(w.model):

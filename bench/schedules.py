@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             w = partition.load(args.model, **overrides)
             pp = pipe.Pipeline(w.model, w.example_args, example_kwargs=w.example_kwargs, loss_fn=w.loss_fn,
-                               microbatches=M, schedule=name, stages_per_rank=v, cost=args.cost)
+                               microbatches=M, schedule=name, stages_per_rank=v, cost=args.cost,
+                               example_target=w.example_target)
             cands.append({"schedule": name, "M": M, "v": v, "w": w, "pp": pp,
                           "opt": torch.optim.AdamW(list(pp.parameters()), lr=1e-4), "times": [],
                           "bubbles": [], "makespans": [], "last_timeline": None})

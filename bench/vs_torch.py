@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     pipes: dict[str, Any] = {}
     for name, plan, wl in (("fxpipe-even", even, wf), ("fxpipe-auto", None, fresh())):
         pl = pipe.Pipeline(wl.model, wl.example_args, loss_fn=wl.loss_fn, microbatches=M, schedule="1f1b",
-                           plan=plan, cost=args.cost)
+                           plan=plan, cost=args.cost, example_target=wl.example_target if plan is None else None)
         candidates[name] = ((lambda pl: lambda b, t: pl.step(*b, target=t))(pl), list(pl.parameters()))
         pipes[name] = pl
         if rank == 0 and plan is None:

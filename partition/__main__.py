@@ -33,6 +33,9 @@ def parser() -> argparse.ArgumentParser:
                    help="microbatches per step (default: the number of stages)")
     p.add_argument("--out", default=None, metavar="PATH", help="write the plan as JSON to PATH")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
+    p.add_argument("--loss-outside", action="store_true",
+                   help="keep the workload's loss out of the graph (by default it is traced into the last "
+                        "stage, which lets a wide LM head and its cross entropy be spread over stages)")
     p.add_argument("--model-arg", action="append", default=[], metavar="K=V",
                    help="keyword argument for the model factory, e.g. --model-arg n_layer=8 (repeatable)")
     return p
@@ -44,7 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         w = load(args.model, **parse_overrides(args.model_arg))
         result = plan(w.model, w.example_args, args.stages, example_kwargs=w.example_kwargs, cost=args.cost,
                       schedule=args.schedule, microbatches=args.microbatches,
-                      memory_budget=args.memory_budget)
+                      memory_budget=args.memory_budget, loss_fn=None if args.loss_outside else w.loss_fn,
+                      example_target=None if args.loss_outside else w.example_target)
     except USAGE_ERRORS as e:
         print(f"python -m partition: error: {e}", file=sys.stderr)
         return 2

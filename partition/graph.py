@@ -93,7 +93,7 @@ def coarsen(g: nx.DiGraph, param_bytes: dict[str, int], *, max_blocks: int = 200
              if g.nodes[n]["op"] in ("call_function", "call_method", "call_module") and n not in rep]
     if not nodes:
         raise PartitionError("the traced graph has no operations to place on stages (it only passes inputs "
-                         "or constants through); pipeline a model that computes something from its inputs")
+                             "or constants through); pipeline a model that computes something from its inputs")
     pos = {n: i for i, n in enumerate(nodes)}
     n = len(nodes)
     # last[i]: the last position that reads node i's value (n when the model outputs it)

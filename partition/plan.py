@@ -72,7 +72,8 @@ class Plan:
     inputs: list[Value | None]       # the flat example (args, kwargs) leaves (None: not a tensor)
     input_spec: str = ""             # their pytree structure (torch.utils._pytree.treespec_dumps)
     input_constants: dict[str, Any] = field(default_factory=dict)  # flat index -> a non-tensor leaf (JSON)
-    rewrites: list[list[Any]] = field(default_factory=list)  # [node, parts]: linear layers cut in row slices
+    rewrites: list[list[Any]] = field(default_factory=list)  # [node, parts(, "vocab")]: see partition.rewrite
+    loss: bool = False               # loss_fn is in the graph: the last stage returns it; inputs[-1] is the target
     state_factor: float = 4.0
     bytes_per_ms: float = 1e6
     latency_ms: float = 0.05
@@ -147,6 +148,14 @@ class Plan:
                  fmt.format(*head)] + [fmt.format(*r) for r in rows]
         lines.append(f"bottleneck {self.bottleneck_ms:.2f} ms per microbatch (fwd+bwd+comm), "
                      f"imbalance {self.imbalance:.3f} (slowest / mean)")
+        if self.loss:
+            lines.append("the loss is computed in the last stage (traced into the graph)")
+        for r in self.rewrites:
+            parts = r[1] if isinstance(r[1], int) else len(r[1]) - 1
+            where = [s.index for s in self.stages if any(n.startswith(f"{r[0]}_vocab") or n.startswith(f"{r[0]}_rows")
+                                                         for n in s.nodes)]
+            kind = "vocabulary slices with its cross entropy" if list(r[2:]) == ["vocab"] else "row slices"
+            lines.append(f"{r[0]} cut into {parts} {kind} (bounds {r[1]}) on stages {where}")
         shared = sorted({p for s in self.stages for p in s.shared})
         if shared:
             lines.append("tied parameters held by several stages (grads summed): " + ", ".join(shared))

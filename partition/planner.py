@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
@@ -12,7 +12,8 @@ import torch.utils._pytree as pytree
 
 from partition.costs import node_costs, param_names
 from partition.graph import build_graph, coarsen
-from partition.rewrite import apply_rewrites, splittable_linear
+from partition.loss import attach_loss, has_loss
+from partition.rewrite import apply_rewrites, splittable_linear, vocab_parallel_loss
 from partition.plan import Plan, PlanError, StagePlan, Value, fingerprint, human_bytes, in_flight, parse_bytes
 from partition.solve import Chain, CostModel, InfeasibleBudget, Solution, solve
 from partition.split import example_from_plan, live_values, split_graph
@@ -27,15 +28,23 @@ class Analysis:
     def __init__(self, model: torch.nn.Module, example_args: Sequence[Any],
                  example_kwargs: dict[str, Any] | None = None, *, cost: str = "measured",
                  leaf_modules: Sequence[type[torch.nn.Module]] = (), max_blocks: int = 2000,
-                 repeats: int = 5, rewrites: Sequence[tuple[str, int]] = ()) -> None:
+                 repeats: int = 5, rewrites: Sequence[Sequence[Any]] = (),
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, example_target: Any = None) -> None:
         self.model = model
         self.args = tuple(example_args)
         self.kwargs = dict(example_kwargs or {})
         self.cost = cost
         self.leaf_modules, self.max_blocks, self.repeats = tuple(leaf_modules), max_blocks, repeats
-        self.rewrites = [(str(n), int(k)) for n, k in rewrites]
-        self.gm = apply_rewrites(trace(model, self.args, self.kwargs, leaf_modules=leaf_modules), self.rewrites)
-        self.flat = flatten_inputs(self.gm, self.args, self.kwargs)
+        self.rewrites = [tuple(r) for r in rewrites]
+        self.loss_fn, self.target = loss_fn, example_target
+        gm = trace(model, self.args, self.kwargs, leaf_modules=leaf_modules)
+        # with the loss in the graph (loss_fn and a tensor example target given, and attachable)
+        # the last stage returns the loss and the head can be cut without moving logits
+        self.loss_note = "no loss_fn and example_target given"
+        if loss_fn is not None and isinstance(example_target, torch.Tensor):
+            self.loss_note = attach_loss(gm, loss_fn) or ""
+        self.gm = apply_rewrites(gm, self.rewrites)
+        self.flat = flatten_inputs(self.gm, self.args, self.kwargs, example_target)
         self.names = param_names(model)
         self.costs = node_costs(self.gm, self.flat, cost=cost, names=self.names, repeats=repeats)
         self.graph = build_graph(self.gm, self.costs)
@@ -45,6 +54,17 @@ class Analysis:
     @property
     def chain(self) -> Chain:
         return self.blocks.chain
+
+    @property
+    def loss(self) -> bool:
+        """Whether the loss is part of the graph (partition.loss)."""
+        return has_loss(self.gm)
+
+    def with_rewrites(self, rewrites: Sequence[Sequence[Any]]) -> "Analysis":
+        """The same model and example analysed again with `rewrites` applied."""
+        return Analysis(self.model, self.args, self.kwargs, cost=self.cost, leaf_modules=self.leaf_modules,
+                        max_blocks=self.max_blocks, repeats=self.repeats, rewrites=rewrites,
+                        loss_fn=self.loss_fn, example_target=self.target)
 
 
 def _value(x: Any) -> Value | None:
@@ -99,11 +119,12 @@ def plan_from_bounds(a: Analysis, bounds: Sequence[int], cost_model: CostModel, 
             shared=[p for p in params_of[s] if holders[p] > 1]))
     times = list(sol.stage_ms)
     flat_leaves, spec = pytree.tree_flatten((a.args, a.kwargs))
+    inputs = [_value(x) for x in flat_leaves] + ([_value(a.target)] if a.loss else [])
     return Plan(stages=stages, schedule=schedule, microbatches=microbatches, stages_per_rank=stages_per_rank,
                 cost=a.cost, memory_budget=memory_budget, bottleneck_ms=float(sol.bottleneck_ms),
                 imbalance=float(max(times) / (sum(times) / len(times))) if sum(times) > 0 else 1.0,
                 model=type(a.model).__name__, fingerprint=fingerprint(a.gm), rewrites=[list(r) for r in a.rewrites],
-                tracer=str(a.gm.meta.get("fxpipe_tracer", "")), inputs=[_value(x) for x in flat_leaves],
+                tracer=str(a.gm.meta.get("fxpipe_tracer", "")), inputs=inputs, loss=a.loss,
                 input_spec=pytree.treespec_dumps(spec), input_constants=_constants(flat_leaves),
                 state_factor=cost_model.state_factor,
                 bytes_per_ms=cost_model.bytes_per_ms, latency_ms=cost_model.latency_ms)
@@ -116,7 +137,8 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
          speeds: Sequence[float] | None = None, leaf_modules: Sequence[type[torch.nn.Module]] = (),
          bytes_per_ms: float = 1e6, latency_ms: float = 0.05, state_factor: float = 4.0,
          max_blocks: int = 2000, analysis: Analysis | None = None, recompute: str = "none",
-         offload: str = "none") -> Plan:
+         offload: str = "none", loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+         example_target: Any = None) -> Plan:
     """Balanced stages for `model`, found by the exact solver under a per-stage memory budget.
 
     `example_args`/`example_kwargs` are one microbatch. Memory per stage counts parameters
@@ -126,6 +148,10 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
     The memory check counts what memory/ can reach: with `recompute` 'full' or 'auto' one
     microbatch's activations (recomputed in its backward), with `offload` 'states' or 'all' no
     model state (its chunks stream through the device).
+    With `loss_fn` and a tensor `example_target` (one microbatch's) the loss is traced into
+    the graph (partition.loss) when fx can trace it: the last stage returns the loss, and a
+    linear layer too slow for one stage that feeds a cross entropy is spread over stages
+    by vocabulary slices (partition.rewrite.vocab_parallel).
     """
     if isinstance(n_stages, bool) or not isinstance(n_stages, int) or n_stages < 1:
         raise PlanError(f"n_stages must be a positive integer (one per pipeline stage), got {n_stages!r}; "
@@ -136,7 +162,7 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
                         f"{2 * n_stages} (at least n_stages={n_stages} keeps every stage busy)")
     budget = parse_bytes(memory_budget)
     a = analysis or Analysis(model, example_args, example_kwargs, cost=cost, leaf_modules=leaf_modules,
-                             max_blocks=max_blocks)
+                             max_blocks=max_blocks, loss_fn=loss_fn, example_target=example_target)
     n = len(a.blocks.members)
     if n_stages > n:
         raise PlanError(f"cannot cut {type(model).__name__} into {n_stages} stages: its traced graph has "
@@ -168,43 +194,84 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
 
 
 def split_heavy_ops(a: Analysis, sol: Solution, n_stages: int, cm: CostModel) -> tuple[Analysis, Solution]:
-    """When one block alone is slower than a perfectly balanced stage (total / S), split the
-    linear layers that make it so into row slices (partition.rewrite) and solve again; keep
-    the result only if its bottleneck is lower. Example: a wide-vocabulary LM head."""
+    """When the solution's slowest stage is well above a perfectly balanced one (total / S)
+    and holds a linear layer that takes a quarter of a balanced stage or more, cut that layer
+    into slices (partition.rewrite) and solve again; keep the result only if its bottleneck
+    is lower. Example: a wide-vocabulary LM head.
+
+    A layer feeding a cross entropy in the graph becomes vocabulary-parallel (only hidden
+    states and two floats per row cross a cut); others become row slices joined by a
+    concatenation. Slices are first fine (about a quarter of a fair stage each, so the
+    solver can place cuts finely); the slices that land on one stage are then merged into
+    one (fewer, larger kernels and one weight gradient per stage) and the model solved again.
+    """
     ch = a.chain
     work = ch.fwd_ms + ch.bwd_ms
     fair = float(work.sum()) / n_stages
-    if n_stages < 2 or float(work.max()) <= fair:
+    if n_stages < 2 or sol.bottleneck_ms <= 1.05 * fair:
         return a, sol
     nodes = {n.name: n for n in a.gm.graph.nodes}
-    rewrites = list(a.rewrites)
-    for b in range(ch.n):
-        if work[b] <= fair:
+    shapes = {name: list(c.shape) for name, c in a.costs.items()}
+    added: list[tuple[Any, ...]] = []
+    for s in range(n_stages):  # the stages slower than fair: their big linear layers
+        if sol.stage_ms[s] <= 1.05 * fair:
             continue
-        for name in a.blocks.members[b]:
-            c = a.costs[name]
-            t = c.fwd_ms + c.bwd_ms
-            if t >= 0.5 * work[b] and splittable_linear(a.gm, nodes[name]) is not None:
-                rewrites.append((name, min(32, math.ceil(4 * t / fair))))  # slices of ~1/4 stage
-    if len(rewrites) == len(a.rewrites):
+        for b in range(sol.bounds[s], sol.bounds[s + 1]):
+            for name in a.blocks.members[b]:
+                c = a.costs[name]
+                t = c.fwd_ms + c.bwd_ms
+                if splittable_linear(a.gm, nodes[name]) is None:
+                    continue
+                ce = vocab_parallel_loss(a.gm, nodes[name], shapes)
+                if ce is not None:  # its cross entropy is sliced with it
+                    t += a.costs[ce.name].fwd_ms + a.costs[ce.name].bwd_ms
+                if t >= 0.25 * fair:
+                    parts = min(32, math.ceil(4 * t / fair))  # slices of about a quarter stage
+                    added.append((name, parts, "vocab") if ce is not None else (name, parts))
+    if not added:
         return a, sol
-    b2 = Analysis(a.model, a.args, a.kwargs, cost=a.cost, leaf_modules=a.leaf_modules,
-                  max_blocks=a.max_blocks, repeats=a.repeats, rewrites=rewrites)
+    best = (a, sol)
+    fine = a.with_rewrites(list(a.rewrites) + added)
     try:
-        sol2 = solve(b2.chain, n_stages, cm)
+        sol2 = solve(fine.chain, n_stages, cm)
     except InfeasibleBudget:
-        return a, sol
-    return (b2, sol2) if sol2.bottleneck_ms < sol.bottleneck_ms * 0.98 else (a, sol)
+        return best
+    if sol2.bottleneck_ms < best[1].bottleneck_ms * 0.98:
+        best = (fine, sol2)
+    merged = [_merge_slices(fine, sol2.bounds, r) for r in added]
+    if merged != added:
+        coarse = a.with_rewrites(list(a.rewrites) + merged)
+        try:
+            sol3 = solve(coarse.chain, n_stages, cm)
+        except InfeasibleBudget:
+            return best
+        if best[0] is fine:  # the same cuts stay possible with fewer kernels: keep it (its costs are
+            best = (coarse, sol3)  # measured afresh, so comparing the two bottlenecks would compare noise)
+    return best
+
+
+def _merge_slices(a: Analysis, bounds: Sequence[int], rewrite: tuple[Any, ...]) -> tuple[Any, ...]:
+    """`rewrite` with the slices that `bounds` put on one stage merged: its parts as slice bounds."""
+    name, parts = rewrite[0], int(rewrite[1])
+    stage_of = {n: s for s in range(len(bounds) - 1) for b in range(bounds[s], bounds[s + 1])
+                for n in a.blocks.members[b]}
+    tag, at = ("_vocab", 4) if len(rewrite) > 2 else ("_rows", 3)  # where lo, hi sit in the slice's args
+    by_name = {n.name: n for n in a.gm.graph.nodes}
+    lo_hi = [(int(by_name[f"{name}{tag}{i}"].args[at]), int(by_name[f"{name}{tag}{i}"].args[at + 1]))
+             for i in range(parts)]
+    owners = [stage_of[f"{name}{tag}{i}"] for i in range(parts)]
+    cuts = [0] + [lo_hi[i][0] for i in range(1, parts) if owners[i] != owners[i - 1]] + [lo_hi[-1][1]]
+    return (name, cuts) + tuple(rewrite[2:])
 
 
 def split(model: torch.nn.Module, plan: Plan, example_args: Sequence[Any] | None = None,
-          example_kwargs: dict[str, Any] | None = None, *, gm: torch.fx.GraphModule | None = None
-          ) -> list[torch.fx.GraphModule]:
+          example_kwargs: dict[str, Any] | None = None, *, gm: torch.fx.GraphModule | None = None,
+          loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> list[torch.fx.GraphModule]:
     """One module per stage of `plan` (see partition.split.StageIO for how to call them).
 
     The model is traced again (with the example inputs when given, else zeros of the
     shapes the plan recorded; `gm=` passes a trace already made) and must be the model the
-    plan was made for.
+    plan was made for. A plan with the loss in its last stage (plan.loss) needs `loss_fn`.
     """
     name = type(model).__name__
     if name != plan.model:
@@ -224,4 +291,11 @@ def split(model: torch.nn.Module, plan: Plan, example_args: Sequence[Any] | None
             raise PlanError(f"cannot re-trace {name} on inputs shaped as the plan records ({e}); the plan "
                             f"(fingerprint {plan.fingerprint}) may be for another model: pass "
                             "example_args=, or re-create the plan") from e
+    if plan.loss and not has_loss(gm):
+        if loss_fn is None:
+            raise PlanError("this plan has the loss traced into its last stage; pass the loss function it was "
+                            "made with: partition.split(model, plan, loss_fn=...)")
+        why = attach_loss(gm, loss_fn)
+        if why:
+            raise PlanError(f"cannot put loss_fn into the graph as the plan requires: {why}")
     return split_graph(gm, plan)

@@ -1,13 +1,22 @@
-"""Graph rewrites before cutting: a linear layer too slow for any one stage becomes row slices."""
+"""Graph rewrites before cutting: a linear layer too slow for any one stage becomes slices.
+
+Two forms. `split_linear` cuts a linear layer into row slices joined by a concatenation,
+the same numbers in pieces. `vocab_parallel` applies when the layer's output goes only into
+a cross entropy (an LM head with the loss in the graph, see partition.loss): slice k folds
+its logits into running per-row statistics (log-sum-exp so far, the target's logit if seen),
+so between slices only the hidden states and two floats per row travel, never the logits.
+"""
 from __future__ import annotations
 
-from typing import Any, Sequence
+import operator
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx
 import torch.nn.functional as F
 
-__all__ = ["linear_rows", "splittable_linear", "split_linear", "apply_rewrites"]
+__all__ = ["linear_rows", "logit_size", "splittable_linear", "split_linear", "vocab_slice", "vocab_loss",
+           "vocab_parallel_loss", "vocab_parallel", "apply_rewrites"]
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor:
@@ -15,7 +24,41 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return F.linear(x, weight[lo:hi], None if bias is None else bias[lo:hi])
 
 
+def vocab_slice(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+                lo: int, hi: int, stats: torch.Tensor | None) -> torch.Tensor:
+    """Logits [lo, hi) of F.linear(h, weight, bias), one row per target, folded into `stats`.
+
+    Row i of the result holds (log-sum-exp of row i's logits in [0, hi), the logit of row i's
+    target if it lies in [0, hi), else 0); `stats` holds the same for [0, lo), or is None when
+    lo is 0. h is (..., d) with its leading dims flattened to the target's rows.
+    """
+    z = F.linear(h.reshape(-1, h.shape[-1]), weight[lo:hi], None if bias is None else bias[lo:hi])  # (N, hi-lo)
+    t = target.reshape(-1)  # (N,)
+    inside = (t >= lo) & (t < hi)
+    picked = z.gather(1, (t - lo).clamp(0, hi - lo - 1).unsqueeze(1)).squeeze(1).masked_fill(~inside, 0.0)
+    lse = torch.logsumexp(z, dim=1)
+    if stats is None:
+        return torch.stack((lse, picked), 1)  # (N, 2)
+    return torch.stack((torch.logaddexp(stats[:, 0], lse), stats[:, 1] + picked), 1)
+
+
+def vocab_loss(stats: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
+    """F.cross_entropy's result from the statistics of every slice (rows whose target is
+    `ignore_index` count as 0 and are left out of the mean, as there)."""
+    t = target.reshape(-1)
+    valid = t != ignore_index
+    per = (stats[:, 0] - stats[:, 1]).masked_fill(~valid, 0.0)  # -log softmax(z)[target]
+    if reduction == "none":
+        return per
+    if reduction == "sum":
+        return per.sum()
+    return per.sum() / valid.sum()
+
+
 torch.fx.wrap("linear_rows")
+torch.fx.wrap("vocab_slice")
+torch.fx.wrap("vocab_loss")
+torch.fx.wrap("logit_size")
 
 _LINEAR_FUNCTIONS = (F.linear, torch.ops.aten.linear.default)
 
@@ -47,7 +90,7 @@ def splittable_linear(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[An
     return None
 
 
-def split_linear(gm: torch.fx.GraphModule, name: str, parts: int) -> None:
+def split_linear(gm: torch.fx.GraphModule, name: str, parts: int | Sequence[int]) -> None:
     """Replace linear node `name` by `parts` row slices and a concatenation, in place.
 
     Each slice reads the whole weight (so a stage holding one slice holds the weight, and
@@ -58,8 +101,7 @@ def split_linear(gm: torch.fx.GraphModule, name: str, parts: int) -> None:
     if node is None or found is None:
         raise ValueError(f"cannot split node {name!r}: it is not a linear layer with its weight as an attribute")
     x, w, b, out = found
-    parts = max(1, min(parts, out))
-    bounds = [round(k * out / parts) for k in range(parts + 1)]
+    bounds = _bounds(parts, out)
     g = gm.graph
     with g.inserting_before(node):
         if isinstance(w, str):
@@ -75,9 +117,164 @@ def split_linear(gm: torch.fx.GraphModule, name: str, parts: int) -> None:
     gm.recompile()
 
 
-def apply_rewrites(gm: torch.fx.GraphModule, rewrites: Sequence[Sequence[Any]]) -> torch.fx.GraphModule:
-    """Apply a plan's rewrites ([node name, parts] pairs) to a fresh trace, in order."""
-    for name, parts in rewrites:
-        split_linear(gm, str(name), int(parts))
-    return gm
+_CE_FUNCTIONS = (F.cross_entropy, torch.ops.aten.cross_entropy_loss.default)
+_CE_SIGNATURE = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction",
+                 "label_smoothing")
+_REDUCTIONS = ("none", "mean", "sum")
+_MERGING = {"reshape", "view", "flatten", "contiguous", torch.reshape, torch.flatten,
+            torch.ops.aten.reshape.default, torch.ops.aten.view.default, torch.ops.aten.flatten.using_ints,
+            torch.ops.aten._unsafe_view.default, torch.ops.aten.clone.default}
 
+
+def _ce_args(gm: torch.fx.GraphModule, node: torch.fx.Node) -> dict[str, Any] | None:
+    """The arguments of a cross-entropy node by name, or None if `node` is not one."""
+    if node.op == "call_function" and node.target in _CE_FUNCTIONS:
+        names = _CE_SIGNATURE if node.target is F.cross_entropy else \
+            ("input", "target", "weight", "reduction", "ignore_index", "label_smoothing")
+        got: dict[str, Any] = dict(zip(names, node.args))
+        got.update(node.kwargs)
+        if node.target is not F.cross_entropy and "reduction" in got:  # ATen: 0 none, 1 mean, 2 sum
+            got["reduction"] = _REDUCTIONS[int(got["reduction"])]
+        return got
+    if node.op == "call_module":
+        mod = gm.get_submodule(str(node.target))
+        if type(mod) is torch.nn.CrossEntropyLoss and len(node.args) + len(node.kwargs) == 2:
+            got = dict(zip(("input", "target"), node.args))
+            got.update(node.kwargs)
+            got.update(weight=mod.weight, ignore_index=mod.ignore_index, reduction=mod.reduction,
+                       label_smoothing=mod.label_smoothing)
+            return got
+    return None
+
+
+def vocab_parallel_loss(gm: torch.fx.GraphModule, node: torch.fx.Node,
+                        shapes: Mapping[str, Sequence[int]] | None = None) -> torch.fx.Node | None:
+    """The cross-entropy node that linear `node` alone feeds, through reshapes that merge its
+    leading dims, when vocab_parallel can replace the pair. `shapes` (output shapes by node
+    name) check that the reshapes keep one row per token; without them (re-applying a plan
+    made on a costed graph) only the structure is checked."""
+    if splittable_linear(gm, node) is None or _size_queries(node) is None:
+        return None
+    cur = node
+    while len(_others(cur)) == 1:
+        (user,) = _others(cur)
+        ce = _ce_args(gm, user)
+        if ce is not None:
+            reduction = ce.get("reduction", "mean")
+            ok = (ce.get("input") is cur and isinstance(ce.get("target"), torch.fx.Node)
+                  and ce.get("weight") is None and ce.get("size_average") is None and ce.get("reduce") is None
+                  and not ce.get("label_smoothing") and reduction in _REDUCTIONS
+                  and isinstance(ce.get("ignore_index", -100), int))
+            if shapes is not None:
+                rows, logits = list(shapes.get(cur.name, ())), list(shapes.get(node.name, ()))
+                ok = ok and len(rows) == 2 and bool(logits) and rows[1] == logits[-1]
+                # reduction 'none' gives one loss per flattened row: only the same when the logits are 2-D
+                ok = ok and (reduction != "none" or len(logits) == 2)
+            return user if ok else None
+        target = user.target if user.op in ("call_function", "call_method") else None
+        if target not in _MERGING or not user.args or user.args[0] is not cur:
+            return None
+        if cur is not node and _others(cur) != list(cur.users):  # only the logits' own sizes are rewritten
+            return None
+        cur = user
+    return None
+
+
+def logit_size(x: torch.Tensor, dim: int, out_features: int) -> int:
+    """Size `dim` of F.linear(x, weight) without computing it: out_features for the last dim."""
+    d = x.dim()
+    return out_features if dim % d == d - 1 else x.size(dim)
+
+
+def _size_queries(node: torch.fx.Node) -> list[tuple[torch.fx.Node, int]] | None:
+    """The users of `node` that only ask one of its sizes (`t.size(i)`, `t.shape[i]`) and the dim
+    each asks, or None if some use of its shape is of another kind (kept out of the rewrite)."""
+    found = []
+    for u in node.users:
+        if u.op == "call_method" and u.target == "size":
+            if len(u.args) != 2 or not isinstance(u.args[1], int) or u.kwargs:
+                return None
+            found.append((u, u.args[1]))
+        elif u.op == "call_function" and u.target is getattr and u.args[1:] == ("shape",):
+            for g in u.users:
+                if not (g.op == "call_function" and g.target is operator.getitem and isinstance(g.args[1], int)):
+                    return None
+                found.append((g, int(g.args[1])))
+    return found
+
+
+def _others(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The users of `node` other than size queries."""
+    asks = {u for u in node.users if u.op == "call_method" and u.target == "size"
+            or u.op == "call_function" and u.target is getattr and u.args[1:] == ("shape",)}
+    return [u for u in node.users if u not in asks]
+
+
+def vocab_parallel(gm: torch.fx.GraphModule, name: str, parts: int | Sequence[int],
+                   shapes: Mapping[str, Sequence[int]] | None = None) -> None:
+    """Replace linear `name` and the cross entropy it feeds by vocabulary slices (in place).
+
+    `parts` is a slice count or the slice bounds [0, b1, ..., out_features]. The loss value
+    is unchanged up to rounding; each slice reads the whole weight, as in split_linear.
+    """
+    node = next((n for n in gm.graph.nodes if n.name == name), None)
+    found = splittable_linear(gm, node) if node is not None else None
+    ce = vocab_parallel_loss(gm, node, shapes) if node is not None and found is not None else None
+    if node is None or found is None or ce is None:
+        raise ValueError(f"cannot make node {name!r} vocabulary-parallel: it is not a linear layer whose output "
+                         "goes only into a cross entropy with default weight and label smoothing")
+    x, w, b, out = found
+    bounds = _bounds(parts, out)
+    args = _ce_args(gm, ce)
+    assert args is not None
+    g = gm.graph
+    with g.inserting_before(ce):
+        if isinstance(w, str):
+            w = g.get_attr(w)
+            b = g.get_attr(b) if isinstance(b, str) else None
+        stats: torch.fx.Node | None = None
+        for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+            stats = g.create_node("call_function", vocab_slice, (x, w, b, args["target"], lo, hi, stats), {},
+                                  name=f"{name}_vocab{i}")
+        loss = g.create_node("call_function", vocab_loss,
+                             (stats, args["target"], int(args.get("ignore_index", -100)),
+                              str(args.get("reduction", "mean"))), {}, name=f"{name}_loss")
+    for q, dim in _size_queries(node) or []:  # e.g. logits.view(-1, logits.size(-1)): sizes without logits
+        with g.inserting_before(q):
+            q.replace_all_uses_with(g.create_node("call_function", logit_size, (x, dim, out), {}))
+        g.erase_node(q)
+    for u in [u for u in node.users if not u.users and u.op == "call_function" and u.target is getattr]:
+        g.erase_node(u)  # a .shape whose items were all asked for above
+    ce.replace_all_uses_with(loss)
+    dead = [ce]
+    while dead:
+        n = dead.pop()
+        inputs = [i for i in n.all_input_nodes if i.op != "placeholder"]
+        g.erase_node(n)
+        dead += [i for i in inputs if not i.users and i.op != "get_attr" and i not in dead]
+    g.lint()
+    gm.recompile()
+
+
+def _bounds(parts: int | Sequence[int], out: int) -> list[int]:
+    if isinstance(parts, int):
+        k = max(1, min(parts, out))
+        return [round(i * out / k) for i in range(k + 1)]
+    bounds = [int(b) for b in parts]
+    if bounds[0] != 0 or bounds[-1] != out or any(a >= b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"slice bounds {bounds} must rise strictly from 0 to the {out} output features")
+    return bounds
+
+
+def apply_rewrites(gm: torch.fx.GraphModule, rewrites: Sequence[Sequence[Any]]) -> torch.fx.GraphModule:
+    """Apply a plan's rewrites to a fresh trace, in order: [node, parts] cuts a linear layer into
+    row slices, [node, parts, "vocab"] makes it and its cross entropy vocabulary-parallel; parts
+    is a count or a list of bounds."""
+    for r in rewrites:
+        name, parts = str(r[0]), r[1]
+        parts = int(parts) if isinstance(parts, (int, float)) else [int(b) for b in parts]
+        if len(r) > 2 and r[2] == "vocab":
+            vocab_parallel(gm, name, parts)
+        else:
+            split_linear(gm, name, parts)
+    return gm

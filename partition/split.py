@@ -8,6 +8,7 @@ import torch
 import torch.fx
 
 from partition.plan import Plan, PlanError, fingerprint
+from partition.loss import has_loss
 from partition.rewrite import apply_rewrites
 from partition.trace import flatten_outputs
 
@@ -91,6 +92,11 @@ def split_graph(gm: torch.fx.GraphModule, plan: Plan) -> list[torch.fx.GraphModu
     stage gives the model's own names; a tied weight appears on every stage that reads it.
     The plan's rewrites (partition.rewrite) are applied to `gm` first, in place, if not yet.
     """
+    if plan.loss != has_loss(gm):
+        raise PlanError("the plan has the loss traced into its last stage but this graph has none: attach it "
+                        "first (partition.split(model, plan, loss_fn=...), or partition.loss.attach_loss)"
+                        if plan.loss else "this graph has a loss attached but the plan was made without one; "
+                        "re-create the plan with loss_fn= and example_target=, or trace without the loss")
     present = {n.name for n in gm.graph.nodes}
     todo = [r for r in plan.rewrites if str(r[0]) in present]
     if todo:
@@ -152,7 +158,8 @@ def example_from_plan(plan: Plan) -> tuple[tuple[Any, ...], dict[str, Any]]:
     import torch.utils._pytree as pytree
     if not plan.input_spec:
         raise PlanError("the plan records no input structure; pass example_args to split()")
+    model_inputs = plan.inputs[:-1] if plan.loss else plan.inputs  # the loss's target comes last
     flat = [torch.zeros(v.shape, dtype=getattr(torch, v.dtype)) if v is not None
-            else plan.input_constants.get(str(i)) for i, v in enumerate(plan.inputs)]
+            else plan.input_constants.get(str(i)) for i, v in enumerate(model_inputs)]
     args, kwargs = pytree.tree_unflatten(flat, pytree.treespec_loads(plan.input_spec))
     return tuple(args), dict(kwargs)

@@ -13,6 +13,7 @@ import torch.utils._pytree as pytree
 from torch.fx._pytree import tree_flatten_spec
 
 from partition.costs import preserve_state
+from partition.loss import TARGET, has_loss
 
 __all__ = ["trace", "TraceError", "flatten_inputs", "flatten_outputs", "unflatten_outputs"]
 
@@ -158,18 +159,23 @@ def _first_line(e: BaseException) -> str:
     return lines[0][:300] if lines else ""
 
 
-def flatten_inputs(gm: torch.fx.GraphModule, args: Sequence[Any], kwargs: dict[str, Any] | None = None
-                   ) -> list[Any]:
-    """The values of gm's placeholders, in order, for a call `model(*args, **kwargs)`."""
+def flatten_inputs(gm: torch.fx.GraphModule, args: Sequence[Any], kwargs: dict[str, Any] | None = None,
+                   target: Any = None) -> list[Any]:
+    """The values of gm's placeholders, in order, for a call `model(*args, **kwargs)`; when the
+    loss is in the graph (partition.loss), `target` is the last."""
     kwargs = dict(kwargs or {})
+    extra = [target] if has_loss(gm) else []
     spec = getattr(gm, "_in_spec", None)
     if spec is not None:  # torch.export: placeholders are the flattened (args, kwargs)
-        return list(tree_flatten_spec((tuple(args), kwargs), spec))
-    names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+        return list(tree_flatten_spec((tuple(args), kwargs), spec)) + extra
+    names = [n.target for n in gm.graph.nodes if n.op == "placeholder" and n.target != TARGET]
     sig = inspect.signature(type(gm).forward)
-    bound = sig.bind(None, *args, **kwargs)
+    bound = sig.bind_partial(None, *args, **kwargs)
     bound.apply_defaults()
-    return [bound.arguments[str(n)] for n in names]
+    missing = [str(n) for n in names if str(n) not in bound.arguments]
+    if missing:
+        raise TypeError(f"{type(gm).__name__} needs inputs {missing} that the call does not give")
+    return [bound.arguments[str(n)] for n in names] + extra
 
 
 def flatten_outputs(gm: torch.fx.GraphModule) -> tuple[list[Any], pytree.TreeSpec]:

@@ -48,8 +48,8 @@ class Workload:
     `example_args` is ONE microbatch of positional inputs. `loss_fn(output, target)`
     returns the scalar mean loss over a microbatch. `make_batch(batch_size, step)`
     returns `(args, target)` or `(args, kwargs, target)` whose tensors have `batch_size`
-    along dim 0, the same for the same `step` (`batch` normalises both forms). `layer_prefixes` names the repeated layers in order, for baselines
-    that split by layer (may be empty).
+    along dim 0, the same for the same `step` (`batch` normalises both forms).
+    `layer_prefixes` names the repeated layers in order, for baselines that split by layer (may be empty).
     """
 
     name: str
@@ -82,13 +82,17 @@ class Workload:
                 "use qualified names from model.named_modules(), e.g. 'blocks.0'"
             )
 
-
     def batch(self, batch_size: int, step: int) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
         """(args, kwargs, target) of one batch, whichever form make_batch returns."""
         got = self.make_batch(batch_size, step)
         if len(got) == 3:
             return tuple(got[0]), dict(got[1]), got[2]
         return tuple(got[0]), {}, got[1]
+
+    @property
+    def example_target(self) -> Any:
+        """One microbatch's target (of batch 0), e.g. for planning with the loss in the graph."""
+        return self.batch(self.microbatch_size, 0)[2]
 
 
 def load(spec: str, **kwargs: Any) -> Workload:

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         pp = pipe.Pipeline(w.model, w.example_args, example_kwargs=w.example_kwargs, loss_fn=w.loss_fn,
                            microbatches=args.microbatches, schedule=args.schedule, plan=args.plan,
                            stages_per_rank=args.stages_per_rank, cost=args.cost, memory_budget=args.memory_budget,
-                           recompute=args.recompute, offload=args.offload)
+                           recompute=args.recompute, offload=args.offload, example_target=w.example_target)
     except (ValueError, TypeError) as e:
         print(f"error (rank {ctx.rank}): {e}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ import partition
 from partition.plan import Plan
 from partition.split import StageIO
 from partition.split import split_graph
+from partition.loss import attach_loss
 from partition.trace import flatten_inputs, trace, unflatten_outputs
 import memory
 from memory import MemoryManager
@@ -97,7 +98,8 @@ class Pipeline:
                  schedule: str = "1f1b", plan: Plan | str | None = None, stages_per_rank: int = 1,
                  example_kwargs: dict[str, Any] | None = None, cost: str = "measured",
                  memory_budget: float | str | None = None, dynamic_shapes: bool = False,
-                 recompute: str = "none", offload: str = "none", skip_nonfinite: bool = False) -> None:
+                 recompute: str = "none", offload: str = "none", skip_nonfinite: bool = False,
+                 example_target: Any = None) -> None:
         if loss_fn is None or not callable(loss_fn):
             raise PipelineError(f"loss_fn must be a callable (output, target) -> scalar loss, got {loss_fn!r}; "
                                 "pass e.g. loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())")
@@ -120,9 +122,14 @@ class Pipeline:
             raise PipelineError(str(e)) from e
         self.has_w = any(a.kind == "W" for a in self.actions)
         args, kwargs = tuple(example_args), dict(example_kwargs or {})
-        self.plan = self._agree_on_plan(model, args, kwargs, plan, cost, memory_budget, (recompute, offload))
+        self.plan = self._agree_on_plan(model, args, kwargs, plan, cost, memory_budget, (recompute, offload),
+                                        example_target)
         try:
             gm = trace(model, args, kwargs)
+            why = attach_loss(gm, loss_fn) if self.plan.loss else None
+            if why:
+                raise ValueError(f"the plan puts the loss in the last stage, but loss_fn cannot go into the graph: "
+                                 f"{why}; re-plan without example_target")
             stages = split_graph(gm, self.plan)
             error = None
         except (ValueError, TypeError) as e:
@@ -130,6 +137,11 @@ class Pipeline:
         _agree(error, self.rank, self.world)
         self._gm = gm
         self.local = [s for s in range(self.S) if s % self.world == self.rank]
+        if self.plan.loss and not isinstance(example_target, torch.Tensor):  # the shape the plan recorded
+            v = self.plan.inputs[-1]
+            assert v is not None
+            example_target = torch.zeros(v.shape, dtype=getattr(torch, v.dtype))
+        self._example_target = example_target
         costs = self._memory_costs(args, kwargs, recompute, offload, memory_budget)
         self.stages = {s: stages[s].to(self.ctx.device) for s in self.local}
         self.io: dict[int, StageIO] = {s: stages[s].io for s in self.local}  # type: ignore[misc]
@@ -152,7 +164,7 @@ class Pipeline:
     # ----- set-up -----
     def _agree_on_plan(self, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                        plan: Plan | str | None, cost: str, budget: float | str | None,
-                       features: tuple[str, str] = ("none", "none")) -> Plan:
+                       features: tuple[str, str] = ("none", "none"), example_target: Any = None) -> Plan:
         if isinstance(plan, str):
             plan = Plan.load(plan)
         if plan is None:
@@ -160,7 +172,8 @@ class Pipeline:
             d = _Broadcast.run(lambda: partition.plan(
                 model, args, self.S, example_kwargs=kwargs, cost=cost, schedule=self.schedule_name,
                 microbatches=self.M, memory_budget=budget, stages_per_rank=self.v,
-                in_flight_counts=flights, recompute=features[0], offload=features[1]).to_dict(), self.rank,
+                in_flight_counts=flights, recompute=features[0], offload=features[1], loss_fn=self.loss_fn,
+                example_target=example_target).to_dict(), self.rank,
                 everyone=cost == "measured" and self.ctx.device.type == "cpu")
             plan = Plan.from_dict(d)
         if plan.n_stages != self.S:
@@ -176,7 +189,7 @@ class Pipeline:
         if recompute == "none" and offload == "none" and budget is None:
             return {}
         from partition.costs import node_costs
-        found = node_costs(self._gm, flatten_inputs(self._gm, args, kwargs), cost="flops")
+        found = node_costs(self._gm, flatten_inputs(self._gm, args, kwargs, self._example_target), cost="flops")
         return {n: memory.NodeCost(c.fwd_ms, c.out_bytes, c.saved_bytes, tuple(c.params)) for n, c in found.items()}
 
     def _build_memory(self, model: torch.nn.Module, costs: dict[str, memory.NodeCost], recompute: str,
@@ -311,9 +324,12 @@ class Pipeline:
         """
         mbs = split_microbatches((batch_args, batch_kwargs), self.M)
         targets = split_microbatches(target, self.M, "target") if target is not None else [None] * self.M
+        if self.plan.loss and not isinstance(target, torch.Tensor):
+            raise PipelineError(f"this pipeline computes the loss inside its last stage and needs the target "
+                                f"as a tensor, got {type(target).__name__}; call step(*inputs, target=tensor)")
         dev = self.ctx.device
         flats = [[x.to(dev) if isinstance(x, torch.Tensor) else x
-                  for x in flatten_inputs(self._gm, a, k)] for a, k in mbs]
+                  for x in flatten_inputs(self._gm, a, k, t)] for (a, k), t in zip(mbs, targets)]
         for f in flats:
             self._check_inputs(f)
         exchange = Exchange(self.transport, self.plan, self.world, self.M, self.local, dev, self.dynamic)
@@ -371,6 +387,10 @@ class Pipeline:
         if getattr(self.memory, "store", None) is not None:
             raise PipelineError("forward() does not stream offloaded model state; build an inference "
                                 "Pipeline with offload='none' or 'activations'")
+        if self.plan.loss:
+            raise PipelineError("forward() returns the model's output, but this pipeline's last stage computes "
+                                "the loss (it was planned with example_target=); build an inference Pipeline "
+                                "without example_target")
         mbs = split_microbatches((batch_args, batch_kwargs), self.M)
         dev = self.ctx.device
         flats = [[x.to(dev) if isinstance(x, torch.Tensor) else x
@@ -465,8 +485,11 @@ class _StepState:
                 self.ex.send_activations(s, mb, outs)
             return
         if io.last:
-            with pp.memory.forward(s, mb):  # the loss's saved tensors count (and offload) too
-                loss = pp.loss_fn(unflatten_outputs(outs, io.out_spec), self.targets[mb])
+            if pp.plan.loss:  # the stage computed it
+                loss = outs[0]
+            else:
+                with pp.memory.forward(s, mb):  # the loss's saved tensors count (and offload) too
+                    loss = pp.loss_fn(unflatten_outputs(outs, io.out_spec), self.targets[mb])
             self.loss_sum = self.loss_sum + loss.detach().double() / pp.M  # stays on device: no sync
             roots = [loss / pp.M]
         else:

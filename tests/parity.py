@@ -23,20 +23,31 @@ def reference_step(w: partition.Workload, args: tuple[Any, ...], target: Any, M:
 
 
 def parity_body(rank: int, world: int, *, spec: str, model_args: dict[str, Any],
-                schedules: list[tuple[str, int]], M: int, steps: int = 3) -> dict[str, list[float]]:
-    """For each (schedule, stages per rank): `steps` Adam steps in parity with the plain model."""
-    return {f"{name}/v{v}": one_schedule(rank, world, spec, model_args, name, M, v, steps)
+                schedules: list[tuple[str, int]], M: int, steps: int = 3, fused: bool = False,
+                expect_vocab: bool = False) -> dict[str, list[float]]:
+    """For each (schedule, stages per rank): `steps` Adam steps in parity with the plain model.
+
+    `fused`: plan with the loss in the graph (example_target=); `expect_vocab`: and check that
+    the plan spread the LM head and its loss over stages (partition.rewrite.vocab_parallel)."""
+    return {f"{name}/v{v}": one_schedule(rank, world, spec, model_args, name, M, v, steps, fused, expect_vocab)
             for name, v in schedules}
 
 
 def one_schedule(rank: int, world: int, spec: str, model_args: dict[str, Any], schedule: str, M: int,
-                 v: int, steps: int) -> list[float]:
+                 v: int, steps: int, fused: bool = False, expect_vocab: bool = False) -> list[float]:
     import pipe
     pipe.init()
     w = partition.load(spec, **model_args)
     ref = partition.load(spec, **model_args)
     pp = pipe.Pipeline(w.model, w.example_args, example_kwargs=w.example_kwargs, loss_fn=w.loss_fn,
-                       microbatches=M, schedule=schedule, stages_per_rank=v, cost="flops")
+                       microbatches=M, schedule=schedule, stages_per_rank=v, cost="flops",
+                       example_target=w.example_target if fused else None)
+    assert pp.plan.loss == fused
+    if expect_vocab:
+        vocab = [r for r in pp.plan.rewrites if list(r[2:]) == ["vocab"]]
+        assert vocab, pp.plan.rewrites
+        on = [s.index for s in pp.plan.stages if any(n.startswith(f"{vocab[0][0]}_vocab") for n in s.nodes)]
+        assert len(on) >= 2, f"the head's slices sit on stages {on} only"
     # eps=1e-6: with the default 1e-8 Adam turns grads at float-noise level (1e-9, where
     # summation order alone differs) into full-size steps, so parameters would compare noise.
     opt = torch.optim.Adam(list(pp.parameters()), lr=1e-3, eps=1e-6)

@@ -33,7 +33,7 @@ def test_plans_a_bundled_workload_and_writes_the_plan(tmp_path: Path) -> None:
     assert (plan.n_stages, plan.schedule, plan.microbatches, plan.memory_budget) == (3, "gpipe", 6, 2**30)
     assert [sp.in_flight for sp in plan.stages] == [6, 6, 6]
     w = partition.load("mlp", depth=4, width=32)  # the plan file serves another process's model
-    assert len(partition.split(w.model, plan, w.example_args)) == 3
+    assert plan.loss and len(partition.split(w.model, plan, w.example_args, loss_fn=w.loss_fn)) == 3
 
 
 def test_json_output_is_the_plan(tmp_path: Path) -> None:

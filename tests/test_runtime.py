@@ -35,6 +35,22 @@ def test_parity_with_a_split_lm_head() -> None:
 
 
 @pytest.mark.parametrize("world", [2, 4])
+def test_parity_with_the_loss_in_the_graph_and_a_vocab_parallel_head(world: int) -> None:
+    """The loss traced into the last stages; the head and its cross entropy spread over stages by
+    vocabulary slices, no stage holding whole logits (partition.rewrite.vocab_parallel)."""
+    _check(run_ranks("tests.parity:parity_body", world, timeout=240, spec="gpt_wide_vocab",
+                     model_args={"n_layer": 2, "d_model": 64, "vocab": 4000, "seq_len": 32},
+                     schedules=[("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)] if world == 4 else
+                     [("1f1b", 1), ("gpipe", 1), ("zb-h1", 1)], M=4, fused=True, expect_vocab=True))
+
+
+def test_parity_with_the_loss_in_the_graph_of_a_small_model() -> None:
+    """A loss in the graph without any rewrite: the last stage returns it (unet and its mse loss)."""
+    _check(run_ranks("tests.parity:parity_body", 2, timeout=240, spec="unet", model_args={},
+                     schedules=[("1f1b", 1), ("interleaved-1f1b", 2)], M=4, fused=True))
+
+
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("spec", ["bench.hf_models:bert", "bench.hf_models:t5"], ids=["hf-bert", "hf-t5"])
 def test_parity_encoder_models(spec: str, world: int) -> None:
     """BERT with a padding mask and T5 (encoder-decoder), keyword inputs through the same step call."""
@@ -96,19 +112,25 @@ def errors_body(rank: int, world: int) -> list[str]:
     expect(lambda: pp.step(args[0][:, :16], target=target[:, :16]))
     loss = pp.step(*args, target=target)  # the pipeline still works after refused calls
     assert loss == loss and torch.isfinite(torch.tensor(loss))
+    fused = make(example_target=w.example_target)  # the loss in the last stage
+    expect(lambda: fused.step(*args))
+    expect(lambda: fused.forward(*args))
+    assert fused.step(*args, target=target) == pytest.approx(loss, rel=1e-5)
     return messages
 
 
 def test_bad_input_errors_on_every_rank() -> None:
     results = run_ranks("tests.test_runtime:errors_body", 2, timeout=120)
     assert results[0] == results[1]
-    unknown, too_few, no_loss, world, divisible, shape = results[0]
+    unknown, too_few, no_loss, world, divisible, shape, no_target, inference = results[0]
     assert "1f2b" in unknown and "1f1b" in unknown and "gpipe" in unknown
     assert "3" in too_few and "microbatch" in too_few
     assert "loss_fn" in no_loss
     assert "3 stages" in world and "world size 2" in world
     assert "not divisible into 4 microbatches" in divisible
     assert "shape" in shape and "[4, 16]" in shape and "[4, 32]" in shape
+    assert "needs the target" in no_target and "target=" in no_target
+    assert "computes the loss" in inference and "without example_target" in inference
 
 
 def dynamic_body(rank: int, world: int) -> list[float]:
