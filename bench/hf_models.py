@@ -68,8 +68,8 @@ def bert(*, n_layer: int = 2, hidden: int = 64, n_head: int = 4, vocab: int = 25
     model = BertForMaskedLM(cfg)
     batch = _BertBatch(vocab, seq_len)
     args, kwargs, _ = batch(microbatch_size, 0)
-    return Workload(name="bert", model=model, example_args=args, example_kwargs=kwargs, loss_fn=_lm_loss, make_batch=batch,
-                    microbatch_size=microbatch_size, tokens_per_sample=seq_len,
+    return Workload(name="bert", model=model, example_args=args, example_kwargs=kwargs, loss_fn=_lm_loss,
+                    make_batch=batch, microbatch_size=microbatch_size, tokens_per_sample=seq_len,
                     layer_prefixes=tuple(f"bert.encoder.layer.{i}" for i in range(n_layer)))
 
 
@@ -95,7 +95,7 @@ def t5(*, n_layer: int = 2, d_model: int = 64, n_head: int = 4, vocab: int = 256
     model = T5ForConditionalGeneration(cfg)
     batch = _T5Batch(vocab, seq_len)
     args, kwargs, _ = batch(microbatch_size, 0)
-    return Workload(name="t5", model=model, example_args=args, example_kwargs=kwargs, loss_fn=_lm_loss, make_batch=batch,
-                    microbatch_size=microbatch_size, tokens_per_sample=seq_len,
+    return Workload(name="t5", model=model, example_args=args, example_kwargs=kwargs, loss_fn=_lm_loss,
+                    make_batch=batch, microbatch_size=microbatch_size, tokens_per_sample=seq_len,
                     layer_prefixes=tuple([f"encoder.block.{i}" for i in range(n_layer)] +
                                          [f"decoder.block.{i}" for i in range(n_layer)]))

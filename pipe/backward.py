@@ -10,7 +10,8 @@ __all__ = ["with_param_outputs", "Saved", "backward_full", "backward_input", "ba
 
 
 def with_param_outputs(stage: torch.fx.GraphModule, param_nodes: dict[str, list[str]]
-                       ) -> tuple[torch.fx.GraphModule, list[tuple[str, list[torch.nn.Parameter]]], list[torch.nn.Parameter]]:
+                       ) -> tuple[torch.fx.GraphModule, list[tuple[str, list[torch.nn.Parameter]]],
+                                  list[torch.nn.Parameter]]:
     """A copy of `stage` that also returns the output of every node reading a parameter once.
 
     Returns (the module, [(node, its parameters)] for the extra outputs in order, and the

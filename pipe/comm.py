@@ -11,8 +11,8 @@ from typing import Any, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["PeerLost", "Context", "init", "context", "Transport", "TorchTransport", "LaunchError", "Work", "alloc_layout",
-           "to_layout", "is_dense"]
+__all__ = ["PeerLost", "Context", "init", "context", "Transport", "TorchTransport", "LaunchError", "Work",
+           "alloc_layout", "to_layout", "is_dense"]
 
 
 class PeerLost(RuntimeError):

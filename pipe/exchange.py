@@ -94,7 +94,8 @@ class Exchange:
 
     def recv_activations(self, s: int, mb: int) -> list[torch.Tensor]:
         got = [x.get() for x in self.acts.pop((s, mb))]
-        self._post_acts(s, mb + self.window)  # keep `window` receives ahead (every schedule runs a stage's mbs in order)
+        # keep `window` receives ahead (every schedule runs a stage's microbatches in order)
+        self._post_acts(s, mb + self.window)
         return got
 
     def recv_grads(self, s: int, mb: int, outs: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:

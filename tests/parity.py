@@ -68,8 +68,10 @@ def one_schedule(rank: int, world: int, spec: str, model_args: dict[str, Any], s
                 continue
             assert p.grad is not None, f"{name} got no grad on rank {rank}"
             torch.testing.assert_close(p.grad, rp.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
-        opt.step(); opt.zero_grad(set_to_none=True)
-        ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
         for name, p in pp.named_parameters():
             torch.testing.assert_close(p, ref_params[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
         losses.append(loss)

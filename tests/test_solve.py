@@ -243,11 +243,9 @@ def test_dp_beats_max_min_and_greedy_baselines() -> None:
     sol = solve(chain, 3, COMPUTE_ONLY)
     assert (sol.bounds, sol.stage_ms) == ((0, 2, 4, 5), (11.0, 13.0, 6.0))
     deepspeed = balance_by_param_count(weights, 3)  # spread 14 - 8 = 6 beats 13 - 6 = 7
-    assert (deepspeed, stage_ms(chain, deepspeed, COMPUTE_ONLY)) == ((0, 1, 3, 5),
-                                                                      (8.0, 8.0, 14.0))
+    assert (deepspeed, stage_ms(chain, deepspeed, COMPUTE_ONLY)) == ((0, 1, 3, 5), (8.0, 8.0, 14.0))
     torchgpipe = balance_by_time(weights, 3)
-    assert (torchgpipe, stage_ms(chain, torchgpipe, COMPUTE_ONLY)) == ((0, 1, 4, 5),
-                                                                        (8.0, 16.0, 6.0))
+    assert (torchgpipe, stage_ms(chain, torchgpipe, COMPUTE_ONLY)) == ((0, 1, 4, 5), (8.0, 16.0, 6.0))
 
 
 def test_baselines_on_literals() -> None:

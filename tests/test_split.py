@@ -107,8 +107,8 @@ def analyses() -> dict[str, tuple[torch.nn.Module, tuple[Any, ...], dict[str, An
     return {}
 
 
-def _workload(name: str, cache: dict[str, Any]) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any],
-                                                           partition.Analysis]:
+def _workload(name: str, cache: dict[str, Any]
+              ) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any], partition.Analysis]:
     if name not in cache:
         if name == "hf_gpt2":
             model, args, kwargs = hf_gpt2()
