@@ -5,6 +5,8 @@ import atexit
 import datetime
 import os
 import socket
+import statistics
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
@@ -12,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["PeerLost", "Context", "init", "context", "Transport", "TorchTransport", "LaunchError", "Work",
-           "alloc_layout", "to_layout", "is_dense"]
+           "alloc_layout", "to_layout", "is_dense", "measure_link"]
 
 
 class PeerLost(RuntimeError):
@@ -120,6 +122,39 @@ def _shutdown() -> None:
     finished processes ("terminate called without an active exception")."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def measure_link(device: torch.device, sizes: Sequence[int] = (1 << 14, 1 << 22), repeats: int = 5
+                 ) -> tuple[float, float] | None:
+    """(bytes per ms, latency ms) of the link between ranks 0 and 1, from ping-pongs of two sizes
+    (median of `repeats` each); a collective call, returning the figures on every rank, None
+    with one rank. The partitioner's communication cost is latency + bytes / bandwidth."""
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+    rank = dist.get_rank()
+    ms: list[float] = []
+    for n in sizes:
+        buf = torch.zeros(n // 4, device=device)
+        times = []
+        for _ in range(repeats + 1):  # the first round opens the connection
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            elif rank == 1:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+            times.append((time.perf_counter() - t0) / 2 * 1e3)
+        ms.append(statistics.median(times[1:]))
+    fit = torch.tensor([0.0, 0.0])
+    if rank == 0:
+        slope = max((ms[1] - ms[0]) / (sizes[1] - sizes[0]), 1e-12)  # ms per byte
+        fit = torch.tensor([1.0 / slope, max(ms[0] - sizes[0] * slope, 0.0)], dtype=torch.float64)
+    fit = fit.to(torch.float64).to(device)
+    dist.broadcast(fit, src=0)
+    return float(fit[0]), float(fit[1])
 
 
 def context() -> Context:

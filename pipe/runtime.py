@@ -169,11 +169,15 @@ class Pipeline:
             plan = Plan.load(plan)
         if plan is None:
             flights = [in_flight_limit(self.schedule_name, self.S, self.M, s, self.v) for s in range(self.S)]
+            # measured costs: the link measured too (ranks 0 and 1), so cuts weigh real transfer times
+            link = comm.measure_link(self.ctx.device) if cost == "measured" else None
+            bytes_per_ms, latency_ms = link or (1e6, 0.05)
             d = _Broadcast.run(lambda: partition.plan(
                 model, args, self.S, example_kwargs=kwargs, cost=cost, schedule=self.schedule_name,
                 microbatches=self.M, memory_budget=budget, stages_per_rank=self.v,
                 in_flight_counts=flights, recompute=features[0], offload=features[1], loss_fn=self.loss_fn,
-                example_target=example_target).to_dict(), self.rank,
+                example_target=example_target, bytes_per_ms=bytes_per_ms, latency_ms=latency_ms).to_dict(),
+                self.rank,
                 everyone=cost == "measured" and self.ctx.device.type == "cpu")
             plan = Plan.from_dict(d)
         if plan.n_stages != self.S:

@@ -192,3 +192,20 @@ def inference_body(rank: int, world: int) -> list[str]:
 def test_inference_forward_on_every_rank() -> None:
     results = run_ranks("tests.test_runtime:inference_body", 2, timeout=120)
     assert results[0] == results[1] == ["gpt", "unet", "bench.hf_models:gpt2"]
+
+
+def link_body(rank: int, world: int) -> list[float]:
+    import pipe
+    from pipe.comm import measure_link
+    ctx = pipe.init()
+    link = measure_link(ctx.device)
+    assert link is not None
+    return [float(x) for x in link]
+
+
+def test_measure_link_gives_every_rank_rank_0s_figures() -> None:
+    """The link model the partitioner uses with measured costs: bandwidth and latency of ranks 0-1."""
+    results = run_ranks("tests.test_runtime:link_body", 3, timeout=120)
+    assert results[0] == results[1] == results[2]
+    bytes_per_ms, latency_ms = results[0]
+    assert 1e3 < bytes_per_ms < 1e9 and 0.0 <= latency_ms < 50.0, (bytes_per_ms, latency_ms)
