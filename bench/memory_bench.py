@@ -1,4 +1,4 @@
-"""OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m bench.memory_bench [--budget 32MiB] [--rounds 8]
+"""OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m bench.memory_bench [--budget 32MiB] [--rounds 8] [--config long]
 
 Memory features: the largest gpt trained under a per-stage budget, and step times at half the plain peak.
 
@@ -6,11 +6,17 @@ Part 1 grows a gpt (4 layers, seq 32, microbatch 2, 4 microbatches) in width unt
 trains within `--budget` per stage, once plain (recompute none, offload none) and once with
 recompute auto and offload of states and activations; "trains" means the pipeline accepts the
 budget and two Adam steps keep the ledger's peak within it on every stage.
-Part 2 takes an 8-layer gpt (d 256, seq 128, batch 16 in 8 microbatches), measures its plain
-peak, and times plain, auto (budget = half that peak), selective and full recompute on the plain
-boundaries, one step of each in turn per round (medians; 1 thread per rank). On 2 stages under
-1F1B recomputation alone cannot halve the peak (stage 0 holds 2 microbatches, and recomputing
-still needs one microbatch's activations besides the model state), so auto also offloads."""
+Part 2 measures a gpt's plain peak, then times plain, auto (budget = half that peak), selective and
+full recompute on the plain boundaries, one step of each in turn per round (medians; 1 thread per
+rank), and prints each stage's peak split into model state, activations and message buffers.
+
+The time target (auto <= 1.15x at half the plain peak) presumes recomputation is what halves the
+peak: activations dominate it, as with long sequences and several microbatches in flight. So the
+default timed config (`--config long`) is a 16-layer gpt (d 128, seq 512, microbatch 2, batch 16 in
+8 microbatches) under interleaved 1F1B with 2 stages per rank: stage 0 holds 4 microbatches and
+activations are about 85% of its peak. `--config short` is the earlier one (8 layers, d 256, seq
+128, 1F1B on 2 stages): there model state and buffers are about half the peak and stage 0 holds only
+2 microbatches, so recomputation cannot halve the peak and auto must also stream model state."""
 from __future__ import annotations
 
 import argparse
@@ -32,14 +38,17 @@ SCAN = {"n_layer": 4, "n_head": 4, "seq_len": 32, "vocab": 512, "microbatch_size
 WIDTHS = [64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280]
 TIMED = {"n_layer": 8, "d_model": 256, "n_head": 8, "seq_len": 128, "vocab": 1000, "microbatch_size": 2,
          "tie": False}
+LONG = {"n_layer": 16, "d_model": 128, "n_head": 4, "seq_len": 512, "vocab": 1000, "microbatch_size": 2,
+        "tie": False}
+CONFIGS = {"long": (LONG, "interleaved-1f1b", 2), "short": (TIMED, "1f1b", 1)}  # gpt, schedule, stages per rank
 
 
-def _build(args: dict[str, Any], M: int, schedule: str = "1f1b", **kw: Any) -> tuple[Any, Any]:
+def _build(args: dict[str, Any], M: int, schedule: str = "1f1b", *, v: int = 1, **kw: Any) -> tuple[Any, Any]:
     import partition
     import pipe
     w = partition.load("gpt", **args)
     pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, cost="flops",
-                       schedule=schedule, **kw)
+                       schedule=schedule, stages_per_rank=v, **kw)
     return w, pp
 
 
@@ -55,7 +64,8 @@ def _trains(d: int, budget: float, features: dict[str, str], M: int, base: dict[
     """Two Adam steps of gpt width d within the budget, or None (refused or over budget)."""
     args = dict(base, d_model=d)
     try:
-        w, pp = _build(args, M, schedule, memory_budget=budget, **features)
+        kw: dict[str, Any] = dict(features, memory_budget=budget)
+        w, pp = _build(args, M, schedule, **kw)
     except ValueError as e:
         return {"refused": str(e).splitlines()[0][:160]}
     opt = torch.optim.Adam(list(pp.parameters()), lr=1e-4)
@@ -91,9 +101,25 @@ def largest(budget: float, features: dict[str, str], M: int, say: Any, base: dic
     return best
 
 
-def timed(rounds: int, M: int, say: Any, base: dict[str, Any] = TIMED, schedule: str = "1f1b") -> dict[str, Any]:
+def _shares(pp: Any, say: Any) -> dict[int, dict[str, int]]:
+    """Each stage's peak, and what holds it: model state (params, grads, optimizer), activations (their
+    peak; with recomputation), message buffers."""
+    mine = {s: {"peak": r["peak_total"], "state": r["params"] + r["grads"] + r["optimizer"],
+                "activations": r["peak_activations"], "comm": r["peak_comm"]} for s, r in pp.memory_report().items()}
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    rows = {s: v for p in parts for s, v in sorted(p.items())}
+    for s, r in sorted(rows.items()):
+        say(f"    stage {s}: plain peak {r['peak'] / 2**20:6.1f} MiB = state {r['state'] / 2**20:5.1f} "
+            f"({r['state'] / r['peak']:4.0%}) + activations {r['activations'] / 2**20:6.1f} "
+            f"({r['activations'] / r['peak']:4.0%}) + buffers {r['comm'] / 2**20:5.1f} ({r['comm'] / r['peak']:4.0%})")
+    return rows
+
+
+def timed(rounds: int, M: int, say: Any, base: dict[str, Any] = LONG, schedule: str = "interleaved-1f1b",
+          v: int = 2) -> dict[str, Any]:
     """Step times of plain, auto at half the plain peak, selective and full, alternating."""
-    w, plain = _build(base, M, schedule)
+    w, plain = _build(base, M, schedule, v=v)
     opt = torch.optim.Adam(list(plain.parameters()), lr=1e-4)
     for step in range(2):  # the peak with the optimizer state present
         b, _, target = w.batch(w.microbatch_size * M, step)
@@ -101,6 +127,7 @@ def timed(rounds: int, M: int, say: Any, base: dict[str, Any] = TIMED, schedule:
         opt.step()
         opt.zero_grad(set_to_none=True)
     peak = max(_peaks(plain).values())
+    shares = _shares(plain, say)
     budget = peak / 2
     runs: dict[str, Any] = {"none": (w, plain, opt)}
     notes = {}
@@ -109,11 +136,11 @@ def timed(rounds: int, M: int, say: Any, base: dict[str, Any] = TIMED, schedule:
                      ("selective", {"recompute": "selective"}), ("full", {"recompute": "full"})):
         same = Plan.from_dict(plain.plan.to_dict())  # the plain boundaries: only the memory plan differs
         try:
-            wl, pp = _build(base, M, schedule, plan=same, **kw)
+            wl, pp = _build(base, M, schedule, v=v, plan=same, **kw)
         except ValueError as e:  # recompute alone cannot reach the budget: let auto offload too
             notes[name] = str(e).splitlines()[0][:300]
             say(f"    {name} without offload: {notes[name]}")
-            wl, pp = _build(base, M, schedule, plan=same, offload="all", **kw)
+            wl, pp = _build(base, M, schedule, v=v, plan=same, offload="all", **kw)
             name += "+offload"
         runs[name] = (wl, pp, torch.optim.Adam(list(pp.parameters()), lr=1e-4))
     samples: dict[str, list[float]] = {k: [] for k in runs}
@@ -137,7 +164,8 @@ def timed(rounds: int, M: int, say: Any, base: dict[str, Any] = TIMED, schedule:
     for k in runs:
         say(f"    {k:16s} {med[k]:6.3f} s/step  x{med[k] / med['none']:.3f}  peak {peaks[k] / 2**20:7.1f} MiB "
             f"(budget {budget / 2**20:.1f} MiB)  plan {plans[k]}")
-    return {"budget": budget, "plain_peak": peak, "median_s": med, "ratio": {k: med[k] / med["none"] for k in med},
+    return {"budget": budget, "plain_peak": peak, "shares": shares, "median_s": med,
+            "ratio": {k: med[k] / med["none"] for k in med},
             "peaks": peaks, "plans": plans, "samples_s": samples, "notes": notes}
 
 
@@ -146,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", default="32MiB", help="per-stage budget of part 1")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--skip", default="", help="'scan' or 'time' to skip that part")
+    p.add_argument("--config", default="long", choices=sorted(CONFIGS),
+                   help="timed gpt: 'long' (activations dominate; default) or 'short' (the earlier config)")
     p.add_argument("--out", default="out/memory_bench")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -167,8 +197,10 @@ def main(argv: list[str] | None = None) -> int:
             f"features {feat.get('params', 0) / 1e6:.2f} M (d {feat.get('d_model')}): x{ratio:.2f}")
         result["scan"] = {"budget": budget, "plain": plain, "features": feat, "ratio": ratio}
     if args.skip != "time":
-        say(f"part 2: step time of gpt {TIMED}, batch 16 in 8 microbatches, {args.rounds} alternating rounds")
-        result["time"] = timed(args.rounds, 8, say)
+        base, schedule, v = CONFIGS[args.config]
+        say(f"part 2 ({args.config}): step time of gpt {base}, batch 16 in 8 microbatches, {schedule} with {v} "
+            f"stage(s) per rank, {args.rounds} alternating rounds")
+        result["time"] = timed(args.rounds, 8, say, base, schedule, v)
     if ctx.rank == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -1,18 +1,19 @@
 """Per-stage memory plan from one budget: predicted peaks, the recompute knapsack, offload choices.
 
 Pure (numpy only). Legend: A activation bytes a microbatch saves for backward, L bytes the
-loss saves (last stage), H bytes kept by selective checkpointing per microbatch, n
+loss saves (last stage), R bytes a microbatch frees by recomputing nodes on unpack, n
 microbatches in flight on the stage, F fixed bytes (model state and communication buffers).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 
-__all__ = ["RECOMPUTE", "OFFLOAD", "BudgetError", "NodeInfo", "StageInfo", "StageChoice", "check_options",
+__all__ = ["RECOMPUTE", "OFFLOAD", "BudgetError", "NodeInfo", "Region", "StageInfo", "StageChoice", "check_options",
            "comm_peak", "choose", "knapsack", "human"]
 
 RECOMPUTE = ("none", "full", "selective", "auto")
@@ -45,11 +46,23 @@ def human(x: float) -> str:
 
 @dataclass(frozen=True)
 class NodeInfo:
-    """One fx node of a stage, as the recompute planner sees it."""
+    """One fx node of a stage, as the recompute planner sees it (bytes per microbatch)."""
     name: str
     fwd_ms: float          # forward time: what recomputing it costs
-    kept_bytes: int        # what selective checkpointing caches per microbatch when it keeps the node
-    matmul: bool = False   # matmul / convolution / attention: kept by the 'selective' policy
+    out_bytes: int = 0     # its output: what a recomputation holds for a moment in the backward
+    remat_bytes: int = 0   # saved bytes that recomputing it on unpack frees (predicted; 0 when unknown)
+    remat: bool = False    # may be recomputed on unpack (not a matmul, not random, a fresh output)
+    params: bool = False   # reads parameters (not recomputed when they stream in chunks: states offload)
+    temp_bytes: int = 0    # temporaries it saves for backward
+    saved_by: tuple[str, ...] = ()  # nodes that may save its output (storage) for backward: () for views
+
+
+@dataclass(frozen=True)
+class Region:
+    """A run of a stage's nodes that can be checkpointed on its own (memory.regions; bytes per mb)."""
+    nodes: tuple[str, ...]
+    fwd_ms: float          # what recomputing it costs
+    in_bytes: int          # values entering it from the stage's own nodes: a checkpoint keeps them
 
 
 @dataclass(frozen=True)
@@ -67,6 +80,8 @@ class StageInfo:
     min_resident: int = 0  # chunks one node needs at once (states offload; one more lets prefetch work)
     microbatches: int = 1
     copy_bytes_per_ms: float = COPY_BYTES_PER_MS  # what offloading costs, against the nodes' fwd_ms
+    regions: tuple[Region, ...] = ()  # checkpointable on their own (none under zero-bubble schedules)
+    input_bytes: int = 0   # model inputs in act_bytes (held by the runtime whatever is recomputed)
 
 
 @dataclass
@@ -74,7 +89,10 @@ class StageChoice:
     """The memory plan of one stage."""
     stage: int
     recompute: str                      # none, full, selective or auto
-    keep: frozenset[str] | None = None  # nodes whose outputs checkpointing keeps (None: no checkpoint)
+    full: bool = False                  # whole-stage checkpoint per microbatch
+    remat: frozenset[str] = frozenset()  # nodes whose outputs are recomputed on unpack
+    regions: tuple[tuple[str, ...], ...] = ()  # node runs checkpointed each on its own
+    of_regions: int = 0                 # how many regions the stage has
     offload_activations: bool = False
     offload_states: bool = False
     resident_chunks: int = 0            # parameter chunks the device holds at once (states offload)
@@ -89,13 +107,16 @@ class StageChoice:
 
     @property
     def checkpointed(self) -> bool:
-        return self.keep is not None
+        return self.full or bool(self.regions)
 
     def label(self) -> str:
-        """Short description for the plan table, e.g. 'auto 12/40+act' or 'full+states'."""
+        """Short description for the plan table, e.g. 'remat 12+act' or 'full+states'."""
         text = self.recompute
         if self.recompute == "auto":
-            text = "none" if self.keep is None else ("full" if not self.keep else f"keep {len(self.keep)}")
+            text = "full" if self.full else (f"remat {len(self.remat)}" if self.remat else "none")
+            if self.regions:
+                text = f"ckpt {len(self.regions)}/{self.of_regions}" + (f"+remat {len(self.remat)}" if self.remat
+                                                                        else "")
         extra = [x for x, on in (("act", self.offload_activations), ("states", self.offload_states)) if on]
         return "+".join([text] + extra)
 
@@ -123,6 +144,9 @@ def knapsack(weights: Sequence[float], values: Sequence[float], capacity: float,
     if not items:
         return free
     unit = max(capacity / resolution, 1e-12)
+    g = functools.reduce(math.gcd, [int(weights[i]) for i in items])
+    if g >= unit and all(float(weights[i]).is_integer() for i in items):
+        unit = g  # a common divisor at least as coarse: exact
     w = [int(math.ceil(weights[i] / unit - 1e-9)) for i in items]
     q = min(resolution, int(capacity / unit + 1e-9))
     best = np.zeros(q + 1)                                 # best[c]: most value within weight c
@@ -149,13 +173,17 @@ def _state(st: StageInfo, optim_factor: float, resident: int | None) -> float:
     return 2.0 * resident * st.chunk_bytes
 
 
-def _acts(st: StageInfo, kept: float | None, offload: bool) -> float:
-    """Activation peak: kept=None means no checkpoint; else H bytes kept per microbatch."""
+def _acts(st: StageInfo, kind: str, offload: bool, freed: float = 0.0, transient: float = 0.0) -> float:
+    """Activation peak of a plan: kind 'full' (whole-stage checkpoint: one microbatch's activations
+    recomputed at a time), else what each microbatch saves less `freed` (recomputed on unpack),
+    plus `transient` (recomputed outputs alive in the backward)."""
     n = max(st.in_flight, 1)
     held = min(n, 2) if offload else n  # offloaded: the microbatch in backward and the prefetched one
-    if kept is None:
-        return held * (st.act_bytes + st.loss_bytes)
-    return n * kept + st.act_bytes + held * st.loss_bytes
+    if kind == "full":
+        return st.act_bytes + held * st.loss_bytes
+    if offload:  # recomputing on unpack frees little then (most inputs of a recipe are on the host)
+        return held * (st.act_bytes + st.loss_bytes) + transient
+    return n * (st.act_bytes - freed + st.loss_bytes) + transient
 
 
 def _move_ms(st: StageInfo, resident: int | None) -> float:
@@ -177,19 +205,91 @@ def _residents(st: StageInfo) -> list[int]:
     return sorted({lo + round(k * (hi - lo) / 7) for k in range(8)})
 
 
+def _transient(nodes: Sequence[NodeInfo]) -> float:
+    """Recomputed outputs alive at once in a backward: the manager holds the last two."""
+    return float(sum(sorted((x.out_bytes for x in nodes), reverse=True)[:2]))
+
+
+def _remattable(st: StageInfo, states: bool) -> list[NodeInfo]:
+    """Nodes that may be recomputed on unpack; with streamed state chunks, not those reading parameters
+    (their chunk could push out the one the backward op recomputing them is using)."""
+    return [x for x in st.nodes if x.remat and not (states and x.params)]
+
+
+def _remat_set(st: StageInfo, room: float, states: bool) -> list[NodeInfo] | None:
+    """The nodes to recompute on unpack so that n microbatches' activations fit in `room`, at the least
+    recompute time: a knapsack keeps the outputs worth the most time per byte. None: they cannot fit."""
+    n = max(st.in_flight, 1)
+    items = [x for x in _remattable(st, states) if x.remat_bytes > 0]
+    transient = _transient(items)
+    need = st.act_bytes + st.loss_bytes - (room - transient) / n  # bytes each microbatch must free
+    total = sum(x.remat_bytes for x in items)
+    if need > total:
+        return None
+    kept = set(knapsack([x.remat_bytes for x in items], [x.fwd_ms for x in items], total - max(need, 0.0)))
+    return [x for i, x in enumerate(items) if i not in kept]
+
+
+def _saved_bound(st: StageInfo, off: set[str]) -> float:
+    """Upper bound of what a microbatch saves when the nodes in `off` save nothing (checkpointed): the
+    outputs some other node may save, the others' temporaries, the model inputs."""
+    return float(sum(x.out_bytes for x in st.nodes if any(y not in off for y in x.saved_by))
+                 + sum(x.temp_bytes for x in st.nodes if x.name not in off) + st.input_bytes)
+
+
+def _recomputed_bound(st: StageInfo, region: Region) -> float:
+    """Upper bound of what recomputing a region saves again: outputs of its nodes saved inside it, and
+    its temporaries (what enters it is held already)."""
+    inside = set(region.nodes)
+    return float(sum(x.out_bytes for x in st.nodes if x.name in inside
+                     and any(y in inside for y in x.saved_by))
+                 + sum(x.temp_bytes for x in st.nodes if x.name in inside))
+
+
+def _region_plans(st: StageInfo, state: float) -> list[StageChoice]:
+    """Checkpoint the k regions freeing the most bytes per ms (k = 1..K), with or without recomputing
+    the other regions' cheap nodes on unpack. Bounds, not estimates: a microbatch keeps at most what the
+    other regions may save (or A) and what enters the checkpointed ones; the backward recomputes one
+    checkpointed region at a time."""
+    n = max(st.in_flight, 1)
+    # the 2% that A carries on top of the plan's figure (memory.build), for what the bounds cannot see:
+    # storages wider than the tensors saved (a microbatch of the model inputs is a view of the batch)
+    margin = (st.act_bytes - st.input_bytes) * 0.02 / 1.02
+    freed = {r.nodes: _recomputed_bound(st, r) - r.in_bytes for r in st.regions}
+    regs = sorted(st.regions, key=lambda r: -freed[r.nodes] / max(r.fwd_ms, 1e-9))
+    nodes = {x.name: x for x in st.nodes}
+    out = []
+    for k in range(1, len(regs) + 1):
+        chosen, rest = regs[:k], regs[k:]
+        off = {m for r in chosen for m in r.nodes}
+        others = [nodes[m] for r in rest for m in r.nodes if m in nodes and nodes[m].remat]
+        for remat in ([], [x for x in others if x.remat_bytes > 0]):
+            kept = min(float(st.act_bytes), _saved_bound(st, off) + margin) - sum(x.remat_bytes for x in remat) \
+                + sum(r.in_bytes for r in chosen)
+            acts = n * (kept + st.loss_bytes) + max(_recomputed_bound(st, r) for r in chosen) + _transient(remat)
+            c = StageChoice(st.index, "auto", remat=frozenset(x.name for x in remat),
+                            regions=tuple(r.nodes for r in sorted(chosen, key=st.regions.index)),
+                            of_regions=len(regs),
+                            recompute_ms=sum(r.fwd_ms for r in chosen) + sum(x.fwd_ms for x in remat))
+            c.parts = {"state": state, "activations": acts, "comm": float(st.comm_bytes)}
+            c.predicted_peak = state + acts + st.comm_bytes
+            out.append(c)
+    return out
+
+
 def _candidates(st: StageInfo, recompute: str, offload: str, budget: float | None,
                 optim_factor: float) -> list[StageChoice]:
     """Every plan the options allow for a stage, with its predicted peak and cost (ms per microbatch).
 
     Under 'auto' the offload modes are permissions: a stage offloads only where it pays.
     """
-    s, n = st.index, max(st.in_flight, 1)
+    s = st.index
     acts_ok = offload in ("activations", "all")
     states_ok = offload in ("states", "all") and st.n_chunks > 0
     total_ms = sum(x.fwd_ms for x in st.nodes)
     if recompute == "auto":
         residents: list[int | None] = [None] + (_residents(st) if states_ok else [])
-        kinds = ["none"] + (["act"] if acts_ok else []) + ["keep", "full"]
+        kinds = ["none"] + (["act"] if acts_ok else []) + ["remat", "full"]
     else:
         residents = [None]
         if states_ok:
@@ -199,33 +299,29 @@ def _candidates(st: StageInfo, recompute: str, offload: str, budget: float | Non
     for r in residents:
         state = _state(st, optim_factor, r)
         for kind in kinds:
-            keep: frozenset[str] | None = None
+            remat: list[NodeInfo] = []
             if kind == "selective":
-                keep = frozenset(x.name for x in st.nodes if x.matmul)
-            elif kind == "full":
-                keep = frozenset()
-            elif kind == "keep":
+                remat = _remattable(st, r is not None)
+            elif kind == "remat":
                 if budget is None:
                     continue
-                room = budget - state - st.comm_bytes - st.act_bytes - n * st.loss_bytes
-                if room < 0:
+                got = _remat_set(st, budget - state - st.comm_bytes, r is not None)
+                if not got:
                     continue
-                idx = knapsack([x.kept_bytes for x in st.nodes], [x.fwd_ms for x in st.nodes], room / n)
-                keep = frozenset(st.nodes[i].name for i in idx)
-                if len(keep) == len(st.nodes):
-                    continue  # keeping everything is no recompute at all
+                remat = got
             act_off = kind == "act" or (acts_ok and recompute != "auto")
-            kept = None if keep is None else float(sum(x.kept_bytes for x in st.nodes if x.name in keep))
-            acts = _acts(st, kept, act_off)
-            c = StageChoice(s, recompute, keep, offload_activations=act_off, offload_states=r is not None,
-                            resident_chunks=r or 0,
-                            recompute_ms=0.0 if keep is None else total_ms - sum(
-                                x.fwd_ms for x in st.nodes if x.name in keep),
+            freed = sum(x.remat_bytes for x in remat)
+            acts = _acts(st, "full" if kind == "full" else "keep", act_off, freed, _transient(remat))
+            c = StageChoice(s, recompute, full=kind == "full", remat=frozenset(x.name for x in remat),
+                            offload_activations=act_off, offload_states=r is not None, resident_chunks=r or 0,
+                            recompute_ms=total_ms if kind == "full" else sum(x.fwd_ms for x in remat),
                             move_ms=_move_ms(st, r) + (2 * (st.act_bytes + st.loss_bytes) / st.copy_bytes_per_ms
                                                        if act_off else 0.0))
             c.parts = {"state": state, "activations": acts, "comm": float(st.comm_bytes)}
             c.predicted_peak = state + acts + st.comm_bytes
             out.append(c)
+        if recompute == "auto" and r is None and len(st.regions) > 1:
+            out += _region_plans(st, state)
     return out
 
 
@@ -252,14 +348,14 @@ def _least(st: StageInfo, recompute: str, offload: str, optim_factor: float) -> 
 def _infeasible(stages: Sequence[StageInfo], recompute: str, offload: str, budget: float, optim_factor: float,
                 first: int) -> BudgetError:
     asked = max(_least(st, recompute, offload, optim_factor).predicted_peak for st in stages)
-    bests = [_least(st, "full", "all", optim_factor) for st in stages]
+    bests = [_least(st, "auto", "all", optim_factor) for st in stages]
     c = max(bests, key=lambda c: c.predicted_peak)
     best = c.predicted_peak
     parts = ", ".join(f"{k} {human(v)}" for k, v in c.parts.items())
     if best > budget:
         return BudgetError(
             f"memory_budget={human(budget)} ({budget:.0f} bytes) per stage cannot be met even with "
-            f"recompute='full' and offload='all': stage {c.stage} needs at least {human(best)} ({parts}). "
+            f"recompute='auto' and offload='all': stage {c.stage} needs at least {human(best)} ({parts}). "
             f"The smallest feasible budget is {best:.0f} bytes; fix: give memory_budget >= {best:.0f}, use "
             "more stages, fewer or smaller microbatches", best)
     return BudgetError(

@@ -11,7 +11,8 @@ import torch.utils._pytree as pytree
 from memory.budget import COPY_BYTES_PER_MS, NodeInfo, StageChoice, StageInfo, check_options, choose, comm_peak
 from memory.chunks import choose_chunk_elems, pack
 from memory.manager import PlannedMemory
-from memory.recompute import is_matmul_node
+from memory.recompute import bases, is_matmul_node, remat_candidates, savers, saves_input_only
+from memory.regions import cut_regions
 
 __all__ = ["NodeCost", "stage_infos", "build"]
 
@@ -40,29 +41,54 @@ def _chunks(names: list[str], sizes: dict[str, tuple[int, int]], groups: list[tu
     return elems, elems * itemsize, layout.n_chunks, need
 
 
+def _node_info(gm: torch.fx.GraphModule, node: torch.fx.Node, cost: NodeCost, stage: set[str],
+               candidates: set[str], time_scale: float, saved_by: tuple[str, ...]) -> NodeInfo:
+    """A node as the planner sees it. Recomputing on unpack is planned only for nodes whose users are
+    all on the stage (a stage output stays alive anyway), and it is counted as freeing the output only
+    for ops known to save their input rather than their output, read by a matmul (which saves it)."""
+    users = list(node.users)
+    remat = node.name in candidates and all(u.name in stage for u in users)
+    frees = remat and saves_input_only(gm, node) and any(is_matmul_node(gm, u) for u in users)
+    return NodeInfo(node.name, cost.fwd_ms * time_scale, out_bytes=cost.out_bytes,
+                    remat_bytes=cost.out_bytes if frees else 0, remat=remat, params=bool(cost.params),
+                    temp_bytes=cost.temp_bytes, saved_by=saved_by)
+
+
 def stage_infos(*, stages: Sequence[dict[str, Any]], costs: dict[str, NodeCost], gm: torch.fx.GraphModule,
                 param_sizes: dict[str, tuple[int, int]], microbatches: int, input_bytes: int = 0,
-                time_scale: float = 1.0, copy_bytes_per_ms: float = COPY_BYTES_PER_MS
+                time_scale: float = 1.0, copy_bytes_per_ms: float = COPY_BYTES_PER_MS, regions: bool = True
                 ) -> tuple[list[StageInfo], dict[int, int]]:
     """StageInfo per stage (from the plan's stage dicts and the costs) and each stage's chunk size.
 
     The plan's activation bytes leave out model inputs that ops save (token ids, targets):
     `input_bytes` (one microbatch's) is added to every stage's and to the loss's, and 2% on top
     keeps the prediction an upper bound of what the ledger measures. `time_scale` turns the costs'
-    forward ms into this device's, to weigh recomputing against copying at `copy_bytes_per_ms`."""
+    forward ms into this device's, to weigh recomputing against copying at `copy_bytes_per_ms`.
+    `regions`: cut each stage in checkpoint regions (not under zero-bubble schedules, whose split
+    backward cannot run through a checkpoint twice)."""
     nodes = {n.name: n for n in gm.graph.nodes}
     out = next(n for n in gm.graph.nodes if n.op == "output")
     loss = sum(costs[x.name].out_bytes for x in pytree.tree_leaves(out.args[0])
                if isinstance(x, torch.fx.Node) and x.name in costs)
+    candidates = set(remat_candidates(gm))
+    saved_by = savers(gm)
+    owner = {n.name: b.name for n, b in bases(gm).items() if b is not None}
+    users = {n.name: [u.name for u in n.users] for n in gm.graph.nodes}
+    reads = {n.name: [a.name for a in n.all_input_nodes] for n in gm.graph.nodes}
     infos, elems = [], {}
     last = len(stages) - 1
     for s, st in enumerate(stages):
         names = [n for n in st["nodes"] if n in costs]
-        infos_nodes = tuple(NodeInfo(n, costs[n].fwd_ms * time_scale, costs[n].out_bytes + costs[n].temp_bytes,
-                                     n in nodes and is_matmul_node(gm, nodes[n])) for n in names)
+        infos_nodes = tuple(_node_info(gm, nodes[n], costs[n], set(names), candidates, time_scale,
+                                       tuple(x for x in saved_by.get(n, (n,)) if x in names)) if n in nodes
+                            else NodeInfo(n, costs[n].fwd_ms * time_scale, costs[n].out_bytes,
+                                          temp_bytes=costs[n].temp_bytes, saved_by=(n,)) for n in names)
         order = list(dict.fromkeys(p for n in names for p in costs[n].params if p in param_sizes))
         e, chunk_bytes, n_chunks, need = _chunks(order, param_sizes, [costs[n].params for n in names])
         elems[s] = e
+        exact = all(n in costs and n in nodes for n in st["nodes"])  # no node rewritten (sliced) by the plan
+        cuts = cut_regions(names, users, reads, {n: c.out_bytes for n, c in costs.items()},
+                           {n: costs[n].fwd_ms * time_scale for n in names}, owner) if regions and exact else []
         infos.append(StageInfo(index=s, nodes=infos_nodes,
                                act_bytes=int(1.02 * st["activation_bytes"]) + input_bytes,
                                loss_bytes=int(1.02 * loss) + input_bytes if s == last else 0,
@@ -71,7 +97,8 @@ def stage_infos(*, stages: Sequence[dict[str, Any]], costs: dict[str, NodeCost],
                                comm_bytes=comm_peak(int(st["recv_bytes"]), int(st["send_bytes"]), microbatches,
                                                     int(st["in_flight"])),
                                chunk_bytes=chunk_bytes, n_chunks=n_chunks, min_resident=need,
-                               microbatches=microbatches, copy_bytes_per_ms=copy_bytes_per_ms))
+                               microbatches=microbatches, copy_bytes_per_ms=copy_bytes_per_ms,
+                               input_bytes=input_bytes, regions=tuple(cuts)))
     return infos, elems
 
 
@@ -91,7 +118,8 @@ def build(*, recompute: str, offload: str, budget: float | None, stages: Sequenc
                          "them, or use offload='activations'")
     infos, elems = stage_infos(stages=stages, costs=costs, gm=gm, param_sizes=param_sizes,
                                microbatches=microbatches, input_bytes=input_bytes, time_scale=time_scale,
-                               copy_bytes_per_ms=copy_bytes_per_ms)
+                               copy_bytes_per_ms=copy_bytes_per_ms,
+                               regions=not any(kind == "W" for _, kind, _ in actions))
     choices = choose(infos, recompute=recompute, offload=offload, budget=budget, optim_factor=optim_factor)
     recv = [int(st["recv_bytes"]) for st in stages]
     send = [int(st["send_bytes"]) for st in stages]

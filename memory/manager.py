@@ -15,7 +15,8 @@ from memory.base import MemoryManager
 from memory.budget import StageChoice, human
 from memory.ledger import Ledger
 from memory.offload import ActivationOffload, Bundle, Handle, offloadable
-from memory.recompute import Markers, Recomputed, instrument
+from memory.recompute import Markers, Recipe, Recomputed, Remat, instrument, make_recipe
+from memory.regions import Checkpointed, checkpoint_regions
 from memory.store import ChunkStore
 from memory.streams import Copier
 
@@ -92,7 +93,9 @@ class PlannedMemory(MemoryManager):
         self._w_groups: dict[int, list[tuple[int, ...]]] = {}
         self._multi: dict[int, tuple[int, ...]] = {}
         self._node_index: dict[int, dict[str, int]] = {}
-        self._cursor = dict.fromkeys(self.local, -1)
+        self._calls: dict[int, list[torch.fx.Node]] = {}
+        self._recipes: dict[int, tuple[Any, Recipe]] = {}   # storage -> (weak ref to the output, recipe)
+        self._ring: list[tuple[int, torch.Tensor]] = []     # recomputed outputs alive: (stage, value)
         self._windows: list[tuple[int, int]] = []
         self._pinned: tuple[int, ...] = ()
         for s in self.local:
@@ -103,14 +106,16 @@ class PlannedMemory(MemoryManager):
 
     # ----- set-up -----
     def _instrument(self, s: int, gm: torch.fx.GraphModule, param_nodes: dict[str, list[str]]) -> None:
-        calls = [n.name for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+        if self.choices[s].regions:
+            checkpoint_regions(gm, self.choices[s].regions, functools.partial(self._region, s))
+        nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+        calls = [n.name for n in nodes]
         index = {name: i for i, name in enumerate(calls)}
-        self._node_index[s] = index
+        self._node_index[s], self._calls[s] = index, nodes
         c = self.choices[s]
         before: dict[str, int] = {}
         after: dict[str, int] = {}
-        if c.checkpointed and c.recompute == "auto" and c.keep:
-            before.update(index)
+        remat = {n: index[n] for n in c.remat if n in index}
         if self.store is not None:
             groups = {index[n]: self.store.group([gm.get_parameter(p) for p in ps])
                       for n, ps in param_nodes.items() if n in index}
@@ -119,9 +124,11 @@ class PlannedMemory(MemoryManager):
             for n in calls:
                 if index[n] in self._groups[s]:
                     before[n] = after[n] = index[n]
-        if before or after:
-            instrument(gm, Markers(functools.partial(self._before_node, s), functools.partial(self._after_node, s)),
-                       before, after)
+        for n in [n for n in remat if remat[n] in self._groups.get(s, {})]:
+            del remat[n]  # the planner leaves these out when chunks stream; never recompute them then
+        if before or after or remat:
+            instrument(gm, Markers(functools.partial(self._before_node, s), functools.partial(self._after_node, s),
+                                   functools.partial(self._remat_node, s)), before, after, remat)
 
     def _optim_hook(self) -> None:
         ref = weakref.ref(self)
@@ -145,32 +152,44 @@ class PlannedMemory(MemoryManager):
 
     def fused_backward(self, stage: int) -> bool:
         """Under zero-bubble schedules a recomputing stage computes its weight grads in B (one
-        backward per recomputation; torch's selective checkpoint allows only one), W does nothing."""
+        backward per recomputation; a checkpoint recomputes for one backward only), W does nothing."""
         return self.zero_bubble and self.choices[stage].checkpointed
 
+    def _region(self, s: int, k: int, sub: torch.fx.GraphModule) -> torch.nn.Module:
+        return Checkpointed(sub, entering=functools.partial(self._count_entering, s),
+                            again=functools.partial(self._region_again, s), recomputed=self._count_recomputed)
+
     def wrap_stage(self, stage: int, module: torch.nn.Module) -> torch.nn.Module:
-        c = self.choices[stage]
-        if not c.checkpointed:
+        if not self.choices[stage].full:
             return module
-        assert c.keep is not None
-        keep = frozenset(self._node_index[stage][n] for n in c.keep if n in self._node_index[stage])
-        policy = "selective" if c.recompute == "selective" else ("keep" if keep else "full")
-        return Recomputed(module, policy, keep=keep, cursor=functools.partial(self._cursor.__getitem__, stage),
-                          kept=self._count_kept, recomputed=self._count_recomputed)
+        return Recomputed(module, recomputed=self._count_recomputed)
 
     # ----- counting -----
     def _is_param(self, t: torch.Tensor) -> bool:
         ptr = t.untyped_storage().data_ptr()
         return ptr in self.param_ptrs or (self.store is not None and ptr in self.store.ptrs)
 
-    def _count_kept(self, t: torch.Tensor) -> None:
-        s, mb = self.cur
-        h = self.held[(s, mb)]
-        ptr, n = _storage(t)
-        if ptr not in h.ptrs and not self._is_param(t) and not (t.is_leaf and t.requires_grad):
-            h.ptrs.add(ptr)
-            h.acts += n
-            self.ledger.add(s, "activations", n)
+    def _count_entering(self, s: int, args: tuple[Any, ...]) -> None:
+        """A checkpointed region keeps its inputs until the backward: count them as saved."""
+        if self.cur[0] != s:
+            return
+        h = self.held[self.cur]
+        for t in args:
+            if isinstance(t, torch.Tensor) and not self._is_param(t) and not (t.is_leaf and t.requires_grad):
+                ptr, n = _storage(t)
+                if ptr not in h.ptrs:
+                    h.ptrs.add(ptr)
+                    h.acts += n
+                    self.ledger.add(s, "activations", n)
+
+    def _region_again(self, s: int) -> None:
+        """The backward recomputes another region: the one recomputed before is done and freed (a region
+        is recomputed when the grads reach it, after those of every region it feeds)."""
+        h = self.held.get(self.bwd)
+        if h is not None and self.bwd[0] == s:
+            self.ledger.add(s, "recompute", -h.recompute)
+            h.recompute = 0
+            h.rptrs.clear()
 
     def _count_recomputed(self, t: torch.Tensor) -> None:
         s, mb = self.bwd
@@ -189,6 +208,10 @@ class PlannedMemory(MemoryManager):
         h = self.held[(s, mb)]
         if self._is_param(t) or (t.is_leaf and t.requires_grad):
             return t
+        if self._recipes:
+            found = self._recipes.get(t.untyped_storage().data_ptr())
+            if found is not None and found[0]() is not None and self._ready(found[1], t, s, mb, h):
+                return Remat(found[1], t)
         if h.bundle is not None and t.device == self.device and offloadable(t):
             return h.bundle.put(t)
         ptr, n = _storage(t)
@@ -198,9 +221,55 @@ class PlannedMemory(MemoryManager):
             self.ledger.add(s, "activations", n)
         return t
 
-    @staticmethod
-    def _unpack(x: Any) -> torch.Tensor:
+    def _ready(self, r: Recipe, t: torch.Tensor, s: int, mb: int, h: _Held) -> bool:
+        """The recipe may stand for `t`: same microbatch, `t` unchanged since the node made it, and every
+        input held anyway (a parameter, a received activation, or saved on the device): it frees memory
+        and holds none."""
+        if (r.stage, r.mb) != (s, mb) or t._version != r.version:
+            return False
+        return all(self._is_param(x) or (x.is_leaf and x.requires_grad) or x.untyped_storage().data_ptr() in h.ptrs
+                   for x in r.inputs)
+
+    def _unpack(self, x: Any) -> torch.Tensor:
+        if isinstance(x, Remat):
+            return self._recompute(x)
         return x.unpack() if isinstance(x, Handle) else x
+
+    def _recompute(self, x: Remat) -> torch.Tensor:
+        """The backward needs a recomputed output: make it (chunks of its parameters resident), and keep
+        the last two alive and counted, which covers an op unpacking two of them."""
+        r = x.recipe
+        g = self._groups.get(r.stage, {}).get(r.index)
+        if g and self.store is not None:
+            self.store.use(g)
+        value = r.alive()
+        if value is None:
+            if len(self._ring) >= 2:
+                self._drop_ring(1)
+            value = r.compute()
+            self._ring.append((r.stage, value))
+            self.ledger.add(r.stage, "recompute", r.nbytes)
+        return value.as_strided(x.size, x.stride, x.offset)
+
+    def _drop_ring(self, k: int) -> None:
+        for stage, v in self._ring[:k]:
+            self.ledger.add(stage, "recompute", -v.untyped_storage().nbytes())
+        del self._ring[:k]
+
+    def _remat_node(self, s: int, i: int, value: Any, inputs: tuple[Any, ...]) -> None:
+        """After a node that may be recomputed: record its recipe while its output lives."""
+        if not torch.is_grad_enabled() or self.cur[0] != s:
+            return
+        r = make_recipe(self.modules[s], self._calls[s][i], value, inputs, s, self.cur[1], i)
+        if r is None:
+            return
+        ptr = value.untyped_storage().data_ptr()
+        recipes = self._recipes
+
+        def gone(ref: Any) -> None:
+            if recipes.get(ptr, (None,))[0] is ref:
+                del recipes[ptr]
+        self._recipes[ptr] = (weakref.ref(value, gone), r)
 
     def _bundle_bytes(self, stage: int, delta: int) -> None:
         self.ledger.add(stage, "activations", delta)
@@ -224,7 +293,6 @@ class PlannedMemory(MemoryManager):
 
     # ----- markers in the stage graphs -----
     def _before_node(self, s: int, i: int) -> None:
-        self._cursor[s] = i
         g = self._groups.get(s, {}).get(i)
         if g and self.store is not None:
             self.store.use(g)
@@ -263,6 +331,9 @@ class PlannedMemory(MemoryManager):
             if h.bundle is not None and self.acts is not None:
                 self.acts.release(h.bundle)
         self.held.clear()
+        self._recipes.clear()
+        if self._ring:
+            self._drop_ring(len(self._ring))
         self.ledger.step_begin()
         self.i = 0
         self._pinned = ()
@@ -314,6 +385,8 @@ class PlannedMemory(MemoryManager):
                 self.ledger.add(s, "comm", self.send[s])
         if kind == "B" and s < self.S - 1 and not self.dynamic:
             self.ledger.add(s, "comm", -self.send[s])  # the grad buffer was consumed
+        if kind in "BW" and self._ring:
+            self._drop_ring(len(self._ring))
         if h is not None and kind in "BW":
             self.ledger.add(s, "recompute", -h.recompute)
             h.recompute = 0

@@ -53,8 +53,9 @@ def test_knapsack_is_exact_on_small_cases() -> None:
 
 
 def _stage(s: int, in_flight: int, nodes: int = 6) -> StageInfo:
-    infos = tuple(NodeInfo(f"n{i}", fwd_ms=1.0 + (i % 3), kept_bytes=100_000 * (1 + i % 2), matmul=i % 3 == 0)
-                  for i in range(nodes))
+    # every third node a matmul; the others may be recomputed on unpack, freeing their output
+    infos = tuple(NodeInfo(f"n{i}", fwd_ms=1.0 + (i % 3), out_bytes=100_000 * (1 + i % 2),
+                           remat_bytes=100_000 * (1 + i % 2) * (i % 3 > 0), remat=i % 3 > 0) for i in range(nodes))
     return StageInfo(index=s, nodes=infos, act_bytes=900_000, loss_bytes=0, in_flight=in_flight,
                      param_bytes=200_000, comm_bytes=50_000, chunk_bytes=40_000, n_chunks=5, min_resident=1)
 
@@ -66,7 +67,7 @@ def test_auto_meets_the_budget_and_recomputes_more_on_earlier_stages() -> None:
     got = choose(stages, recompute="auto", offload="none", budget=budget)
     assert all(c.predicted_peak <= budget for c in got)
     assert got[0].recompute_ms > got[-1].recompute_ms
-    assert got[-1].keep is None  # one microbatch in flight: keeping everything costs what recomputing does
+    assert got[-1].label() == "none"  # one microbatch in flight: it fits without recomputing
     assert [c.recompute_ms for c in got] == sorted((c.recompute_ms for c in got), reverse=True)
 
 
@@ -101,10 +102,25 @@ def test_unmeetable_budget_names_the_smallest_feasible_figure() -> None:
         check_options("none", "disk")
 
 
+def test_remat_knapsack_recomputes_the_most_bytes_per_ms() -> None:
+    st = _stage(0, 2)  # recomputable: n1 (200 kB, 2 ms), n2 (100 kB, 3 ms), n4 (100 kB, 2 ms), n5 (200 kB, 3 ms)
+    plain = choose([st], recompute="none", offload="none", budget=None)[0].predicted_peak
+    sel = choose([st], recompute="selective", offload="none", budget=None)[0]
+    assert sel.remat == {"n1", "n2", "n4", "n5"} and sel.predicted_peak < plain
+    # the 400 kB recomputed at once in a backward (n1 and n5) count against the budget; then 300 kB per
+    # microbatch to free: n1 and n4 (4 ms), not n1 and n2 (5 ms)
+    (c,) = choose([st], recompute="auto", offload="none", budget=plain - 2 * 300_000 + 400_000)
+    assert (c.label(), c.remat, c.recompute_ms) == ("remat 2", {"n1", "n4"}, 4.0)
+    (c,) = choose([st], recompute="auto", offload="none", budget=plain - 2 * 400_000 + 400_000)
+    assert c.remat == {"n1", "n5"} and c.recompute_ms == 5.0
+    (c,) = choose([st], recompute="auto", offload="none", budget=plain - 900_000)
+    assert c.label() == "full"                                              # more than recomputing frees
+
+
 def test_choice_labels() -> None:
-    assert StageChoice(0, "auto", frozenset({"a", "b"}), offload_activations=True).label() == "keep 2+act"
-    assert StageChoice(0, "auto", frozenset(), offload_states=True).label() == "full+states"
-    assert StageChoice(0, "selective", frozenset({"a"})).label() == "selective"
+    assert StageChoice(0, "auto", remat=frozenset({"a", "b"}), offload_activations=True).label() == "remat 2+act"
+    assert StageChoice(0, "auto", full=True, offload_states=True).label() == "full+states"
+    assert StageChoice(0, "selective", remat=frozenset({"a"})).label() == "selective"
 
 
 # ----- chunks: packing, size, use sequence and moves (literals worked out by hand) -----
@@ -216,16 +232,12 @@ def test_activation_offload_round_trip_is_exact() -> None:
     assert mm.acts is not None and len(mm.acts.free) == 2           # host chunks kept for reuse
 
 
-@pytest.mark.parametrize("policy", ["full", "selective", "keep"])
-def test_recompute_policies_match_plain_autograd(policy: str) -> None:
+def test_full_recompute_matches_plain_autograd() -> None:
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8), torch.nn.Tanh())
-    kept: list[torch.Tensor] = []
     again: list[torch.Tensor] = []
-    wrapped = Recomputed(net, policy, keep=frozenset({0}), cursor=lambda: 0 if len(kept) < 1 else 1,
-                         kept=kept.append, recomputed=again.append)
     x = torch.randn(4, 8, requires_grad=True)
-    wrapped(x).sum().backward()
+    Recomputed(net, recomputed=again.append)(x).sum().backward()
     got = [p.grad.clone() for p in net.parameters()] + [x.grad.clone()]
     net.zero_grad()
     x.grad = None
@@ -233,7 +245,44 @@ def test_recompute_policies_match_plain_autograd(policy: str) -> None:
     for a, b in zip(got, [p.grad for p in net.parameters()] + [x.grad]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert len(again) > 0                                           # the backward recomputed and saved
-    assert (len(kept) > 0) == (policy != "full")
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln, self.fc, self.act, self.proj = (torch.nn.LayerNorm(16), torch.nn.Linear(16, 64), torch.nn.GELU(),
+                                                 torch.nn.Linear(64, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(self.act(self.fc(self.ln(x)))).tanh()
+
+
+def _remat_run(remat: frozenset[str], xs: list[torch.Tensor]) -> tuple[list[torch.Tensor | None], dict[str, int]]:
+    torch.manual_seed(3)
+    gm = torch.fx.symbolic_trace(_Block())
+    param_nodes = {n.name: [f"{n.target}.{k}" for k, _ in gm.get_submodule(str(n.target)).named_parameters()]
+                   for n in gm.graph.nodes if n.op == "call_module"}
+    actions = [(0, "F", 0), (0, "F", 1), (0, "B", 0), (0, "B", 1)]
+    mm = PlannedMemory(choices=[StageChoice(0, "selective", remat=remat)], modules={0: gm},
+                       param_nodes={0: param_nodes}, actions=actions, microbatches=2, recv_bytes=[0], send_bytes=[0],
+                       device=torch.device("cpu"))
+    _run_step(mm, gm, actions, xs)
+    return [p.grad for p in gm.parameters()] + [x.grad for x in xs], mm.report()[0]
+
+
+def test_remat_on_unpack_is_exact_and_frees_the_outputs() -> None:
+    xs = [torch.randn(8, 16, requires_grad=True) for _ in range(2)]
+    plain, r0 = _remat_run(frozenset(), xs)
+    for x in xs:
+        x.grad = None
+    # ln, act, add: fresh outputs saved by fc, proj and the loss's pow, from inputs held anyway (add: the
+    # leaf x and tanh's output, which tanh saves; so recomputing tanh frees nothing)
+    remat, r1 = _remat_run(frozenset({"ln", "act", "tanh", "add"}), xs)
+    for a, b in zip(plain, remat):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    one = 2 * 8 * 16 * 4 + 8 * 64 * 4                               # ln, act and add of one microbatch
+    assert r0["peak_activations"] - r1["peak_activations"] == 2 * one  # two microbatches in flight
+    assert r1["peak_recompute"] == 8 * 64 * 4 + 8 * 16 * 4 and r1["recompute"] == 0 and r1["activations"] == 0
 
 
 def test_offload_tells_a_new_tensor_at_a_reused_address_from_the_one_saved() -> None:

@@ -102,6 +102,8 @@ def test_parity_and_budgets_on_2_ranks() -> None:
         ("1f1b", 1, "full", "none", None),
         ("1f1b", 1, "selective", "activations", None),
         ("1f1b", 1, "auto", "none", 0.8),
+        ("1f1b", 1, "selective", "none", None),
+        ("1f1b", 1, "auto", "none", 0.6),
         ("1f1b", 1, "none", "states", None),
         ("interleaved-1f1b", 2, "selective", "all", None),
         ("interleaved-1f1b", 2, "full", "activations", None),
@@ -113,6 +115,9 @@ def test_parity_and_budgets_on_2_ranks() -> None:
     res = _check(run_ranks("tests.test_memory_parity:memory_body", 2, timeout=240, configs=configs, M=4))
     auto = res["1f1b/1/auto/none/0.8"]
     assert auto["recompute_ms"][0] > auto["recompute_ms"][-1]  # stage 0 holds 2 microbatches, stage 1 one
+    assert res["1f1b/1/auto/none/0.6"]["labels"][0].startswith("ckpt")  # checkpoint regions, not the whole stage
+    sel = res["1f1b/1/selective/none/None"]  # recomputing on unpack frees memory on every stage
+    assert all(sel["peak"][s] < res["1f1b/1/none/none/None"]["peak"][s] for s in sel["peak"])
     assert res["zb-h1/1/auto/all/0.7"]["budget"] is not None
     err = res["1f1b/1/auto/all/0.05"]["error"]  # the partitioner or memory/ refuses, naming the least budget
     assert "memory_budget >= " in err and ("least budget" in err or "smallest feasible" in err), err
