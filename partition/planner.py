@@ -10,7 +10,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from partition.costs import node_costs, param_names
+from partition.costs import node_costs, param_names, preserve_state
 from partition.graph import build_graph, coarsen
 from partition.loss import attach_loss, has_loss
 from partition.rewrite import apply_rewrites, splittable_linear, vocab_parallel_loss
@@ -43,6 +43,8 @@ class Analysis:
         self.loss_note = "no loss_fn and example_target given"
         if loss_fn is not None and isinstance(example_target, torch.Tensor):
             self.loss_note = attach_loss(gm, loss_fn) or ""
+        if self.loss_note == "":
+            _check_loss(gm, model, self.args, self.kwargs, example_target)
         self.gm = apply_rewrites(gm, self.rewrites)
         self.flat = flatten_inputs(self.gm, self.args, self.kwargs, example_target)
         self.names = param_names(model)
@@ -65,6 +67,18 @@ class Analysis:
         return Analysis(self.model, self.args, self.kwargs, cost=self.cost, leaf_modules=self.leaf_modules,
                         max_blocks=self.max_blocks, repeats=self.repeats, rewrites=rewrites,
                         loss_fn=self.loss_fn, example_target=self.target)
+
+
+def _check_loss(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                target: torch.Tensor) -> None:
+    """The graph with its loss must run on the example: the target must be the example's."""
+    try:
+        with torch.no_grad(), preserve_state(model):
+            gm(*flatten_inputs(gm, args, kwargs, target))
+    except Exception as e:  # whatever the loss function raises on a mismatched target
+        raise PlanError(f"loss_fn(model(example), example_target) fails ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:200]}); example_target (shape {list(target.shape)}) must be the "
+                        "target of the one microbatch in example_args, e.g. make_batch(microbatch_size, 0)'s") from e
 
 
 def _value(x: Any) -> Value | None:

@@ -35,6 +35,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="activation recomputation per stage (auto: chosen from --memory-budget)")
     p.add_argument("--offload", default="none", choices=["none", "activations", "states", "all"],
                    help="chunked offload to host memory of activations, model states, or both")
+    p.add_argument("--loss-outside", action="store_true",
+                   help="keep the loss out of the graph (by default it is traced into the last stage, which "
+                        "lets a wide LM head and its cross entropy be spread over stages)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--out", default="out/run", help="folder for the trace, the PNG and the summary")
     p.add_argument("--seed", type=int, default=None, help="passed to the factory as seed= when given")
@@ -77,12 +80,14 @@ def main(argv: list[str] | None = None) -> int:
         pp = pipe.Pipeline(w.model, w.example_args, example_kwargs=w.example_kwargs, loss_fn=w.loss_fn,
                            microbatches=args.microbatches, schedule=args.schedule, plan=args.plan,
                            stages_per_rank=args.stages_per_rank, cost=args.cost, memory_budget=args.memory_budget,
-                           recompute=args.recompute, offload=args.offload, example_target=w.example_target)
+                           recompute=args.recompute, offload=args.offload,
+                           example_target=None if args.loss_outside else w.example_target)
     except (ValueError, TypeError) as e:
         print(f"error (rank {ctx.rank}): {e}", file=sys.stderr)
         return 2
     say(pp.plan.table())
-    opt = torch.optim.AdamW(list(pp.parameters()), lr=args.lr)
+    params = list(pp.parameters())  # a rank may hold none (a stage computing only the loss, say)
+    opt = torch.optim.AdamW(params, lr=args.lr) if params else None
     batch_size = args.batch_size or w.microbatch_size * args.microbatches
     tokens = batch_size * w.tokens_per_sample
     times: list[float] = []
@@ -95,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, TypeError, ArithmeticError, RuntimeError) as e:
             print(f"error (rank {ctx.rank}): {e}", file=sys.stderr, flush=True)
             return 3 if isinstance(e, PeerLost) else 2
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
         times.append(dt)
         first = loss if step == 0 else first

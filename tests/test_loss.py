@@ -218,3 +218,10 @@ def test_plan_spreads_the_head_and_split_needs_the_loss() -> None:
     torch.testing.assert_close(loss, w.loss_fn(w.model(*w.example_args), w.example_target))
     logits = 4 * w.example_args[0].numel() * 16000  # bytes of one microbatch's logits
     assert all(s.send_bytes < logits / 8 for s in p.stages), [s.send_bytes for s in p.stages]
+
+
+def test_a_target_that_does_not_fit_the_example_is_a_clear_error() -> None:
+    w = models.gpt_wide_vocab(**SMALL)
+    wrong = torch.zeros(3, 7, dtype=torch.long)
+    with pytest.raises(partition.PlanError, match=r"example_target \(shape \[3, 7\]\) must be the target"):
+        partition.plan(w.model, w.example_args, 2, cost="flops", loss_fn=w.loss_fn, example_target=wrong)

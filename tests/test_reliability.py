@@ -32,7 +32,7 @@ CASES = {
     # name: (argv, words every rank's message must hold)
     "unresolvable MODEL": (["nosuch.module:factory"], ["nosuch.module:factory", "package.module:factory"]),
     "untraceable model": ([f"{BAD}:untraceable"], ["cannot trace", "symbolic_trace", "export", "Fix"]),
-    "more stages than the graph gives": ([f"{BAD}:one_block"], ["2 stages", "at most 1"]),
+    "more stages than the graph gives": ([f"{BAD}:one_block", "--loss-outside"], ["2 stages", "at most 1"]),
     "batch not divisible": (["gpt", *GPT, "--batch-size", "7", "--microbatches", "2"],
                             ["7 samples", "not divisible into 2 microbatches"]),
     "infeasible memory budget": (["gpt", *GPT, "--memory-budget", "1KiB"],
