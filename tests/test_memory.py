@@ -126,8 +126,8 @@ def test_choice_labels() -> None:
 # ----- chunks: packing, size, use sequence and moves (literals worked out by hand) -----
 def test_pack_in_use_order_without_spanning_chunks() -> None:
     lay = pack([("a", 10), ("b", 20), ("c", 5), ("d", 30)], 32, align=4)
-    assert [(s.name, s.chunk, s.offset) for s in lay.slots] == [("a", 0, 0), ("b", 0, 12), ("c", 1, 0),
-                                                                 ("d", 2, 0)]
+    assert [(s.name, s.chunk, s.offset) for s in lay.slots] == [
+        ("a", 0, 0), ("b", 0, 12), ("c", 1, 0), ("d", 2, 0)]
     assert (lay.n_chunks, lay.waste) == (3, 31)
     with pytest.raises(ValueError, match="cannot hold a tensor of 30"):
         pack([("d", 30)], 16)
@@ -143,8 +143,8 @@ def test_use_sequence_follows_the_schedule() -> None:
     fwd = {0: [(0,), (0, 1), (1,), (2,)]}
     assert use_sequence(acts, fwd) == [(0,), (0, 1), (1,), (2,)] * 2 + [(2,), (1,), (0, 1), (0,)] * 2
     zb = [(0, "F", 0), (0, "B", 0), (0, "W", 0)]
-    assert use_sequence(zb, fwd, {0: [(1,), (2,)]}) == [(0,), (0, 1), (1,), (2,), (2,), (1,), (0, 1), (0,),
-                                                         (1,), (2,)]
+    assert use_sequence(zb, fwd, {0: [(1,), (2,)]}) == [
+        (0,), (0, 1), (1,), (2,), (2,), (1,), (0, 1), (0,), (1,), (2,)]
 
 
 def test_moves_fetch_prefetch_and_evict_by_next_use() -> None:
