@@ -143,7 +143,7 @@ def worker(dry: bool) -> int:
     steps: list[tuple[str, Callable[[], Any]]] = [
         ("copies", lambda: copy_speeds(say) if (ctx.rank == 0 and not dry) else {}),
         ("ledger", lambda: ledger_vs_allocator(cfg["timed"], M, schedule, say)),
-        ("time", lambda: timed(3, M, say, base=cfg["timed"], schedule=schedule)),
+        ("time", lambda: timed(3, M, say, base=cfg["timed"], schedule=schedule, v=1)),
         ("scan_plain", lambda: largest(cfg["budget"], {}, 4, say, base=cfg["scan"], widths=cfg["widths"],
                                        schedule=schedule, seconds=cfg["scan_s"] / 2)),
         ("scan_memory", lambda: largest(cfg["budget"], {"recompute": "auto", "offload": "all"}, 4, say,

@@ -65,3 +65,13 @@ def test_bench_partition(tmp_path: Path) -> None:
         assert len(r["measured"]) == 2 and all(t > 0 for t in r["measured"]) and r["bounds"][0] == 0
     assert (tmp_path / "partition.png").read_bytes()[:8] == PNG
     assert (tmp_path / "partition.md").exists()
+
+
+def test_gpu_check_dry_run_on_cpu() -> None:
+    """The one-script GPU check, exercised on CPU with small sizes so it cannot rot between GPU sessions."""
+    out = run_command([sys.executable, "bench/gpu_check.py", "--dry-run"], timeout=240).output
+    for part in ("ledger", "time", "scan_plain", "scan_memory"):
+        assert f"] {part}" in out, out[-3000:]
+    assert "largest within" in out and "done in" in out and "Traceback" not in out
+    data = json.loads(Path(__file__).resolve().parent.parent.joinpath("out/gpu_check/gpu_check.json").read_text())
+    assert data["device"] == "cpu" and data["time"]["ratio"]["none"] == 1.0
