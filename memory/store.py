@@ -119,7 +119,7 @@ class ChunkStore:
     def use(self, group: tuple[int, ...]) -> None:
         if not group:
             return
-        # Outside any dispatch mode: selective checkpointing must not see (or cache) these copies.
+        # Outside any dispatch mode (checkpointing, a user's mode): none may see or cache these copies.
         with _disable_current_modes(), torch.no_grad():
             self._use(group)
 
