@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.memory_bench import _build, largest, timed  # noqa: E402
+from bench.memory_bench import _build, largest, timed, train_steps  # noqa: E402
 
 __all__ = ["main"]
 
@@ -107,25 +107,19 @@ def ledger_vs_allocator(base: dict[str, Any], M: int, schedule: str, say: Callab
         except ValueError as e:
             say(f"    {recompute:9s} {offload:11s} refused: {str(e).splitlines()[0][:160]}")
             continue
-        opt = torch.optim.Adam(list(pp.parameters()), lr=1e-4)
-        t0 = time.perf_counter()
-        for step in range(3):
-            b, _, target = w.batch(w.microbatch_size * M, step)
-            pp.step(*b, target=target)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        s_per_step = train_steps(w, pp, M, 3)
         report = pp.memory_report()
         ledger = sum(r["peak_total"] for r in report.values())
         cuda = max((r.get("cuda_peak_allocated", 0) for r in report.values()), default=0)
         parts: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(parts, (ledger, cuda))
         row = {"recompute": recompute, "offload": offload, "ledger_peak": [p[0] for p in parts],
-               "cuda_peak": [p[1] for p in parts], "s_per_step": (time.perf_counter() - t0) / 3,
+               "cuda_peak": [p[1] for p in parts], "s_per_step": s_per_step,
                "h2d_bytes": next(iter(report.values()))["h2d_bytes"]}
         rows.append(row)
         say(f"    {recompute:9s} {offload:11s} ledger {[f'{x / 2**20:.0f}' for x in row['ledger_peak']]} MiB, "
             f"allocator {[f'{x / 2**20:.0f}' for x in row['cuda_peak']]} MiB, {row['s_per_step']:.3f} s/step")
-        del w, pp, opt
+        del w, pp
     return rows
 
 

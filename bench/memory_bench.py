@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["main"]
+__all__ = ["main", "train_steps"]
 
 SCAN = {"n_layer": 4, "n_head": 4, "seq_len": 32, "vocab": 512, "microbatch_size": 2, "tie": False}
 WIDTHS = [64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280]
@@ -59,6 +59,18 @@ def _peaks(pp: Any) -> dict[int, int]:
     return {s: v for p in parts for s, v in p.items()}
 
 
+def train_steps(w: Any, pp: Any, M: int, steps: int) -> float:
+    """`steps` Adam steps of pipeline `pp` on workload `w`'s batches 0, 1, ...; seconds per step."""
+    opt = torch.optim.Adam(list(pp.parameters()), lr=1e-4)
+    t0 = time.perf_counter()
+    for step in range(steps):
+        b, _, target = w.batch(w.microbatch_size * M, step)
+        pp.step(*b, target=target)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return (time.perf_counter() - t0) / steps
+
+
 def _trains(d: int, budget: float, features: dict[str, str], M: int, base: dict[str, Any],
             schedule: str) -> dict[str, Any] | None:
     """Two Adam steps of gpt width d within the budget, or None (refused or over budget)."""
@@ -68,16 +80,10 @@ def _trains(d: int, budget: float, features: dict[str, str], M: int, base: dict[
         w, pp = _build(args, M, schedule, **kw)
     except ValueError as e:
         return {"refused": str(e).splitlines()[0][:160]}
-    opt = torch.optim.Adam(list(pp.parameters()), lr=1e-4)
-    t0 = time.perf_counter()
-    for step in range(2):
-        b, _, target = w.batch(w.microbatch_size * M, step)
-        pp.step(*b, target=target)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    s_per_step = train_steps(w, pp, M, 2)
     peaks = _peaks(pp)
     return {"d_model": d, "params": sum(p.numel() for p in w.model.parameters()), "peaks": peaks,
-            "within": max(peaks.values()) <= budget, "s_per_step": (time.perf_counter() - t0) / 2,
+            "within": max(peaks.values()) <= budget, "s_per_step": s_per_step,
             "plan": [st.memory or "none" for st in pp.plan.stages]}
 
 

@@ -13,6 +13,8 @@ from typing import Sequence
 
 import numpy as np
 
+from partition.plan import human_bytes
+
 __all__ = ["RECOMPUTE", "OFFLOAD", "BudgetError", "NodeInfo", "Region", "StageInfo", "StageChoice", "check_options",
            "comm_peak", "choose", "knapsack", "human"]
 
@@ -37,11 +39,7 @@ def check_options(recompute: str, offload: str) -> None:
 
 
 def human(x: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(x) < 1024:
-            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.2f} {unit}"
-        x /= 1024
-    return f"{x:.2f} TiB"
+    return human_bytes(x, 2)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,8 @@ import torch
 import torch.fx
 from torch.utils.checkpoint import checkpoint
 
+from partition.costs import node_callable
+
 __all__ = ["ChainedHooks", "Markers", "Recipe", "Remat", "Recomputed", "bases", "instrument", "is_matmul_node",
            "is_random_node", "make_recipe", "remat_candidates", "savers", "saves_input_only"]
 
@@ -188,16 +190,6 @@ def remat_candidates(gm: torch.fx.GraphModule) -> list[str]:
     return out
 
 
-def _callable(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Callable[..., Any]:
-    if node.op == "call_module":
-        return gm.get_submodule(str(node.target))
-    if node.op == "call_method":
-        name = str(node.target)
-        return lambda obj, *a, **k: getattr(obj, name)(*a, **k)
-    assert callable(node.target), node
-    return node.target
-
-
 class Recipe:
     """How to recompute one node's output (a fresh tensor) from values that are held anyway."""
     __slots__ = ("fn", "args", "kwargs", "inputs", "versions", "stage", "mb", "index", "nbytes", "version",
@@ -288,7 +280,7 @@ def make_recipe(gm: torch.fx.GraphModule, node: torch.fx.Node, value: Any, input
         return None
     env = {n.name: v for n, v in zip(node.all_input_nodes, inputs)}
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n.name])
-    return Recipe(_callable(gm, node), args, kwargs, tensors, value, stage, mb, index)
+    return Recipe(node_callable(gm, node), args, kwargs, tensors, value, stage, mb, index)
 
 
 class Recomputed(torch.nn.Module):

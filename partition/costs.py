@@ -80,7 +80,8 @@ def _fetch(gm: torch.fx.GraphModule, target: str) -> Any:
     return obj
 
 
-def _callable(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Callable[..., Any]:
+def node_callable(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Callable[..., Any]:
+    """What a call node calls: its submodule, a method of its first argument, or its function."""
     if node.op == "call_module":
         return gm.get_submodule(str(node.target))
     if node.op == "call_method":
@@ -210,7 +211,7 @@ def _forward(gm: torch.fx.GraphModule, flat_inputs: list[Any], *, observe_saved:
                 p.outputs = _grad_outputs(torch.fx.node.map_arg(node.args[0], lambda n: env[n.name]))
             else:
                 args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n.name])
-                fn = _callable(gm, node)
+                fn = node_callable(gm, node)
                 packed.clear()
                 t0 = clock()
                 value = fn(*args, **kwargs)
@@ -340,7 +341,7 @@ def _count_flops(gm: torch.fx.GraphModule, node: torch.fx.Node, env: dict[str, A
 
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), prep)
     with torch.enable_grad(), FlopCounterMode(display=False) as fwd:
-        out = _callable(gm, node)(*args, **kwargs)
+        out = node_callable(gm, node)(*args, **kwargs)
     outs = [t for t in _tensors(out) if t.requires_grad]
     bwd_flops = 0
     if outs:

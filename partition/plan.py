@@ -184,12 +184,13 @@ def parse_bytes(x: float | int | str | None) -> float | None:
     return value
 
 
-def human_bytes(x: float) -> str:
+def human_bytes(x: float, digits: int = 1) -> str:
+    """Bytes in binary units, e.g. 1.5 MiB (`digits` after the point; whole bytes below 1 KiB)."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(x) < 1024:
-            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
+            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.{digits}f} {unit}"
         x /= 1024
-    return f"{x:.1f} TiB"
+    return f"{x:.{digits}f} TiB"
 
 
 def fingerprint(gm: torch.fx.GraphModule) -> str:

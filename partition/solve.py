@@ -10,6 +10,8 @@ import networkx as nx
 import numpy as np
 import numpy.typing as npt
 
+from partition.plan import human_bytes
+
 __all__ = [
     "Chain", "CostModel", "InfeasibleBudget", "PartitionError", "Solution",
     "balance_by_param_count", "balance_by_time", "chain_from_dag", "evaluate", "even_split",
@@ -254,14 +256,6 @@ def _dp(n: int, n_stages: int, rows: Iterator[Floats], *, add: bool
     return best, arg
 
 
-def _human_bytes(x: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(x) < 1024 or unit == "TiB":
-            return f"{x:.0f} B" if unit == "B" else f"{x:.2f} {unit}"
-        x /= 1024
-    return f"{x} TiB"
-
-
 def min_feasible_budget(chain: Chain, n_stages: int, cost: CostModel = CostModel()) -> float:
     """Smallest uniform per-stage memory budget some partition fits (min-max DP on memory)."""
     _check_stages(chain, n_stages)
@@ -290,7 +284,7 @@ def solve(chain: Chain, n_stages: int, cost: CostModel = CostModel()) -> Solutio
         needed = min_feasible_budget(chain, n_stages, cost)
         raise InfeasibleBudget(
             f"no split of {n} blocks into {n_stages} stages fits memory_budget="
-            f"{cost.memory_budget} bytes: it needs at least {_human_bytes(needed)} per stage "
+            f"{cost.memory_budget} bytes: it needs at least {human_bytes(needed, 2)} per stage "
             f"(uniform budget of {needed:.0f} bytes); raise the budget, use more stages, or "
             "reduce activation memory with recompute/offload", needed)
     spread, arg = _dp(n, n_stages, _time_rows(chain, cost, per, limit=bottleneck, square=True),

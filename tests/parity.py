@@ -22,6 +22,28 @@ def reference_step(w: partition.Workload, args: tuple[Any, ...], target: Any, M:
     return total
 
 
+def check_step(pp: Any, loss: float, ref: Any, args: Any, kwargs: dict[str, Any], target: Any, M: int,
+               opt: torch.optim.Optimizer, ref_opt: torch.optim.Optimizer, label: str) -> None:
+    """One step of `pp` against the plain model `ref`: the same loss, every grad by name, and the
+    same parameters after both optimizers step (then grads are cleared on both)."""
+    ref_loss = reference_step(ref, args, target, M, kwargs)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    ref_params = dict(ref.model.named_parameters())
+    for name, p in pp.named_parameters():
+        rp = ref_params[name]
+        if rp.grad is None:
+            assert p.grad is None or not p.grad.any(), name
+            continue
+        assert p.grad is not None, f"{name} got no grad ({label})"
+        torch.testing.assert_close(p.grad, rp.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{label} {name}: {m}")
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    ref_opt.step()
+    ref_opt.zero_grad(set_to_none=True)
+    for name, p in pp.named_parameters():
+        torch.testing.assert_close(p, ref_params[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{label} {name}: {m}")
+
+
 def parity_body(rank: int, world: int, *, spec: str, model_args: dict[str, Any],
                 schedules: list[tuple[str, int]], M: int, steps: int = 3, fused: bool = False,
                 expect_vocab: bool = False) -> dict[str, list[float]]:
@@ -57,23 +79,8 @@ def one_schedule(rank: int, world: int, spec: str, model_args: dict[str, Any], s
     for step in range(steps):
         args, kwargs, target = w.batch(w.microbatch_size * M, step)
         loss = pp.step(*args, target=target, **kwargs)
-        ref_loss = reference_step(ref, args, target, M, kwargs)
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-        names = []
-        for name, p in pp.named_parameters():
-            names.append(name)
-            rp = ref_params[name]
-            if rp.grad is None:
-                assert p.grad is None or not p.grad.any(), name
-                continue
-            assert p.grad is not None, f"{name} got no grad on rank {rank}"
-            torch.testing.assert_close(p.grad, rp.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        for name, p in pp.named_parameters():
-            torch.testing.assert_close(p, ref_params[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        check_step(pp, loss, ref, args, kwargs, target, M, opt, ref_opt, f"rank {rank}")
+        names = [name for name, _ in pp.named_parameters()]
         losses.append(loss)
     all_names: list[Any] = [None] * world
     import torch.distributed as dist

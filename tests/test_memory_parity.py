@@ -17,7 +17,7 @@ Config = tuple[str, int, str, str, Any]  # schedule, stages per rank, recompute,
 def one_config(rank: int, world: int, cfg: Config, M: int, steps: int, budget: float | None) -> dict[str, Any]:
     import partition
     import pipe
-    from tests.parity import reference_step
+    from tests.parity import check_step
     schedule, v, recompute, offload, _ = cfg
     w = partition.load("gpt", **GPT)
     ref = partition.load("gpt", **GPT)
@@ -25,24 +25,11 @@ def one_config(rank: int, world: int, cfg: Config, M: int, steps: int, budget: f
                        stages_per_rank=v, cost="flops", recompute=recompute, offload=offload, memory_budget=budget)
     opt = torch.optim.Adam(list(pp.parameters()), lr=1e-3)
     ref_opt = torch.optim.Adam(ref.model.parameters(), lr=1e-3)
-    ref_params = dict(ref.model.named_parameters())
     losses = []
     for step in range(steps):
         args, kwargs, target = w.batch(w.microbatch_size * M, step)
         loss = pp.step(*args, target=target, **kwargs)
-        torch.testing.assert_close(loss, reference_step(ref, args, target, M, kwargs), rtol=1e-5, atol=1e-6)
-        for name, p in pp.named_parameters():
-            rp = ref_params[name]
-            if rp.grad is None:
-                assert p.grad is None or not p.grad.any(), name
-                continue
-            torch.testing.assert_close(p.grad, rp.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{cfg} {name}: {m}")
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        for name, p in pp.named_parameters():
-            torch.testing.assert_close(p, ref_params[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{cfg} {name}: {m}")
+        check_step(pp, loss, ref, args, kwargs, target, M, opt, ref_opt, str(cfg))
         losses.append(loss)
     report = pp.memory_report()
     choices = pp.memory.choices  # type: ignore[attr-defined]

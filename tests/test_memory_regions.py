@@ -10,6 +10,7 @@ from memory.budget import NodeInfo, Region, StageChoice, StageInfo, choose
 from memory.manager import PlannedMemory
 from memory.recompute import remat_candidates, savers
 from memory.regions import cut_regions
+from tests.test_memory import _run_step
 
 
 def test_regions_are_cut_where_the_fewest_bytes_cross() -> None:
@@ -55,18 +56,7 @@ def _run(choice: StageChoice, xs: list[torch.Tensor]) -> tuple[list[torch.Tensor
     actions = [(0, "F", 0), (0, "F", 1), (0, "B", 0), (0, "B", 1)]
     mm = PlannedMemory(choices=[choice], modules={0: gm}, param_nodes={0: {}}, actions=actions, microbatches=2,
                        recv_bytes=[0], send_bytes=[0], device=torch.device("cpu"))
-    outs = {}
-    mm.step_begin()
-    for a in actions:
-        mm.before(a)
-        s, kind, mb = a
-        if kind == "F":
-            with mm.forward(s, mb):
-                outs[mb] = mm.wrap_stage(0, gm)(xs[mb]).pow(2).sum()
-        else:
-            outs.pop(mb).backward()
-        mm.after(a)
-    mm.step_end()
+    _run_step(mm, mm.wrap_stage(0, gm), actions, xs)
     return [p.grad for p in gm.parameters()] + [x.grad for x in xs], mm.report()[0], gm.code
 
 

@@ -34,6 +34,9 @@ def test_plans_a_bundled_workload_and_writes_the_plan(tmp_path: Path) -> None:
     assert [sp.in_flight for sp in plan.stages] == [6, 6, 6]
     w = partition.load("mlp", depth=4, width=32)  # the plan file serves another process's model
     assert plan.loss and len(partition.split(w.model, plan, w.example_args, loss_fn=w.loss_fn)) == 3
+    outside = main(["mlp", "--stages", "3", "--cost", "flops", "--model-arg", "depth=4", "--model-arg", "width=32",
+                    "--loss-outside", "--out", str(out)])
+    assert outside == 0 and not partition.Plan.load(out).loss
 
 
 def test_json_output_is_the_plan(tmp_path: Path) -> None:

@@ -195,11 +195,15 @@ def test_inference_forward_on_every_rank() -> None:
 
 
 def link_body(rank: int, world: int) -> list[float]:
+    import partition
     import pipe
     from pipe.comm import measure_link
     ctx = pipe.init()
     link = measure_link(ctx.device)
     assert link is not None
+    w = partition.load("mlp", depth=6, width=32)  # measured costs: the plan weighs cuts with a measured link
+    plan = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=3, cost="measured").plan
+    assert (plan.bytes_per_ms, plan.latency_ms) != (1e6, 0.05) and plan.bytes_per_ms > 0
     return [float(x) for x in link]
 
 
