@@ -40,27 +40,24 @@ def launch(module: str, ranks: int, argv: list[str], launcher: str = "torchrun",
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bench import schedules, vs_torch
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name in ("schedules", "vs-torch"):
-        sp = sub.add_parser(name)
-        sp.add_argument("--ranks", type=int, default=2)
-        sp.add_argument("--launcher", default="torchrun", choices=["torchrun", "mpirun"])
-        sp.add_argument("--threads", type=int, default=1)
-    sp = sub.add_parser("partition")
+    sub.add_parser("schedules", parents=[schedules.parser(add_help=False)], help="schedules side by side")
+    sub.add_parser("vs-torch", parents=[vs_torch.parser(add_help=False)],
+                   help="fxpipe against torch.distributed.pipelining")
+    sp = sub.add_parser("partition", help="partition quality against the usual baselines")
     sp.add_argument("model")
     sp.add_argument("--stages", default="2,4")
     sp.add_argument("--cost", default="measured", choices=["measured", "flops"])
     sp.add_argument("--model-arg", action="append", default=[])
     sp.add_argument("--out", default="out/bench")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args, rest = p.parse_known_args(argv)
-    if args.cmd == "schedules":
-        return launch("bench.schedules", args.ranks, rest, args.launcher, args.threads)
-    if args.cmd == "vs-torch":
-        if rest and not rest[0].startswith("-"):
-            rest = ["--model", rest[0], *rest[1:]]
-        return launch("bench.vs_torch", args.ranks, rest, args.launcher, args.threads)
+    if args.cmd in ("schedules", "vs-torch"):  # parsed above to check and for --help; the ranks parse again
+        module = "bench.schedules" if args.cmd == "schedules" else "bench.vs_torch"
+        return launch(module, args.ranks, argv[argv.index(args.cmd) + 1:], args.launcher, args.threads)
     if rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
     from bench.quality import main as quality_main

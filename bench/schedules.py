@@ -15,22 +15,34 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["main", "parse_args"]
+from pipe.schedules import SCHEDULES
+
+__all__ = ["main", "parse_args", "parser"]
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bench.schedules", description=__doc__)
-    p.add_argument("model")
-    p.add_argument("--model-arg", action="append", default=[])
-    p.add_argument("--microbatches", default="4,8")
-    p.add_argument("--schedules", default="gpipe,1f1b,interleaved-1f1b,zb-h1")
+def parser(add_help: bool = True) -> argparse.ArgumentParser:
+    """The options of `python -m bench schedules` (the launcher's too, so --help lists them all)."""
+    p = argparse.ArgumentParser(prog="python -m bench schedules", description=__doc__, add_help=add_help)
+    p.add_argument("model", help="bundled name (gpt, ...), package.module:factory or path/file.py:factory")
+    p.add_argument("--model-arg", action="append", default=[], metavar="K=V", help="factory keyword, repeatable")
+    p.add_argument("--microbatches", default="4,8", help="comma-separated microbatch counts")
+    p.add_argument("--schedules", default="gpipe,1f1b,interleaved-1f1b,zb-h1",
+                   help=f"comma-separated schedules, of: {', '.join(sorted(SCHEDULES))}")
     p.add_argument("--stages-per-rank", type=int, default=2, help="v for interleaved schedules")
     p.add_argument("--steps", type=int, default=8, help="timed steps per candidate")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--cost", default="measured", choices=["measured", "flops"])
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--loss-outside", action="store_true",
+                   help="keep the loss out of the graph (by default it is traced into the last stage)")
+    p.add_argument("--ranks", type=int, default=2, help="processes to launch")
+    p.add_argument("--launcher", default="torchrun", choices=["torchrun", "mpirun"])
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--out", default="out/bench")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return parser().parse_args(argv)
 
 
 def _versions() -> dict[str, Any]:
@@ -61,9 +73,11 @@ def main(argv: list[str] | None = None) -> int:
             w = partition.load(args.model, **overrides)
             pp = pipe.Pipeline(w.model, w.example_args, example_kwargs=w.example_kwargs, loss_fn=w.loss_fn,
                                microbatches=M, schedule=name, stages_per_rank=v, cost=args.cost,
-                               example_target=w.example_target)
+                               leaf_modules=w.leaf_modules,
+                               example_target=None if args.loss_outside else w.example_target)
+            params = list(pp.parameters())
             cands.append({"schedule": name, "M": M, "v": v, "w": w, "pp": pp,
-                          "opt": torch.optim.AdamW(list(pp.parameters()), lr=1e-4), "times": [],
+                          "opt": torch.optim.AdamW(params, lr=1e-4) if params else None, "times": [],
                           "bubbles": [], "makespans": [], "last_timeline": None})
             say(f"built {name} M={M} v={v}", flush=True)
     total = args.warmup + args.steps
@@ -75,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
             dist.barrier()
             t0 = time.perf_counter()
             pp.step(*b_args, target=target, **b_kwargs)
-            c["opt"].step()
-            c["opt"].zero_grad(set_to_none=True)
+            if c["opt"] is not None:
+                c["opt"].step()
+                c["opt"].zero_grad(set_to_none=True)
             dt = torch.tensor([time.perf_counter() - t0])
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             tl = pp.gather_timeline()

@@ -52,15 +52,23 @@ def _torch_pipeline(w: Any, rank: int, world: int, M: int) -> tuple[Callable[...
     return step, params
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench.vs_torch", description=__doc__)
-    p.add_argument("--model", default="gpt")
-    p.add_argument("--model-arg", action="append", default=[])
+def parser(add_help: bool = True) -> argparse.ArgumentParser:
+    """The options of `python -m bench vs-torch` (the launcher's too, so --help lists them all)."""
+    p = argparse.ArgumentParser(prog="python -m bench vs-torch", description=__doc__, add_help=add_help)
+    p.add_argument("model", nargs="?", default="gpt", help="bundled name or package.module:factory (default gpt)")
+    p.add_argument("--model-arg", action="append", default=[], metavar="K=V", help="factory keyword, repeatable")
     p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=12)
+    p.add_argument("--rounds", type=int, default=12, help="alternating rounds of every candidate")
     p.add_argument("--cost", default="measured", choices=["measured", "flops"])
+    p.add_argument("--ranks", type=int, default=2, help="processes to launch")
+    p.add_argument("--launcher", default="torchrun", choices=["torchrun", "mpirun"])
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--out", default="out/vs_torch")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     torch.set_num_threads(1)
     import partition
     import pipe

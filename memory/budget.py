@@ -13,6 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
+from partition.errors import FxpipeError
 from partition.plan import human_bytes
 
 __all__ = ["RECOMPUTE", "OFFLOAD", "BudgetError", "NodeInfo", "Region", "StageInfo", "StageChoice", "check_options",
@@ -23,7 +24,7 @@ OFFLOAD = ("none", "activations", "states", "all")
 COPY_BYTES_PER_MS = 5e6  # default host <-> device copy speed that prices offloading (5 GB/s)
 
 
-class BudgetError(ValueError):
+class BudgetError(FxpipeError, ValueError):
     """The memory budget cannot be met; `needed_bytes` is the smallest per-stage budget that can."""
 
     def __init__(self, message: str, needed_bytes: float) -> None:

@@ -12,7 +12,11 @@ from partition.solve import PartitionError
 from partition.trace import TraceError
 from partition.workload import BUNDLED, WorkloadError, load, parse_overrides
 
-USAGE_ERRORS = (WorkloadError, PlanError, PartitionError, TraceError)
+# The command line reads the schedules' in-flight counts from pipe.schedules, the pure table of
+# schedules; the partition library itself takes them as data (in_flight_counts=) and never imports pipe.
+from pipe.schedules import SCHEDULES, ScheduleError, in_flight_limit  # noqa: E402
+
+USAGE_ERRORS = (WorkloadError, PlanError, PartitionError, TraceError, ScheduleError)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -27,8 +31,10 @@ def parser() -> argparse.ArgumentParser:
                    help="time each op on this machine (default) or count FLOPs (deterministic)")
     p.add_argument("--memory-budget", default=None, metavar="BYTES",
                    help="per-stage memory limit, e.g. 8GiB, 512MB or a number of bytes")
-    p.add_argument("--schedule", choices=("1f1b", "gpipe", "zb-h1"), default="1f1b",
+    p.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b",
                    help="the schedule whose microbatches in flight the memory limit counts")
+    p.add_argument("--stages-per-rank", type=int, default=None, metavar="V",
+                   help="stages per rank (default: 2 for interleaved schedules, else 1); --stages counts all")
     p.add_argument("--microbatches", type=int, default=None, metavar="M",
                    help="microbatches per step (default: the number of stages)")
     p.add_argument("--out", default=None, metavar="PATH", help="write the plan as JSON to PATH")
@@ -43,12 +49,20 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    v = args.stages_per_rank or (2 if args.schedule.startswith("interleaved") else 1)
+    M = args.microbatches or args.stages
     try:
+        if args.stages % v:
+            raise PlanError(f"--stages {args.stages} is not a multiple of --stages-per-rank {v}; the stages are "
+                            f"spread evenly over the ranks: use --stages {args.stages - args.stages % v + v}")
         w = load(args.model, **parse_overrides(args.model_arg))
+        flights = [in_flight_limit(args.schedule, args.stages, M, s, v) for s in range(args.stages)]
         result = plan(w.model, w.example_args, args.stages, example_kwargs=w.example_kwargs, cost=args.cost,
-                      schedule=args.schedule, microbatches=args.microbatches,
+                      schedule=args.schedule, microbatches=M, stages_per_rank=v, in_flight_counts=flights,
                       memory_budget=args.memory_budget, loss_fn=None if args.loss_outside else w.loss_fn,
-                      example_target=None if args.loss_outside else w.example_target)
+                      example_target=None if args.loss_outside else w.example_target,
+                      leaf_modules=w.leaf_modules, progress=lambda line: print(f"[plan] {line}", file=sys.stderr,
+                                                                               flush=True))
     except USAGE_ERRORS as e:
         print(f"python -m partition: error: {e}", file=sys.stderr)
         return 2

@@ -53,13 +53,22 @@ def storage_owner(sid: str) -> str:
 
 @contextlib.contextmanager
 def preserve_state(module: torch.nn.Module) -> Iterator[None]:
-    """Restore the module's buffers (e.g. batch-norm statistics), parameter grads and the RNG state."""
+    """Leave the module as it was: its buffers' values (e.g. batch-norm statistics), parameter
+    grads, training modes, the RNG state, and its attributes (a tracer that registers a tensor
+    constant on the module it traces has it removed again)."""
     saved = {n: b.detach().clone() for n, b in module.named_buffers()}
     grads = {n: p.grad for n, p in module.named_parameters()}
+    mods = list(module.modules())
+    shape = [(m.training, set(vars(m)), set(m._parameters), set(m._buffers), set(m._modules)) for m in mods]
     with torch.random.fork_rng(devices=[]):
         try:
             yield
         finally:
+            for m, (training, attrs, params, bufs, subs) in zip(mods, shape):
+                for d, keep in ((vars(m), attrs), (m._parameters, params), (m._buffers, bufs), (m._modules, subs)):
+                    for k in [k for k in d if k not in keep]:
+                        del d[k]
+                m.training = training
             with torch.no_grad():
                 for n, b in module.named_buffers():
                     if n in saved:

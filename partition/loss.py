@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 
 __all__ = ["TARGET", "attach_loss", "has_loss"]
 
@@ -26,39 +27,72 @@ class _Loss(torch.nn.Module):
         return self.fn(output, target)
 
 
+class _LossTracer(torch.fx.Tracer):
+    """Traces `loss_fn(output, target)` with `output` rebuilt in the model's own structure (tuple,
+    dict, dataclass, ModelOutput, ...) from one placeholder per tensor the model returns, so
+    `out[0]`, `out["logits"]` and `out.logits` read what they read on the model's output."""
+
+    def __init__(self, leaves: list[Any], spec: pytree.TreeSpec) -> None:
+        super().__init__()
+        self._leaves, self._spec = leaves, spec
+
+    def create_args_for_root(self, root_fn: Callable[..., Any], is_module: bool, concrete_args: Any = None
+                             ) -> tuple[Callable[..., Any], list[Any]]:
+        values = [self.create_proxy("placeholder", f"output_{i}", (), {}) if isinstance(x, torch.fx.Node) else x
+                  for i, x in enumerate(self._leaves)]
+        target = self.create_proxy("placeholder", "target", (), {})
+        output = pytree.tree_unflatten(values, self._spec)
+
+        def loss_of(root: torch.nn.Module) -> Any:
+            return root_fn(root, output, target)
+        return loss_of, [self.root]
+
+
 def has_loss(gm: torch.fx.GraphModule) -> bool:
     """Whether attach_loss has put a loss into `gm`."""
     return bool(gm.meta.get("fxpipe_loss", False))
 
 
-def attach_loss(gm: torch.fx.GraphModule, loss_fn: Callable[[Any, Any], torch.Tensor]) -> str | None:
+def attach_loss(gm: torch.fx.GraphModule, loss_fn: Callable[[Any, Any], torch.Tensor],
+                example: tuple[Any, Any, torch.Tensor] | None = None) -> str | None:
     """Append `loss_fn(output, target)` to gm's graph, in place; None on success, else why not.
 
-    The graph gains a last placeholder `fxpipe_target` and returns the loss instead of the
-    model's output. Only a model whose output is one tensor qualifies, and `loss_fn` must be
-    traceable by torch.fx (no control flow on tensor values) and hold no parameters; when it
-    does not qualify, gm is left as it was and the reason is returned.
+    `output` is what the model returns, in its own structure (partition.trace records it);
+    the graph gains a last placeholder `fxpipe_target` and returns the loss instead.
+    `loss_fn` must be traceable by torch.fx (no control flow on tensor values), hold no
+    parameters and return one tensor; when it does not qualify, gm is left as it was and the
+    reason is returned. With `example` = (the model's output on an example, its target, and
+    loss_fn's value on them) the traced loss must give that value before it is attached.
     """
+    from partition.trace import flatten_outputs
     if has_loss(gm):
         return None
     out = next(n for n in gm.graph.nodes if n.op == "output")
-    value = out.args[0]
-    if isinstance(value, (tuple, list)) and len(value) == 1:
-        value = value[0]
-    if not isinstance(value, torch.fx.Node):
-        return "the model's output is not one tensor"
+    leaves, spec = flatten_outputs(gm)
     wrapper = _Loss(loss_fn)
     if any(True for _ in wrapper.parameters()):
-        return "the loss function holds parameters"
+        return "the loss function holds parameters (they would get no gradient in the graph)"
     try:
-        loss_graph = torch.fx.symbolic_trace(wrapper).graph
+        loss_graph = _LossTracer(leaves, spec).trace(wrapper)
     except Exception as e:  # fx raises many kinds of errors on untraceable code
         return f"torch.fx cannot trace the loss function ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+    result = next(n for n in loss_graph.nodes if n.op == "output").args[0]
+    if not isinstance(result, torch.fx.Node):
+        return f"the loss function returns {type(result).__name__}, not one tensor"
+    if example is not None:
+        values = [v for x, v in zip(leaves, pytree.tree_leaves(example[0])) if isinstance(x, torch.fx.Node)]
+        why = _differs(torch.fx.GraphModule(wrapper, loss_graph), values, *example[1:])
+        if why:
+            return why
     g = gm.graph
     placeholders = [n for n in g.nodes if n.op == "placeholder"]
     with g.inserting_after(placeholders[-1]) if placeholders else g.inserting_before(next(iter(g.nodes))):
-        target = g.placeholder(TARGET)
-    ins = [n for n in loss_graph.nodes if n.op == "placeholder"]
+        # a default keeps the code valid after placeholders with defaults (forward(x, mask=None)); the
+        # graph is always called with every input (partition.trace.flatten_inputs)
+        target = g.placeholder(TARGET, default_value=None)
+    ins = {n.name: n for n in loss_graph.nodes if n.op == "placeholder"}
+    mapping = {ins[f"output_{i}"]: x for i, x in enumerate(leaves) if isinstance(x, torch.fx.Node)}
+    mapping[ins["target"]] = target
     uses_module = False
     for n in loss_graph.nodes:
         if n.op in ("call_module", "get_attr"):
@@ -69,14 +103,28 @@ def attach_loss(gm: torch.fx.GraphModule, loss_fn: Callable[[Any, Any], torch.Te
         gm._forward_pre_hooks.clear()
         gm._forward_pre_hooks_with_kwargs.clear()
     g.erase_node(out)
-    loss = g.graph_copy(loss_graph, {ins[0]: value, ins[1]: target})
+    loss = g.graph_copy(loss_graph, mapping)
     g.output(loss)
     if uses_module:
         gm.add_submodule(_SUBMODULE, wrapper)
-    if hasattr(gm, "_out_spec"):  # torch.export's output structure: now one tensor
-        import torch.utils._pytree as pytree
-        gm._out_spec = pytree.tree_flatten(torch.zeros(()))[1]
+    gm.meta["fxpipe_out_spec"] = pytree.tree_flatten(torch.zeros(()))[1]  # the loss: one tensor
+    if hasattr(gm, "_out_spec"):
+        gm._out_spec = gm.meta["fxpipe_out_spec"]
     gm.meta["fxpipe_loss"] = True
     g.lint()
     gm.recompile()
+    return None
+
+
+def _differs(traced: torch.fx.GraphModule, leaves: list[Any], target: Any, expected: torch.Tensor) -> str | None:
+    """Why the traced loss on the model's output `leaves` is not loss_fn's `expected` value, or None."""
+    try:
+        with torch.no_grad():
+            got = traced(*leaves, target)
+    except Exception as e:  # whatever the traced ops raise where the eager loss did not
+        return (f"the loss traced by torch.fx fails where loss_fn itself runs ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:200] if str(e) else ''})")
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape or not torch.allclose(
+            got, expected, rtol=1e-5, atol=1e-6, equal_nan=True):
+        return "the loss traced by torch.fx differs from loss_fn's value on the example"
     return None

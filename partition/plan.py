@@ -10,13 +10,15 @@ from typing import Any
 
 import torch.fx
 
+from partition.errors import FxpipeError
+
 __all__ = ["Plan", "StagePlan", "Value", "PlanError", "parse_bytes", "human_bytes", "fingerprint",
            "in_flight"]
 
 FORMAT = 1
 
 
-class PlanError(ValueError):
+class PlanError(FxpipeError, ValueError):
     """A plan that does not fit the model or the request it is used for."""
 
 
@@ -74,6 +76,8 @@ class Plan:
     input_constants: dict[str, Any] = field(default_factory=dict)  # flat index -> a non-tensor leaf (JSON)
     rewrites: list[list[Any]] = field(default_factory=list)  # [node, parts(, "vocab")]: see partition.rewrite
     loss: bool = False               # loss_fn is in the graph: the last stage returns it; inputs[-1] is the target
+    loss_note: str = ""              # why the loss is outside the graph, when it is
+    notes: list[str] = field(default_factory=list)  # faster paths not taken, and why
     state_factor: float = 4.0
     bytes_per_ms: float = 1e6
     latency_ms: float = 0.05
@@ -149,7 +153,11 @@ class Plan:
         lines.append(f"bottleneck {self.bottleneck_ms:.2f} ms per microbatch (fwd+bwd+comm), "
                      f"imbalance {self.imbalance:.3f} (slowest / mean)")
         if self.loss:
-            lines.append("the loss is computed in the last stage (traced into the graph)")
+            lines.append(f"loss: computed in the last stage ({self.n_stages - 1}), traced into the graph")
+        else:
+            lines.append(f"loss: computed after the last stage ({self.n_stages - 1}) by loss_fn, outside the graph"
+                         + (f" ({self.loss_note})" if self.loss_note else ""))
+        lines += [f"note: {n}" for n in self.notes]
         for r in self.rewrites:
             parts = r[1] if isinstance(r[1], int) else len(r[1]) - 1
             where = [s.index for s in self.stages if any(n.startswith(f"{r[0]}_vocab") or n.startswith(f"{r[0]}_rows")

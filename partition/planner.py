@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -13,7 +14,7 @@ import torch.utils._pytree as pytree
 from partition.costs import node_costs, param_names, preserve_state
 from partition.graph import build_graph, coarsen
 from partition.loss import attach_loss, has_loss
-from partition.rewrite import apply_rewrites, splittable_linear, vocab_parallel_loss
+from partition.rewrite import apply_rewrites, splittable_linear, vocab_parallel_why
 from partition.plan import Plan, PlanError, StagePlan, Value, fingerprint, human_bytes, in_flight, parse_bytes
 from partition.solve import Chain, CostModel, InfeasibleBudget, Solution, solve
 from partition.split import example_from_plan, live_values, split_graph
@@ -29,7 +30,10 @@ class Analysis:
                  example_kwargs: dict[str, Any] | None = None, *, cost: str = "measured",
                  leaf_modules: Sequence[type[torch.nn.Module]] = (), max_blocks: int = 2000,
                  repeats: int = 5, rewrites: Sequence[Sequence[Any]] = (),
-                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, example_target: Any = None) -> None:
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, example_target: Any = None,
+                 progress: Callable[[str], None] | None = None) -> None:
+        say = progress or (lambda _: None)
+        self.progress = progress
         self.model = model
         self.args = tuple(example_args)
         self.kwargs = dict(example_kwargs or {})
@@ -37,18 +41,21 @@ class Analysis:
         self.leaf_modules, self.max_blocks, self.repeats = tuple(leaf_modules), max_blocks, repeats
         self.rewrites = [tuple(r) for r in rewrites]
         self.loss_fn, self.target = loss_fn, example_target
+        start = time.perf_counter()
+        say(f"tracing {type(model).__name__} ...")
         gm = trace(model, self.args, self.kwargs, leaf_modules=leaf_modules)
-        # with the loss in the graph (loss_fn and a tensor example target given, and attachable)
-        # the last stage returns the loss and the head can be cut without moving logits
-        self.loss_note = "no loss_fn and example_target given"
-        if loss_fn is not None and isinstance(example_target, torch.Tensor):
-            self.loss_note = attach_loss(gm, loss_fn) or ""
-        if self.loss_note == "":
-            _check_loss(gm, model, self.args, self.kwargs, example_target)
+        say(f"traced by {gm.meta['fxpipe_tracer']}: {len(gm.graph.nodes)} nodes ({time.perf_counter() - start:.1f} s)")
+        # with the loss in the graph the last stage returns the loss and the head can be cut
+        # without moving logits; loss_note says why the loss stays outside ("" when it is in)
+        self.loss_note = loss_placement(gm, model, self.args, self.kwargs, loss_fn, example_target)
+        self.notes: list[str] = []  # faster paths not taken, and why (shown in the plan table)
         self.gm = apply_rewrites(gm, self.rewrites)
         self.flat = flatten_inputs(self.gm, self.args, self.kwargs, example_target)
         self.names = param_names(model)
+        start = time.perf_counter()
+        say(f"costing {len(self.gm.graph.nodes)} nodes ({cost}{', timing each op' if cost == 'measured' else ''}) ...")
         self.costs = node_costs(self.gm, self.flat, cost=cost, names=self.names, repeats=repeats)
+        say(f"costed in {time.perf_counter() - start:.1f} s")
         self.graph = build_graph(self.gm, self.costs)
         pbytes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
         self.blocks = coarsen(self.graph, pbytes, max_blocks=max_blocks)
@@ -66,19 +73,52 @@ class Analysis:
         """The same model and example analysed again with `rewrites` applied."""
         return Analysis(self.model, self.args, self.kwargs, cost=self.cost, leaf_modules=self.leaf_modules,
                         max_blocks=self.max_blocks, repeats=self.repeats, rewrites=rewrites,
-                        loss_fn=self.loss_fn, example_target=self.target)
+                        loss_fn=self.loss_fn, example_target=self.target, progress=self.progress)
 
 
-def _check_loss(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                target: torch.Tensor) -> None:
-    """The graph with its loss must run on the example: the target must be the example's."""
-    try:
-        with torch.no_grad(), preserve_state(model):
-            gm(*flatten_inputs(gm, args, kwargs, target))
-    except Exception as e:  # whatever the loss function raises on a mismatched target
-        raise PlanError(f"loss_fn(model(example), example_target) fails ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0][:200]}); example_target (shape {list(target.shape)}) must be the "
-                        "target of the one microbatch in example_args, e.g. make_batch(microbatch_size, 0)'s") from e
+def loss_placement(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple[Any, ...],
+                   kwargs: dict[str, Any], loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+                   target: Any) -> str:
+    """Attach `loss_fn` to `gm` when it can go into the graph faithfully; "" when attached, else why not.
+
+    The loss is first run eagerly on the model's output for the example: a loss that fails
+    there, or is not a scalar, is the user's error (PlanError), named as such.
+    """
+    if loss_fn is None:
+        return "no loss_fn given"
+    if target is None:
+        return "no example_target given"
+    with torch.no_grad(), preserve_state(model):
+        torch.manual_seed(0)  # the seed trace checks its graph with: dropout draws the same masks
+        output = model(*args, **kwargs)
+        try:
+            expected = loss_fn(output, target)
+        except Exception as e:  # whatever the user's loss raises
+            raise PlanError(f"loss_fn(model(*example_args, **example_kwargs), example_target) fails on the example "
+                            f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); the model "
+                            f"returns {_kind(output)} and example_target is {_kind(target)}: fix loss_fn, or pass "
+                            "the target of the one microbatch in example_args (e.g. make_batch(microbatch_size, "
+                            "0)'s)") from e
+    check_scalar_loss(expected, "on the example")
+    if not isinstance(target, torch.Tensor):
+        return f"the target is {_kind(target)}, not one tensor"
+    return attach_loss(gm, loss_fn, example=(output, target, expected)) or ""
+
+
+def check_scalar_loss(loss: Any, where: str) -> None:
+    """loss_fn must return one number (a tensor of one element) to be differentiated."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise PlanError(f"loss_fn must return a scalar tensor (one element), but {where} it returned "
+                        f"{_kind(loss)}; reduce it, e.g. loss.mean() or F.cross_entropy(..., reduction='mean')")
+
+
+def _kind(x: Any) -> str:
+    """A short description of a value for error messages: 'a tensor of shape [2, 3] (float32)'."""
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {list(x.shape)} ({str(x.dtype).removeprefix('torch.')})"
+    if x is None:
+        return "None"
+    return f"a {type(x).__name__}"
 
 
 def _value(x: Any) -> Value | None:
@@ -132,6 +172,9 @@ def plan_from_bounds(a: Analysis, bounds: Sequence[int], cost_model: CostModel, 
             recv_bytes=int(ch.cut_bytes[lo]), recv=values,
             shared=[p for p in params_of[s] if holders[p] > 1]))
     times = list(sol.stage_ms)
+    notes = list(a.notes) + [f"stage {s} holds no parameters (the model has too few blocks with parameters, or "
+                             "the budget allows no other split): build no optimizer on its rank, as torch's "
+                             "refuse an empty parameter list" for s in range(S) if not params_of[s]]
     flat_leaves, spec = pytree.tree_flatten((a.args, a.kwargs))
     inputs = [_value(x) for x in flat_leaves] + ([_value(a.target)] if a.loss else [])
     return Plan(stages=stages, schedule=schedule, microbatches=microbatches, stages_per_rank=stages_per_rank,
@@ -139,6 +182,7 @@ def plan_from_bounds(a: Analysis, bounds: Sequence[int], cost_model: CostModel, 
                 imbalance=float(max(times) / (sum(times) / len(times))) if sum(times) > 0 else 1.0,
                 model=type(a.model).__name__, fingerprint=fingerprint(a.gm), rewrites=[list(r) for r in a.rewrites],
                 tracer=str(a.gm.meta.get("fxpipe_tracer", "")), inputs=inputs, loss=a.loss,
+                loss_note=a.loss_note, notes=notes,
                 input_spec=pytree.treespec_dumps(spec), input_constants=_constants(flat_leaves),
                 state_factor=cost_model.state_factor,
                 bytes_per_ms=cost_model.bytes_per_ms, latency_ms=cost_model.latency_ms)
@@ -152,7 +196,7 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
          bytes_per_ms: float = 1e6, latency_ms: float = 0.05, state_factor: float = 4.0,
          max_blocks: int = 2000, analysis: Analysis | None = None, recompute: str = "none",
          offload: str = "none", loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-         example_target: Any = None) -> Plan:
+         example_target: Any = None, progress: Callable[[str], None] | None = None) -> Plan:
     """Balanced stages for `model`, found by the exact solver under a per-stage memory budget.
 
     `example_args`/`example_kwargs` are one microbatch. Memory per stage counts parameters
@@ -165,7 +209,8 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
     With `loss_fn` and a tensor `example_target` (one microbatch's) the loss is traced into
     the graph (partition.loss) when fx can trace it: the last stage returns the loss, and a
     linear layer too slow for one stage that feeds a cross entropy is spread over stages
-    by vocabulary slices (partition.rewrite.vocab_parallel).
+    by vocabulary slices (partition.rewrite.vocab_parallel). `progress` receives a line at
+    each phase (tracing, costing, solving), for a command line to show.
     """
     if isinstance(n_stages, bool) or not isinstance(n_stages, int) or n_stages < 1:
         raise PlanError(f"n_stages must be a positive integer (one per pipeline stage), got {n_stages!r}; "
@@ -176,7 +221,8 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
                         f"{2 * n_stages} (at least n_stages={n_stages} keeps every stage busy)")
     budget = parse_bytes(memory_budget)
     a = analysis or Analysis(model, example_args, example_kwargs, cost=cost, leaf_modules=leaf_modules,
-                             max_blocks=max_blocks, loss_fn=loss_fn, example_target=example_target)
+                             max_blocks=max_blocks, loss_fn=loss_fn, example_target=example_target,
+                             progress=progress)
     n = len(a.blocks.members)
     if n_stages > n:
         raise PlanError(f"cannot cut {type(model).__name__} into {n_stages} stages: its traced graph has "
@@ -185,13 +231,24 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
     flights = list(in_flight_counts) if in_flight_counts is not None else in_flight(schedule, n_stages, M)
     if len(flights) != n_stages:
         raise PlanError(f"in_flight_counts has {len(flights)} entries for {n_stages} stages")
+    # every stage holds a parameter when the model has enough blocks with them: each rank then
+    # has something to optimise (torch's optimizers refuse an empty parameter list)
+    with_params = sum(1 for ps in a.chain.params if ps)
     cm = CostModel(bytes_per_ms=bytes_per_ms, latency_ms=latency_ms, state_factor=state_factor,
                    in_flight=tuple(flights), speeds=tuple(speeds) if speeds is not None else None,
-                   memory_budget=budget)
+                   memory_budget=budget, params_every_stage=with_params >= n_stages)
     kept = dataclasses.replace(cm, in_flight=(1,) * n_stages if recompute in ("full", "auto") else cm.in_flight,
                                state_factor=0.0 if offload in ("states", "all") else state_factor)
+    if progress is not None:
+        progress(f"solving {n_stages} stages over {n} blocks ...")
     try:
-        sol = solve(a.chain, n_stages, kept)
+        try:
+            sol = solve(a.chain, n_stages, kept)
+        except InfeasibleBudget:
+            if not kept.params_every_stage:
+                raise
+            kept = dataclasses.replace(kept, params_every_stage=False)  # a stage without parameters, said below
+            sol = solve(a.chain, n_stages, kept)
     except InfeasibleBudget as e:
         need = e.needed_bytes
         raise InfeasibleBudget(
@@ -226,7 +283,9 @@ def split_heavy_ops(a: Analysis, sol: Solution, n_stages: int, cm: CostModel) ->
         return a, sol
     nodes = {n.name: n for n in a.gm.graph.nodes}
     shapes = {name: list(c.shape) for name, c in a.costs.items()}
+    dtypes = {name: c.dtype for name, c in a.costs.items()}
     added: list[tuple[Any, ...]] = []
+    notes: list[str] = []
     for s in range(n_stages):  # the stages slower than fair: their big linear layers
         if sol.stage_ms[s] <= 1.05 * fair:
             continue
@@ -236,14 +295,19 @@ def split_heavy_ops(a: Analysis, sol: Solution, n_stages: int, cm: CostModel) ->
                 t = c.fwd_ms + c.bwd_ms
                 if splittable_linear(a.gm, nodes[name]) is None:
                     continue
-                ce = vocab_parallel_loss(a.gm, nodes[name], shapes)
+                ce, why = vocab_parallel_why(a.gm, nodes[name], shapes, dtypes)
                 if ce is not None:  # its cross entropy is sliced with it
                     t += a.costs[ce.name].fwd_ms + a.costs[ce.name].bwd_ms
                 if t >= 0.25 * fair:
                     parts = min(32, math.ceil(4 * t / fair))  # slices of about a quarter stage
                     added.append((name, parts, "vocab") if ce is not None else (name, parts))
+                    if ce is None:
+                        why = why if a.loss else f"the loss is outside the graph ({a.loss_note})"
+                        notes.append(f"{name} may be cut into row slices, whose outputs ({human_bytes(c.out_bytes)} "
+                                     f"per microbatch) cross stages, not into vocabulary slices with its loss: {why}")
     if not added:
         return a, sol
+    a.notes += notes
     best = (a, sol)
     fine = a.with_rewrites(list(a.rewrites) + added)
     try:
@@ -261,6 +325,7 @@ def split_heavy_ops(a: Analysis, sol: Solution, n_stages: int, cm: CostModel) ->
             return best
         if best[0] is fine:  # the same cuts stay possible with fewer kernels: keep it (its costs are
             best = (coarse, sol3)  # measured afresh, so comparing the two bottlenecks would compare noise)
+    best[0].notes = a.notes
     return best
 
 

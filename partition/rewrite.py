@@ -16,7 +16,7 @@ import torch.fx
 import torch.nn.functional as F
 
 __all__ = ["linear_rows", "logit_size", "splittable_linear", "split_linear", "vocab_slice", "vocab_loss",
-           "vocab_parallel_loss", "vocab_parallel", "apply_rewrites"]
+           "vocab_parallel_loss", "vocab_parallel_why", "vocab_parallel", "apply_rewrites"]
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor:
@@ -148,13 +148,24 @@ def _ce_args(gm: torch.fx.GraphModule, node: torch.fx.Node) -> dict[str, Any] | 
 
 
 def vocab_parallel_loss(gm: torch.fx.GraphModule, node: torch.fx.Node,
-                        shapes: Mapping[str, Sequence[int]] | None = None) -> torch.fx.Node | None:
+                        shapes: Mapping[str, Sequence[int]] | None = None,
+                        dtypes: Mapping[str, str] | None = None) -> torch.fx.Node | None:
     """The cross-entropy node that linear `node` alone feeds, through reshapes that merge its
-    leading dims, when vocab_parallel can replace the pair. `shapes` (output shapes by node
-    name) check that the reshapes keep one row per token; without them (re-applying a plan
-    made on a costed graph) only the structure is checked."""
-    if splittable_linear(gm, node) is None or _size_queries(node) is None:
-        return None
+    leading dims (and casts to the dtype it already has), when vocab_parallel can replace the
+    pair. `shapes` (output shapes by node name) check that the reshapes keep one row per
+    token, `dtypes` that casts change nothing; without them (re-applying a plan made on a
+    costed graph) only the structure is checked. See vocab_parallel_why for the reason of a None."""
+    return vocab_parallel_why(gm, node, shapes, dtypes)[0]
+
+
+def vocab_parallel_why(gm: torch.fx.GraphModule, node: torch.fx.Node,
+                       shapes: Mapping[str, Sequence[int]] | None = None,
+                       dtypes: Mapping[str, str] | None = None) -> tuple[torch.fx.Node | None, str]:
+    """(the cross-entropy node, "") as vocab_parallel_loss finds it, or (None, why not)."""
+    if splittable_linear(gm, node) is None:
+        return None, f"{node.name} is not a linear layer with its weight as an attribute"
+    if _size_queries(node) is None:
+        return None, f"{node.name}'s shape is used other than by .size(i) or .shape[i]"
     cur = node
     while len(_others(cur)) == 1:
         (user,) = _others(cur)
@@ -165,19 +176,47 @@ def vocab_parallel_loss(gm: torch.fx.GraphModule, node: torch.fx.Node,
                   and ce.get("weight") is None and ce.get("size_average") is None and ce.get("reduce") is None
                   and not ce.get("label_smoothing") and reduction in _REDUCTIONS
                   and isinstance(ce.get("ignore_index", -100), int))
+            if not ok:
+                return None, ("its cross entropy has class weights, label smoothing, a legacy reduction or an "
+                              "ignore_index that is not a constant")
             if shapes is not None:
                 rows, logits = list(shapes.get(cur.name, ())), list(shapes.get(node.name, ()))
-                ok = ok and len(rows) == 2 and bool(logits) and rows[1] == logits[-1]
+                if not (len(rows) == 2 and bool(logits) and rows[1] == logits[-1]):
+                    return None, f"the cross entropy reads the logits as shape {rows}, not one row per token"
                 # reduction 'none' gives one loss per flattened row: only the same when the logits are 2-D
-                ok = ok and (reduction != "none" or len(logits) == 2)
-            return user if ok else None
+                if reduction == "none" and len(logits) != 2:
+                    return None, "reduction='none' over logits of more than two dims"
+            return user, ""
         target = user.target if user.op in ("call_function", "call_method") else None
-        if target not in _MERGING or not user.args or user.args[0] is not cur:
-            return None
+        if (target not in _MERGING and not _same_dtype_cast(user, node, dtypes)) or not user.args \
+                or user.args[0] is not cur:
+            return None, f"{node.name}'s output reaches the loss through {_op_name(user)}, which is not a reshape"
         if cur is not node and _others(cur) != list(cur.users):  # only the logits' own sizes are rewritten
-            return None
+            return None, f"the size of {cur.name} (not of the logits) is asked for"
         cur = user
-    return None
+    if len(_others(cur)) > 1:
+        return None, f"{cur.name} is used {len(_others(cur))} times (only a single cross entropy may read the logits)"
+    return None, f"{node.name}'s output does not reach a cross entropy in the graph"
+
+
+def _same_dtype_cast(user: torch.fx.Node, logits: torch.fx.Node, dtypes: Mapping[str, str] | None) -> bool:
+    """A cast of the logits to the dtype they already have (`.float()` on float32 logits): no op."""
+    to: Any = None
+    if user.op == "call_method" and user.target == "float" and len(user.args) == 1 and not user.kwargs:
+        to = torch.float32
+    elif user.op == "call_method" and user.target == "to" and len(user.args) == 2 and not user.kwargs:
+        to = user.args[1]
+    elif user.op == "call_method" and user.target == "to" and len(user.args) == 1 and set(user.kwargs) == {"dtype"}:
+        to = user.kwargs["dtype"]
+    if not isinstance(to, torch.dtype):
+        return False
+    have = (dtypes or {}).get(logits.name, "float32")  # re-applying a plan: checked when it was made
+    return str(to).removeprefix("torch.") == have
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    t = node.target
+    return f"{node.op} {t if isinstance(t, str) else getattr(t, '__name__', t)}"
 
 
 def logit_size(x: torch.Tensor, dim: int, out_features: int) -> int:

@@ -10,6 +10,7 @@ import networkx as nx
 import numpy as np
 import numpy.typing as npt
 
+from partition.errors import FxpipeError
 from partition.plan import human_bytes
 
 __all__ = [
@@ -25,7 +26,7 @@ Num = float | Floats
 _INF = float("inf")
 
 
-class PartitionError(ValueError):
+class PartitionError(FxpipeError, ValueError):
     """A partitioning request that cannot be met as asked; the message says how to fix it."""
 
 
@@ -106,6 +107,7 @@ class CostModel:
     speeds: tuple[float, ...] | None = None  # (S,) relative device speed per stage
     memory_budget: float | tuple[float, ...] | None = None  # bytes per stage
     extra_bytes: float = 0.0  # fixed per-stage overhead
+    params_every_stage: bool = False  # only stages that hold a parameter (so each rank has an optimizer)
 
     def __post_init__(self) -> None:
         if not self.bytes_per_ms > 0:
@@ -230,8 +232,11 @@ def _time_rows(chain: Chain, cost: CostModel, per: _PerStage, *, limit: float = 
     comm, work, speed = _comm(chain, cost), chain._work, _column(per.speed)
     mems = _memory_rows(chain, cost, per) if per.budget is not None else None
     budget = _column(per.budget) if per.budget is not None else None
+    held = np.concatenate([[0], np.cumsum([len(p) > 0 for p in chain.params])])  # (n+1,) blocks with params
     for b in range(1, chain.n + 1):
         t = np.asarray(_time(work[b] - work[:b], speed, comm[:b], comm[b]))
+        if cost.params_every_stage:
+            t = np.where(held[b] - held[:b] > 0, t, _INF)
         if mems is not None and budget is not None:
             t = np.where(next(mems) <= budget, t, _INF)
         if limit < _INF:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import io
 import warnings
@@ -12,13 +13,14 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.fx._pytree import tree_flatten_spec
 
+from partition.errors import FxpipeError
 from partition.costs import preserve_state
 from partition.loss import TARGET, has_loss
 
-__all__ = ["trace", "TraceError", "flatten_inputs", "flatten_outputs", "unflatten_outputs"]
+__all__ = ["trace", "TraceError", "flatten_inputs", "flatten_outputs", "unflatten_outputs", "register_dataclasses"]
 
 
-class TraceError(TypeError):
+class TraceError(FxpipeError, TypeError):
     """Neither torch.fx.symbolic_trace nor torch.export could trace the model."""
 
 
@@ -31,20 +33,42 @@ class _Tracer(torch.fx.Tracer):
         return isinstance(m, self._leaves) or super().is_leaf_module(m, qualname)
 
 
-def _same(a: Any, b: Any) -> bool:
+def _same(a: Any, b: Any) -> str | None:
+    """None when `a` (a traced graph's output) is `b` (the model's): the same structure, types
+    included, and the same leaves; else what differs."""
     la, sa = pytree.tree_flatten(a)
     lb, sb = pytree.tree_flatten(b)
-    if len(la) != len(lb):
-        return False
+    if sa != sb:
+        return f"its output is structured as {_describe(sa)}, the model's as {_describe(sb)}"
     for x, y in zip(la, lb):
         if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
-            return False
+            return "a tensor of its output is not a tensor in the model's"
         if isinstance(x, torch.Tensor):
             assert isinstance(y, torch.Tensor)
             if x.shape != y.shape or x.dtype != y.dtype or not torch.allclose(x, y, rtol=1e-4, atol=1e-5,
                                                                               equal_nan=True):
-                return False
-    return True
+                return "its output differs from the model's on the example inputs"
+        elif x != y:
+            return f"its output holds {x!r} where the model's holds {y!r}"
+    return None
+
+
+def _describe(spec: pytree.TreeSpec) -> str:
+    text = str(spec)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def register_dataclasses(value: Any) -> None:
+    """Register with torch's pytree every dataclass type in `value` that it does not know, so
+    that the structure flattens to its tensors (transformers registers its ModelOutput types
+    itself); a type is registered once per process."""
+    todo = [value]
+    while todo:
+        x = todo.pop()
+        if dataclasses.is_dataclass(x) and not isinstance(x, type) and type(x) not in pytree.SUPPORTED_NODES:
+            pytree.register_dataclass(type(x))
+        if type(x) in pytree.SUPPORTED_NODES:
+            todo += pytree.tree_flatten(x, is_leaf=lambda y: y is not x)[0]
 
 
 def _symbolic(model: torch.nn.Module, leaf_modules: tuple[type[torch.nn.Module], ...]) -> torch.fx.GraphModule:
@@ -117,9 +141,12 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
     """The model as a GraphModule whose parameters are the model's own, under their original names.
 
     `torch.fx.symbolic_trace` is tried first and its result is checked against the model on
-    the example inputs (control flow on values can make a trace silently wrong); when it
-    fails or disagrees, `torch.export.export(strict=False)` traces the model instead.
-    The model's buffers (e.g. batch-norm statistics) and the RNG state are left as they were.
+    the example inputs (control flow on values can make a trace silently wrong, and fx turns
+    a dict subclass such as a ModelOutput into a plain dict); when it fails or disagrees,
+    `torch.export.export(strict=False)` traces the model instead. The output's structure
+    (tuple, dict, dataclass, ModelOutput, ...) is recorded in `gm.meta["fxpipe_out_spec"]`
+    (see flatten_outputs). The model is left as it was: buffers, grads, training modes,
+    attributes and the RNG state.
     """
     args = tuple(example_args)
     kwargs = dict(example_kwargs or {})
@@ -132,6 +159,8 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
             raise TraceError(f"cannot trace {name}: calling it on the example inputs fails "
                              f"({type(e).__name__}: {_first_line(e)}); pass one microbatch the model "
                              "accepts as example_args (positional) and example_kwargs (keywords)") from e
+        register_dataclasses(expected)
+        register_dataclasses((args, kwargs))
         reasons: list[str] = []
         for tracer, fn in (("torch.fx.symbolic_trace", lambda: _symbolic(model, leaves)),
                            ("torch.export.export", lambda: _export(model, args, kwargs))):
@@ -141,15 +170,21 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
             except Exception as e:  # both tracers raise many kinds of errors
                 reasons.append(f"{tracer} failed with {type(e).__name__}: {_first_line(e)}")
                 continue
-            if _same(got, expected):
+            why = _same(got, expected)
+            spec = pytree.tree_flatten(expected)[1]
+            if why is None and len(flatten_outputs(gm, check=False)[0]) != spec.num_leaves:
+                why = "its output node does not list the output's tensors one by one (a dataclass built in the graph)"
+            if why is None:
                 gm.meta["fxpipe_tracer"] = tracer
+                gm.meta["fxpipe_out_spec"] = spec
                 return gm
-            reasons.append(f"{tracer} gave a graph whose output differs from the model's on the example inputs")
+            reasons.append(f"{tracer} gave a graph that is not the model: {why}")
     raise TraceError(
         f"cannot trace {name}: " + "; ".join(reasons) + ". Fix: make control flow independent of "
         "tensor values (no `if` on a tensor, no .item()/.tolist() deciding what runs), or move the "
-        "dynamic part into a module passed as leaf_modules=(ThatModule,) so fx treats it as one op; "
-        "return tensors in tuples, lists, dicts or registered pytree types; turn off caches and "
+        "dynamic part into a module passed as leaf_modules=(ThatModule,) (to partition.plan and "
+        "pipe.Pipeline, or a Workload's leaf_modules) so fx treats it as one op; "
+        "return tensors in tuples, lists, dicts, dataclasses or registered pytree types; turn off caches and "
         "dropout for tracing (e.g. config.use_cache=False); pass the inputs the model really takes "
         "as example_args/example_kwargs.")
 
@@ -178,14 +213,16 @@ def flatten_inputs(gm: torch.fx.GraphModule, args: Sequence[Any], kwargs: dict[s
     return [bound.arguments[str(n)] for n in names] + extra
 
 
-def flatten_outputs(gm: torch.fx.GraphModule) -> tuple[list[Any], pytree.TreeSpec]:
-    """The output node's leaves (fx Nodes or constants) and the spec that rebuilds the model's output."""
+def flatten_outputs(gm: torch.fx.GraphModule, check: bool = True) -> tuple[list[Any], pytree.TreeSpec]:
+    """The output node's leaves (fx Nodes or constants) and the spec that rebuilds the model's
+    output from them: the one trace recorded, the model's own structure with its types."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
     leaves, spec = pytree.tree_flatten(out.args[0])
-    export_spec = getattr(gm, "_out_spec", None)
-    if export_spec is not None:
-        return leaves, export_spec
-    return leaves, spec
+    recorded = gm.meta.get("fxpipe_out_spec")
+    if recorded is not None:
+        assert not check or recorded.num_leaves == len(leaves), (recorded, leaves)
+        return leaves, recorded
+    return leaves, getattr(gm, "_out_spec", None) or spec
 
 
 def unflatten_outputs(leaves: Sequence[Any], spec: pytree.TreeSpec) -> Any:

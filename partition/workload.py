@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from partition.errors import FxpipeError
+
 __all__ = [
     "BUNDLED",
     "Workload",
@@ -33,7 +35,7 @@ _FORMS = (
 )
 
 
-class WorkloadError(ValueError):
+class WorkloadError(FxpipeError, ValueError):
     """A workload spec or override that cannot be resolved; the message says why and how to fix it."""
 
 
@@ -50,6 +52,7 @@ class Workload:
     returns `(args, target)` or `(args, kwargs, target)` whose tensors have `batch_size`
     along dim 0, the same for the same `step` (`batch` normalises both forms).
     `layer_prefixes` names the repeated layers in order, for baselines that split by layer (may be empty).
+    `leaf_modules` are module types torch.fx should trace as one op (their forward has control flow).
     """
 
     name: str
@@ -61,6 +64,7 @@ class Workload:
     microbatch_size: int
     tokens_per_sample: int = 1
     layer_prefixes: tuple[str, ...] = ()
+    leaf_modules: tuple[type[torch.nn.Module], ...] = ()  # module types fx keeps whole (partition.trace)
 
     def __post_init__(self) -> None:
         if not isinstance(self.example_args, tuple):

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 
 __all__ = ["with_param_outputs", "Saved", "backward_full", "backward_input", "backward_weight"]
 
@@ -49,8 +51,8 @@ class Saved:
     """What one microbatch's forward left for its backward on one stage."""
     roots: list[torch.Tensor]                 # outputs sent on (or the scaled loss on the last stage)
     leaves: list[torch.Tensor | None]         # received inputs (None: not differentiable)
-    param_outs: list[torch.Tensor] = field(default_factory=list)   # zero-bubble extra outputs
-    param_grads: list[torch.Tensor | None] = field(default_factory=list)  # filled by backward_input
+    param_outs: list[Any] = field(default_factory=list)   # zero-bubble extra outputs, one per node
+    param_grads: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = field(default_factory=list)  # by B
 
 
 def _accumulate(p: torch.Tensor, g: torch.Tensor | None) -> None:
@@ -87,6 +89,12 @@ def backward_full(saved: Saved, grads: list[torch.Tensor | None]) -> list[torch.
     return _leaf_grads(saved, {id(x): x.grad for x in leaves})
 
 
+def _tensors(out: object) -> list[torch.Tensor]:
+    """The tensors of a parameter-reading node's output that need grads (a module such as
+    nn.MultiheadAttention returns a tuple)."""
+    return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
 def backward_input(saved: Saved, grads: list[torch.Tensor | None], multi: list[torch.nn.Parameter]
                    ) -> list[torch.Tensor | None]:
     """B of zero-bubble: grads of the received inputs, and of each parameter-reading node's output.
@@ -96,24 +104,26 @@ def backward_input(saved: Saved, grads: list[torch.Tensor | None], multi: list[t
     """
     roots, gs = _roots(saved, grads)
     leaves = [x for x in saved.leaves if x is not None and x.requires_grad]
-    outs = saved.param_outs
-    targets: list[torch.Tensor] = leaves + list(multi) + [t for t in outs if t.requires_grad]
+    outs = [_tensors(o) for o in saved.param_outs]
+    targets: list[torch.Tensor] = leaves + list(multi) + [t for ts in outs for t in ts]
     got: dict[int, torch.Tensor | None] = {}
     if roots and targets:
         res = torch.autograd.grad(roots, targets, gs, retain_graph=True, allow_unused=True)
         got = {id(t): g for t, g in zip(targets, res)}
     for p in multi:
         _accumulate(p, got.get(id(p)))
-    saved.param_grads = [got.get(id(t)) if t.requires_grad else None for t in outs]
+    saved.param_grads = [[(t, got.get(id(t))) for t in ts] for ts in outs]
     return _leaf_grads(saved, got)
 
 
 def backward_weight(saved: Saved, extra: list[tuple[str, list[torch.nn.Parameter]]]) -> None:
-    """W of zero-bubble: each parameter-reading node's weight grads from its stored output grad."""
-    for (_, params), out, g in zip(extra, saved.param_outs, saved.param_grads):
-        if g is None or not out.requires_grad:
+    """W of zero-bubble: each parameter-reading node's weight grads from its stored output grads."""
+    for (_, params), pairs in zip(extra, saved.param_grads):
+        pairs = [(t, g) for t, g in pairs if g is not None]
+        if not pairs:
             continue
-        res = torch.autograd.grad([out], params, [g], retain_graph=True, allow_unused=True)
+        res = torch.autograd.grad([t for t, _ in pairs], params, [g for _, g in pairs], retain_graph=True,
+                                  allow_unused=True)
         for p, gp in zip(params, res):
             _accumulate(p, gp)
     saved.roots.clear()

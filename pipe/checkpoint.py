@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from partition.errors import FxpipeError
+
 if TYPE_CHECKING:
     from pipe.runtime import Pipeline
 
@@ -21,7 +23,7 @@ __all__ = ["save", "load", "load_full_state_dict", "CheckpointError", "MANIFEST"
 MANIFEST = "manifest.json"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(FxpipeError, ValueError):
     """A checkpoint that is incomplete or does not fit the pipeline loading it."""
 
 

@@ -2,27 +2,95 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import os
 import socket
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["PeerLost", "Context", "init", "context", "Transport", "TorchTransport", "LaunchError", "Work",
+from partition.errors import FxpipeError
+
+__all__ = ["PeerLost", "RemoteError", "guarded", "fail_everywhere", "first_failure", "Context", "init", "context", "Transport", "TorchTransport", "LaunchError", "Work",
            "alloc_layout", "to_layout", "is_dense", "measure_link"]
 
 
-class PeerLost(RuntimeError):
+class PeerLost(FxpipeError, RuntimeError):
     """Another rank died or stopped answering within the timeout."""
 
 
-class LaunchError(RuntimeError):
+class LaunchError(FxpipeError, RuntimeError):
     """The process environment does not describe a usable launch."""
+
+
+class RemoteError(FxpipeError, RuntimeError):
+    """Another rank failed with an error of its own, and this rank stopped with it."""
+
+
+_ERROR_KEY, _FAILURES_KEY, _STOPPED_KEY = "fxpipe/error", "fxpipe/failures", "fxpipe/stopped"
+_KEPT: list[Any] = []  # the store outlives the process group it served, for the failure protocol
+
+
+@contextlib.contextmanager
+def guarded(what: str, peer: int | None = None) -> Iterator[None]:
+    """Communication inside is with other ranks: any failure of it is PeerLost, naming `what`."""
+    try:
+        yield
+    except PeerLost:
+        raise
+    except Exception as e:  # gloo and NCCL raise RuntimeError subclasses of many kinds
+        who = "another rank" if peer is None else f"rank {peer}"
+        raise PeerLost(f"{what} with {who} failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
+                       ) from e
+
+
+def fail_everywhere(message: str) -> None:
+    """This rank failed with `message`: publish it (the first failure of the job wins), then tear
+    the process group down so that every rank waiting on this one wakes within moments."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    _KEPT.append(store)
+    with contextlib.suppress(Exception):  # the store may be gone with a dead rank 0
+        if int(store.add(_FAILURES_KEY, 1)) == 1:
+            store.set(_ERROR_KEY, message)
+    _stop(store)
+
+
+def first_failure(timeout_s: float = 1.0) -> str | None:
+    """After communication failed: the message of the rank that failed first, or None when no rank
+    published one within `timeout_s` (that rank died or hangs: a lost peer). Tears down this
+    rank's process group too, so the ranks waiting on it wake."""
+    if not dist.is_initialized():
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    _KEPT.append(store)
+    message = None
+    with contextlib.suppress(Exception):
+        store.wait([_ERROR_KEY], datetime.timedelta(seconds=timeout_s))
+        message = store.get(_ERROR_KEY).decode()
+    _stop(store)
+    return message
+
+
+def _stop(store: Any) -> None:
+    """Abort this rank's process group; rank 0, which may host the store, then waits (a few seconds
+    at most) until every rank has stopped, so that each can still read the first failure."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if dist.get_backend() == "nccl":
+        dist.distributed_c10d._abort_process_group()
+    else:
+        dist.destroy_process_group()
+    with contextlib.suppress(Exception):
+        store.add(_STOPPED_KEY, 1)
+        deadline = time.monotonic() + 3.0
+        while rank == 0 and int(store.add(_STOPPED_KEY, 0)) < world and time.monotonic() < deadline:
+            time.sleep(0.02)
 
 
 @dataclass(frozen=True)
@@ -176,18 +244,34 @@ class Transport(Protocol):
     def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Work: ...
 
 
+class _Guarded:
+    """A message in flight whose failure is PeerLost, naming the peer."""
+
+    def __init__(self, work: Any, what: str, peer: int) -> None:
+        self.work, self.what, self.peer = work, what, peer
+
+    def wait(self) -> Any:
+        with guarded(self.what, self.peer):
+            return self.work.wait()
+
+    def is_completed(self) -> bool:
+        return bool(self.work.is_completed())
+
+
 class TorchTransport:
-    """torch.distributed point-to-point (gloo on CPU, NCCL on GPU)."""
+    """torch.distributed point-to-point (gloo on CPU, NCCL on GPU); a failed message is PeerLost."""
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
-        work = dist.isend(tensor, dst, tag=tag)
+        with guarded("a send", dst):
+            work = dist.isend(tensor, dst, tag=tag)
         assert work is not None
-        return work
+        return _Guarded(work, "a send", dst)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Work:
-        work = dist.irecv(tensor, src, tag=tag)
+        with guarded("a receive", src):
+            work = dist.irecv(tensor, src, tag=tag)
         assert work is not None
-        return work
+        return _Guarded(work, "a receive", src)
 
 
 def is_dense(shape: Sequence[int], stride: Sequence[int]) -> bool:

@@ -15,16 +15,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["main", "parse_args"]
+from pipe.schedules import SCHEDULES
+
+__all__ = ["main", "parse_args", "error_line"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m pipe.run", description=__doc__)
     p.add_argument("model", help="bundled name (gpt, gpt_text, ...), package.module:factory or path/file.py:factory")
     p.add_argument("--model-arg", action="append", default=[], metavar="K=V", help="factory keyword, repeatable")
-    p.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved-1f1b, zb-h1")
+    p.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES), help="the pipeline schedule")
     p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--stages-per-rank", type=int, default=1)
+    p.add_argument("--stages-per-rank", type=int, default=None,
+                   help="stages per rank (default: 2 for interleaved schedules, else 1)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=None, help="default: microbatch size x microbatches")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -54,6 +57,14 @@ def _memory_lines(pp: Any) -> str:
     return "\n".join(sorted(lines, key=lambda line: int(line.split()[1].rstrip(":"))))
 
 
+def error_line(rank: int, e: BaseException) -> str:
+    """How a command line reports an error: one line, with the notes fxpipe added (rank, stage, mb)."""
+    notes = "; ".join(getattr(e, "__notes__", []))
+    from partition.errors import FxpipeError
+    kind = "" if isinstance(e, FxpipeError) else f"{type(e).__name__}: "  # fxpipe's own messages say what
+    return f"error (rank {rank}): {kind}{e}" + (f" [{notes}]" if notes else "")
+
+
 def _bar(done: int, total: int, width: int = 20) -> str:
     k = width * done // max(1, total)
     return "[" + "#" * k + "." * (width - k) + "]"
@@ -74,16 +85,17 @@ def main(argv: list[str] | None = None) -> int:
         extra = {} if args.seed is None else {"seed": args.seed}
         w = partition.load(args.model, **extra, **parse_overrides(args.model_arg))
     except (WorkloadError, TypeError) as e:
-        print(f"error (rank {ctx.rank}): {e}", file=sys.stderr)
+        print(error_line(ctx.rank, e), file=sys.stderr)
         return 2
     try:
         pp = pipe.Pipeline(w.model, w.example_args, example_kwargs=w.example_kwargs, loss_fn=w.loss_fn,
                            microbatches=args.microbatches, schedule=args.schedule, plan=args.plan,
                            stages_per_rank=args.stages_per_rank, cost=args.cost, memory_budget=args.memory_budget,
-                           recompute=args.recompute, offload=args.offload,
-                           example_target=None if args.loss_outside else w.example_target)
+                           recompute=args.recompute, offload=args.offload, leaf_modules=w.leaf_modules,
+                           example_target=None if args.loss_outside else w.example_target,
+                           progress=lambda line: say(f"[plan] {line}", flush=True))
     except (ValueError, TypeError) as e:
-        print(f"error (rank {ctx.rank}): {e}", file=sys.stderr)
+        print(error_line(ctx.rank, e), file=sys.stderr)
         return 2
     say(pp.plan.table())
     params = list(pp.parameters())  # a rank may hold none (a stage computing only the loss, say)
@@ -97,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         try:
             loss = pp.step(*b_args, target=target, **b_kwargs)
-        except (ValueError, TypeError, ArithmeticError, RuntimeError) as e:
-            print(f"error (rank {ctx.rank}): {e}", file=sys.stderr, flush=True)
+        except Exception as e:  # this rank's own error (the model's too), another rank's, or a lost rank
+            print(error_line(ctx.rank, e), file=sys.stderr, flush=True)
             return 3 if isinstance(e, PeerLost) else 2
         if opt is not None:
             opt.step()

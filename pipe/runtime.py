@@ -10,8 +10,11 @@ import torch.distributed as dist
 import torch.fx
 import torch.utils._pytree as pytree
 
+from partition.errors import FxpipeError
 import partition
 from partition.plan import Plan
+from partition.planner import check_scalar_loss
+from partition.signature import check_call
 from partition.split import StageIO
 from partition.split import split_graph
 from partition.loss import attach_loss
@@ -27,7 +30,7 @@ from pipe.simulate import Event, Timeline
 __all__ = ["NonFiniteLoss", "Pipeline", "PipelineError", "split_microbatches"]
 
 
-class PipelineError(ValueError):
+class PipelineError(FxpipeError, ValueError):
     """A request the pipeline cannot run; the message names the constraint, the values and the fix."""
 
 
@@ -58,7 +61,7 @@ def _agree(error: str | None, rank: int, world: int) -> None:
             raise PipelineError(f"rank {r} failed while setting up the pipeline: {e}")
 
 
-class NonFiniteLoss(FloatingPointError):
+class NonFiniteLoss(FxpipeError, FloatingPointError):
     """The loss of a step was NaN or infinite."""
 
 
@@ -95,11 +98,12 @@ class Pipeline:
 
     def __init__(self, model: torch.nn.Module, example_args: Sequence[Any], *,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None, microbatches: int = 8,
-                 schedule: str = "1f1b", plan: Plan | str | None = None, stages_per_rank: int = 1,
+                 schedule: str = "1f1b", plan: Plan | str | None = None, stages_per_rank: int | None = None,
                  example_kwargs: dict[str, Any] | None = None, cost: str = "measured",
                  memory_budget: float | str | None = None, dynamic_shapes: bool = False,
                  recompute: str = "none", offload: str = "none", skip_nonfinite: bool = False,
-                 example_target: Any = None) -> None:
+                 example_target: Any = None, leaf_modules: Sequence[type[torch.nn.Module]] = (),
+                 progress: Callable[[str], None] | None = None) -> None:
         if loss_fn is None or not callable(loss_fn):
             raise PipelineError(f"loss_fn must be a callable (output, target) -> scalar loss, got {loss_fn!r}; "
                                 "pass e.g. loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())")
@@ -107,8 +111,16 @@ class Pipeline:
             memory.check_options(recompute, offload)
         except ValueError as e:
             raise PipelineError(str(e)) from None
+        interleaved = schedule.startswith("interleaved")
+        if stages_per_rank is None:
+            stages_per_rank = 2 if interleaved else 1
+        if interleaved and stages_per_rank < 2:
+            raise PipelineError(f"schedule {schedule!r} interleaves several stages per rank, but stages_per_rank="
+                                f"{stages_per_rank}; pass stages_per_rank=2 (or more), or schedule='1f1b'")
         self.ctx = comm.context()
         self.rank, self.world = self.ctx.rank, self.ctx.world_size
+        self.leaf_modules = tuple(leaf_modules)
+        self.progress = progress
         self.M, self.v = microbatches, stages_per_rank
         self.S = self.world * stages_per_rank
         self.loss_fn = loss_fn
@@ -125,7 +137,7 @@ class Pipeline:
         self.plan = self._agree_on_plan(model, args, kwargs, plan, cost, memory_budget, (recompute, offload),
                                         example_target)
         try:
-            gm = trace(model, args, kwargs)
+            gm = trace(model, args, kwargs, leaf_modules=self.leaf_modules)
             why = attach_loss(gm, loss_fn) if self.plan.loss else None
             if why:
                 raise ValueError(f"the plan puts the loss in the last stage, but loss_fn cannot go into the graph: "
@@ -142,6 +154,7 @@ class Pipeline:
             assert v is not None
             example_target = torch.zeros(v.shape, dtype=getattr(torch, v.dtype))
         self._example_target = example_target
+        self._wants_target = example_target is not None
         costs = self._memory_costs(args, kwargs, recompute, offload, memory_budget)
         self.stages = {s: stages[s].to(self.ctx.device) for s in self.local}
         self.io: dict[int, StageIO] = {s: stages[s].io for s in self.local}  # type: ignore[misc]
@@ -176,7 +189,8 @@ class Pipeline:
                 model, args, self.S, example_kwargs=kwargs, cost=cost, schedule=self.schedule_name,
                 microbatches=self.M, memory_budget=budget, stages_per_rank=self.v,
                 in_flight_counts=flights, recompute=features[0], offload=features[1], loss_fn=self.loss_fn,
-                example_target=example_target, bytes_per_ms=bytes_per_ms, latency_ms=latency_ms).to_dict(),
+                example_target=example_target, bytes_per_ms=bytes_per_ms, latency_ms=latency_ms,
+                leaf_modules=self.leaf_modules, progress=self.progress).to_dict(),
                 self.rank,
                 everyone=cost == "measured" and self.ctx.device.type == "cpu")
             plan = Plan.from_dict(d)
@@ -310,32 +324,46 @@ class Pipeline:
         return full
 
     # ----- one step -----
-    def _check_inputs(self, flat: list[Any]) -> None:
-        if self.dynamic:
+    def _check_call(self, mb: tuple[Any, dict[str, Any]], target: Any, training: bool = True) -> None:
+        """Refuse, on every rank alike and before any message, a call the plan was not made for."""
+        check_call(self.plan, mb[0], mb[1], dynamic=self.dynamic, error=PipelineError)
+        if not training:
             return
-        for i, (x, v) in enumerate(zip(flat, self.plan.inputs)):
-            if v is not None and isinstance(x, torch.Tensor) and list(x.shape) != v.shape:
-                raise PipelineError(
-                    f"model input {i} of a microbatch has shape {list(x.shape)} but the plan was made for "
-                    f"{v.shape}; use microbatches of the planned shape (batch size = {v.shape[0] if v.shape else '?'}"
-                    f" x microbatches), or re-plan with an example of this shape")
+        if target is None and (self.plan.loss or self._wants_target):
+            raise PipelineError("step() got no target, but the pipeline was made with example_target= (its loss "
+                                "reads one); call pp.step(*inputs, target=y) with the batch's target")
+        if self.plan.loss:
+            v = self.plan.inputs[-1]
+            assert v is not None
+            if not isinstance(target, torch.Tensor):
+                raise PipelineError(f"this pipeline computes the loss inside its last stage and needs the target "
+                                    f"as a tensor, got {type(target).__name__}; call step(*inputs, target=tensor)")
+            if str(target.dtype).removeprefix("torch.") != v.dtype:
+                raise PipelineError(f"the target has dtype {str(target.dtype).removeprefix('torch.')} but the plan "
+                                    f"was made for {v.dtype}; convert it (target.to(torch.{v.dtype})) or re-plan "
+                                    "with an example_target of this dtype")
+
+    def _flats(self, mbs: list[tuple[Any, dict[str, Any]]], targets: list[Any]) -> list[list[Any]]:
+        """Each microbatch's values for the graph's placeholders, on this rank's device."""
+        dev = self.ctx.device
+        return [[x.to(dev) if isinstance(x, torch.Tensor) else x for x in flatten_inputs(self._gm, a, k, t)]
+                for (a, k), t in zip(mbs, targets)]
 
     def step(self, *batch_args: Any, target: Any = None, **batch_kwargs: Any) -> float:
         """One training step over M microbatches; same call on every rank; returns the mean loss.
 
         Gradients accumulate into this rank's parameters (scaled by 1/M); tied parameters'
-        gradients are summed over the ranks that hold them.
+        gradients are summed over the ranks that hold them. A call whose inputs the plan was not
+        made for is refused on every rank before anything runs. An error raised while the step
+        runs (in the model, the loss, a stage) is re-raised on its rank as itself, with the rank,
+        stage and microbatch noted, and every other rank raises RemoteError naming it; a rank
+        that dies or stops answering ends the others with PeerLost.
         """
         mbs = split_microbatches((batch_args, batch_kwargs), self.M)
+        self._check_call(mbs[0], target)
         targets = split_microbatches(target, self.M, "target") if target is not None else [None] * self.M
-        if self.plan.loss and not isinstance(target, torch.Tensor):
-            raise PipelineError(f"this pipeline computes the loss inside its last stage and needs the target "
-                                f"as a tensor, got {type(target).__name__}; call step(*inputs, target=tensor)")
+        flats = self._flats(mbs, targets)
         dev = self.ctx.device
-        flats = [[x.to(dev) if isinstance(x, torch.Tensor) else x
-                  for x in flatten_inputs(self._gm, a, k, t)] for (a, k), t in zip(mbs, targets)]
-        for f in flats:
-            self._check_inputs(f)
         exchange = Exchange(self.transport, self.plan, self.world, self.M, self.local, dev, self.dynamic)
         run = _StepState(self, flats, targets, exchange)
         try:
@@ -343,21 +371,31 @@ class Pipeline:
             self.memory.step_begin()
             run.execute(self.actions)
             self.memory.step_end()
-            for group, params in self._tied_groups:
-                for p in params:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    dist.all_reduce(p.grad, group=group)
+            with comm.guarded("the all-reduce of tied parameters' grads"):
+                for group, params in self._tied_groups:
+                    for p in params:
+                        if p.grad is None:
+                            p.grad = torch.zeros_like(p)
+                        dist.all_reduce(p.grad, group=group)
             loss = torch.as_tensor(run.loss_sum, dtype=torch.float64).reshape(1).to(dev)
             if self.world > 1:
-                dist.broadcast(loss, src=(self.S - 1) % self.world)
-        except RuntimeError as e:
-            if isinstance(e, PipelineError):
-                raise
+                with comm.guarded("the loss broadcast", (self.S - 1) % self.world):
+                    dist.broadcast(loss, src=(self.S - 1) % self.world)
+        except comm.PeerLost as e:
+            first = comm.first_failure()
+            if first is not None:
+                raise comm.RemoteError(f"rank {self.rank} stopped in step {self.steps_done} because {first}") from None
             peer = "another rank" if exchange.peer is None else f"rank {exchange.peer}"
             raise comm.PeerLost(f"rank {self.rank} lost {peer} during step {self.steps_done} "
                                 f"({str(e).splitlines()[0][:200]}); that process died or stopped answering "
                                 f"within the timeout; see its output") from e
+        except Exception as e:  # this rank's own error: the model's, the loss's, or a stage's
+            where = f"rank {self.rank}" + (f", stage {run.current.stage}, microbatch {run.current.mb} "
+                                           f"({run.current.kind})" if run.current is not None else "")
+            e.add_note(f"fxpipe: raised on {where} of step {self.steps_done}")
+            comm.fail_everywhere(f"{where} failed in step {self.steps_done} with {type(e).__name__}: "
+                                 f"{str(e).splitlines()[0][:300] if str(e) else ''}")
+            raise
         self.timeline = run.events
         self.steps_done += 1
         value = float(loss.item())
@@ -396,13 +434,10 @@ class Pipeline:
                                 "the loss (it was planned with example_target=); build an inference Pipeline "
                                 "without example_target")
         mbs = split_microbatches((batch_args, batch_kwargs), self.M)
-        dev = self.ctx.device
-        flats = [[x.to(dev) if isinstance(x, torch.Tensor) else x
-                  for x in flatten_inputs(self._gm, a, k)] for a, k in mbs]
-        for f in flats:
-            self._check_inputs(f)
-        exchange = Exchange(self.transport, self.plan, self.world, self.M, self.local, dev, self.dynamic,
-                            grads=False)
+        self._check_call(mbs[0], None, training=False)
+        flats = self._flats(mbs, [None] * self.M)
+        exchange = Exchange(self.transport, self.plan, self.world, self.M, self.local, self.ctx.device,
+                            self.dynamic, grads=False)
         run = _StepState(self, flats, [None] * self.M, exchange, inference=True)
         with torch.no_grad():
             exchange.post()
@@ -457,13 +492,16 @@ class _StepState:
         self.loss_sum: torch.Tensor | float = 0.0
         self.events: list[Event] = []
         self.handlers = {"F": self.forward, "B": self.backward, "W": self.weight}
+        self.current: Action | None = None  # the action running, named when it fails
 
     def execute(self, actions: list[Action]) -> None:
         mem = self.pp.memory
         for a in actions:
+            self.current = a
             mem.before(a)
             self.handlers[a.kind](a)
             mem.after(a)
+        self.current = None
         self.ex.finish()
 
     def _record(self, a: Action, start: float) -> None:
@@ -493,7 +531,7 @@ class _StepState:
                 loss = outs[0]
             else:
                 with pp.memory.forward(s, mb):  # the loss's saved tensors count (and offload) too
-                    loss = pp.loss_fn(unflatten_outputs(outs, io.out_spec), self.targets[mb])
+                    loss = self._loss(unflatten_outputs(outs, io.out_spec), self.targets[mb])
             self.loss_sum = self.loss_sum + loss.detach().double() / pp.M  # stays on device: no sync
             roots = [loss / pp.M]
         else:
@@ -503,6 +541,23 @@ class _StepState:
         self.saved[(s, mb)] = Saved(roots=roots, leaves=[x if x.is_floating_point() else None for x in leaves],
                                     param_outs=list(param_outs))
         self._record(a, start)
+
+    def _loss(self, output: Any, target: Any) -> torch.Tensor:
+        """loss_fn on the model's output; a loss that is not one number, or fails for want of a
+        target, is refused with the fix."""
+        try:
+            loss = self.pp.loss_fn(output, target)
+        except Exception as e:  # the user's loss raised
+            if target is None:
+                raise PipelineError(f"loss_fn(output, target) failed with target=None ({type(e).__name__}: "
+                                    f"{str(e).splitlines()[0][:200] if str(e) else ''}); pass the batch's target: "
+                                    "pp.step(*inputs, target=y)") from e
+            raise
+        try:
+            check_scalar_loss(loss, "in the step")
+        except ValueError as e:
+            raise PipelineError(str(e)) from None
+        return loss
 
     def backward(self, a: Action) -> None:
         pp, s, mb = self.pp, a.stage, a.mb

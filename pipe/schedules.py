@@ -6,6 +6,8 @@ import re
 from collections.abc import Callable
 from typing import NamedTuple
 
+from partition.errors import FxpipeError
+
 __all__ = [
     "SCHEDULES",
     "Action",
@@ -55,7 +57,7 @@ Schedule = dict[int, list[Action]]
 ScheduleFn = Callable[[int, int, int], Schedule]
 
 
-class ScheduleError(ValueError):
+class ScheduleError(FxpipeError, ValueError):
     """A schedule cannot be built, or is inconsistent, or deadlocks."""
 
 

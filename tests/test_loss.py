@@ -165,14 +165,22 @@ def _value_branch(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 def test_attach_loss_says_why_not_and_leaves_the_graph_alone() -> None:
     x = torch.randn(3, 4)
-    gm = partition.trace(_Pair(), (x,))
+    m = _Pair()
+    gm = partition.trace(m, (x,))
     code = gm.code
-    assert attach_loss(gm, F.mse_loss) == "the model's output is not one tensor"
+    out = m(x)
+    # fx traces F.mse_loss on a tuple (the call goes to __torch_function__), but the traced loss
+    # cannot run: the example check says so instead of attaching a loss that would fail later
+    why = attach_loss(gm, lambda o, t: F.mse_loss(o, t), example=(out, x, torch.zeros(())))
+    assert why is not None and "fails where loss_fn itself runs" in why
+    wrong = attach_loss(gm, lambda o, t: F.mse_loss(o[0], t), example=(out, x, torch.ones(())))
+    assert wrong == "the loss traced by torch.fx differs from loss_fn's value on the example"
     assert gm.code == code and not has_loss(gm)
     lin = partition.trace(torch.nn.Linear(4, 4), (x,))
     code = lin.code
     assert "cannot trace the loss function" in str(attach_loss(lin, _value_branch))
-    assert attach_loss(lin, _Weighted()) == "the loss function holds parameters"
+    assert str(attach_loss(lin, _Weighted())).startswith("the loss function holds parameters")
+    assert "returns tuple, not one tensor" in str(attach_loss(lin, lambda o, t: (o.sum(), t)))
     assert lin.code == code and not has_loss(lin)
 
 
@@ -197,7 +205,7 @@ def test_plan_spreads_the_head_and_split_needs_the_loss() -> None:
     holders = [s.index for s in p.stages if any(n.startswith("lm_head_vocab") for n in s.nodes)]
     assert len(vocab[1]) - 1 == len(holders) >= 2, (vocab, holders)  # one merged slice per stage
     assert p.bottleneck_ms < 0.8 * plain.bottleneck_ms
-    assert "vocabulary slices" in p.table() and "loss is computed in the last stage" in p.table()
+    assert "vocabulary slices" in p.table() and "loss: computed in the last stage (3), traced" in p.table()
     again = partition.Plan.load(p.save("/tmp/fxpipe-vocab-plan.json"))
     assert again == p
     with pytest.raises(partition.PlanError, match="loss_fn="):
@@ -223,5 +231,10 @@ def test_plan_spreads_the_head_and_split_needs_the_loss() -> None:
 def test_a_target_that_does_not_fit_the_example_is_a_clear_error() -> None:
     w = models.gpt_wide_vocab(**SMALL)
     wrong = torch.zeros(3, 7, dtype=torch.long)
-    with pytest.raises(partition.PlanError, match=r"example_target \(shape \[3, 7\]\) must be the target"):
+    with pytest.raises(partition.PlanError, match=r"fails on the example \(ValueError: Expected input batch_size.*"
+                       r"the model returns a tensor of shape \[4, 16, 1000\].*example_target is a tensor of shape "
+                       r"\[3, 7\]"):
         partition.plan(w.model, w.example_args, 2, cost="flops", loss_fn=w.loss_fn, example_target=wrong)
+    with pytest.raises(partition.PlanError, match=r"must return a scalar tensor.*returned a tensor of shape \[64\]"):
+        partition.plan(w.model, w.example_args, 2, cost="flops", example_target=w.example_target,
+                       loss_fn=lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten(), reduction="none"))

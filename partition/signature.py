@@ -1,0 +1,91 @@
+"""The call a plan was made for (inputs by path, their kinds and dtypes), checked at every call."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+from partition.plan import Plan, PlanError, Value
+
+__all__ = ["input_paths", "check_call", "describe"]
+
+
+def _path(keys: Sequence[Any]) -> str:
+    """'args[0]', "kwargs['attention_mask']", ... for a key path into (args, kwargs)."""
+    if not keys:
+        return "inputs"
+    head = "args" if getattr(keys[0], "idx", None) == 0 else "kwargs"
+    return head + pytree.keystr(tuple(keys[1:]))
+
+
+def input_paths(args: Sequence[Any], kwargs: dict[str, Any]) -> list[tuple[str, Any]]:
+    """(path, leaf) for every leaf of the call `model(*args, **kwargs)`, in pytree order."""
+    return [(_path(k), x) for k, x in pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))[0]]
+
+
+def describe(x: Any) -> str:
+    """A leaf as the messages name it: 'a tensor [2, 16] int64', or the constant's repr."""
+    if isinstance(x, torch.Tensor):
+        return f"a tensor {list(x.shape)} {str(x.dtype).removeprefix('torch.')}"
+    if isinstance(x, Value):
+        return f"a tensor {x.shape} {x.dtype}"
+    return f"{type(x).__name__} {x!r:.60}"
+
+
+def _planned(plan: Plan) -> list[tuple[str, Any]]:
+    """(path, Value or constant) of the inputs the plan was made for (its target left out)."""
+    model_inputs = plan.inputs[:-1] if plan.loss else plan.inputs
+    leaves: list[Any] = [v if v is not None else plan.input_constants.get(str(i), _Unknown())
+                         for i, v in enumerate(model_inputs)]
+    spec = pytree.treespec_loads(plan.input_spec)
+    args, kwargs = pytree.tree_unflatten(leaves, spec)
+    return input_paths(args, kwargs)
+
+
+class _Unknown:
+    """A non-tensor example input that JSON could not keep: its value is not checked."""
+
+    def __repr__(self) -> str:
+        return "(a value not recorded)"
+
+
+def check_call(plan: Plan, args: Sequence[Any], kwargs: dict[str, Any], *, dynamic: bool = False,
+               microbatches: int = 1, error: type[Exception] = PlanError) -> None:
+    """Refuse a call whose inputs are not those the plan was made for: a missing or extra input,
+    a tensor where the plan has a constant (or the reverse), another dtype, another constant,
+    or (unless `dynamic`) another shape than `microbatches` microbatches of the planned ones."""
+    if not plan.input_spec:
+        return
+    want = _planned(plan)
+    got = input_paths(args, kwargs)
+    fix = ("re-plan with an example that has exactly these inputs (example_args=, example_kwargs= of one "
+           "microbatch), or call with the inputs of the example")
+    planned = ", ".join(f"{p} ({describe(v)})" for p, v in want) or "none"
+    w, g = dict(want), dict(got)
+    missing = [p for p in w if p not in g]
+    extra = [p for p in g if p not in w]
+    if missing or extra or [p for p, _ in want] != [p for p, _ in got]:
+        parts = ([f"missing {', '.join(missing)}"] if missing else []) + \
+                ([f"not planned for: {', '.join(f'{p} ({describe(g[p])})' for p in extra)}"] if extra else [])
+        raise error(f"the inputs of this call are not those the plan was made for ({'; '.join(parts) or 'other order'});"
+                    f" the plan's inputs are {planned}; an input the plan does not know would be dropped "
+                    f"silently, so {fix}")
+    for path, x in got:
+        v = w[path]
+        if isinstance(v, Value) != isinstance(x, torch.Tensor):
+            raise error(f"input {path} is {describe(x)} but the plan was made with {describe(v)} there; {fix}")
+        if isinstance(v, Value):
+            assert isinstance(x, torch.Tensor)
+            if str(x.dtype).removeprefix("torch.") != v.dtype:
+                raise error(f"input {path} has dtype {str(x.dtype).removeprefix('torch.')} but the plan was made "
+                            f"for {v.dtype}; convert it (e.g. x.to(torch.{v.dtype})) or {fix}")
+            shape = [v.shape[0] * microbatches, *v.shape[1:]] if v.shape and x.dim() else v.shape
+            if not dynamic and list(x.shape) != shape:
+                raise error(f"input {path} has shape {list(x.shape)} but the plan was made for {v.shape} per "
+                            f"microbatch, so {shape} for {microbatches} microbatches; use batches of the planned "
+                            f"shape (batch size = {v.shape[0] if v.shape else '?'} x microbatches), pass "
+                            f"dynamic_shapes=True, or re-plan with an example of this shape")
+        elif not isinstance(v, _Unknown) and (type(x) is not type(v) or x != v):
+            raise error(f"input {path} is {x!r} but the plan was made with {v!r} there (the graph is specialised "
+                        f"on it); pass {v!r}, or {fix}")

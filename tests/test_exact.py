@@ -1,0 +1,129 @@
+"""Exactness as a property: over a zoo of model calls and outputs (tests/zoo.py), the pipeline with
+the loss in the graph, with the loss outside it, and the unpartitioned model give the same loss and
+gradients, under 1F1B and zero bubble; every call the plan was not made for is refused."""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+
+from tests import zoo
+from tests.mp import run_ranks
+
+M = 2
+
+
+def _refusals(pp: Any, w: Any, call: str) -> list[str]:
+    """Calls unlike the planned one, each refused on every rank with a message naming the input."""
+    from pipe import PipelineError
+    args, kwargs, target = w.batch(w.microbatch_size * M, 9)
+    x = torch.randn(w.microbatch_size * M, zoo.D)
+    wrong: list[tuple[tuple[Any, ...], dict[str, Any], Any, str]] = [
+        (args, {**kwargs, "attention_mask": x}, target, r"not planned for: kwargs\['attention_mask'\]"),
+        ((*args, x), kwargs, target, r"not planned for: args\[\d\]"),
+        (args, kwargs, None, r"got no target.*target=y"),
+    ]
+    if call == "dict_input":
+        wrong.append(((dict(args[0], x=args[0]["x"].double()),), kwargs, target,
+                      r"input args\[0\]\['x'\] has dtype float64 but the plan was made for float32"))
+        wrong.append((({"x": args[0]["x"]},), kwargs, target, r"missing args\[0\]\['mask'\]"))
+    else:
+        wrong.append(((args[0].double(), *args[1:]), kwargs, target,
+                      r"input args\[0\] has dtype float64 but the plan was made for float32"))
+    if call == "keyword":
+        wrong.append((args, {}, target, r"missing kwargs\['mask'\]"))
+        wrong.append(((*args, kwargs["mask"]), {}, target, r"missing kwargs\['mask'\]; not planned for: args\[1\]"))
+    if call == "constants":
+        wrong.append((args, {**kwargs, "scale": 2.0}, target, r"kwargs\['scale'\] is 2.0 but the plan was made with 0.5"))
+        wrong.append((args, {**kwargs, "scale": x}, target, r"kwargs\['scale'\] is a tensor .* the plan was made "
+                                                            r"with float 0.5"))
+    seen = []
+    for a, k, t, pattern in wrong:
+        with pytest.raises(PipelineError) as e:
+            pp.step(*a, target=t, **k)
+        assert re.search(pattern, str(e.value)), (pattern, str(e.value))
+        seen.append(pattern)
+    return seen
+
+
+def zoo_body(rank: int, world: int, *, cases: list[tuple[str, str]]) -> dict[str, Any]:
+    import torch.distributed as dist
+    import pipe
+    from tests.parity import check_step
+    pipe.init()
+    losses: dict[str, dict[str, float]] = {}
+    refused = 0
+    for call, out in cases:
+        name = f"{call}-{out}"
+        losses[name] = {}
+        for label, schedule, fused in (("1f1b/in-graph", "1f1b", True), ("1f1b/outside", "1f1b", False),
+                                       ("zb-h1/in-graph", "zb-h1", True)):
+            w, ref = zoo.workload(call, out), zoo.workload(call, out)
+            pp = pipe.Pipeline(w.model, w.example_args, example_kwargs=w.example_kwargs, loss_fn=w.loss_fn,
+                               microbatches=M, schedule=schedule, cost="flops",
+                               example_target=w.example_target if fused else None)
+            assert pp.plan.loss == fused, (name, label, pp.plan.loss_note)
+            assert all(s.params for s in pp.plan.stages), (name, [s.params for s in pp.plan.stages])
+            opt = torch.optim.SGD(list(pp.parameters()), lr=0.1)
+            ref_opt = torch.optim.SGD(ref.model.parameters(), lr=0.1)
+            args, kwargs, target = w.batch(w.microbatch_size * M, 0)
+            loss = pp.step(*args, target=target, **kwargs)
+            check_step(pp, loss, ref, args, kwargs, target, M, opt, ref_opt, f"{name} {label} rank {rank}")
+            names: list[Any] = [None] * world
+            dist.all_gather_object(names, [n for n, _ in pp.named_parameters()])
+            assert set().union(*names) == {n for n, _ in ref.model.named_parameters()}, (name, names)
+            losses[name][label] = loss
+            if label == "1f1b/in-graph" and out == zoo.OUTPUTS[0]:
+                refused += len(_refusals(pp, w, call))
+                assert torch.isfinite(torch.tensor(pp.step(*args, target=target, **kwargs)))  # still works after
+            if label == "1f1b/outside":
+                got = pp.forward(*args, **kwargs)  # inference keeps the model's output structure
+                with torch.no_grad():
+                    want = ref.model(*args, **kwargs)
+                got_leaves, got_spec = torch.utils._pytree.tree_flatten(got)
+                want_leaves, want_spec = torch.utils._pytree.tree_flatten(want)
+                assert type(got) is type(want) and got_spec == want_spec, (name, got_spec, want_spec)
+                for g, x in zip(got_leaves, want_leaves):
+                    torch.testing.assert_close(g, x, rtol=1e-5, atol=1e-6)
+    return {"losses": losses, "refused": refused}
+
+
+@pytest.mark.slow
+def test_zoo_trains_exactly_what_the_model_and_loss_say() -> None:
+    cases = zoo.cases()
+    assert len(cases) >= 30
+    res = run_ranks("tests.test_exact:zoo_body", 2, timeout=600, cases=cases)
+    assert res[0]["losses"] == res[1]["losses"]  # every rank returns the same mean loss
+    assert len(res[0]["losses"]) == len(cases) and res[0]["refused"] >= 4 * len(zoo.CALLS)
+    for name, by_mode in res[0]["losses"].items():
+        assert len(by_mode) == 3, name
+        values = list(by_mode.values())
+        torch.testing.assert_close(values[0], values[1], msg=name)  # loss in the graph = loss outside
+        torch.testing.assert_close(values[0], values[2], msg=name)  # zb-h1 = 1f1b
+
+
+def test_zoo_models_trace_to_the_model_and_leave_it_untouched() -> None:
+    """Tracing gives the model's output structure back, adds nothing to the model, and traces
+    of one model always have one fingerprint (pure, no processes)."""
+    import partition
+    from partition.plan import fingerprint
+    from partition.trace import flatten_outputs
+    for call, out in zoo.cases():
+        w = zoo.workload(call, out)
+        before = {k: v.clone() for k, v in w.model.state_dict().items()}
+        attrs = {n: set(vars(m)) for n, m in w.model.named_modules()}
+        w.model.train()
+        prints = set()
+        for _ in range(2):
+            gm = partition.trace(w.model, w.example_args, w.example_kwargs)
+            prints.add(fingerprint(gm))
+            spec = flatten_outputs(gm)[1]
+            want = torch.utils._pytree.tree_flatten(w.model(*w.example_args, **w.example_kwargs))[1]
+            assert spec == want, (call, out, spec, want)
+        assert len(prints) == 1, (call, out, prints)
+        assert {n: set(vars(m)) for n, m in w.model.named_modules()} == attrs, (call, out)
+        assert w.model.training and all(p.grad is None for p in w.model.parameters())
+        for k, v in w.model.state_dict().items():
+            assert torch.equal(v, before[k]), (call, out, k)
