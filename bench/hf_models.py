@@ -4,10 +4,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from partition.workload import Workload
 
-__all__ = ["gpt2", "bert", "t5"]
+__all__ = ["gpt2", "gpt2_lm", "bert", "t5"]
 
 
 def _lm_loss(out: Any, target: Any) -> torch.Tensor:
@@ -42,6 +43,29 @@ def gpt2(*, n_layer: int = 2, n_embd: int = 64, n_head: int = 4, vocab: int = 25
                     loss_fn=_lm_loss, make_batch=batch, microbatch_size=microbatch_size,
                     tokens_per_sample=seq_len,
                     layer_prefixes=tuple(f"transformer.h.{i}" for i in range(n_layer)))
+
+
+def _next_token_loss(out: Any, ids: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy from the model's logits, as a Hugging Face user writes it."""
+    return F.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+class _IdsBatch(_GPT2Batch):
+    def __call__(self, batch_size: int, step: int) -> tuple[tuple[Any, ...], dict[str, Any], torch.Tensor]:
+        ids = _tokens(self.vocab, batch_size, self.seq_len, step)
+        return (ids,), {}, ids
+
+
+def gpt2_lm(*, n_layer: int = 2, n_embd: int = 64, n_head: int = 4, vocab: int = 256, seq_len: int = 32,
+            microbatch_size: int = 2, seed: int = 0) -> Workload:
+    """GPT2LMHeadModel called with input ids alone; the loss reads `out.logits` (a ModelOutput)."""
+    w = gpt2(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab=vocab, seq_len=seq_len,
+             microbatch_size=microbatch_size, seed=seed)
+    batch = _IdsBatch(vocab, seq_len)
+    args, kwargs, _ = batch(microbatch_size, 0)
+    return Workload(name="gpt2_lm", model=w.model, example_args=args, example_kwargs=kwargs,
+                    loss_fn=_next_token_loss, make_batch=batch, microbatch_size=microbatch_size,
+                    tokens_per_sample=seq_len, layer_prefixes=w.layer_prefixes)
 
 
 class _BertBatch:

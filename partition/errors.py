@@ -1,7 +1,7 @@
 """FxpipeError: the one base class of every error fxpipe raises for its user (partition, memory and pipe)."""
 from __future__ import annotations
 
-__all__ = ["FxpipeError"]
+__all__ = ["FxpipeError", "first_line"]
 
 
 class FxpipeError(Exception):
@@ -11,3 +11,9 @@ class FxpipeError(Exception):
     request, TypeError for a bad type, RuntimeError for failed communication), so callers may
     catch either `FxpipeError` or the built-in class.
     """
+
+
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """The first line of an exception's message, at most `limit` characters ('' when it has none)."""
+    lines = str(e).strip().splitlines()
+    return lines[0][:limit] if lines else ""

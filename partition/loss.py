@@ -12,6 +12,8 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from partition.errors import first_line
+
 __all__ = ["TARGET", "attach_loss", "has_loss"]
 
 TARGET = "fxpipe_target"  # the placeholder attach_loss adds
@@ -75,7 +77,7 @@ def attach_loss(gm: torch.fx.GraphModule, loss_fn: Callable[[Any, Any], torch.Te
     try:
         loss_graph = _LossTracer(leaves, spec).trace(wrapper)
     except Exception as e:  # fx raises many kinds of errors on untraceable code
-        return f"torch.fx cannot trace the loss function ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        return f"torch.fx cannot trace the loss function ({type(e).__name__}: {first_line(e)})"
     result = next(n for n in loss_graph.nodes if n.op == "output").args[0]
     if not isinstance(result, torch.fx.Node):
         return f"the loss function returns {type(result).__name__}, not one tensor"
@@ -123,7 +125,7 @@ def _differs(traced: torch.fx.GraphModule, leaves: list[Any], target: Any, expec
             got = traced(*leaves, target)
     except Exception as e:  # whatever the traced ops raise where the eager loss did not
         return (f"the loss traced by torch.fx fails where loss_fn itself runs ({type(e).__name__}: "
-                f"{str(e).splitlines()[0][:200] if str(e) else ''})")
+                f"{first_line(e)})")
     if not isinstance(got, torch.Tensor) or got.shape != expected.shape or not torch.allclose(
             got, expected, rtol=1e-5, atol=1e-6, equal_nan=True):
         return "the loss traced by torch.fx differs from loss_fn's value on the example"

@@ -78,6 +78,7 @@ class Plan:
     loss: bool = False               # loss_fn is in the graph: the last stage returns it; inputs[-1] is the target
     loss_note: str = ""              # why the loss is outside the graph, when it is
     notes: list[str] = field(default_factory=list)  # faster paths not taken, and why
+    leaf_modules: list[str] = field(default_factory=list)  # module types traced whole ("pkg.mod.Class")
     state_factor: float = 4.0
     bytes_per_ms: float = 1e6
     latency_ms: float = 0.05

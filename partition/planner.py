@@ -12,6 +12,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from partition.costs import node_costs, param_names, preserve_state
+from partition.errors import first_line
 from partition.graph import build_graph, coarsen
 from partition.loss import attach_loss, has_loss
 from partition.rewrite import apply_rewrites, splittable_linear, vocab_parallel_why
@@ -95,7 +96,7 @@ def loss_placement(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple
             expected = loss_fn(output, target)
         except Exception as e:  # whatever the user's loss raises
             raise PlanError(f"loss_fn(model(*example_args, **example_kwargs), example_target) fails on the example "
-                            f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); the model "
+                            f"({type(e).__name__}: {first_line(e)}); the model "
                             f"returns {_kind(output)} and example_target is {_kind(target)}: fix loss_fn, or pass "
                             "the target of the one microbatch in example_args (e.g. make_batch(microbatch_size, "
                             "0)'s)") from e
@@ -103,6 +104,11 @@ def loss_placement(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple
     if not isinstance(target, torch.Tensor):
         return f"the target is {_kind(target)}, not one tensor"
     return attach_loss(gm, loss_fn, example=(output, target, expected)) or ""
+
+
+def qualnames(types: Sequence[type]) -> list[str]:
+    """'package.module.Class' of each type, as a plan records its leaf modules."""
+    return [f"{t.__module__}.{t.__qualname__}" for t in types]
 
 
 def check_scalar_loss(loss: Any, where: str) -> None:
@@ -182,7 +188,7 @@ def plan_from_bounds(a: Analysis, bounds: Sequence[int], cost_model: CostModel, 
                 imbalance=float(max(times) / (sum(times) / len(times))) if sum(times) > 0 else 1.0,
                 model=type(a.model).__name__, fingerprint=fingerprint(a.gm), rewrites=[list(r) for r in a.rewrites],
                 tracer=str(a.gm.meta.get("fxpipe_tracer", "")), inputs=inputs, loss=a.loss,
-                loss_note=a.loss_note, notes=notes,
+                loss_note=a.loss_note, notes=notes, leaf_modules=qualnames(a.leaf_modules),
                 input_spec=pytree.treespec_dumps(spec), input_constants=_constants(flat_leaves),
                 state_factor=cost_model.state_factor,
                 bytes_per_ms=cost_model.bytes_per_ms, latency_ms=cost_model.latency_ms)

@@ -68,9 +68,9 @@ def check_call(plan: Plan, args: Sequence[Any], kwargs: dict[str, Any], *, dynam
     if missing or extra or [p for p, _ in want] != [p for p, _ in got]:
         parts = ([f"missing {', '.join(missing)}"] if missing else []) + \
                 ([f"not planned for: {', '.join(f'{p} ({describe(g[p])})' for p in extra)}"] if extra else [])
-        raise error(f"the inputs of this call are not those the plan was made for ({'; '.join(parts) or 'other order'});"
-                    f" the plan's inputs are {planned}; an input the plan does not know would be dropped "
-                    f"silently, so {fix}")
+        differ = "; ".join(parts) or "another order"
+        raise error(f"the inputs of this call are not those the plan was made for ({differ}); the plan's inputs "
+                    f"are {planned}; an input the plan does not know would be dropped silently, so {fix}")
     for path, x in got:
         v = w[path]
         if isinstance(v, Value) != isinstance(x, torch.Tensor):

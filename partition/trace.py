@@ -13,7 +13,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.fx._pytree import tree_flatten_spec
 
-from partition.errors import FxpipeError
+from partition.errors import FxpipeError, first_line
 from partition.costs import preserve_state
 from partition.loss import TARGET, has_loss
 
@@ -38,7 +38,7 @@ def _same(a: Any, b: Any) -> str | None:
     included, and the same leaves; else what differs."""
     la, sa = pytree.tree_flatten(a)
     lb, sb = pytree.tree_flatten(b)
-    if sa != sb:
+    if not _same_layout(sa, sb):
         return f"its output is structured as {_describe(sa)}, the model's as {_describe(sb)}"
     for x, y in zip(la, lb):
         if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
@@ -51,6 +51,17 @@ def _same(a: Any, b: Any) -> str | None:
         elif x != y:
             return f"its output holds {x!r} where the model's holds {y!r}"
     return None
+
+
+def _same_layout(got: pytree.TreeSpec, want: pytree.TreeSpec) -> bool:
+    """The same structure, or one torch.fx builds for it: fx turns a dict subclass (a ModelOutput)
+    into a plain dict with the same keys in the same order, so the leaves come in the same order
+    and the recorded structure (the model's) rebuilds the output exactly."""
+    if got == want:
+        return True
+    return (got.type is dict and isinstance(want.type, type) and issubclass(want.type, dict)
+            and list(got.context) == list(want.context) and got.num_children == want.num_children
+            and all(_same_layout(g, w) for g, w in zip(got.children(), want.children())))
 
 
 def _describe(spec: pytree.TreeSpec) -> str:
@@ -157,7 +168,7 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
             expected = _run(model, args, kwargs)
         except Exception as e:
             raise TraceError(f"cannot trace {name}: calling it on the example inputs fails "
-                             f"({type(e).__name__}: {_first_line(e)}); pass one microbatch the model "
+                             f"({type(e).__name__}: {first_line(e, 300)}); pass one microbatch the model "
                              "accepts as example_args (positional) and example_kwargs (keywords)") from e
         register_dataclasses(expected)
         register_dataclasses((args, kwargs))
@@ -168,7 +179,7 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
                 gm = fn()
                 got = _run(gm, args, kwargs)
             except Exception as e:  # both tracers raise many kinds of errors
-                reasons.append(f"{tracer} failed with {type(e).__name__}: {_first_line(e)}")
+                reasons.append(f"{tracer} failed with {type(e).__name__}: {first_line(e, 300)}")
                 continue
             why = _same(got, expected)
             spec = pytree.tree_flatten(expected)[1]
@@ -187,11 +198,6 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
         "return tensors in tuples, lists, dicts, dataclasses or registered pytree types; turn off caches and "
         "dropout for tracing (e.g. config.use_cache=False); pass the inputs the model really takes "
         "as example_args/example_kwargs.")
-
-
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0][:300] if lines else ""
 
 
 def flatten_inputs(gm: torch.fx.GraphModule, args: Sequence[Any], kwargs: dict[str, Any] | None = None,

@@ -1,8 +1,9 @@
 """pipe: schedules as data, a simulator, and the pipeline runtime over torch.distributed."""
-from pipe.comm import Context, init
+from partition.errors import FxpipeError
+from pipe.comm import Context, PeerLost, RemoteError, init
 from pipe.runtime import Pipeline, PipelineError
 from pipe.schedules import Action, ScheduleError, build
 from pipe.simulate import Timeline, simulate
 
-__all__ = ["Action", "Context", "Pipeline", "PipelineError", "ScheduleError", "Timeline", "build", "init",
-           "simulate"]
+__all__ = ["Action", "Context", "FxpipeError", "PeerLost", "Pipeline", "PipelineError", "RemoteError",
+           "ScheduleError", "Timeline", "build", "init", "simulate"]

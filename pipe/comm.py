@@ -14,10 +14,11 @@ from typing import Any, Iterator, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from partition.errors import FxpipeError
+from partition.errors import FxpipeError, first_line
 
-__all__ = ["PeerLost", "RemoteError", "guarded", "fail_everywhere", "first_failure", "Context", "init", "context", "Transport", "TorchTransport", "LaunchError", "Work",
-           "alloc_layout", "to_layout", "is_dense", "measure_link"]
+__all__ = ["PeerLost", "RemoteError", "guarded", "fail_everywhere", "first_failure", "Context", "init", "context",
+           "Transport", "TorchTransport", "LaunchError", "Work", "alloc_layout", "to_layout", "is_dense",
+           "measure_link"]
 
 
 class PeerLost(FxpipeError, RuntimeError):
@@ -45,8 +46,7 @@ def guarded(what: str, peer: int | None = None) -> Iterator[None]:
         raise
     except Exception as e:  # gloo and NCCL raise RuntimeError subclasses of many kinds
         who = "another rank" if peer is None else f"rank {peer}"
-        raise PeerLost(f"{what} with {who} failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
-                       ) from e
+        raise PeerLost(f"{what} with {who} failed ({type(e).__name__}: {first_line(e)})") from e
 
 
 def fail_everywhere(message: str) -> None:

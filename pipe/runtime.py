@@ -10,10 +10,10 @@ import torch.distributed as dist
 import torch.fx
 import torch.utils._pytree as pytree
 
-from partition.errors import FxpipeError
+from partition.errors import FxpipeError, first_line
 import partition
 from partition.plan import Plan
-from partition.planner import check_scalar_loss
+from partition.planner import check_scalar_loss, qualnames
 from partition.signature import check_call
 from partition.split import StageIO
 from partition.split import split_graph
@@ -194,6 +194,10 @@ class Pipeline:
                 self.rank,
                 everyone=cost == "measured" and self.ctx.device.type == "cpu")
             plan = Plan.from_dict(d)
+        if sorted(plan.leaf_modules) != sorted(qualnames(self.leaf_modules)):
+            raise PipelineError(f"the plan was made with leaf_modules={plan.leaf_modules} but this pipeline traces "
+                                f"with leaf_modules={qualnames(self.leaf_modules)}; pass the plan's leaf_modules= "
+                                "to pipe.Pipeline (the graph differs otherwise), or re-plan")
         if plan.n_stages != self.S:
             raise PipelineError(f"the plan has {plan.n_stages} stages but world size {self.world} x "
                                 f"stages_per_rank {self.v} = {self.S}; launch as many processes as the plan has "
@@ -387,14 +391,14 @@ class Pipeline:
                 raise comm.RemoteError(f"rank {self.rank} stopped in step {self.steps_done} because {first}") from None
             peer = "another rank" if exchange.peer is None else f"rank {exchange.peer}"
             raise comm.PeerLost(f"rank {self.rank} lost {peer} during step {self.steps_done} "
-                                f"({str(e).splitlines()[0][:200]}); that process died or stopped answering "
+                                f"({first_line(e)}); that process died or stopped answering "
                                 f"within the timeout; see its output") from e
         except Exception as e:  # this rank's own error: the model's, the loss's, or a stage's
             where = f"rank {self.rank}" + (f", stage {run.current.stage}, microbatch {run.current.mb} "
                                            f"({run.current.kind})" if run.current is not None else "")
             e.add_note(f"fxpipe: raised on {where} of step {self.steps_done}")
             comm.fail_everywhere(f"{where} failed in step {self.steps_done} with {type(e).__name__}: "
-                                 f"{str(e).splitlines()[0][:300] if str(e) else ''}")
+                                 f"{first_line(e, 300)}")
             raise
         self.timeline = run.events
         self.steps_done += 1
@@ -550,7 +554,7 @@ class _StepState:
         except Exception as e:  # the user's loss raised
             if target is None:
                 raise PipelineError(f"loss_fn(output, target) failed with target=None ({type(e).__name__}: "
-                                    f"{str(e).splitlines()[0][:200] if str(e) else ''}); pass the batch's target: "
+                                    f"{first_line(e)}); pass the batch's target: "
                                     "pp.step(*inputs, target=y)") from e
             raise
         try:

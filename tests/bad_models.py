@@ -87,3 +87,70 @@ def nan_data() -> Workload:
     w = models.mlp(depth=4, width=16, in_features=8)
     w.make_batch = _NaNAt(w.make_batch, 1)
     return w
+
+
+class _Changed:
+    """The GPT's batches as at step 0 (what the plan is made from), changed by `how` after it."""
+
+    def __init__(self, inner: Any, how: Any) -> None:
+        self.inner, self.how = inner, how
+
+    def __call__(self, batch_size: int, step: int) -> tuple[Any, ...]:
+        args, target = self.inner(batch_size, step)
+        return self.how(args, {}, target) if step > 0 else (args, {}, target)
+
+
+def _gpt() -> Workload:
+    return models.gpt(n_layer=2, d_model=32, n_head=2, seq_len=16, vocab=64)
+
+
+def _with_batches(how: Any) -> Workload:
+    w = _gpt()
+    w.make_batch = _Changed(w.make_batch, how)
+    return w
+
+
+def wrong_dtype() -> Workload:
+    """Token ids as float64 after the example: refused on every rank before any message."""
+    return _with_batches(lambda a, k, t: ((a[0].double(),), k, t))
+
+
+def extra_input() -> Workload:
+    """An attention mask the plan was not made with: it would be dropped silently."""
+    return _with_batches(lambda a, k, t: (a, {"attention_mask": torch.ones_like(a[0])}, t))
+
+
+def missing_input() -> Workload:
+    """No input at all where the plan has the token ids."""
+    return _with_batches(lambda a, k, t: ((), k, t))
+
+
+def index_out_of_range() -> Workload:
+    """Token ids past the vocabulary at step 1: the embedding on stage 0 raises IndexError."""
+    return _with_batches(lambda a, k, t: ((a[0] + 1000,), k, t))
+
+
+def _per_token(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none")
+
+
+def non_scalar_loss() -> Workload:
+    """A loss with reduction='none': one number per token, not one per microbatch."""
+    w = _gpt()
+    w.loss_fn = _per_token
+    return w
+
+
+class _NoTarget:
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __call__(self, batch_size: int, step: int) -> tuple[tuple[Any, ...], Any]:
+        return self.inner(batch_size, step)[0], None
+
+
+def forgotten_target() -> Workload:
+    """Batches without a target; the loss reads one."""
+    w = _gpt()
+    w.make_batch = _NoTarget(w.make_batch)
+    return w

@@ -121,15 +121,15 @@ class Completed:
 
 
 def run_command(cmd: list[str], *, timeout: float = 120.0, threads: int = 1,
-                env: dict[str, str] | None = None, check: bool = True) -> Completed:
-    """Run a launcher command (torchrun, mpiexec, python -m ...) from the repo root with a timeout.
+                env: dict[str, str] | None = None, check: bool = True, cwd: Path = ROOT) -> Completed:
+    """Run a launcher command (torchrun, mpiexec, python -m ...) from `cwd` (the repo root) with a timeout.
 
     The whole process group is killed on timeout, so no rank outlives the test.
     """
     e = _base_env(threads)
     e.update(env or {})
     with tempfile.TemporaryFile() as out:
-        proc = subprocess.Popen(cmd, env=e, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, env=e, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         finished = _wait_all([proc], timeout)
         out.seek(0)

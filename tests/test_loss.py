@@ -238,3 +238,30 @@ def test_a_target_that_does_not_fit_the_example_is_a_clear_error() -> None:
     with pytest.raises(partition.PlanError, match=r"must return a scalar tensor.*returned a tensor of shape \[64\]"):
         partition.plan(w.model, w.example_args, 2, cost="flops", example_target=w.example_target,
                        loss_fn=lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten(), reduction="none"))
+
+
+def _float_loss(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.float().flatten(0, 1), t.flatten())  # .float() of float32 logits: no op
+
+
+def _smoothed(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.flatten(0, 1), t.flatten(), label_smoothing=0.1)
+
+
+def test_a_no_op_cast_keeps_the_head_vocabulary_parallel_and_a_fallback_is_named() -> None:
+    w = models.gpt_wide_vocab()
+    plans = {name: partition.plan(w.model, w.example_args, 4, cost="flops", loss_fn=fn,
+                                  example_target=w.example_target)
+             for name, fn in (("plain", w.loss_fn), ("float", _float_loss), ("smoothed", _smoothed))}
+    assert [r[2:] for r in plans["float"].rewrites] == [r[2:] for r in plans["plain"].rewrites] == [["vocab"]]
+    assert plans["float"].bottleneck_ms == pytest.approx(plans["plain"].bottleneck_ms, rel=0.05)
+    assert not plans["float"].notes
+    smoothed = plans["smoothed"]  # label smoothing: row slices, and the table says why not vocabulary slices
+    assert all(list(r[2:]) != ["vocab"] for r in smoothed.rewrites)
+    assert any("not into vocabulary slices with its loss: its cross entropy has class weights, label smoothing"
+               in n for n in smoothed.notes), smoothed.notes
+    assert "note: lm_head may be cut into row slices" in smoothed.table()
+    outside = partition.plan(w.model, w.example_args, 4, cost="flops", loss_fn=w.loss_fn)
+    assert "loss: computed after the last stage (3) by loss_fn, outside the graph (no example_target given)" \
+        in outside.table()
+    assert any("the loss is outside the graph (no example_target given)" in n for n in outside.notes)

@@ -88,3 +88,27 @@ def test_usage_errors_print_one_paragraph_and_return_2(args: list[str], needle: 
     err = "\n".join(line for line in capsys.readouterr().err.splitlines() if not line.startswith("[plan] "))
     assert needle in err and err.startswith("python -m partition: error:")
     assert err.strip().count("\n") == 0
+
+
+def test_interleaved_plans_count_the_schedules_microbatches_in_flight(capsys: pytest.CaptureFixture[str]) -> None:
+    from pipe.schedules import in_flight_limit
+    assert main(["gpt", "--stages", "4", "--schedule", "interleaved-1f1b", "--microbatches", "4", "--cost", "flops",
+                 "--model-arg", "n_layer=4", "--model-arg", "d_model=32", "--model-arg", "seq_len=16",
+                 "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["schedule"] == "interleaved-1f1b" and got["stages_per_rank"] == 2
+    assert [s["in_flight"] for s in got["stages"]] == [in_flight_limit("interleaved-1f1b", 4, 4, s, 2)
+                                                      for s in range(4)]
+    assert main(["gpt", "--stages", "3", "--schedule", "interleaved-1f1b"]) == 2
+    assert "not a multiple of --stages-per-rank 2" in capsys.readouterr().err
+
+
+def test_bench_help_lists_every_option() -> None:
+    for sub, words in (("schedules", ["--loss-outside", "--schedules", "interleaved-1f1b", "--microbatches", "model",
+                                      "--ranks"]),
+                       ("vs-torch", ["--rounds", "--model-arg", "--ranks", "model"])):
+        r = subprocess.run([sys.executable, "-m", "bench", sub, "--help"], capture_output=True, text=True,
+                           timeout=60, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert r.returncode == 0, r.stderr
+        for word in words:
+            assert word in r.stdout, (sub, word, r.stdout)

@@ -44,6 +44,22 @@ CASES = {
     "NaN loss": ([f"{BAD}:nan_data"], ["nan", "step 1", "stage 0", "skip_nonfinite"]),
     "world size vs stages per rank": (["gpt", *GPT, "--schedule", "interleaved-1f1b", "--stages-per-rank", "2",
                                        "--microbatches", "3"], ["divisible", "M=3"]),
+    "interleaved with one stage per rank": (["gpt", *GPT, "--schedule", "interleaved-1f1b", "--stages-per-rank", "1"],
+                                            ["stages_per_rank=1", "stages_per_rank=2"]),
+    "wrong input dtype": ([f"{BAD}:wrong_dtype"], ["args[0] has dtype float64", "int64", "convert"]),
+    "extra input": ([f"{BAD}:extra_input"], ["not planned for: kwargs['attention_mask']", "dropped", "re-plan"]),
+    "missing input": ([f"{BAD}:missing_input"], ["missing args[0]", "re-plan"]),
+    "non-scalar loss": ([f"{BAD}:non_scalar_loss"], ["must return a scalar", "shape [64]", ".mean()"]),
+}
+# errors raised while a step runs, on one rank: that rank names its own error (with its stage and
+# microbatch), every other rank names that rank and the error; nobody reports a lost peer
+RELAYED = {
+    # name: (argv, the failing rank, words every rank's message must hold)
+    "index out of range in the model": ([f"{BAD}:index_out_of_range"], 0, ["IndexError", "index out of range",
+                                                                         "rank 0, stage 0, microbatch 0"]),
+    "forgotten target": ([f"{BAD}:forgotten_target"], 1, ["target=None", "target=y", "rank 1, stage 1"]),
+    "non-scalar loss outside the graph": ([f"{BAD}:non_scalar_loss", "--loss-outside"], 1,
+                                          ["must return a scalar", "rank 1, stage 1"]),
 }
 
 
@@ -66,6 +82,23 @@ def test_bad_input_fails_on_every_rank(case: str, tmp_path: Path) -> None:
         for word in words:
             assert word in err[-1], f"rank {r}: {word!r} not in {err[-1]!r}"
         assert "Traceback" not in ex.output, ex.output[-3000:]
+
+
+@pytest.mark.parametrize("case", list(RELAYED))
+def test_an_error_in_a_step_is_its_ranks_own_and_named_on_every_rank(case: str, tmp_path: Path) -> None:
+    argv, failing, words = RELAYED[case]
+    start = time.monotonic()
+    exits = run_ranks("tests.test_reliability:cli_body", 2, timeout=30, raw=True, argv=list(argv),
+                      env={"FXPIPE_OUT": str(tmp_path / "out")})
+    assert time.monotonic() - start < 30
+    for r, ex in enumerate(exits):
+        assert ex.code == 2, f"rank {r} exited {ex.code}:\n{ex.output[-3000:]}"
+        err = [line for line in ex.output.splitlines() if line.startswith("error (rank")][-1]
+        for word in words:
+            assert word in err, f"rank {r}: {word!r} not in {err!r}"
+        assert "lost" not in err and "PeerLost" not in ex.output, err
+        if r != failing:
+            assert f"because rank {failing}" in err, err
 
 
 def kill_body(rank: int, world: int) -> None:

@@ -275,3 +275,36 @@ def test_large_chain_is_fast_and_balanced() -> None:
                   np.r_[0, rng.integers(0, 10**5, n - 1), 0])
     sol = solve(chain, 8, CostModel(in_flight=tuple(range(8, 0, -1))))
     assert max(sol.stage_ms) / (sum(sol.stage_ms) / 8) < 1.01
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_params_every_stage_matches_brute_force_over_stages_that_hold_parameters(seed: int) -> None:
+    rng = random.Random(1000 + seed)
+    n = rng.randint(2, 9)
+    S = rng.randint(2, min(4, n))
+    raw = random_raw(rng, n)
+    raw.params = [p if rng.random() < 0.6 else set() for p in raw.params]  # blocks without parameters
+    if sum(1 for p in raw.params if p) < S:
+        raw.params[0] = raw.params[0] or {0}
+        raw.sizes.setdefault(0, 4)
+        for i in rng.sample(range(1, n), S - 1):
+            raw.params[i] = raw.params[i] or {0}
+    cost = COMPUTE_ONLY.__class__(bytes_per_ms=math.inf, latency_ms=0.0, params_every_stage=True)
+    best = min(max(brute_costs(raw, bounds, cost)[0]) for bounds in partitions(n, S)
+               if all(set().union(*raw.params[a:b]) for a, b in zip(bounds, bounds[1:])))
+    sol = solve(raw.chain(), S, cost)
+    assert sol.bottleneck_ms == pytest.approx(best, rel=1e-9, abs=1e-12)
+    assert all(set().union(*raw.params[a:b]) for a, b in zip(sol.bounds, sol.bounds[1:])), sol.bounds
+
+
+def test_a_parameterless_stage_only_when_asked_for() -> None:
+    """The cheapest split of three puts the parameter-free block alone on a stage; with
+    params_every_stage such a split is excluded (none is left for three stages, one for two)."""
+    raw = Raw(fwd=[5.0, 5.0, 5.0], bwd=[5.0, 5.0, 5.0], act=[0, 0, 0], params=[{0}, {1}, set()],
+              sizes={0: 4, 1: 4}, cut=[0, 0, 0, 0])
+    free = solve(raw.chain(), 3, COMPUTE_ONLY)
+    held = solve(raw.chain(), 2, CostModel(bytes_per_ms=math.inf, latency_ms=0.0, params_every_stage=True))
+    assert free.bounds == (0, 1, 2, 3)
+    assert held.bounds == (0, 1, 3)
+    with pytest.raises(InfeasibleBudget):
+        solve(raw.chain(), 3, CostModel(bytes_per_ms=math.inf, latency_ms=0.0, params_every_stage=True))

@@ -13,7 +13,7 @@ from transformers.utils import ModelOutput
 
 from partition.workload import Workload
 
-__all__ = ["CALLS", "OUTPUTS", "cases", "workload", "Pair", "ZooOutput"]
+__all__ = ["BASE_CALLS", "CALLS", "OUTPUTS", "cases", "workload", "Pair", "ZooOutput"]
 
 D = 8  # feature width
 
@@ -59,14 +59,15 @@ class _Body(torch.nn.Module):
         self.out = out
         self.a = torch.nn.Linear(D, 2 * D)
         self.b = torch.nn.Linear(2 * D, 2 * D)
-        self.c = torch.nn.Linear(2 * D, D)
+        self.c = torch.nn.Linear(2 * D, 2 * D)
+        self.d = torch.nn.Linear(2 * D, D)
 
     def body(self, x: torch.Tensor, mask: torch.Tensor | None = None, scale: float = 1.0) -> Any:
         h = torch.tanh(self.a(x))  # (B, 2D)
         if mask is not None:
             h = h * mask.repeat(1, 2)
         h = self.b(h) * scale
-        return _pack(self.out, self.c(torch.relu(h)), h)
+        return _pack(self.out, self.d(torch.relu(self.c(torch.relu(h)))), h)
 
 
 class Positional(_Body):
@@ -94,15 +95,59 @@ class DictInput(_Body):
         return self.body(batch["x"], batch["mask"])
 
 
+class Attention(_Body):
+    """A module that returns a tuple inside the graph: nn.MultiheadAttention gives (output, weights)."""
+
+    def __init__(self, out: str) -> None:
+        super().__init__(out)
+        self.attn = torch.nn.MultiheadAttention(D, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        seq = x.view(x.shape[0], 2, D // 2).repeat(1, 1, 2)  # (B, 2, D)
+        y, _ = self.attn(seq, seq, seq)
+        return self.body(x + y.mean(1))
+
+
+class Gate(torch.nn.Module):
+    """Control flow on a tensor's value: neither fx nor export can trace it, as one op (leaf) it runs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.abs().mean() > 10:
+            return x.clamp(-10, 10)
+        return x
+
+
+class Leaf(_Body):
+    def __init__(self, out: str) -> None:
+        super().__init__(out)
+        self.gate = Gate()
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.body(self.gate(x))
+
+
+class Constant(_Body):
+    """A tensor constant in forward (fx registers it on the module it traces) and a parameter
+    under two names (`tied` is `a`)."""
+
+    def __init__(self, out: str) -> None:
+        super().__init__(out)
+        self.tied = self.a
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.body(x + torch.tensor([0.5, -0.5] * (D // 2)) + 0.1 * self.tied(x)[:, :D])
+
+
 CALLS = {"positional": Positional, "keyword": KeywordMask, "positional2": PositionalMask, "constants": Scaled,
-         "dict_input": DictInput}
+         "dict_input": DictInput, "attention": Attention, "leaf": Leaf, "constant": Constant}
+BASE_CALLS = ("positional", "keyword", "positional2", "constants", "dict_input")
 
 
 def _inputs(call: str, x: torch.Tensor, mask: torch.Tensor) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """(args, kwargs) of a call of kind `call`."""
     return {"positional": lambda: ((x,), {}), "keyword": lambda: ((x,), {"mask": mask}),
             "positional2": lambda: ((x, mask), {}), "constants": lambda: ((x,), {"scale": 0.5, "use_mask": True}),
-            "dict_input": lambda: (({"x": x, "mask": mask},), {})}[call]()
+            "dict_input": lambda: (({"x": x, "mask": mask},), {})}.get(call, lambda: ((x,), {}))()
 
 
 class _Batches:
@@ -123,9 +168,12 @@ def workload(call: str, out: str, seed: int = 0) -> Workload:
     batch = _Batches(call)
     args, kwargs, _ = batch(2, 0)
     return Workload(name=f"{call}-{out}", model=model, example_args=args, example_kwargs=kwargs,
-                    loss_fn=LOSSES[out], make_batch=batch, microbatch_size=2)
+                    loss_fn=LOSSES[out], make_batch=batch, microbatch_size=2,
+                    leaf_modules=(Gate,) if call == "leaf" else ())
 
 
 def cases() -> list[tuple[str, str]]:
-    """Every (call, output) combination: 5 x 8 = 40."""
-    return list(itertools.product(CALLS, OUTPUTS))
+    """Every (call, output) combination of the plain calls (5 x 8 = 40), and the models with
+    tuple-returning modules, a leaf module and tensor constants with two output kinds each."""
+    special = [c for c in CALLS if c not in BASE_CALLS]
+    return list(itertools.product(BASE_CALLS, OUTPUTS)) + list(itertools.product(special, ("tuple2", "modeloutput")))
