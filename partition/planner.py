@@ -111,10 +111,10 @@ def qualnames(types: Sequence[type]) -> list[str]:
     return [f"{t.__module__}.{t.__qualname__}" for t in types]
 
 
-def check_scalar_loss(loss: Any, where: str) -> None:
+def check_scalar_loss(loss: Any, where: str, error: type[Exception] = PlanError) -> None:
     """loss_fn must return one number (a tensor of one element) to be differentiated."""
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise PlanError(f"loss_fn must return a scalar tensor (one element), but {where} it returned "
+        raise error(f"loss_fn must return a scalar tensor (one element), but {where} it returned "
                         f"{_kind(loss)}; reduce it, e.g. loss.mean() or F.cross_entropy(..., reduction='mean')")
 
 

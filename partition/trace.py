@@ -77,7 +77,8 @@ def register_dataclasses(value: Any) -> None:
     while todo:
         x = todo.pop()
         if dataclasses.is_dataclass(x) and not isinstance(x, type) and type(x) not in pytree.SUPPORTED_NODES:
-            pytree.register_dataclass(type(x))
+            cls = type(x)  # a serialized name lets a plan record (treespec_dumps) inputs of this type
+            pytree.register_dataclass(cls, serialized_type_name=f"{cls.__module__}.{cls.__qualname__}")
         if type(x) in pytree.SUPPORTED_NODES:
             todo += pytree.tree_flatten(x, is_leaf=lambda y: y is not x)[0]
 

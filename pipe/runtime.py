@@ -1,6 +1,7 @@
 """Pipeline: partition a model, keep this rank's stages, and run any schedule with one interpreter."""
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import Any, Callable, Iterator, Sequence
@@ -370,7 +371,7 @@ class Pipeline:
         dev = self.ctx.device
         exchange = Exchange(self.transport, self.plan, self.world, self.M, self.local, dev, self.dynamic)
         run = _StepState(self, flats, targets, exchange)
-        try:
+        with self._failures(run, f"step {self.steps_done}"):
             exchange.post()
             self.memory.step_begin()
             run.execute(self.actions)
@@ -385,27 +386,33 @@ class Pipeline:
             if self.world > 1:
                 with comm.guarded("the loss broadcast", (self.S - 1) % self.world):
                     dist.broadcast(loss, src=(self.S - 1) % self.world)
-        except comm.PeerLost as e:
-            first = comm.first_failure()
-            if first is not None:
-                raise comm.RemoteError(f"rank {self.rank} stopped in step {self.steps_done} because {first}") from None
-            peer = "another rank" if exchange.peer is None else f"rank {exchange.peer}"
-            raise comm.PeerLost(f"rank {self.rank} lost {peer} during step {self.steps_done} "
-                                f"({first_line(e)}); that process died or stopped answering "
-                                f"within the timeout; see its output") from e
-        except Exception as e:  # this rank's own error: the model's, the loss's, or a stage's
-            where = f"rank {self.rank}" + (f", stage {run.current.stage}, microbatch {run.current.mb} "
-                                           f"({run.current.kind})" if run.current is not None else "")
-            e.add_note(f"fxpipe: raised on {where} of step {self.steps_done}")
-            comm.fail_everywhere(f"{where} failed in step {self.steps_done} with {type(e).__name__}: "
-                                 f"{first_line(e, 300)}")
-            raise
         self.timeline = run.events
         self.steps_done += 1
         value = float(loss.item())
         if not math.isfinite(value):
             self._non_finite(value, run)
         return value
+
+    @contextlib.contextmanager
+    def _failures(self, run: "_StepState", when: str) -> Iterator[None]:
+        """Classify what fails inside: this rank's own error is re-raised as itself (noted with the
+        rank, stage and microbatch) after telling every rank; failed communication is RemoteError
+        when another rank failed first, else PeerLost."""
+        try:
+            yield
+        except comm.PeerLost as e:
+            first = comm.first_failure()
+            if first is not None:
+                raise comm.RemoteError(f"rank {self.rank} stopped in {when} because {first}") from None
+            peer = "another rank" if run.ex.peer is None else f"rank {run.ex.peer}"
+            raise comm.PeerLost(f"rank {self.rank} lost {peer} during {when} ({first_line(e)}); that process died "
+                                "or stopped answering within the timeout; see its output") from e
+        except Exception as e:  # this rank's own error: the model's, the loss's, or a stage's
+            a = run.current
+            where = f"rank {self.rank}" + (f", stage {a.stage}, microbatch {a.mb} ({a.kind})" if a else "")
+            e.add_note(f"fxpipe: raised on {where} of {when}")
+            comm.fail_everywhere(f"{where} failed in {when} with {type(e).__name__}: {first_line(e, 300)}")
+            raise
 
     def _non_finite(self, value: float, run: "_StepState") -> None:
         """Name the first stage whose outputs were not finite; stop, or skip the step if asked."""
@@ -443,16 +450,19 @@ class Pipeline:
         exchange = Exchange(self.transport, self.plan, self.world, self.M, self.local, self.ctx.device,
                             self.dynamic, grads=False)
         run = _StepState(self, flats, [None] * self.M, exchange, inference=True)
-        with torch.no_grad():
+        last = (self.S - 1) % self.world
+        with torch.no_grad(), self._failures(run, "inference"):
             exchange.post()
             for a in self.actions:
                 if a.kind == "F":
+                    run.current = a
                     run.forward(a)
+            run.current = None
             exchange.finish()
-        last = (self.S - 1) % self.world
-        box: list[Any] = [_concat(run.outputs) if self.rank == last else None]
-        if self.world > 1:
-            dist.broadcast_object_list(box, src=last)
+            box: list[Any] = [_concat(run.outputs) if self.rank == last else None]
+            if self.world > 1:
+                with comm.guarded("the broadcast of the output", last):
+                    dist.broadcast_object_list(box, src=last)
         return box[0]
 
     def gather_timeline(self) -> Timeline | None:
@@ -557,10 +567,7 @@ class _StepState:
                                     f"{first_line(e)}); pass the batch's target: "
                                     "pp.step(*inputs, target=y)") from e
             raise
-        try:
-            check_scalar_loss(loss, "in the step")
-        except ValueError as e:
-            raise PipelineError(str(e)) from None
+        check_scalar_loss(loss, "in the step", PipelineError)
         return loss
 
     def backward(self, a: Action) -> None:

@@ -164,3 +164,26 @@ def test_every_error_is_an_fxpipe_error_of_its_builtin_kind() -> None:
     for cls, kind in builtin.items():
         assert issubclass(cls, partition.FxpipeError) and issubclass(cls, kind), cls
     assert not issubclass(pipe.RemoteError, pipe.PeerLost)  # another rank's error is not a lost rank
+
+
+def test_a_dataclass_input_is_planned_and_checked() -> None:
+    import dataclasses as dc
+    import partition
+    from partition.signature import check_call
+
+    @dc.dataclass
+    class Batch:
+        x: torch.Tensor
+        mask: torch.Tensor
+
+    class Model(zoo._Body):
+        def forward(self, batch: Batch) -> Any:
+            return self.body(batch.x, batch.mask)
+
+    torch.manual_seed(0)
+    m = Model("tuple2")
+    b = Batch(torch.randn(2, zoo.D), torch.ones(2, zoo.D))
+    plan = partition.plan(m, (b,), 2, cost="flops")
+    check_call(plan, (b,), {})
+    with pytest.raises(partition.PlanError, match=r"args\[0\].x has dtype float64"):
+        check_call(plan, (Batch(b.x.double(), b.mask),), {})
