@@ -115,7 +115,7 @@ def check_scalar_loss(loss: Any, where: str, error: type[Exception] = PlanError)
     """loss_fn must return one number (a tensor of one element) to be differentiated."""
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise error(f"loss_fn must return a scalar tensor (one element), but {where} it returned "
-                        f"{_kind(loss)}; reduce it, e.g. loss.mean() or F.cross_entropy(..., reduction='mean')")
+                    f"{_kind(loss)}; reduce it, e.g. loss.mean() or F.cross_entropy(..., reduction='mean')")
 
 
 def _kind(x: Any) -> str:

@@ -50,8 +50,9 @@ def guarded(what: str, peer: int | None = None) -> Iterator[None]:
 
 
 def fail_everywhere(message: str) -> None:
-    """This rank failed with `message`: publish it (the first failure of the job wins), then tear
-    the process group down so that every rank waiting on this one wakes within moments."""
+    """This rank failed with `message`: publish it in the store (the first failure of the job wins)
+    and tear the process group down; the ranks waiting on this one read it when they wake (see
+    _stop for when that is)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     store = dist.distributed_c10d._get_default_store()
@@ -65,7 +66,7 @@ def fail_everywhere(message: str) -> None:
 def first_failure(timeout_s: float = 1.0) -> str | None:
     """After communication failed: the message of the rank that failed first, or None when no rank
     published one within `timeout_s` (that rank died or hangs: a lost peer). Tears down this
-    rank's process group too, so the ranks waiting on it wake."""
+    rank's process group too."""
     if not dist.is_initialized():
         return None
     store = dist.distributed_c10d._get_default_store()
@@ -79,9 +80,14 @@ def first_failure(timeout_s: float = 1.0) -> str | None:
 
 
 def _stop(store: Any) -> None:
-    """Abort this rank's process group; rank 0, which may host the store, then waits (a few seconds
-    at most) until every rank has stopped, so that each can still read the first failure."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    """Abort this rank's process group. Under gloo a rank waiting on this one wakes when this
+    process exits (its pending operations hold the connections open until then), and reads the
+    first failure from the store. Where rank 0 hosts the store (mpirun; torchrun's agent hosts it
+    elsewhere) rank 0 waits a few seconds at most until every rank has stopped, so that its
+    neighbours can still read it; ranks further away may then find the store gone and report a
+    lost peer."""
+    world = dist.get_world_size()
+    rank = -1 if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else dist.get_rank()
     if dist.get_backend() == "nccl":
         dist.distributed_c10d._abort_process_group()
     else:

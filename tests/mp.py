@@ -83,7 +83,11 @@ def run_ranks(target: str, world_size: int, *, timeout: float = 120.0, threads: 
     so tests can check exit codes and messages). Raises RankFailure with all ranks' output when a
     rank fails or the group runs past `timeout` seconds (then every rank is killed).
     """
+    from torch.distributed import TCPStore
     port = free_port()
+    # the store lives in this process, as torchrun's agent hosts it: a rank that fails and exits
+    # takes no store with it, so the others can still read what it published
+    store = TCPStore("127.0.0.1", port, world_size, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="fxpipe-mp-") as tmp:
         tmpdir = Path(tmp)
         (tmpdir / "kwargs.pkl").write_bytes(pickle.dumps(kwargs))
@@ -94,7 +98,8 @@ def run_ranks(target: str, world_size: int, *, timeout: float = 120.0, threads: 
             e.update(env or {})
             e.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=str(port), FXPIPE_MP_TARGET=target, FXPIPE_MP_DIR=tmp)
+                     MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
+                     FXPIPE_MP_TARGET=target, FXPIPE_MP_DIR=tmp)
             log = tmpdir / f"rank{rank}.log"
             logs.append(log)
             with open(log, "wb") as out:
@@ -102,6 +107,7 @@ def run_ranks(target: str, world_size: int, *, timeout: float = 120.0, threads: 
                                               stdout=out, stderr=subprocess.STDOUT,
                                               start_new_session=True))
         finished = _wait_all(procs, timeout)
+        del store
         if raw:
             return [RankExit(p.returncode if finished else None, log.read_text(errors="replace"))
                     for p, log in zip(procs, logs)]

@@ -54,11 +54,14 @@ CASES = {
 # errors raised while a step runs, on one rank: that rank names its own error (with its stage and
 # microbatch), every other rank names that rank and the error; nobody reports a lost peer
 RELAYED = {
-    # name: (argv, the failing rank, words every rank's message must hold)
-    "index out of range in the model": ([f"{BAD}:index_out_of_range"], 0, ["IndexError", "index out of range",
-                                                                         "rank 0, stage 0, microbatch 0"]),
-    "forgotten target": ([f"{BAD}:forgotten_target"], 1, ["target=None", "target=y", "rank 1, stage 1"]),
-    "non-scalar loss outside the graph": ([f"{BAD}:non_scalar_loss", "--loss-outside"], 1,
+    # name: (argv, ranks, the failing rank, words every rank's message must hold)
+    "index out of range in the model": ([f"{BAD}:index_out_of_range"], 2, 0,
+                                        ["IndexError", "index out of range", "rank 0, stage 0, microbatch 0"]),
+    # rank 2 waits on rank 1, which waits on rank 0: the error travels, and every rank names rank 0
+    "index out of range, 3 ranks": ([f"{BAD}:index_out_of_range"], 3, 0,
+                                    ["IndexError", "rank 0, stage 0, microbatch 0"]),
+    "forgotten target": ([f"{BAD}:forgotten_target"], 2, 1, ["target=None", "target=y", "rank 1, stage 1"]),
+    "non-scalar loss outside the graph": ([f"{BAD}:non_scalar_loss", "--loss-outside"], 2, 1,
                                           ["must return a scalar", "rank 1, stage 1"]),
 }
 
@@ -86,10 +89,11 @@ def test_bad_input_fails_on_every_rank(case: str, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("case", list(RELAYED))
 def test_an_error_in_a_step_is_its_ranks_own_and_named_on_every_rank(case: str, tmp_path: Path) -> None:
-    argv, failing, words = RELAYED[case]
+    argv, world, failing, words = RELAYED[case]
     start = time.monotonic()
-    exits = run_ranks("tests.test_reliability:cli_body", 2, timeout=30, raw=True, argv=list(argv),
+    exits = run_ranks("tests.test_reliability:cli_body", world, timeout=30, raw=True, argv=list(argv),
                       env={"FXPIPE_OUT": str(tmp_path / "out")})
+    assert len(exits) == world
     assert time.monotonic() - start < 30
     for r, ex in enumerate(exits):
         assert ex.code == 2, f"rank {r} exited {ex.code}:\n{ex.output[-3000:]}"
