@@ -105,6 +105,9 @@ def errors_body(rank: int, world: int) -> list[str]:
     expect(lambda: make(loss_fn=None))
     three = partition.plan(w.model, w.example_args, 3, cost="flops")
     expect(lambda: make(plan=three))
+    from bench.models import _GPTMLP
+    leafy = partition.plan(w.model, w.example_args, 2, cost="flops", leaf_modules=(_GPTMLP,))
+    expect(lambda: make(plan=leafy))  # planned with leaf modules, built without them
     pp = make()
     args, target = w.make_batch(w.microbatch_size * 4 + 1, 0)
     expect(lambda: pp.step(*args, target=target))
@@ -122,7 +125,8 @@ def errors_body(rank: int, world: int) -> list[str]:
 def test_bad_input_errors_on_every_rank() -> None:
     results = run_ranks("tests.test_runtime:errors_body", 2, timeout=120)
     assert results[0] == results[1]
-    unknown, too_few, no_loss, world, divisible, shape, no_target, inference = results[0]
+    unknown, too_few, no_loss, world, leafy, divisible, shape, no_target, inference = results[0]
+    assert "leaf_modules=['bench.models._GPTMLP']" in leafy and "leaf_modules=[]" in leafy
     assert "1f2b" in unknown and "1f1b" in unknown and "gpipe" in unknown
     assert "3" in too_few and "microbatch" in too_few
     assert "loss_fn" in no_loss
