@@ -21,6 +21,7 @@ __all__ = [
     "grid",
     "in_flight_limit",
     "interleaved_1f1b",
+    "lock_step",
     "max_in_flight",
     "one_f_one_b",
     "register",
@@ -28,11 +29,12 @@ __all__ = [
     "zb_h1",
 ]
 
-_ACTION_RE = re.compile(r"(\d+)([FBW])(\d+)")
+_ACTION_RE = re.compile(r"(\d+)(F|B|W|SEND_F|RECV_F|SEND_B|RECV_B)(\d+)")
 
 
 class Action(NamedTuple):
-    """One unit of work on one stage: F forward, B backward, W weight gradient; prints "2F0"."""
+    """One unit of work on one stage: F forward, B backward, W weight gradient; prints "2F0".
+    Lowered programs (pipe.lower) add messages: SEND_F, RECV_F, SEND_B, RECV_B ("1RECV_F3")."""
 
     stage: int
     kind: str
@@ -43,12 +45,12 @@ class Action(NamedTuple):
 
     @classmethod
     def from_str(cls, text: str) -> Action:
-        """Parse "{stage}{kind}{mb}", e.g. "2F0" or "12B3"."""
+        """Parse "{stage}{kind}{mb}", e.g. "2F0", "12B3" or "1RECV_F3"."""
         match = _ACTION_RE.fullmatch(text)
         if match is None:
             raise ValueError(
                 f"cannot parse action {text!r}: expected '{{stage}}{{kind}}{{mb}}' with kind "
-                "F, B or W and non-negative integers, e.g. '2F0' or '12B3'"
+                "F, B, W (or SEND_F, RECV_F, SEND_B, RECV_B) and non-negative integers, e.g. '2F0' or '12B3'"
             )
         return cls(int(match[1]), match[2], int(match[3]))
 
@@ -298,11 +300,19 @@ def execution_order(
     in earlier steps) runs it; a rank whose next action is not ready waits. Raises
     ScheduleError on a structural problem or a deadlock, with the blocked actions marked.
     """
+    return [(r, a) for _, r, a in lock_step(schedule, n_stages, n_microbatches)]
+
+
+def lock_step(
+    schedule: Schedule, n_stages: int, n_microbatches: int
+) -> list[tuple[int, int, Action]]:
+    """(step, rank, action) of execution_order: the step is the lock-step round it runs in."""
     _check_structure(schedule, n_stages, n_microbatches)
     ranks = sorted(schedule)
     pos = dict.fromkeys(ranks, 0)
     done: set[Action] = set()
-    order: list[tuple[int, Action]] = []
+    order: list[tuple[int, int, Action]] = []
+    step = 0
     while True:
         ready = [
             (r, schedule[r][pos[r]])
@@ -315,7 +325,8 @@ def execution_order(
         for r, a in ready:
             done.add(a)
             pos[r] += 1
-            order.append((r, a))
+            order.append((step, r, a))
+        step += 1
     blocked = [r for r in ranks if pos[r] < len(schedule[r])]
     if blocked:
         where = {a: (r, i) for r in ranks for i, a in enumerate(schedule[r])}

@@ -1,0 +1,179 @@
+"""Lowering (pure): a schedule's compute actions plus a placement -> per-rank programs with their messages.
+
+Legend: S stages, R ranks, s stage, m microbatch, t lock-step round. A program is a list of
+items, each a compute Action ("1F0") or a batch: a tuple of communication Actions issued
+together (one batch_isend_irecv), printed "[0SEND_F0 1RECV_B0]". Communication kinds:
+  sSEND_F m  stage s sends its outputs of mb m to stage s+1    sRECV_F m  stage s receives its inputs
+  sSEND_B m  stage s sends the grads of its inputs to s-1      sRECV_B m  stage s receives its outputs' grads
+Messages follow the lock-step rounds of `pipe.schedules.lock_step`: what round t computes is
+sent in the batch after round t's compute, and the peer receives it in its batch of round t,
+so both ends of every pair issue their batches in round order with the same messages in the
+same order. `validate` checks that by running every rank's program with NCCL's matching:
+per pair in issue order, one batch at a time, tags ignored.
+"""
+from __future__ import annotations
+
+import re
+from typing import Sequence, Union
+
+from pipe.schedules import Action, Schedule, ScheduleError, lock_step
+
+__all__ = ["COMM", "Batch", "Item", "Program", "loop_placement", "v_placement", "lower", "validate",
+           "format_program", "parse_program", "peer_of"]
+
+COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+Batch = tuple[Action, ...]
+Item = Union[Action, Batch]
+Program = dict[int, list[Item]]
+
+_ITEM_RE = re.compile(r"\[([^\]]*)\]|(\S+)")
+
+
+def loop_placement(n_stages: int, n_ranks: int) -> list[int]:
+    """Stage s on rank s % R (1F1B, GPipe, interleaved: rank r holds stages r, r+R, ...)."""
+    return [s % n_ranks for s in range(n_stages)]
+
+
+def v_placement(n_stages: int, n_ranks: int) -> list[int]:
+    """The V shape of two stages per rank: stage s and 2R-1-s on one rank (ZBV, DualPipeV)."""
+    if n_stages != 2 * n_ranks:
+        raise ScheduleError(f"the V placement holds exactly two stages per rank (n_stages = 2 x n_ranks), got "
+                            f"n_stages={n_stages} for n_ranks={n_ranks}; use n_stages={2 * n_ranks}")
+    return [s if s < n_ranks else 2 * n_ranks - 1 - s for s in range(n_stages)]
+
+
+def peer_of(a: Action, place: Sequence[int]) -> int:
+    """The rank a communication action talks to."""
+    return place[a.stage + 1] if a.kind in ("SEND_F", "RECV_B") else place[a.stage - 1]
+
+
+def _message(a: Action) -> tuple[str, int, int]:
+    """(direction, boundary, mb) of the message a communication action moves; boundary b sits
+    between stages b-1 and b, so both ends of one message name the same triple."""
+    if a.kind in ("SEND_F", "RECV_B"):
+        return ("F" if a.kind == "SEND_F" else "B", a.stage + 1, a.mb)
+    return ("F" if a.kind == "RECV_F" else "B", a.stage, a.mb)
+
+
+def lower(schedule: Schedule, n_stages: int, n_microbatches: int, place: Sequence[int] | None = None
+          ) -> Program:
+    """Each rank's program: its compute actions in schedule order, and after each lock-step round
+    one batch with the messages that round exchanges with other ranks (none for a stage whose
+    neighbour lives on the same rank). O(number of actions) after the lock-step run."""
+    place = list(place) if place is not None else loop_placement(n_stages, len(schedule))
+    rounds = lock_step(schedule, n_stages, n_microbatches)
+    ranks = sorted(schedule)
+    compute: dict[tuple[int, int], Action] = {(t, r): a for t, r, a in rounds}
+    batches: dict[tuple[int, int], list[Action]] = {}
+    for t, r, a in rounds:
+        s, m = a.stage, a.mb
+        if a.kind == "F" and s < n_stages - 1 and place[s + 1] != r:
+            batches.setdefault((t, r), []).append(Action(s, "SEND_F", m))
+            batches.setdefault((t, place[s + 1]), []).append(Action(s + 1, "RECV_F", m))
+        if a.kind == "B" and s > 0 and place[s - 1] != r:
+            batches.setdefault((t, r), []).append(Action(s, "SEND_B", m))
+            batches.setdefault((t, place[s - 1]), []).append(Action(s - 1, "RECV_B", m))
+    n_rounds = 1 + max((t for t, _, _ in rounds), default=-1)
+    program: Program = {r: [] for r in ranks}
+    for t in range(n_rounds):
+        for r in ranks:
+            if (t, r) in compute:
+                program[r].append(compute[(t, r)])
+            if (t, r) in batches:  # one order on both ends: by peer, then by message
+                ops = sorted(batches[(t, r)], key=lambda a: (peer_of(a, place), _message(a)))
+                program[r].append(tuple(ops))
+    return program
+
+
+def _item(x: Item) -> str:
+    return str(x) if isinstance(x, Action) else "[" + " ".join(str(a) for a in x) + "]"
+
+
+def format_program(program: Program) -> str:
+    """One line per rank: 'rank 0: 0F0 [0SEND_F0] 0F1 ...'."""
+    return "\n".join(f"rank {r}: " + " ".join(_item(x) for x in program[r]) for r in sorted(program))
+
+
+def parse_program(text: str) -> Program:
+    """The inverse of format_program."""
+    program: Program = {}
+    for line in text.strip().splitlines():
+        head, _, body = line.partition(":")
+        rank = int(head.split()[1])
+        items: list[Item] = []
+        for batch, single in _ITEM_RE.findall(body):
+            items.append(Action.from_str(single) if single else tuple(Action.from_str(a) for a in batch.split()))
+        program[rank] = items
+    return program
+
+
+def _needs(a: Action, place: Sequence[int], n_stages: int) -> Action | None:
+    """The receive a compute action waits for, when its input comes from another rank."""
+    r = place[a.stage]
+    if a.kind == "F" and a.stage > 0 and place[a.stage - 1] != r:
+        return Action(a.stage, "RECV_F", a.mb)
+    if a.kind == "B" and a.stage < n_stages - 1 and place[a.stage + 1] != r:
+        return Action(a.stage, "RECV_B", a.mb)
+    return None
+
+
+def validate(program: Program, n_stages: int, place: Sequence[int] | None = None) -> None:
+    """Run every rank's program with NCCL's semantics; ScheduleError on a deadlock or a mismatch.
+
+    A rank issues a batch and goes on; a compute action waits until the receive it needs is
+    done. The ops of a batch towards one peer form a group; per pair, groups complete in issue
+    order, and the head groups of both ends must carry the same messages in the same order
+    (the i-th send from a to b meets the i-th receive b posts for a).
+    """
+    ranks = sorted(program)
+    place = list(place) if place is not None else loop_placement(n_stages, len(ranks))
+    pos = dict.fromkeys(ranks, 0)
+    pending: dict[tuple[int, int], list[list[Action]]] = {}  # (rank, peer) -> groups in issue order
+    done: set[tuple[int, Action]] = set()
+    while True:
+        moved = False
+        for r in ranks:
+            while pos[r] < len(program[r]):
+                x = program[r][pos[r]]
+                if isinstance(x, Action):
+                    need = _needs(x, place, n_stages)
+                    if need is not None and (r, need) not in done:
+                        break
+                else:
+                    for peer in dict.fromkeys(peer_of(a, place) for a in x):
+                        pending.setdefault((r, peer), []).append([a for a in x if peer_of(a, place) == peer])
+                pos[r] += 1
+                moved = True
+        for (a, b), groups in list(pending.items()):
+            back = pending.get((b, a), [])
+            if a < b and groups and back:
+                mine, theirs = groups[0], back[0]
+                sent = [_message(x) for x in mine if x.kind.startswith("SEND")]
+                got = [_message(x) for x in theirs if x.kind.startswith("RECV")]
+                sent_back = [_message(x) for x in theirs if x.kind.startswith("SEND")]
+                got_back = [_message(x) for x in mine if x.kind.startswith("RECV")]
+                if sent != got or sent_back != got_back:
+                    raise ScheduleError(f"message mismatch between ranks {a} and {b}: rank {a} sends {sent} and "
+                                        f"receives {got_back}, rank {b} receives {got} and sends {sent_back}\n"
+                                        + _grid(program, pos))
+                done.update((a, x) for x in mine)
+                done.update((b, x) for x in theirs)
+                groups.pop(0)
+                back.pop(0)
+                moved = True
+        if not moved:
+            break
+    stuck = [r for r in ranks if pos[r] < len(program[r])]
+    left = {k: v for k, v in pending.items() if v}
+    if stuck or left:
+        raise ScheduleError(f"deadlock: ranks {stuck} cannot go on and {len(left)} pair(s) hold messages no one "
+                            f"matches ({sorted(left)})\n" + _grid(program, pos))
+
+
+def _grid(program: Program, pos: dict[int, int]) -> str:
+    """The programs with each rank's next item in [[brackets]]."""
+    lines = []
+    for r in sorted(program):
+        cells = [f"[[{_item(x)}]]" if i == pos[r] else _item(x) for i, x in enumerate(program[r])]
+        lines.append(f"rank {r}: " + " ".join(cells))
+    return "\n".join(lines) + "\nlegend: [[x]] is where the rank stands"

@@ -1,0 +1,67 @@
+"""pipe.lower: schedules lowered to per-rank programs with their messages, checked under NCCL's matching."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from pipe.lower import format_program, loop_placement, lower, parse_program, v_placement, validate
+from pipe.schedules import SCHEDULES, Action, ScheduleError, build
+
+# literal programs, one rank a line (split only to fit the page)
+ONE_F_ONE_B_2x4 = "\n".join([
+    'rank 0: 0F0 [0SEND_F0] 0F1 [0SEND_F1] [0RECV_B0] 0B0 0F2 [0RECV_B1 0SEND_F2] 0B1 0F3'
+    ' [0RECV_B2 0SEND_F3] 0B2 [0RECV_B3] 0B3',
+    'rank 1: [1RECV_F0] 1F0 [1RECV_F1] 1B0 [1SEND_B0] 1F1 1B1 [1SEND_B1 1RECV_F2] 1F2 1B2'
+    ' [1SEND_B2 1RECV_F3] 1F3 1B3 [1SEND_B3]',
+])
+
+INTERLEAVED_2x2_M2 = "\n".join([
+    'rank 0: 0F0 [0SEND_F0] 0F1 [0SEND_F1 2RECV_F0] 2F0 [2RECV_F1 2SEND_F0] 2F1'
+    ' [2SEND_F1] [2RECV_B0] 2B0 [2SEND_B0] [2RECV_B1] 2B1 [0RECV_B0 2SEND_B1] 0B0'
+    ' [0RECV_B1] 0B1',
+    'rank 1: [1RECV_F0] 1F0 [1RECV_F1 1SEND_F0] 1F1 [1SEND_F1 3RECV_F0] 3F0 [3RECV_F1]'
+    ' 3B0 [3SEND_B0] 3F1 [1RECV_B0] 3B1 [3SEND_B1] 1B0 [1SEND_B0 1RECV_B1] 1B1 [1SEND_B1]',
+])
+
+
+def test_literal_programs() -> None:
+    assert lower(build("1f1b", 2, 4), 2, 4) == parse_program(ONE_F_ONE_B_2x4)
+    assert lower(build("interleaved-1f1b", 2, 2, 2), 4, 2) == parse_program(INTERLEAVED_2x2_M2)
+    assert format_program(parse_program(ONE_F_ONE_B_2x4)) == ONE_F_ONE_B_2x4.strip()
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_every_schedule_lowers_to_programs_that_match_in_order(name: str) -> None:
+    for R, M, v in itertools.product(range(1, 5), range(1, 17), (1, 2)):
+        if name.startswith("interleaved") != (v == 2) or (name.startswith("interleaved") and M % R):
+            continue
+        S = R * v
+        program = lower(build(name, R, M, v), S, M)
+        validate(program, S)  # no deadlock, every message met by its own receive
+        sends = [a for items in program.values() for x in items if not isinstance(x, Action) for a in x
+                 if a.kind.startswith("SEND")]
+        recvs = [a for items in program.values() for x in items if not isinstance(x, Action) for a in x
+                 if a.kind.startswith("RECV")]
+        boundaries = 0 if R == 1 else S - 1  # one rank: stages hand over in memory, no message
+        assert len(sends) == len(recvs) == 2 * M * boundaries, (name, R, M, v)
+
+
+def test_a_receive_posted_out_of_order_is_a_mismatch_and_a_missing_one_a_deadlock() -> None:
+    program = parse_program(INTERLEAVED_2x2_M2)
+    # rank 0 sends activations of boundary 1 (0SEND_F0) while rank 1 first expects boundary 3
+    swapped = dict(program)
+    swapped[1] = [x if x != (Action(1, "RECV_F", 0),) else (Action(3, "RECV_F", 0),) for x in program[1]]
+    with pytest.raises(ScheduleError, match="message mismatch between ranks 0 and 1"):
+        validate(swapped, 4)
+    dropped = dict(program)
+    dropped[1] = [x for x in program[1] if x != (Action(1, "RECV_F", 0),)]
+    with pytest.raises(ScheduleError, match=r"(?s)deadlock: ranks \[0, 1\].*rank 1: \[\[1F0\]\]"):
+        validate(dropped, 4)
+
+
+def test_placements() -> None:
+    assert loop_placement(6, 3) == [0, 1, 2, 0, 1, 2]
+    assert v_placement(6, 3) == [0, 1, 2, 2, 1, 0]
+    with pytest.raises(ScheduleError, match="exactly two stages per rank"):
+        v_placement(5, 3)
