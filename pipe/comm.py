@@ -243,41 +243,59 @@ class Work(Protocol):
 
 
 class Transport(Protocol):
-    """Point-to-point messages between ranks; `tag` keeps messages of one pair apart."""
+    """Point-to-point messages between ranks: a batch of ("send" | "recv", tensor, peer) posted as one
+    group, matched per pair in issue order (no tags, as NCCL matches); a Work per op."""
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work: ...
-
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Work: ...
+    def batch(self, ops: Sequence[tuple[str, torch.Tensor, int]]) -> list[Work]: ...
 
 
 class _Guarded:
-    """A message in flight whose failure is PeerLost, naming the peer."""
+    """A message in flight whose failure is PeerLost, naming the peer. It may be waited on more
+    than once (a gloo receive waited twice would wait for a second message)."""
 
-    def __init__(self, work: Any, what: str, peer: int) -> None:
+    def __init__(self, work: Any, what: str, peer: int | None) -> None:
         self.work, self.what, self.peer = work, what, peer
+        self.done = False
 
     def wait(self) -> Any:
-        with guarded(self.what, self.peer):
-            return self.work.wait()
+        if not self.done:
+            with guarded(self.what, self.peer):
+                self.work.wait()
+            self.done = True
+        return True
 
     def is_completed(self) -> bool:
-        return bool(self.work.is_completed())
+        return self.done or bool(self.work.is_completed())
 
 
 class TorchTransport:
-    """torch.distributed point-to-point (gloo on CPU, NCCL on GPU); a failed message is PeerLost."""
+    """torch.distributed's batch_isend_irecv (gloo on CPU, NCCL on GPU), every tag 0; a failed
+    message is PeerLost naming its peer."""
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
-        with guarded("a send", dst):
-            work = dist.isend(tensor, dst, tag=tag)
-        assert work is not None
-        return _Guarded(work, "a send", dst)
+    def batch(self, ops: Sequence[tuple[str, torch.Tensor, int]]) -> list[Work]:
+        p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer) for kind, t, peer in ops]
+        with guarded("posting messages", ops[0][2] if ops else None):
+            works = dist.batch_isend_irecv(p2p)
+        if len(works) != len(ops):  # NCCL coalesces the batch: its work stands for every op
+            whole = _Guarded(_AllOf(works), "a batch of messages", ops[0][2])
+            return [whole] * len(ops)
+        return [_Guarded(w, f"a {'send to' if kind == 'send' else 'receive from'}", peer)
+                for w, (kind, _, peer) in zip(works, ops)]
 
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Work:
-        with guarded("a receive", src):
-            work = dist.irecv(tensor, src, tag=tag)
-        assert work is not None
-        return _Guarded(work, "a receive", src)
+
+class _AllOf:
+    """Works waited on as one."""
+
+    def __init__(self, works: Sequence[Any]) -> None:
+        self.works = list(works)
+
+    def wait(self) -> Any:
+        for w in self.works:
+            w.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
 
 
 def is_dense(shape: Sequence[int], stride: Sequence[int]) -> bool:

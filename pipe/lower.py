@@ -19,7 +19,7 @@ from typing import Sequence, Union
 from pipe.schedules import Action, Schedule, ScheduleError, lock_step
 
 __all__ = ["COMM", "Batch", "Item", "Program", "loop_placement", "v_placement", "lower", "validate",
-           "format_program", "parse_program", "peer_of"]
+           "forward_only", "format_program", "parse_program", "peer_of"]
 
 COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 Batch = tuple[Action, ...]
@@ -83,6 +83,23 @@ def lower(schedule: Schedule, n_stages: int, n_microbatches: int, place: Sequenc
                 ops = sorted(batches[(t, r)], key=lambda a: (peer_of(a, place), _message(a)))
                 program[r].append(tuple(ops))
     return program
+
+
+def forward_only(program: Program) -> Program:
+    """The program of inference: its forwards and their messages, in the same order."""
+    out: Program = {}
+    for r, items in program.items():
+        kept: list[Item] = []
+        for x in items:
+            if isinstance(x, Action):
+                if x.kind == "F":
+                    kept.append(x)
+            else:
+                batch = tuple(a for a in x if a.kind in ("SEND_F", "RECV_F"))
+                if batch:
+                    kept.append(batch)
+        out[r] = kept
+    return out
 
 
 def _item(x: Item) -> str:

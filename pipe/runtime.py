@@ -24,6 +24,7 @@ import memory
 from memory import MemoryManager
 from pipe import comm
 from pipe.exchange import Exchange
+from pipe.lower import forward_only, loop_placement, lower, validate
 from pipe.backward import Saved, backward_full, backward_input, backward_weight, with_param_outputs
 from pipe.schedules import Action, ScheduleError, build, in_flight_limit
 from pipe.simulate import Event, Timeline
@@ -104,7 +105,7 @@ class Pipeline:
                  memory_budget: float | str | None = None, dynamic_shapes: bool = False,
                  recompute: str = "none", offload: str = "none", skip_nonfinite: bool = False,
                  example_target: Any = None, leaf_modules: Sequence[type[torch.nn.Module]] = (),
-                 progress: Callable[[str], None] | None = None) -> None:
+                 progress: Callable[[str], None] | None = None, transport: comm.Transport | None = None) -> None:
         if loss_fn is None or not callable(loss_fn):
             raise PipelineError(f"loss_fn must be a callable (output, target) -> scalar loss, got {loss_fn!r}; "
                                 "pass e.g. loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())")
@@ -130,9 +131,16 @@ class Pipeline:
         self.steps_done = 0
         self.schedule_name = schedule
         try:
-            self.actions: list[Action] = build(schedule, self.world, microbatches, stages_per_rank)[self.rank]
+            full = build(schedule, self.world, microbatches, stages_per_rank)
+            self.place = loop_placement(self.S, self.world)
+            programs = lower(full, self.S, microbatches, self.place)
+            validate(programs, self.S, self.place)  # messages matched in order on every pair, no deadlock
+            inference = forward_only(programs)
+            validate(inference, self.S, self.place)
         except ScheduleError as e:
             raise PipelineError(str(e)) from e
+        self.actions: list[Action] = full[self.rank]
+        self.program, self.inference_program = programs[self.rank], inference[self.rank]
         self.has_w = any(a.kind == "W" for a in self.actions)
         args, kwargs = tuple(example_args), dict(example_kwargs or {})
         self.plan = self._agree_on_plan(model, args, kwargs, plan, cost, memory_budget, (recompute, offload),
@@ -149,7 +157,7 @@ class Pipeline:
             error = f"{type(e).__name__}: {e}"
         _agree(error, self.rank, self.world)
         self._gm = gm
-        self.local = [s for s in range(self.S) if s % self.world == self.rank]
+        self.local = [s for s in range(self.S) if self.place[s] == self.rank]
         if self.plan.loss and not isinstance(example_target, torch.Tensor):  # the shape the plan recorded
             v = self.plan.inputs[-1]
             assert v is not None
@@ -172,7 +180,7 @@ class Pipeline:
         self._placed = {id(b) for st in stages for b in st.buffers()}
         self._model = model
         self._tied_groups = self._make_tied_groups()
-        self.transport: comm.Transport = comm.TorchTransport()
+        self.transport: comm.Transport = transport or comm.TorchTransport()
         self.timeline: list[Event] = []
 
     # ----- set-up -----
@@ -253,7 +261,7 @@ class Pipeline:
         holders: dict[str, set[int]] = {}
         for st in self.plan.stages:
             for p in st.params:
-                holders.setdefault(p, set()).add(st.index % self.world)
+                holders.setdefault(p, set()).add(self.place[st.index])
         groups: dict[tuple[int, ...], list[str]] = {}
         for p in sorted(holders):
             if len(holders[p]) > 1:
@@ -369,12 +377,11 @@ class Pipeline:
         targets = split_microbatches(target, self.M, "target") if target is not None else [None] * self.M
         flats = self._flats(mbs, targets)
         dev = self.ctx.device
-        exchange = Exchange(self.transport, self.plan, self.world, self.M, self.local, dev, self.dynamic)
+        exchange = Exchange(self.transport, self.plan, self.place, self.rank, dev, self.dynamic)
         run = _StepState(self, flats, targets, exchange)
         with self._failures(run, f"step {self.steps_done}"):
-            exchange.post()
             self.memory.step_begin()
-            run.execute(self.actions)
+            run.execute(self.program)
             self.memory.step_end()
             with comm.guarded("the all-reduce of tied parameters' grads"):
                 for group, params in self._tied_groups:
@@ -384,8 +391,8 @@ class Pipeline:
                         dist.all_reduce(p.grad, group=group)
             loss = torch.as_tensor(run.loss_sum, dtype=torch.float64).reshape(1).to(dev)
             if self.world > 1:
-                with comm.guarded("the loss broadcast", (self.S - 1) % self.world):
-                    dist.broadcast(loss, src=(self.S - 1) % self.world)
+                with comm.guarded("the loss broadcast", self.place[self.S - 1]):
+                    dist.broadcast(loss, src=self.place[self.S - 1])
         self.timeline = run.events
         self.steps_done += 1
         value = float(loss.item())
@@ -428,7 +435,7 @@ class Pipeline:
                 p.grad = None
             return
         raise NonFiniteLoss(f"the loss is {value} at step {self.steps_done - 1}; it first appeared on stage {stage} "
-                            f"(rank {stage % self.world}); lower the learning rate, check the data, or pass "
+                            f"(rank {self.place[stage]}); lower the learning rate, check the data, or pass "
                             "skip_nonfinite=True to drop such steps (their grads are cleared)")
 
     def forward(self, *batch_args: Any, **batch_kwargs: Any) -> Any:
@@ -447,16 +454,16 @@ class Pipeline:
         mbs = split_microbatches((batch_args, batch_kwargs), self.M)
         self._check_call(mbs[0], None, training=False)
         flats = self._flats(mbs, [None] * self.M)
-        exchange = Exchange(self.transport, self.plan, self.world, self.M, self.local, self.ctx.device,
-                            self.dynamic, grads=False)
+        exchange = Exchange(self.transport, self.plan, self.place, self.rank, self.ctx.device, self.dynamic)
         run = _StepState(self, flats, [None] * self.M, exchange, inference=True)
-        last = (self.S - 1) % self.world
+        last = self.place[self.S - 1]
         with torch.no_grad(), self._failures(run, "inference"):
-            exchange.post()
-            for a in self.actions:
-                if a.kind == "F":
-                    run.current = a
-                    run.forward(a)
+            for x in self.inference_program:
+                if isinstance(x, Action):
+                    run.current = x
+                    run.forward(x)
+                else:
+                    exchange.issue(x)
             run.current = None
             exchange.finish()
             box: list[Any] = [_concat(run.outputs) if self.rank == last else None]
@@ -508,13 +515,18 @@ class _StepState:
         self.handlers = {"F": self.forward, "B": self.backward, "W": self.weight}
         self.current: Action | None = None  # the action running, named when it fails
 
-    def execute(self, actions: list[Action]) -> None:
+    def execute(self, program: list[Any]) -> None:
+        """Run this rank's lowered program: compute actions through the handlers (and the memory
+        manager around them), batches of messages through the exchange."""
         mem = self.pp.memory
-        for a in actions:
-            self.current = a
-            mem.before(a)
-            self.handlers[a.kind](a)
-            mem.after(a)
+        for x in program:
+            if not isinstance(x, Action):
+                self.ex.issue(x)
+                continue
+            self.current = x
+            mem.before(x)
+            self.handlers[x.kind](x)
+            mem.after(x)
         self.current = None
         self.ex.finish()
 

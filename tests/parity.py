@@ -46,24 +46,28 @@ def check_step(pp: Any, loss: float, ref: Any, args: Any, kwargs: dict[str, Any]
 
 def parity_body(rank: int, world: int, *, spec: str, model_args: dict[str, Any],
                 schedules: list[tuple[str, int]], M: int, steps: int = 3, fused: bool = False,
-                expect_vocab: bool = False) -> dict[str, list[float]]:
+                expect_vocab: bool = False, nccl_like: bool = False) -> dict[str, list[float]]:
     """For each (schedule, stages per rank): `steps` Adam steps in parity with the plain model.
 
     `fused`: plan with the loss in the graph (example_target=); `expect_vocab`: and check that
-    the plan spread the LM head and its loss over stages (partition.rewrite.vocab_parallel)."""
-    return {f"{name}/v{v}": one_schedule(rank, world, spec, model_args, name, M, v, steps, fused, expect_vocab)
-            for name, v in schedules}
+    the plan spread the LM head and its loss over stages (partition.rewrite.vocab_parallel);
+    `nccl_like`: messages through tests.nccl_like (NCCL's matching and per-pair order)."""
+    return {f"{name}/v{v}": one_schedule(rank, world, spec, model_args, name, M, v, steps, fused, expect_vocab,
+                                         nccl_like) for name, v in schedules}
 
 
 def one_schedule(rank: int, world: int, spec: str, model_args: dict[str, Any], schedule: str, M: int,
-                 v: int, steps: int, fused: bool = False, expect_vocab: bool = False) -> list[float]:
+                 v: int, steps: int, fused: bool = False, expect_vocab: bool = False,
+                 nccl_like: bool = False) -> list[float]:
     import pipe
+    from tests.nccl_like import NcclLike
     pipe.init()
     w = partition.load(spec, **model_args)
     ref = partition.load(spec, **model_args)
     pp = pipe.Pipeline(w.model, w.example_args, example_kwargs=w.example_kwargs, loss_fn=w.loss_fn,
                        microbatches=M, schedule=schedule, stages_per_rank=v, cost="flops",
-                       example_target=w.example_target if fused else None)
+                       example_target=w.example_target if fused else None,
+                       transport=NcclLike() if nccl_like else None)
     assert pp.plan.loss == fused
     if expect_vocab:
         vocab = [r for r in pp.plan.rewrites if list(r[2:]) == ["vocab"]]
