@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from typing import Sequence, Union
 
-from pipe.schedules import Action, Schedule, ScheduleError, lock_step
+from pipe.schedules import Action, Schedule, ScheduleError, lock_step, loop_placement, v_placement
 
 __all__ = ["COMM", "Batch", "Item", "Program", "loop_placement", "v_placement", "lower", "validate",
            "forward_only", "format_program", "parse_program", "peer_of"]
@@ -27,19 +27,6 @@ Item = Union[Action, Batch]
 Program = dict[int, list[Item]]
 
 _ITEM_RE = re.compile(r"\[([^\]]*)\]|(\S+)")
-
-
-def loop_placement(n_stages: int, n_ranks: int) -> list[int]:
-    """Stage s on rank s % R (1F1B, GPipe, interleaved: rank r holds stages r, r+R, ...)."""
-    return [s % n_ranks for s in range(n_stages)]
-
-
-def v_placement(n_stages: int, n_ranks: int) -> list[int]:
-    """The V shape of two stages per rank: stage s and 2R-1-s on one rank (ZBV, DualPipeV)."""
-    if n_stages != 2 * n_ranks:
-        raise ScheduleError(f"the V placement holds exactly two stages per rank (n_stages = 2 x n_ranks), got "
-                            f"n_stages={n_stages} for n_ranks={n_ranks}; use n_stages={2 * n_ranks}")
-    return [s if s < n_ranks else 2 * n_ranks - 1 - s for s in range(n_stages)]
 
 
 def peer_of(a: Action, place: Sequence[int]) -> int:
@@ -61,7 +48,7 @@ def lower(schedule: Schedule, n_stages: int, n_microbatches: int, place: Sequenc
     one batch with the messages that round exchanges with other ranks (none for a stage whose
     neighbour lives on the same rank). O(number of actions) after the lock-step run."""
     place = list(place) if place is not None else loop_placement(n_stages, len(schedule))
-    rounds = lock_step(schedule, n_stages, n_microbatches)
+    rounds = lock_step(schedule, n_stages, n_microbatches, place)
     ranks = sorted(schedule)
     compute: dict[tuple[int, int], Action] = {(t, r): a for t, r, a in rounds}
     batches: dict[tuple[int, int], list[Action]] = {}

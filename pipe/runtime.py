@@ -24,9 +24,9 @@ import memory
 from memory import MemoryManager
 from pipe import comm
 from pipe.exchange import Exchange
-from pipe.lower import forward_only, loop_placement, lower, validate
+from pipe.lower import forward_only, lower, validate
 from pipe.backward import Saved, backward_full, backward_input, backward_weight, with_param_outputs
-from pipe.schedules import Action, ScheduleError, build, in_flight_limit
+from pipe.schedules import Action, ScheduleError, build, in_flight_limit, loop_placement
 from pipe.simulate import Event, Timeline
 
 __all__ = ["NonFiniteLoss", "Pipeline", "PipelineError", "split_microbatches"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from partition.errors import FxpipeError
@@ -22,6 +22,8 @@ __all__ = [
     "in_flight_limit",
     "interleaved_1f1b",
     "lock_step",
+    "loop_placement",
+    "v_placement",
     "max_in_flight",
     "one_f_one_b",
     "register",
@@ -57,6 +59,19 @@ class Action(NamedTuple):
 
 Schedule = dict[int, list[Action]]
 ScheduleFn = Callable[[int, int, int], Schedule]
+
+
+def loop_placement(n_stages: int, n_ranks: int) -> list[int]:
+    """Stage s on rank s % R (1F1B, GPipe, interleaved: rank r holds stages r, r+R, ...)."""
+    return [s % n_ranks for s in range(n_stages)]
+
+
+def v_placement(n_stages: int, n_ranks: int) -> list[int]:
+    """The V shape of two stages per rank: stage s and 2R-1-s on one rank (ZBV, DualPipeV)."""
+    if n_stages != 2 * n_ranks:
+        raise ScheduleError(f"the V placement holds exactly two stages per rank (n_stages = 2 x n_ranks), got "
+                            f"n_stages={n_stages} for n_ranks={n_ranks}; use n_stages={2 * n_ranks}")
+    return [s if s < n_ranks else 2 * n_ranks - 1 - s for s in range(n_stages)]
 
 
 class ScheduleError(FxpipeError, ValueError):
@@ -257,9 +272,11 @@ def _fail(
     raise ScheduleError(f"{headline}\n{body}\n{grid(schedule, mark=mark)}")
 
 
-def _check_structure(schedule: Schedule, n_stages: int, n_microbatches: int) -> None:
+def _check_structure(schedule: Schedule, n_stages: int, n_microbatches: int,
+                     place: Sequence[int] | None = None) -> None:
     """Exactly one F and one B per (stage, mb), W for all or none of a stage's mbs, right rank."""
     n_ranks = len(schedule)
+    place = list(place) if place is not None else loop_placement(n_stages, n_ranks)
     if sorted(schedule) != list(range(n_ranks)):
         raise ScheduleError(f"schedule ranks must be 0..{n_ranks - 1}, got {sorted(schedule)}")
     problems: list[str] = []
@@ -272,9 +289,9 @@ def _check_structure(schedule: Schedule, n_stages: int, n_microbatches: int) -> 
                 problems.append(f"{where} is outside kinds F/B/W and stages 0..{n_stages - 1}")
             elif not 0 <= a.mb < n_microbatches:
                 problems.append(f"{where} is outside microbatches 0..{n_microbatches - 1}")
-            elif a.stage % n_ranks != r:
+            elif place[a.stage] != r:
                 problems.append(f"{where} is on the wrong rank: stage {a.stage} lives on "
-                                f"rank {a.stage % n_ranks} (stage % {n_ranks})")
+                                f"rank {place[a.stage]} (placement {place})")
             elif a in seen:
                 problems.append(f"{where} is a duplicate of rank {seen[a][0]} step {seen[a][1]}")
             else:
@@ -285,14 +302,14 @@ def _check_structure(schedule: Schedule, n_stages: int, n_microbatches: int) -> 
         n_w = sum(Action(s, "W", m) in seen for m in range(n_microbatches))
         for m in range(n_microbatches):
             kinds = ("F", "B", "W") if n_w else ("F", "B")
-            problems += [f"missing {Action(s, k, m)} (stage {s} lives on rank {s % n_ranks})"
+            problems += [f"missing {Action(s, k, m)} (stage {s} lives on rank {place[s]})"
                          for k in kinds if Action(s, k, m) not in seen]
     if problems:
         _fail(schedule, f"invalid schedule: {len(problems)} problem(s)", problems, mark)
 
 
 def execution_order(
-    schedule: Schedule, n_stages: int, n_microbatches: int
+    schedule: Schedule, n_stages: int, n_microbatches: int, place: Sequence[int] | None = None
 ) -> list[tuple[int, Action]]:
     """Run all ranks in lock-step with asynchronous sends; return (rank, action) in run order.
 
@@ -300,14 +317,15 @@ def execution_order(
     in earlier steps) runs it; a rank whose next action is not ready waits. Raises
     ScheduleError on a structural problem or a deadlock, with the blocked actions marked.
     """
-    return [(r, a) for _, r, a in lock_step(schedule, n_stages, n_microbatches)]
+    return [(r, a) for _, r, a in lock_step(schedule, n_stages, n_microbatches, place)]
 
 
 def lock_step(
-    schedule: Schedule, n_stages: int, n_microbatches: int
+    schedule: Schedule, n_stages: int, n_microbatches: int, place: Sequence[int] | None = None
 ) -> list[tuple[int, int, Action]]:
-    """(step, rank, action) of execution_order: the step is the lock-step round it runs in."""
-    _check_structure(schedule, n_stages, n_microbatches)
+    """(step, rank, action) of execution_order: the step is the lock-step round it runs in.
+    `place` maps stage -> rank (default loop_placement)."""
+    _check_structure(schedule, n_stages, n_microbatches, place)
     ranks = sorted(schedule)
     pos = dict.fromkeys(ranks, 0)
     done: set[Action] = set()
@@ -341,9 +359,9 @@ def lock_step(
     return order
 
 
-def validate(schedule: Schedule, n_stages: int, n_microbatches: int) -> None:
+def validate(schedule: Schedule, n_stages: int, n_microbatches: int, place: Sequence[int] | None = None) -> None:
     """Raise ScheduleError unless the schedule is complete, on the right ranks and deadlock-free."""
-    execution_order(schedule, n_stages, n_microbatches)
+    execution_order(schedule, n_stages, n_microbatches, place)
 
 
 def max_in_flight(schedule: Schedule, stage: int) -> int:

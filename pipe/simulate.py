@@ -12,6 +12,7 @@ from pipe.schedules import (
     ScheduleError,
     dependencies,
     execution_order,
+    loop_placement,
 )
 
 __all__ = ["Event", "Timeline", "simulate", "textbook_bubble"]
@@ -181,13 +182,15 @@ def simulate(
     b_ms: Sequence[float],
     w_ms: Sequence[float] | None = None,
     comm_ms: Sequence[float] | None = None,
+    place: Sequence[int] | None = None,
 ) -> Timeline:
     """Run `schedule` with per-stage costs; each rank follows its list in order.
 
     f_ms, b_ms, w_ms: per stage forward, input-grad backward and weight-grad times (w_ms None
     means 0). A B whose (stage, mb) has no W in the schedule takes b_ms + w_ms. comm_ms[i]:
     transfer time across boundary i (stage i <-> i+1), charged to activations and gradients
-    alike, and only when the two stages sit on different ranks. An action starts at
+    alike, and only when the two stages sit on different ranks (`place`: stage -> rank, default
+    loop_placement). An action starts at
     max(its rank is free, each dependency's end + transfer). Deadlock raises ScheduleError.
     """
     n_stages = len(f_ms)
@@ -198,7 +201,8 @@ def simulate(
     _check_len("comm_ms", comm, max(n_stages - 1, 0), "one per boundary: n_stages - 1")
     n_ranks = len(schedule)
     n_microbatches = 1 + max((a.mb for acts in schedule.values() for a in acts), default=-1)
-    order = execution_order(schedule, n_stages, n_microbatches)
+    where = list(place) if place is not None else loop_placement(n_stages, n_ranks)
+    order = execution_order(schedule, n_stages, n_microbatches, where)
     has_w = {a.stage for acts in schedule.values() for a in acts if a.kind == "W"}
     end: dict[Action, float] = {}
     free = [0.0] * n_ranks
@@ -207,7 +211,7 @@ def simulate(
         start = free[rank]
         for d in dependencies(a, n_stages):
             hop = 0.0
-            if d.stage != a.stage and d.stage % n_ranks != a.stage % n_ranks:
+            if d.stage != a.stage and where[d.stage] != where[a.stage]:
                 hop = comm[min(d.stage, a.stage)]
             start = max(start, end[d] + hop)
         if a.kind == "F":

@@ -5,8 +5,8 @@ import itertools
 
 import pytest
 
-from pipe.lower import format_program, loop_placement, lower, parse_program, v_placement, validate
-from pipe.schedules import SCHEDULES, Action, ScheduleError, build
+from pipe.lower import format_program, lower, parse_program, validate
+from pipe.schedules import SCHEDULES, Action, ScheduleError, build, loop_placement, v_placement
 
 # literal programs, one rank a line (split only to fit the page)
 ONE_F_ONE_B_2x4 = "\n".join([
@@ -65,3 +65,19 @@ def test_placements() -> None:
     assert v_placement(6, 3) == [0, 1, 2, 2, 1, 0]
     with pytest.raises(ScheduleError, match="exactly two stages per rank"):
         v_placement(5, 3)
+
+
+def test_a_v_placed_schedule_hands_over_on_one_rank_and_messages_across() -> None:
+    """Stages 0 and 3 on rank 0, 1 and 2 on rank 1 (the V): 1 -> 2 stays on rank 1, 0 -> 1 and
+    2 -> 3 cross; the same lists are on the wrong ranks under the loop placement."""
+    schedule = {r: [Action.from_str(a) for a in text.split()]
+                for r, text in ((0, "0F0 3F0 3B0 0B0"), (1, "1F0 2F0 2B0 1B0"))}
+    place = v_placement(4, 2)
+    program = lower(schedule, 4, 1, place)
+    assert format_program(program) == "\n".join([
+        "rank 0: 0F0 [0SEND_F0] [3RECV_F0] 3F0 3B0 [3SEND_B0] [0RECV_B0] 0B0",
+        "rank 1: [1RECV_F0] 1F0 2F0 [2SEND_F0] [2RECV_B0] 2B0 1B0 [1SEND_B0]",
+    ])
+    validate(program, 4, place)
+    with pytest.raises(ScheduleError, match="wrong rank"):
+        lower(schedule, 4, 1)
