@@ -14,15 +14,18 @@ GPT = {"n_layer": 4, "d_model": 64, "n_head": 4, "seq_len": 64, "vocab": 256, "m
 Config = tuple[str, int, str, str, Any]  # schedule, stages per rank, recompute, offload, budget (x peak)
 
 
-def one_config(rank: int, world: int, cfg: Config, M: int, steps: int, budget: float | None) -> dict[str, Any]:
+def one_config(rank: int, world: int, cfg: Config, M: int, steps: int, budget: float | None,
+               nccl_like: bool = False) -> dict[str, Any]:
     import partition
     import pipe
+    from tests.nccl_like import NcclLike
     from tests.parity import check_step
     schedule, v, recompute, offload, _ = cfg
     w = partition.load("gpt", **GPT)
     ref = partition.load("gpt", **GPT)
     pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, schedule=schedule,
-                       stages_per_rank=v, cost="flops", recompute=recompute, offload=offload, memory_budget=budget)
+                       stages_per_rank=v, cost="flops", recompute=recompute, offload=offload, memory_budget=budget,
+                       transport=NcclLike() if nccl_like else None)
     opt = torch.optim.Adam(list(pp.parameters()), lr=1e-3)
     ref_opt = torch.optim.Adam(ref.model.parameters(), lr=1e-3)
     losses = []
@@ -39,9 +42,11 @@ def one_config(rank: int, world: int, cfg: Config, M: int, steps: int, budget: f
             "recompute_ms": [choices[s].recompute_ms for s in sorted(choices)]}
 
 
-def memory_body(rank: int, world: int, *, configs: list[Config], M: int, steps: int = 3) -> dict[str, Any]:
+def memory_body(rank: int, world: int, *, configs: list[Config], M: int, steps: int = 3,
+                nccl_like: bool = False) -> dict[str, Any]:
     """Each config in parity with the plain model. A budget below 1 is that fraction of the plain
-    pipeline's measured peak (the first config must be the plain one); errors are returned as text."""
+    pipeline's measured peak (the first config must be the plain one); errors are returned as text.
+    `nccl_like`: messages through tests.nccl_like (NCCL's matching and per-pair order)."""
     import torch.distributed as dist
     import pipe
     pipe.init()
@@ -53,7 +58,7 @@ def memory_body(rank: int, world: int, *, configs: list[Config], M: int, steps: 
             assert base is not None, "put the plain config first"
             budget = int(budget * base)
         try:
-            res = one_config(rank, world, cfg, M, steps, budget)
+            res = one_config(rank, world, cfg, M, steps, budget, nccl_like)
         except ValueError as e:
             out["/".join(map(str, cfg))] = {"error": str(e)}
             continue
@@ -108,6 +113,19 @@ def test_parity_and_budgets_on_2_ranks() -> None:
     assert res["zb-h1/1/auto/all/0.7"]["budget"] is not None
     err = res["1f1b/1/auto/all/0.05"]["error"]  # the partitioner or memory/ refuses, naming the least budget
     assert "memory_budget >= " in err and ("least budget" in err or "smallest feasible" in err), err
+
+
+def test_memory_features_with_nccl_matching() -> None:
+    """Recompute and offload with the messages through a transport with NCCL's semantics."""
+    configs: list[Config] = [
+        ("1f1b", 1, "none", "none", None),
+        ("1f1b", 1, "auto", "all", 0.6),
+        ("interleaved-1f1b", 2, "selective", "all", None),
+        ("zb-h1", 1, "full", "activations", None),
+    ]
+    res = _check(run_ranks("tests.test_memory_parity:memory_body", 2, timeout=240, configs=configs, M=4,
+                           nccl_like=True))
+    assert not any("error" in r for r in res.values()), res
 
 
 def test_parity_and_budgets_on_4_ranks() -> None:

@@ -147,17 +147,18 @@ def test_bad_input_errors_on_every_rank() -> None:
     assert "computes the loss" in inference and "without example_target" in inference
 
 
-def dynamic_body(rank: int, world: int) -> list[float]:
+def dynamic_body(rank: int, world: int, *, schedule: str = "1f1b", nccl_like: bool = False) -> list[float]:
     """Sequence length changing from batch to batch, with shapes sent ahead of each activation."""
     import torch
     import partition
     import pipe
+    from tests.nccl_like import NcclLike
     from tests.parity import reference_step
     pipe.init()
     w = partition.load("gpt", **SMALL_GPT)
     ref = partition.load("gpt", **SMALL_GPT)
-    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=4, schedule="1f1b",
-                       cost="flops", dynamic_shapes=True)
+    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=4, schedule=schedule,
+                       cost="flops", dynamic_shapes=True, transport=NcclLike() if nccl_like else None)
     ref_params = dict(ref.model.named_parameters())
     losses = []
     for step, T in enumerate([32, 16, 24]):
@@ -175,6 +176,13 @@ def dynamic_body(rank: int, world: int) -> list[float]:
 
 def test_dynamic_sequence_length() -> None:
     results = run_ranks("tests.test_runtime:dynamic_body", 2, timeout=120)
+    assert results[0] == results[1] and len(results[0]) == 3
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
+def test_dynamic_sequence_length_with_nccl_matching(schedule: str) -> None:
+    """Shapes travel as device tensors in a group of their own, matched in order (tests.nccl_like)."""
+    results = run_ranks("tests.test_runtime:dynamic_body", 2, timeout=120, schedule=schedule, nccl_like=True)
     assert results[0] == results[1] and len(results[0]) == 3
 
 
