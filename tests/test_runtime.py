@@ -37,6 +37,12 @@ def test_parity_every_schedule_with_nccl_matching(world: int, spec: str) -> None
                      nccl_like=True))
 
 
+def test_parity_on_one_rank_hands_stages_over_in_memory() -> None:
+    """Two stages on one rank (interleaved, v=2): their activations and grads pass in memory."""
+    _check(run_ranks("tests.parity:parity_body", 1, timeout=120, spec="gpt", model_args=SMALL_GPT,
+                     schedules=[("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)], M=2))
+
+
 def test_parity_with_a_split_lm_head() -> None:
     """A head wider than a fair stage is cut into row slices held by several stages (partition.rewrite)."""
     _check(run_ranks("tests.parity:parity_body", 4, timeout=240, spec="gpt_wide_vocab",
