@@ -18,10 +18,9 @@ from typing import Sequence, Union
 
 from pipe.schedules import Action, Schedule, ScheduleError, lock_step, loop_placement, v_placement
 
-__all__ = ["COMM", "Batch", "Item", "Program", "loop_placement", "v_placement", "lower", "validate",
+__all__ = ["Batch", "Item", "Program", "loop_placement", "v_placement", "lower", "validate",
            "forward_only", "format_program", "parse_program", "peer_of"]
 
-COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 Batch = tuple[Action, ...]
 Item = Union[Action, Batch]
 Program = dict[int, list[Item]]
