@@ -1,4 +1,6 @@
-"""Schedules side by side in one launch, alternating step by step (run through `python -m bench schedules`):
+"""Schedules side by side in one launch, alternating step by step (run through `python -m bench schedules`);
+per schedule the step the simulator predicts for the lowered program (pipe.predict) against the
+measured one (the span of the timed actions, device time), and their ratio:
 torchrun --nproc-per-node 2 -m bench.schedules gpt --microbatches 4,8 --schedules gpipe,1f1b --out out/bench"""
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipe.schedules import SCHEDULES
+from pipe.schedules import SCHEDULES, default_stages_per_rank
 
 __all__ = ["main", "parse_args", "parser"]
 
@@ -26,9 +28,9 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("model", help="bundled name (gpt, ...), package.module:factory or path/file.py:factory")
     p.add_argument("--model-arg", action="append", default=[], metavar="K=V", help="factory keyword, repeatable")
     p.add_argument("--microbatches", default="4,8", help="comma-separated microbatch counts")
-    p.add_argument("--schedules", default="gpipe,1f1b,interleaved-1f1b,zb-h1",
+    p.add_argument("--schedules", default="gpipe,1f1b,interleaved-1f1b,zb-h1,zbv",
                    help=f"comma-separated schedules, of: {', '.join(sorted(SCHEDULES))}")
-    p.add_argument("--stages-per-rank", type=int, default=2, help="v for interleaved schedules")
+    p.add_argument("--stages-per-rank", type=int, default=2, help="v for interleaved-1f1b (zbv always runs 2)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per candidate")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--cost", default="measured", choices=["measured", "flops"])
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     cands: list[dict[str, Any]] = []
     for M in [int(x) for x in args.microbatches.split(",")]:
         for name in args.schedules.split(","):
-            v = args.stages_per_rank if name.startswith("interleaved") else 1
+            v = args.stages_per_rank if name.startswith("interleaved") else default_stages_per_rank(name)
             if name.startswith("interleaved") and M % world:
                 say(f"skip {name} M={M}: needs M divisible by {world}")
                 continue
@@ -122,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                 "measured_bubble": statistics.median(c["bubbles"]), "predicted_bubble": pred.bubble,
                 "textbook_bubble": textbook_bubble(c["schedule"], pp.S, c["M"], c["v"]),
                 "measured_step_ms": statistics.median(c["makespans"]), "predicted_step_ms": pred.makespan,
+                "measured_over_simulated": statistics.median(c["makespans"]) / pred.makespan,
                 "peak_bytes_by_stage": {str(s): max([v for k, v in r.items() if "peak" in k] or [0])
                                         for s, r in report.items()},
                 "predicted_peak_bytes_by_stage": {str(s.index): s.peak_bytes for s in pp.plan.stages},
@@ -140,12 +143,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     head = ("| schedule | M | step (s) | tokens/s | bubble measured | bubble simulated | bubble textbook "
-            "| step simulated (ms) | step measured (ms) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+            "| step simulated (ms) | step measured (ms) | measured / simulated |\n"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     lines = [head]
     for r in rows:
         lines.append(f"| {r['schedule']} | {r['microbatches']} | {r['median_step_s']:.3f} | {r['tokens_per_s']:.0f} "
                      f"| {r['measured_bubble']:.3f} | {r['predicted_bubble']:.3f} | {r['textbook_bubble']:.3f} "
-                     f"| {r['predicted_step_ms']:.1f} | {r['measured_step_ms']:.1f} |")
+                     f"| {r['predicted_step_ms']:.1f} | {r['measured_step_ms']:.1f} "
+                     f"| {r['measured_over_simulated']:.2f} |")
     return "\n".join(lines)
 
 

@@ -19,7 +19,7 @@ from typing import Sequence, Union
 from pipe.schedules import Action, Schedule, ScheduleError, lock_step, loop_placement, v_placement
 
 __all__ = ["Batch", "Item", "Program", "loop_placement", "v_placement", "lower", "validate",
-           "forward_only", "format_program", "parse_program", "peer_of"]
+           "forward_only", "format_program", "parse_program", "peer_of", "needs", "message"]
 
 Batch = tuple[Action, ...]
 Item = Union[Action, Batch]
@@ -33,7 +33,7 @@ def peer_of(a: Action, place: Sequence[int]) -> int:
     return place[a.stage + 1] if a.kind in ("SEND_F", "RECV_B") else place[a.stage - 1]
 
 
-def _message(a: Action) -> tuple[str, int, int]:
+def message(a: Action) -> tuple[str, int, int]:
     """(direction, boundary, mb) of the message a communication action moves; boundary b sits
     between stages b-1 and b, so both ends of one message name the same triple."""
     if a.kind in ("SEND_F", "RECV_B"):
@@ -66,7 +66,7 @@ def lower(schedule: Schedule, n_stages: int, n_microbatches: int, place: Sequenc
             if (t, r) in compute:
                 program[r].append(compute[(t, r)])
             if (t, r) in batches:  # one order on both ends: by peer, then by message
-                ops = sorted(batches[(t, r)], key=lambda a: (peer_of(a, place), _message(a)))
+                ops = sorted(batches[(t, r)], key=lambda a: (peer_of(a, place), message(a)))
                 program[r].append(tuple(ops))
     return program
 
@@ -110,7 +110,7 @@ def parse_program(text: str) -> Program:
     return program
 
 
-def _needs(a: Action, place: Sequence[int], n_stages: int) -> Action | None:
+def needs(a: Action, place: Sequence[int], n_stages: int) -> Action | None:
     """The receive a compute action waits for, when its input comes from another rank."""
     r = place[a.stage]
     if a.kind == "F" and a.stage > 0 and place[a.stage - 1] != r:
@@ -139,7 +139,7 @@ def validate(program: Program, n_stages: int, place: Sequence[int] | None = None
             while pos[r] < len(program[r]):
                 x = program[r][pos[r]]
                 if isinstance(x, Action):
-                    need = _needs(x, place, n_stages)
+                    need = needs(x, place, n_stages)
                     if need is not None and (r, need) not in done:
                         break
                 else:
@@ -151,10 +151,10 @@ def validate(program: Program, n_stages: int, place: Sequence[int] | None = None
             back = pending.get((b, a), [])
             if a < b and groups and back:
                 mine, theirs = groups[0], back[0]
-                sent = [_message(x) for x in mine if x.kind.startswith("SEND")]
-                got = [_message(x) for x in theirs if x.kind.startswith("RECV")]
-                sent_back = [_message(x) for x in theirs if x.kind.startswith("SEND")]
-                got_back = [_message(x) for x in mine if x.kind.startswith("RECV")]
+                sent = [message(x) for x in mine if x.kind.startswith("SEND")]
+                got = [message(x) for x in theirs if x.kind.startswith("RECV")]
+                sent_back = [message(x) for x in theirs if x.kind.startswith("SEND")]
+                got_back = [message(x) for x in mine if x.kind.startswith("RECV")]
                 if sent != got or sent_back != got_back:
                     raise ScheduleError(f"message mismatch between ranks {a} and {b}: rank {a} sends {sent} and "
                                         f"receives {got_back}, rank {b} receives {got} and sends {sent_back}\n"

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from partition.plan import Plan
-from pipe.schedules import build
-from pipe.simulate import Timeline, simulate
+from pipe.lower import lower
+from pipe.schedules import build, placement
+from pipe.simulate import Timeline, simulate_program
 
 __all__ = ["predicted_timeline", "stage_costs"]
 
@@ -21,9 +22,13 @@ def stage_costs(plan: Plan, has_w: bool) -> tuple[list[float], list[float], list
 
 def predicted_timeline(plan: Plan, n_ranks: int, schedule: str | None = None,
                        microbatches: int | None = None) -> Timeline:
-    """Simulate `schedule` (default: the plan's) over the plan's per-stage costs."""
+    """Simulate the lowered program the runtime runs for `schedule` (default: the plan's) over
+    the plan's per-stage costs: its messages in their batches, matched per pair in order."""
     name = schedule or plan.schedule
-    sched = build(name, n_ranks, microbatches or plan.microbatches, plan.n_stages // n_ranks)
+    M = microbatches or plan.microbatches
+    sched = build(name, n_ranks, M, plan.n_stages // n_ranks)
+    place = placement(name, plan.n_stages, n_ranks)
     has_w = any(a.kind == "W" for acts in sched.values() for a in acts)
     f, b, w, comm = stage_costs(plan, has_w)
-    return simulate(sched, f_ms=f, b_ms=b, w_ms=w, comm_ms=comm)
+    program = lower(sched, plan.n_stages, M, place)
+    return simulate_program(program, plan.n_stages, f_ms=f, b_ms=b, w_ms=w, comm_ms=comm, place=place)

@@ -27,7 +27,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES), help="the pipeline schedule")
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--stages-per-rank", type=int, default=None,
-                   help="stages per rank (default: 2 for interleaved schedules, else 1)")
+                   help="stages per rank (default: 2 for interleaved-1f1b and zbv, else 1)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=None, help="default: microbatch size x microbatches")
     p.add_argument("--lr", type=float, default=1e-3)

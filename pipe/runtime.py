@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -26,8 +25,9 @@ from pipe import comm
 from pipe.exchange import Exchange
 from pipe.lower import forward_only, lower, validate
 from pipe.backward import Saved, backward_full, backward_input, backward_weight, with_param_outputs
-from pipe.schedules import Action, ScheduleError, build, in_flight_limit, loop_placement
+from pipe.schedules import Action, ScheduleError, build, default_stages_per_rank, in_flight_limit, placement
 from pipe.simulate import Event, Timeline
+from pipe.timing import clock_for
 
 __all__ = ["NonFiniteLoss", "Pipeline", "PipelineError", "split_microbatches"]
 
@@ -94,8 +94,9 @@ class Pipeline:
     """A model trained as a pipeline over the ranks of the current process group.
 
     Every rank builds the same model (same seed) and makes the same calls. Rank 0 plans the
-    stages (or `plan=` gives them) and shares the plan; each rank keeps the stages
-    `s % world_size == rank`; `step` runs one schedule and returns the mean loss on every rank.
+    stages (or `plan=` gives them) and shares the plan; each rank keeps the stages the
+    schedule's placement gives it (pipe.schedules.placement: stage s on rank s % world, or the
+    V of zbv); `step` runs one schedule and returns the mean loss on every rank.
     """
 
     def __init__(self, model: torch.nn.Module, example_args: Sequence[Any], *,
@@ -115,7 +116,10 @@ class Pipeline:
             raise PipelineError(str(e)) from None
         interleaved = schedule.startswith("interleaved")
         if stages_per_rank is None:
-            stages_per_rank = 2 if interleaved else 1
+            try:
+                stages_per_rank = default_stages_per_rank(schedule)
+            except ScheduleError as e:
+                raise PipelineError(str(e)) from None
         if interleaved and stages_per_rank < 2:
             raise PipelineError(f"schedule {schedule!r} interleaves several stages per rank, but stages_per_rank="
                                 f"{stages_per_rank}; pass stages_per_rank=2 (or more), or schedule='1f1b'")
@@ -132,7 +136,7 @@ class Pipeline:
         self.schedule_name = schedule
         try:
             full = build(schedule, self.world, microbatches, stages_per_rank)
-            self.place = loop_placement(self.S, self.world)
+            self.place = placement(schedule, self.S, self.world)
             programs = lower(full, self.S, microbatches, self.place)
             validate(programs, self.S, self.place)  # messages matched in order on every pair, no deadlock
             inference = forward_only(programs)
@@ -393,7 +397,7 @@ class Pipeline:
             if self.world > 1:
                 with comm.guarded("the loss broadcast", self.place[self.S - 1]):
                     dist.broadcast(loss, src=self.place[self.S - 1])
-        self.timeline = run.events
+        self.timeline = run.events()
         self.steps_done += 1
         value = float(loss.item())
         if not math.isfinite(value):
@@ -511,7 +515,8 @@ class _StepState:
         self.saved: dict[tuple[int, int], Saved] = {}
         self.finite: list[tuple[int, torch.Tensor]] = []  # (stage, all outputs finite), read only on NaN
         self.loss_sum: torch.Tensor | float = 0.0
-        self.events: list[Event] = []
+        self.clock = clock_for(pp.ctx.device)  # device time: CUDA events on CUDA, read after the step
+        self.clock.begin()
         self.handlers = {"F": self.forward, "B": self.backward, "W": self.weight}
         self.current: Action | None = None  # the action running, named when it fails
 
@@ -530,15 +535,19 @@ class _StepState:
         self.current = None
         self.ex.finish()
 
-    def _record(self, a: Action, start: float) -> None:
-        self.events.append(Event(self.pp.rank, a, start * 1e3, time.perf_counter() * 1e3))
+    def _record(self, a: Action, start: object) -> None:
+        self.clock.span(a, start, self.clock.mark())
+
+    def events(self) -> list[Event]:
+        """This step's timed actions (ms); on CUDA this waits for the device once."""
+        return [Event(self.pp.rank, a, start, end) for a, start, end in self.clock.resolve()]
 
     def forward(self, a: Action) -> None:
         pp, s, mb = self.pp, a.stage, a.mb
         io = pp.io[s]
         leaves = [t.requires_grad_(True) if t.is_floating_point() else t
                   for t in (self.ex.recv_activations(s, mb) if s > 0 else [])]
-        start = time.perf_counter()
+        start = self.clock.mark()
         args = leaves + [self.flats[mb][i] for i in io.inputs]
         with pp.memory.forward(s, mb):
             if pp.has_w:
@@ -586,7 +595,7 @@ class _StepState:
         pp, s, mb = self.pp, a.stage, a.mb
         saved = self.saved[(s, mb)]
         grads: list[torch.Tensor | None] = self.ex.recv_grads(s, mb, saved.roots) if s < pp.S - 1 else [None]
-        start = time.perf_counter()
+        start = self.clock.mark()
         if pp.has_w and not pp.memory.fused_backward(s):
             leaf_grads = backward_input(saved, grads, pp._zb[s][2])
         else:  # a recomputing stage under zero-bubble computes its weight grads here; its W does nothing
@@ -599,7 +608,7 @@ class _StepState:
         self._record(a, start)
 
     def weight(self, a: Action) -> None:
-        start = time.perf_counter()
+        start = self.clock.mark()
         saved = self.saved.pop((a.stage, a.mb))
         backward_weight(saved, self.pp._zb[a.stage][1])
         self._record(a, start)

@@ -15,6 +15,7 @@ __all__ = [
     "ScheduleError",
     "ScheduleFn",
     "build",
+    "default_stages_per_rank",
     "dependencies",
     "execution_order",
     "gpipe",
@@ -26,9 +27,11 @@ __all__ = [
     "v_placement",
     "max_in_flight",
     "one_f_one_b",
+    "placement",
     "register",
     "validate",
     "zb_h1",
+    "zbv",
 ]
 
 _ACTION_RE = re.compile(r"(\d+)(F|B|W|SEND_F|RECV_F|SEND_B|RECV_B)(\d+)")
@@ -59,6 +62,7 @@ class Action(NamedTuple):
 
 Schedule = dict[int, list[Action]]
 ScheduleFn = Callable[[int, int, int], Schedule]
+PlacementFn = Callable[[int, int], list[int]]
 
 
 def loop_placement(n_stages: int, n_ranks: int) -> list[int]:
@@ -79,25 +83,48 @@ class ScheduleError(FxpipeError, ValueError):
 
 
 SCHEDULES: dict[str, ScheduleFn] = {}
+_PLACEMENTS: dict[str, PlacementFn] = {}
+_STAGES_PER_RANK: dict[str, int] = {}
 
 
-def register(name: str) -> Callable[[ScheduleFn], ScheduleFn]:
-    """Decorator adding `fn(n_ranks, n_microbatches, stages_per_rank)` to SCHEDULES as `name`."""
+def register(name: str, placement: PlacementFn | None = None, stages_per_rank: int = 1
+             ) -> Callable[[ScheduleFn], ScheduleFn]:
+    """Decorator adding `fn(n_ranks, n_microbatches, stages_per_rank)` to SCHEDULES as `name`, with
+    its placement (stage -> rank; loop_placement by default) and its default stages per rank.
+    A new schedule is this function and a placement; every consumer reads both from here."""
 
     def add(fn: ScheduleFn) -> ScheduleFn:
         if name in SCHEDULES:
             raise ValueError(f"schedule {name!r} is already registered; pick another name")
         SCHEDULES[name] = fn
+        _PLACEMENTS[name] = placement or loop_placement
+        _STAGES_PER_RANK[name] = stages_per_rank
         return fn
 
     return add
 
 
-def build(name: str, n_ranks: int, n_microbatches: int, stages_per_rank: int = 1) -> Schedule:
-    """Build the registered schedule `name`; ScheduleError for unknown names or bad sizes."""
+def _known(name: str) -> None:
     if name not in SCHEDULES:
         known = ", ".join(sorted(SCHEDULES))
         raise ScheduleError(f"unknown schedule {name!r}; known schedules: {known}")
+
+
+def placement(name: str, n_stages: int, n_ranks: int) -> list[int]:
+    """Where schedule `name` puts each stage: the one function that maps stage -> rank."""
+    _known(name)
+    return _PLACEMENTS[name](n_stages, n_ranks)
+
+
+def default_stages_per_rank(name: str) -> int:
+    """Stages per rank schedule `name` runs unless told otherwise (2 for interleaved-1f1b and zbv)."""
+    _known(name)
+    return _STAGES_PER_RANK[name]
+
+
+def build(name: str, n_ranks: int, n_microbatches: int, stages_per_rank: int = 1) -> Schedule:
+    """Build the registered schedule `name`; ScheduleError for unknown names or bad sizes."""
+    _known(name)
     return SCHEDULES[name](n_ranks, n_microbatches, stages_per_rank)
 
 
@@ -159,7 +186,7 @@ def one_f_one_b(n_ranks: int, n_microbatches: int, stages_per_rank: int = 1) -> 
     return schedule
 
 
-@register("interleaved-1f1b")
+@register("interleaved-1f1b", stages_per_rank=2)
 def interleaved_1f1b(n_ranks: int, n_microbatches: int, stages_per_rank: int = 1) -> Schedule:
     """Interleaved 1F1B (Narayanan et al. 2021, as in Megatron-LM): v chunks per rank.
 
@@ -224,6 +251,57 @@ def zb_h1(n_ranks: int, n_microbatches: int, stages_per_rank: int = 1) -> Schedu
                 n_w += 1
         actions += [Action(s, "W", m) for m in range(n_w, n_microbatches)]
         schedule[s] = actions
+    return schedule
+
+
+@register("zbv", placement=v_placement, stages_per_rank=2)
+def zbv(n_ranks: int, n_microbatches: int, stages_per_rank: int = 2) -> Schedule:
+    """ZB-V (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", sec. 6): two stages per rank in
+    the V placement (rank r holds stages r and 2R-1-r), B split into B and W.
+
+    Built by running the pipeline with unit times (T_F = T_B = T_W, the paper's setting): at each
+    step a rank runs, of what is ready, an F (the returning chunk first; a new microbatch enters
+    chunk 0 only while its two pairs fit: the (stage, mb) pairs alive on the rank, F to W, plus
+    those its entered microbatches will still open in chunk 1, at most 2R), else the oldest B
+    (the chunk nearer the loss first), else the oldest W. So at most 2R pairs are alive on a
+    rank: with stages half the size, the activations 1F1B keeps on its first rank. For M >= 2R
+    the makespan is within R units of 6M + R - 1, where only the start-up is idle.
+    """
+    _check_sizes("zbv", n_ranks, n_microbatches, stages_per_rank)
+    if stages_per_rank != 2:
+        raise ScheduleError(f"zbv runs exactly two stages per rank in the V placement (got stages_per_rank="
+                            f"{stages_per_rank}); use stages_per_rank=2, or 'interleaved-1f1b' for other counts")
+    R, M, S = n_ranks, n_microbatches, 2 * n_ranks
+    end: dict[Action, int] = {}  # action -> the step after the one it ran in
+    alive = [0] * R
+    entered = [0] * R  # microbatches that entered chunk 0 on each rank
+    returned = [0] * R  # ... and that ran their F in chunk 1
+    todo = {r: {Action(s, k, m) for s in (r, S - 1 - r) for k in "FBW" for m in range(M)} for r in range(R)}
+    schedule: Schedule = {r: [] for r in range(R)}
+    step = 0
+    while any(todo.values()):
+        chosen: dict[int, Action] = {}
+        for r in range(R):
+            ready = [a for a in todo[r] if all(end.get(d, step + 1) <= step for d in dependencies(a, S))]
+            bs = sorted((a for a in ready if a.kind == "B"), key=lambda a: (a.mb, -a.stage))
+            fs = sorted((a for a in ready if a.kind == "F" and (a.stage != r or (
+                a.mb == entered[r] and alive[r] + entered[r] - returned[r] + 2 <= 2 * R))),
+                        key=lambda a: (-a.stage, a.mb))
+            ws = sorted((a for a in ready if a.kind == "W"), key=lambda a: (a.mb, -a.stage))
+            for group in (fs, bs, ws):
+                if group:
+                    chosen[r] = group[0]
+                    break
+        if not chosen and all(end.get(a, 0) <= step for acts in schedule.values() for a in acts):
+            raise ScheduleError(f"zbv: no rank can run at step {step} (R={R}, M={M}); this is a bug in the builder")
+        for r, a in chosen.items():
+            todo[r].discard(a)
+            schedule[r].append(a)
+            end[a] = step + 1
+            alive[r] += 1 if a.kind == "F" else -1 if a.kind == "W" else 0
+            entered[r] += a.kind == "F" and a.stage == r
+            returned[r] += a.kind == "F" and a.stage != r
+        step += 1
     return schedule
 
 

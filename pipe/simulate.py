@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pipe.lower import Program, needs, peer_of
 from pipe.schedules import (
     Action,
     Schedule,
@@ -15,7 +16,7 @@ from pipe.schedules import (
     loop_placement,
 )
 
-__all__ = ["Event", "Timeline", "simulate", "textbook_bubble"]
+__all__ = ["Event", "Timeline", "simulate", "simulate_program", "textbook_bubble"]
 
 _COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
 _NAMES = {"F": "forward", "B": "backward", "W": "weight grad"}
@@ -225,6 +226,87 @@ def simulate(
     return Timeline(events, n_ranks)
 
 
+def simulate_program(
+    program: Program,
+    n_stages: int,
+    *,
+    f_ms: Sequence[float],
+    b_ms: Sequence[float],
+    w_ms: Sequence[float] | None = None,
+    comm_ms: Sequence[float] | None = None,
+    place: Sequence[int] | None = None,
+) -> Timeline:
+    """Run the lowered programs (pipe.lower) the runtime runs, with per-stage costs.
+
+    A rank walks its program in order. A compute action starts when the rank is free and the
+    receive it needs is done (f_ms, b_ms, w_ms as in `simulate`). A batch is issued at the time
+    the rank reaches it and costs the host nothing; its ops towards one peer form a group, and per
+    pair of ranks the groups run one at a time in issue order, as on NCCL: a group starts when both
+    ends have issued it and the pair's previous group is done, and takes the longer of its two
+    directions, each the sum of comm_ms[boundary] over the messages it moves (comm_ms[i]: one
+    message across the boundary of stages i and i+1). Returns the compute actions' timeline.
+    """
+    n_ranks = len(program)
+    where = list(place) if place is not None else loop_placement(n_stages, n_ranks)
+    _check_len("b_ms", b_ms, n_stages, "one per stage, like f_ms")
+    w = list(w_ms) if w_ms is not None else [0.0] * n_stages
+    _check_len("w_ms", w, n_stages, "one per stage, like f_ms")
+    comm = list(comm_ms) if comm_ms is not None else [0.0] * max(n_stages - 1, 0)
+    _check_len("comm_ms", comm, max(n_stages - 1, 0), "one per boundary: n_stages - 1")
+    has_w = {x.stage for items in program.values() for x in items if isinstance(x, Action) and x.kind == "W"}
+    ranks = sorted(program)
+    pos = dict.fromkeys(ranks, 0)
+    free = dict.fromkeys(ranks, 0.0)
+    pending: dict[tuple[int, int], list[tuple[float, list[Action]]]] = {}
+    pair_free: dict[tuple[int, int], float] = {}
+    done: dict[tuple[int, Action], float] = {}  # (rank, receive) -> when it completed
+    events: list[Event] = []
+
+    def cost(a: Action) -> float:
+        if a.kind == "F":
+            return f_ms[a.stage]
+        if a.kind == "W":
+            return w[a.stage]
+        return b_ms[a.stage] + (0.0 if a.stage in has_w else w[a.stage])
+
+    def moves(group: list[Action]) -> float:  # the time of what this end sends
+        return sum(comm[a.stage if a.kind == "SEND_F" else a.stage - 1] for a in group if a.kind.startswith("SEND"))
+
+    while True:
+        moved = False
+        for r in ranks:
+            while pos[r] < len(program[r]):
+                x = program[r][pos[r]]
+                if isinstance(x, Action):
+                    need = needs(x, where, n_stages)
+                    if need is not None and (r, need) not in done:
+                        break
+                    start = max(free[r], done[(r, need)] if need is not None else 0.0)
+                    free[r] = start + cost(x)
+                    events.append(Event(r, x, start, free[r]))
+                else:
+                    for peer in dict.fromkeys(peer_of(a, where) for a in x):
+                        group = [a for a in x if peer_of(a, where) == peer]
+                        pending.setdefault((r, peer), []).append((free[r], group))
+                pos[r] += 1
+                moved = True
+        for (a, b), groups in list(pending.items()):
+            back = pending.get((b, a), [])
+            if a < b and groups and back:
+                (t_a, mine), (t_b, theirs) = groups.pop(0), back.pop(0)
+                end = max(t_a, t_b, pair_free.get((a, b), 0.0)) + max(moves(mine), moves(theirs))
+                pair_free[(a, b)] = end
+                done.update(((a, x), end) for x in mine)
+                done.update(((b, x), end) for x in theirs)
+                moved = True
+        if not moved:
+            break
+    if any(pos[r] < len(program[r]) for r in ranks):
+        stuck = {r: str(program[r][pos[r]]) for r in ranks if pos[r] < len(program[r])}
+        raise ScheduleError(f"the program deadlocks: ranks wait at {stuck}; run pipe.lower.validate on it for the grid")
+    return Timeline(events, n_ranks)
+
+
 def textbook_bubble(
     name: str, n_stages: int, n_microbatches: int, stages_per_rank: int = 1
 ) -> float:
@@ -237,6 +319,10 @@ def textbook_bubble(
     zb-h1: (S-1)/(3M+S-1), from Qi et al. 2023, "Zero Bubble Pipeline Parallelism",
     sec. 2.1: the bubble time is (S-1)(T_F+T_B-T_W) against M(T_F+T_B+T_W) of work per
     rank, so with T_F = T_B = T_W it is a third of 1F1B's (S-1)(T_F+T_B+T_W).
+    zbv (v=2, R = S/2 ranks): (R-1)/(6M+R-1), the idle of the start-up alone with T_F = T_B =
+    T_W per stage (the first microbatch reaches rank R-1 after R-1 steps; ZB-V fills the other
+    bubbles with W, Qi et al. 2024, sec. 6): a lower bound, which fxpipe's zbv comes within R
+    steps of.
     The v>1 and zb-h1 formulas assume M >= R (resp. M >= S); with fewer mbs the real
     bubble is larger.
     """
@@ -253,7 +339,9 @@ def textbook_bubble(
         return (s - 1) / (m + s - 1)
     if name == "zb-h1" and v == 1:
         return (s - 1) / (3 * m + s - 1)
+    if name == "zbv" and v == 2:
+        return (r - 1) / (6 * m + r - 1)
     raise ScheduleError(
         f"no textbook bubble for schedule {name!r} with stages_per_rank={v}; known: gpipe and "
-        "interleaved-1f1b (any v), 1f1b and zb-h1 (v=1)"
+        "interleaved-1f1b (any v), 1f1b and zb-h1 (v=1), zbv (v=2)"
     )

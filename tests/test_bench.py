@@ -3,6 +3,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.mp import run_command
 
 TINY = ["--model-arg", "n_layer=2", "--model-arg", "d_model=32", "--model-arg", "n_head=2",
@@ -19,18 +21,19 @@ def _valid_trace(path: Path) -> None:
 
 def test_bench_schedules(tmp_path: Path) -> None:
     out = run_command([sys.executable, "-m", "bench", "schedules", "gpt", *TINY, "--microbatches", "2,4",
-                       "--schedules", "gpipe,1f1b,interleaved-1f1b,zb-h1", "--steps", "2", "--warmup", "1",
+                       "--schedules", "gpipe,1f1b,interleaved-1f1b,zb-h1,zbv", "--steps", "2", "--warmup", "1",
                        "--cost", "flops", "--out", str(tmp_path)], timeout=180).output
     assert "| zb-h1 | 4 |" in out
     data = json.loads((tmp_path / "schedules.json").read_text())
     assert data["ranks"] == 2 and data["versions"]["torch"] and "bench schedules" in data["command"]
     rows = data["results"]
     assert {(r["schedule"], r["microbatches"]) for r in rows} == {
-        (s, m) for s in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1") for m in (2, 4)}
+        (s, m) for s in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv") for m in (2, 4)}
     for r in rows:
         assert len(r["samples_s"]) == 2 and r["median_step_s"] > 0 and r["tokens_per_s"] > 0
         assert 0 <= r["measured_bubble"] < 1 and 0 <= r["predicted_bubble"] < 1
         assert 0 < r["textbook_bubble"] < 1 and r["predicted_step_ms"] > 0
+        assert r["measured_over_simulated"] == pytest.approx(r["measured_step_ms"] / r["predicted_step_ms"])
         tag = f"{r['schedule']}-M{r['microbatches']}"
         assert (tmp_path / f"timeline-{tag}.png").read_bytes()[:8] == PNG
         _valid_trace(tmp_path / f"trace-{tag}.json")

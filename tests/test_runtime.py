@@ -7,7 +7,7 @@ import pytest
 from tests.mp import free_port, run_command, run_ranks
 
 BIN = Path(sys.executable).parent
-ALL = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)]
+ALL = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 2)]
 SMALL_GPT = {"n_layer": 4, "d_model": 64, "n_head": 4, "seq_len": 32, "vocab": 256}
 HF = {"n_layer": 4}
 

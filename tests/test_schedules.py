@@ -17,11 +17,13 @@ from pipe.schedules import (
     grid,
     in_flight_limit,
     max_in_flight,
+    placement,
     register,
     validate,
 )
+from pipe.simulate import simulate, textbook_bubble
 
-V_CHOICES = {"gpipe": (1, 2, 3), "1f1b": (1,), "interleaved-1f1b": (1, 2, 3), "zb-h1": (1,)}
+V_CHOICES = {"gpipe": (1, 2, 3), "1f1b": (1,), "interleaved-1f1b": (1, 2, 3), "zb-h1": (1,), "zbv": (2,)}
 
 
 def grid_cases() -> list[tuple[str, int, int, int]]:
@@ -92,6 +94,12 @@ INTERLEAVED_2x2x4 = """
     1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3
 """
 
+# ZB-V, R=2, M=2: stages 0 and 3 on rank 0, 1 and 2 on rank 1 (the V); W fill the drain.
+ZBV_2x2 = """
+    0F0 0F1 3F0 3B0 3F1 3B1 0B0 3W0 0B1 0W0 3W1 0W1
+    1F0 2F0 1F1 2F1 2B0 1B0 2B1 1B1 2W0 1W0 2W1 1W1
+"""
+
 GPIPE_LOOPED_2x2x2 = """
     0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1
     1F0 1F1 3F0 3F1 3B0 3B1 1B0 1B1
@@ -107,16 +115,18 @@ def test_exact_small_schedules(key: tuple[str, int, int]) -> None:
 def test_exact_interleaved_and_looped_gpipe() -> None:
     assert build("interleaved-1f1b", 2, 4, 2) == parse(INTERLEAVED_2x2x4)
     assert build("gpipe", 2, 2, 2) == parse(GPIPE_LOOPED_2x2x2)
+    assert build("zbv", 2, 2, 2) == parse(ZBV_2x2)
 
 
 @pytest.mark.parametrize("case", grid_cases(), ids=lambda c: "-".join(map(str, c)))
 def test_every_schedule_validates(case: tuple[str, int, int, int]) -> None:
     name, r, m, v = case
     schedule = build(name, r, m, v)
-    validate(schedule, r * v, m)
+    place = placement(name, r * v, r)
+    validate(schedule, r * v, m, place)
     n_actions = sum(len(a) for a in schedule.values())
-    assert n_actions == r * v * m * (3 if name == "zb-h1" else 2)
-    assert len(execution_order(schedule, r * v, m)) == n_actions
+    assert n_actions == r * v * m * (3 if name in ("zb-h1", "zbv") else 2)
+    assert len(execution_order(schedule, r * v, m, place)) == n_actions
     for s in range(r * v):
         assert in_flight_limit(name, r * v, m, s, v) == max_in_flight(schedule, s)
 
@@ -137,6 +147,31 @@ def test_zb_h1_in_flight_is_1f1b_peak() -> None:
             peak_1f1b = max(max_in_flight(ofob, s) for s in range(r))
             assert peak_1f1b == min(m, r)
             assert [max_in_flight(zb, s) for s in range(r)] == [peak_1f1b] * r
+
+
+def test_zbv_keeps_1f1b_memory_and_fills_the_drain() -> None:
+    """At most 2R (stage, mb) pairs alive per rank (half-size stages: 1F1B's first-rank activations);
+    with equal F, B, W the step is within R units of 6M + R - 1 (only the start-up idle) for
+    M >= 2R, and its bubble is never above ZB-H1's on the same ranks and work."""
+    for r in range(1, 5):
+        for m in range(2 * r, 17):
+            schedule, place = build("zbv", r, m, 2), placement("zbv", 2 * r, r)
+            for acts in schedule.values():
+                alive = [sum(1 if a.kind == "F" else -1 if a.kind == "W" else 0 for a in acts[:i + 1])
+                         for i in range(len(acts))]
+                assert max(alive) <= 2 * r
+            ones = [1.0] * (2 * r)
+            tl = simulate(schedule, f_ms=ones, b_ms=ones, w_ms=ones, place=place)
+            assert 6 * m + r - 1 <= tl.makespan <= 6 * m + 2 * r - 1, (r, m, tl.makespan)
+            assert tl.bubble >= textbook_bubble("zbv", 2 * r, m, 2) - 1e-12  # the start-up bound
+            twos = [2.0] * r  # a stage of ZB-H1 is two of ZB-V's
+            zb = simulate(build("zb-h1", r, m), f_ms=twos, b_ms=twos, w_ms=twos)
+            assert tl.bubble <= zb.bubble + 1e-12, (r, m)
+            if (r, m) == (4, 16):
+                assert tl.bubble < 0.7 * zb.bubble  # 0.040 against 0.059
+    assert placement("zbv", 6, 3) == [0, 1, 2, 2, 1, 0]
+    with pytest.raises(ScheduleError, match="exactly two stages per rank"):
+        build("zbv", 2, 4, 3)
 
 
 def test_dependencies_rule() -> None:

@@ -157,3 +157,43 @@ def test_textbook_bubble_values_and_errors() -> None:
         textbook_bubble("1f1b", 4, 8, 2)
     with pytest.raises(ScheduleError, match="no textbook bubble"):
         textbook_bubble("mystery", 4, 8)
+
+
+def test_the_lowered_program_simulates_like_the_schedule_without_messages_and_slower_with_them() -> None:
+    """simulate_program runs what the runtime runs: with free messages it is the schedule's own
+    simulation; with a cost per message, batches matched per pair one at a time can only wait more."""
+    import random
+
+    from pipe.lower import lower
+    from pipe.schedules import SCHEDULES, ScheduleError, default_stages_per_rank, placement
+    from pipe.simulate import simulate_program
+    for name in sorted(SCHEDULES):
+        for r, m in ((2, 4), (3, 6), (4, 8)):
+            v = default_stages_per_rank(name)
+            try:
+                schedule = build(name, r, m, v)
+            except ScheduleError:
+                continue
+            s, place = r * v, placement(name, r * v, r)
+            program = lower(schedule, s, m, place)
+            rng = random.Random(r * m)
+            f = [rng.uniform(1, 2) for _ in range(s)]
+            b = [2 * x for x in f]
+            for comm in ([0.0] * (s - 1), [0.3] * (s - 1)):
+                plain = simulate(schedule, f_ms=f, b_ms=b, w_ms=f, comm_ms=comm, place=place)
+                lowered = simulate_program(program, s, f_ms=f, b_ms=b, w_ms=f, comm_ms=comm, place=place)
+                assert sorted(e.action for e in lowered.events) == sorted(e.action for e in plain.events)
+                if comm[0] == 0.0:
+                    assert lowered.makespan == pytest.approx(plain.makespan), (name, r, m)
+                else:
+                    assert lowered.makespan >= plain.makespan - 1e-9, (name, r, m)
+
+
+def test_program_simulation_by_hand() -> None:
+    """1F1B, 2 ranks, 1 mb, F = B = 1, 0.5 per message: 0F0 [0, 1]; its activations land at 1.5;
+    1F0 [1.5, 2.5], 1B0 [2.5, 3.5]; the grads land at 4; 0B0 [4, 5]."""
+    from pipe.lower import lower
+    from pipe.simulate import simulate_program
+    tl = simulate_program(lower(build("1f1b", 2, 1), 2, 1), 2, f_ms=[1, 1], b_ms=[1, 1], comm_ms=[0.5])
+    got = {str(e.action): (e.start, e.end) for e in tl.events}
+    assert got == {"0F0": (0, 1), "1F0": (1.5, 2.5), "1B0": (2.5, 3.5), "0B0": (4, 5)}
