@@ -12,8 +12,9 @@ __all__ = ["MemoryManager"]
 class MemoryManager:
     """No memory features: every hook does nothing. Subclasses add recompute, offload and the ledger.
 
-    The interpreter calls, for each action `a` (kind "F", "B" or "W", with `a.stage`, `a.mb`):
-    `before(a)`, then for F the stage's forward inside `forward(stage, mb)`, then `after(a)`.
+    The interpreter calls, for each compute action `a` (kind "F", "B" or "W", with `a.stage`,
+    `a.mb`): `before(a)`, then for F the stage's forward inside `forward(stage, mb)`, then
+    `after(a)`; for each memory action of the program (RELOAD) its handler (`reload`).
     `wrap_stage` may replace a stage module (e.g. with a recomputing one) before the run.
     """
 
@@ -36,6 +37,13 @@ class MemoryManager:
 
     def after(self, action: Any) -> None:
         pass
+
+    def reload_stages(self) -> list[int]:
+        """Stages whose offloaded activations the program reloads with RELOAD actions (pipe.lower)."""
+        return []
+
+    def reload(self, stage: int, mb: int) -> None:
+        """The program's RELOAD action for (stage, mb): its activations back on the device."""
 
     def step_begin(self) -> None:
         pass

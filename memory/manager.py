@@ -71,7 +71,6 @@ class PlannedMemory(MemoryManager):
         self.held: dict[tuple[int, int], _Held] = {}
         self.cur: tuple[int, int] = (-1, -1)       # (stage, mb) whose forward runs
         self.bwd: tuple[int, int] = (-1, -1)       # (stage, mb) whose backward runs
-        self.i = 0                                 # index of the action running
         self.modules = modules
         self.owned: dict[int, list[tuple[str, torch.nn.Parameter]]] = {}
         seen: set[int] = set()
@@ -96,7 +95,7 @@ class PlannedMemory(MemoryManager):
         self._calls: dict[int, list[torch.fx.Node]] = {}
         self._recipes: dict[int, tuple[Any, Recipe]] = {}   # storage -> (weak ref to the output, recipe)
         self._ring: list[tuple[int, torch.Tensor]] = []     # recomputed outputs alive: (stage, value)
-        self._windows: list[tuple[int, int]] = []
+        self._windows: dict[Act, tuple[int, int]] = {}   # action -> its span of the chunk sequence
         self._pinned: tuple[int, ...] = ()
         for s in self.local:
             self._instrument(s, modules[s], param_nodes[s])
@@ -312,14 +311,14 @@ class PlannedMemory(MemoryManager):
     # ----- the hooks the interpreter calls -----
     def _sequence(self) -> None:
         seq: list[tuple[int, ...]] = []
-        self._windows = []
-        for s, kind, _ in self.actions:
+        self._windows = {}
+        for s, kind, mb in self.actions:
             groups = self._fwd_groups.get(s, [])
             if kind == "B":
                 groups = groups[::-1]
             elif kind == "W":
                 groups = [] if self.fused_backward(s) else self._w_groups.get(s, [])
-            self._windows.append((len(seq), len(seq) + len(groups)))
+            self._windows[(s, kind, mb)] = (len(seq), len(seq) + len(groups))
             seq += groups
         assert self.store is not None
         self.store.set_sequence(seq, {s: max(self.choices[s].resident_chunks, 1) for s in self.offloaded})
@@ -335,7 +334,6 @@ class PlannedMemory(MemoryManager):
         if self._ring:
             self._drop_ring(len(self._ring))
         self.ledger.step_begin()
-        self.i = 0
         self._pinned = ()
         if self.store is not None:
             if not self._windows:
@@ -369,7 +367,7 @@ class PlannedMemory(MemoryManager):
             if h is not None and h.bundle is not None and self.acts is not None:
                 self.acts.to_device(h.bundle)
         if self.store is not None:
-            self.store.begin(self._windows[self.i], backward=kind != "F")
+            self.store.begin(self._windows[(s, kind, mb)], backward=kind != "F")
             if kind == "B" and self.zero_bubble and not self.fused_backward(s) and self._multi.get(s):
                 self._pinned = self._multi[s]
                 self.store.pin(self._pinned, True)
@@ -403,12 +401,16 @@ class PlannedMemory(MemoryManager):
             self._count_grads(s)
         if kind == "B" and s > 0:
             self.ledger.add(s, "comm", self.recv[s])  # the grad sent back, held until the step ends
-        self.i += 1
-        if self.acts is not None and self.i < len(self.actions):
-            ns, nkind, nmb = self.actions[self.i]
-            nh = self.held.get((ns, nmb))
-            if nkind in "BW" and nh is not None and nh.bundle is not None:
-                self.acts.to_device(nh.bundle)  # ahead of the backward that runs next
+
+    def reload_stages(self) -> list[int]:
+        return [s for s in self.local if self.choices[s].offload_activations]
+
+    def reload(self, stage: int, mb: int) -> None:
+        """The program's RELOAD action: bring (stage, mb)'s offloaded activations back to the device
+        ahead of its backward (pipe.lower.with_reloads places it one compute action ahead)."""
+        h = self.held.get((stage, mb))
+        if h is not None and h.bundle is not None and self.acts is not None:
+            self.acts.to_device(h.bundle)
 
     def step_end(self) -> None:
         assert not self.held, f"activations of (stage, mb) {sorted(self.held)} outlived their backward"

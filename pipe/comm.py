@@ -16,13 +16,19 @@ import torch.distributed as dist
 
 from partition.errors import FxpipeError, first_line
 
-__all__ = ["PeerLost", "RemoteError", "guarded", "fail_everywhere", "first_failure", "Context", "init", "context",
+__all__ = ["PeerLost", "RemoteError", "guarded", "fail_everywhere", "first_failure", "report_lost", "follow_lost",
+           "Context", "init", "context",
            "Transport", "TorchTransport", "LaunchError", "Work", "alloc_layout", "to_layout", "is_dense",
            "measure_link"]
 
 
 class PeerLost(FxpipeError, RuntimeError):
-    """Another rank died or stopped answering within the timeout."""
+    """Another rank died or stopped answering within the timeout. `peer`: the rank waited on, when
+    known; `early`: the wait failed well before the timeout (that peer's process ended)."""
+
+    def __init__(self, message: str, peer: int | None = None, early: bool = False) -> None:
+        super().__init__(message)
+        self.peer, self.early = peer, early
 
 
 class LaunchError(FxpipeError, RuntimeError):
@@ -34,19 +40,62 @@ class RemoteError(FxpipeError, RuntimeError):
 
 
 _ERROR_KEY, _FAILURES_KEY, _STOPPED_KEY = "fxpipe/error", "fxpipe/failures", "fxpipe/stopped"
+_LOST_KEY = "fxpipe/lost/"  # + rank: the rank it could not reach
 _KEPT: list[Any] = []  # the store outlives the process group it served, for the failure protocol
+_TIMEOUT_S = [300.0]   # the process group's timeout (init's timeout_s)
 
 
 @contextlib.contextmanager
 def guarded(what: str, peer: int | None = None) -> Iterator[None]:
-    """Communication inside is with other ranks: any failure of it is PeerLost, naming `what`."""
+    """Communication inside is with other ranks: any failure of it is PeerLost, naming `what` and
+    the peer, and whether it failed early (before half the timeout: the peer's process ended)."""
+    start = time.monotonic()
     try:
         yield
     except PeerLost:
         raise
     except Exception as e:  # gloo and NCCL raise RuntimeError subclasses of many kinds
         who = "another rank" if peer is None else f"rank {peer}"
-        raise PeerLost(f"{what} with {who} failed ({type(e).__name__}: {first_line(e)})") from e
+        early = time.monotonic() - start < _TIMEOUT_S[0] / 2
+        raise PeerLost(f"{what} with {who} failed ({type(e).__name__}: {first_line(e)})", peer, early) from e
+
+
+def _store() -> Any:
+    store = dist.distributed_c10d._get_default_store()
+    _KEPT.append(store)
+    return store
+
+
+def report_lost(peer: int) -> None:
+    """Tell every rank that this one could not reach `peer` (at once, before anything else, so the
+    ranks waiting on this one can follow the chain to the rank that died or froze)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        with contextlib.suppress(Exception):
+            _store().set(f"{_LOST_KEY}{dist.get_rank()}", str(peer))
+
+
+def follow_lost(peer: int, early: bool, me: int) -> tuple[int, list[int]]:
+    """The rank that was really lost, and the chain to it: from `peer`, the rank this one could
+    not reach, follow what each rank reported it could not reach (report_lost) to a rank that
+    reported nothing. A peer whose process ended (`early`) has reported already, if it ever will;
+    one that timed out may be waiting on its own peer, so its report gets longer to arrive
+    (a tenth of the timeout, 3 s to 30 s). Works after this rank's process group is torn down."""
+    chain = [peer]
+    store = _store() if dist.is_initialized() else (_KEPT[-1] if _KEPT else None)  # kept past a teardown
+    if store is None:
+        return peer, chain
+    patience = 1.0 if early else min(max(3.0, _TIMEOUT_S[0] / 10), 30.0)
+    while len(chain) <= 64:
+        key = f"{_LOST_KEY}{chain[-1]}"
+        try:
+            store.wait([key], datetime.timedelta(seconds=patience))
+            nxt = int(store.get(key).decode())
+        except Exception:  # no report in time: this rank is the one lost
+            break
+        if nxt in chain or nxt == me:  # ranks waiting on each other: stop at the first repeat
+            break
+        chain.append(nxt)
+    return chain[-1], chain
 
 
 def fail_everywhere(message: str) -> None:
@@ -55,8 +104,7 @@ def fail_everywhere(message: str) -> None:
     _stop for when that is)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    store = dist.distributed_c10d._get_default_store()
-    _KEPT.append(store)
+    store = _store()
     with contextlib.suppress(Exception):  # the store may be gone with a dead rank 0
         if int(store.add(_FAILURES_KEY, 1)) == 1:
             store.set(_ERROR_KEY, message)
@@ -69,8 +117,7 @@ def first_failure(timeout_s: float = 1.0) -> str | None:
     rank's process group too."""
     if not dist.is_initialized():
         return None
-    store = dist.distributed_c10d._get_default_store()
-    _KEPT.append(store)
+    store = _store()
     message = None
     with contextlib.suppress(Exception):
         store.wait([_ERROR_KEY], datetime.timedelta(seconds=timeout_s))
@@ -172,6 +219,7 @@ def init(*, backend: str | None = None, timeout_s: float = 300.0) -> Context:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
+    _TIMEOUT_S[0] = timeout_s
     if not dist.is_initialized():
         if launcher == "torchrun":
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
@@ -279,7 +327,7 @@ class TorchTransport:
         if len(works) != len(ops):  # NCCL coalesces the batch: its work stands for every op
             whole = _Guarded(_AllOf(works), "a batch of messages", ops[0][2])
             return [whole] * len(ops)
-        return [_Guarded(w, f"a {'send to' if kind == 'send' else 'receive from'}", peer)
+        return [_Guarded(w, f"a {kind}", peer)
                 for w, (kind, _, peer) in zip(works, ops)]
 
 

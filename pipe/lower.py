@@ -5,8 +5,10 @@ items, each a compute Action ("1F0") or a batch: a tuple of communication Action
 together (one batch_isend_irecv), printed "[0SEND_F0 1RECV_B0]". Communication kinds:
   sSEND_F m  stage s sends its outputs of mb m to stage s+1    sRECV_F m  stage s receives its inputs
   sSEND_B m  stage s sends the grads of its inputs to s-1      sRECV_B m  stage s receives its outputs' grads
-Messages follow the lock-step rounds of `pipe.schedules.lock_step`: what round t computes is
-sent in the batch after round t's compute, and the peer receives it in its batch of round t,
+Memory passes add memory actions (with_reloads: sRELOAD m, offloaded activations back on the
+device ahead of the backward). Messages follow the lock-step rounds of
+`pipe.schedules.lock_step`: what round t computes is sent in the batch after round t's
+compute, and the peer receives it in its batch of round t,
 so both ends of every pair issue their batches in round order with the same messages in the
 same order. `validate` checks that by running every rank's program with NCCL's matching:
 per pair in issue order, one batch at a time, tags ignored.
@@ -19,7 +21,7 @@ from typing import Sequence, Union
 from pipe.schedules import Action, Schedule, ScheduleError, lock_step, loop_placement, v_placement
 
 __all__ = ["Batch", "Item", "Program", "loop_placement", "v_placement", "lower", "validate",
-           "forward_only", "format_program", "parse_program", "peer_of", "needs", "message"]
+           "forward_only", "with_reloads", "format_program", "parse_program", "peer_of", "needs", "message"]
 
 Batch = tuple[Action, ...]
 Item = Union[Action, Batch]
@@ -69,6 +71,29 @@ def lower(schedule: Schedule, n_stages: int, n_microbatches: int, place: Sequenc
                 ops = sorted(batches[(t, r)], key=lambda a: (peer_of(a, place), message(a)))
                 program[r].append(tuple(ops))
     return program
+
+
+def with_reloads(program: Program, stages: Sequence[int]) -> Program:
+    """The memory pass for activation offload: before every B and W of the given stages, a RELOAD
+    of that (stage, mb), placed right after the compute action before it (first in the program
+    when there is none), so the copy back is issued while the rank still waits for the backward's
+    messages. The handler does nothing when nothing of that (stage, mb) is offloaded."""
+    wanted = set(stages)
+    out: Program = {}
+    for r, items in program.items():
+        inserts: dict[int, list[Action]] = {}  # item index -> reloads to put after it (-1: first)
+        last = -1
+        for i, x in enumerate(items):
+            if isinstance(x, Action):
+                if x.kind in ("B", "W") and x.stage in wanted:
+                    inserts.setdefault(last, []).append(Action(x.stage, "RELOAD", x.mb))
+                last = i
+        kept: list[Item] = list(inserts.get(-1, []))
+        for i, x in enumerate(items):
+            kept.append(x)
+            kept += inserts.get(i, [])
+        out[r] = kept
+    return out
 
 
 def forward_only(program: Program) -> Program:

@@ -23,7 +23,7 @@ import memory
 from memory import MemoryManager
 from pipe import comm
 from pipe.exchange import Exchange
-from pipe.lower import forward_only, lower, validate
+from pipe.lower import forward_only, lower, validate, with_reloads
 from pipe.backward import Saved, backward_full, backward_input, backward_weight, with_param_outputs
 from pipe.schedules import Action, ScheduleError, build, default_stages_per_rank, in_flight_limit, placement
 from pipe.simulate import Event, Timeline
@@ -180,6 +180,7 @@ class Pipeline:
                 self.memory.set_weight_order(s, [n for n, _ in self._zb[s][1]], self._zb[s][2])
         self._call = {s: self.memory.wrap_stage(s, self._zb[s][0] if self.has_w else self.stages[s])
                       for s in self.local}
+        self.program = with_reloads({self.rank: self.program}, self.memory.reload_stages())[self.rank]  # memory pass
         self._names = {id(p): n for n, p in model.named_parameters()}
         self._placed = {id(b) for st in stages for b in st.buffers()}
         self._model = model
@@ -412,12 +413,21 @@ class Pipeline:
         try:
             yield
         except comm.PeerLost as e:
+            waited = e.peer if e.peer is not None else run.ex.peer
+            if waited is not None:
+                comm.report_lost(waited)  # first, so the ranks waiting on this one follow the chain
             first = comm.first_failure()
             if first is not None:
                 raise comm.RemoteError(f"rank {self.rank} stopped in {when} because {first}") from None
-            peer = "another rank" if run.ex.peer is None else f"rank {run.ex.peer}"
-            raise comm.PeerLost(f"rank {self.rank} lost {peer} during {when} ({first_line(e)}); that process died "
-                                "or stopped answering within the timeout; see its output") from e
+            if waited is None:
+                raise comm.PeerLost(f"rank {self.rank} lost another rank during {when} ({first_line(e)}); that "
+                                    "process died or stopped answering within the timeout; see its output") from e
+            lost, chain = comm.follow_lost(waited, e.early, self.rank)
+            via = "" if lost == waited else (f", which rank {self.rank} waited on through " +
+                                             " -> ".join(f"rank {r}" for r in chain[:-1]))
+            raise comm.PeerLost(f"rank {self.rank} lost rank {lost} during {when}{via} ({first_line(e)}); that "
+                                "process died or stopped answering within the timeout; see its output",
+                                lost) from e
         except Exception as e:  # this rank's own error: the model's, the loss's, or a stage's
             a = run.current
             where = f"rank {self.rank}" + (f", stage {a.stage}, microbatch {a.mb} ({a.kind})" if a else "")
@@ -518,15 +528,19 @@ class _StepState:
         self.clock = clock_for(pp.ctx.device)  # device time: CUDA events on CUDA, read after the step
         self.clock.begin()
         self.handlers = {"F": self.forward, "B": self.backward, "W": self.weight}
+        self.memory_handlers = {"RELOAD": pp.memory.reload}
         self.current: Action | None = None  # the action running, named when it fails
 
     def execute(self, program: list[Any]) -> None:
         """Run this rank's lowered program: compute actions through the handlers (and the memory
-        manager around them), batches of messages through the exchange."""
+        manager around them), memory actions through theirs, batches of messages through the exchange."""
         mem = self.pp.memory
         for x in program:
             if not isinstance(x, Action):
                 self.ex.issue(x)
+                continue
+            if x.kind in self.memory_handlers:
+                self.memory_handlers[x.kind](x.stage, x.mb)
                 continue
             self.current = x
             mem.before(x)

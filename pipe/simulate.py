@@ -235,6 +235,7 @@ def simulate_program(
     w_ms: Sequence[float] | None = None,
     comm_ms: Sequence[float] | None = None,
     place: Sequence[int] | None = None,
+    reload_ms: Sequence[float] | None = None,
 ) -> Timeline:
     """Run the lowered programs (pipe.lower) the runtime runs, with per-stage costs.
 
@@ -244,7 +245,9 @@ def simulate_program(
     pair of ranks the groups run one at a time in issue order, as on NCCL: a group starts when both
     ends have issued it and the pair's previous group is done, and takes the longer of its two
     directions, each the sum of comm_ms[boundary] over the messages it moves (comm_ms[i]: one
-    message across the boundary of stages i and i+1). Returns the compute actions' timeline.
+    message across the boundary of stages i and i+1). A memory action (RELOAD) holds its rank
+    for reload_ms[stage] (the copy time of a microbatch's offloaded activations; default 0).
+    Returns the timeline of the compute actions (F, B, W).
     """
     n_ranks = len(program)
     where = list(place) if place is not None else loop_placement(n_stages, n_ranks)
@@ -262,7 +265,11 @@ def simulate_program(
     done: dict[tuple[int, Action], float] = {}  # (rank, receive) -> when it completed
     events: list[Event] = []
 
+    reload = list(reload_ms) if reload_ms is not None else [0.0] * n_stages
+
     def cost(a: Action) -> float:
+        if a.kind == "RELOAD":
+            return reload[a.stage]
         if a.kind == "F":
             return f_ms[a.stage]
         if a.kind == "W":
@@ -283,7 +290,8 @@ def simulate_program(
                         break
                     start = max(free[r], done[(r, need)] if need is not None else 0.0)
                     free[r] = start + cost(x)
-                    events.append(Event(r, x, start, free[r]))
+                    if x.kind in ("F", "B", "W"):
+                        events.append(Event(r, x, start, free[r]))
                 else:
                     for peer in dict.fromkeys(peer_of(a, where) for a in x):
                         group = [a for a in x if peer_of(a, where) == peer]

@@ -87,3 +87,18 @@ def test_a_v_placed_schedule_hands_over_on_one_rank_and_messages_across() -> Non
     validate(program, 4, place)
     with pytest.raises(ScheduleError, match="wrong rank"):
         lower(schedule, 4, 1)
+
+
+def test_the_memory_pass_reloads_offloaded_activations_one_compute_action_ahead() -> None:
+    """with_reloads puts sRELOADm right after the compute action before each B and W of an
+    offloading stage (ahead of the batch that brings that backward's grads); others are untouched."""
+    from pipe.lower import with_reloads
+    program = with_reloads(lower(build("zb-h1", 2, 2), 2, 2), [1])
+    assert format_program(program) == "\n".join([
+        "rank 0: 0F0 [0SEND_F0] 0F1 [0SEND_F1] [0RECV_B0] 0B0 0W0 [0RECV_B1] 0B1 0W1",
+        "rank 1: [1RECV_F0] 1F0 1RELOAD0 [1RECV_F1] 1B0 [1SEND_B0] 1F1 1RELOAD1 1B1 1RELOAD0 [1SEND_B1] 1W0"
+        " 1RELOAD1 1W1",
+    ])
+    assert parse_program(format_program(program)) == program
+    validate(program, 2)
+    assert with_reloads(program, []) == program

@@ -105,10 +105,11 @@ def test_an_error_in_a_step_is_its_ranks_own_and_named_on_every_rank(case: str, 
             assert f"because rank {failing}" in err, err
 
 
-def kill_body(rank: int, world: int) -> None:
+def kill_body(rank: int, world: int, freeze: bool = False) -> None:
+    """The last rank dies (SIGKILL) or freezes (for longer than the timeout) in step 2."""
     import partition
     import pipe
-    pipe.init()
+    pipe.init(timeout_s=6.0 if freeze else 300.0)
     w = partition.load("gpt", n_layer=2, d_model=32, n_head=2, seq_len=16, vocab=64)
     pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=4, cost="flops")
     stage = pp.stages[pp.local[0]]
@@ -118,6 +119,9 @@ def kill_body(rank: int, world: int) -> None:
     def dying_forward(*args):  # type: ignore[no-untyped-def]
         calls[0] += 1
         if rank == world - 1 and calls[0] == 6:  # step 2, second microbatch
+            if freeze:
+                time.sleep(15)  # the survivors time out (6 s) and name it before it ends
+                os._exit(3)
             os.kill(os.getpid(), signal.SIGKILL)
         return forward(*args)
     stage.forward = dying_forward  # type: ignore[method-assign]
@@ -126,16 +130,20 @@ def kill_body(rank: int, world: int) -> None:
         pp.step(*args, target=target)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_lost_rank_ends_the_others(world: int) -> None:
+@pytest.mark.parametrize("world,freeze", [(2, False), (3, False), (3, True)], ids=["2-killed", "3-killed", "3-frozen"])
+def test_lost_rank_ends_the_others_and_every_survivor_names_it(world: int, freeze: bool) -> None:
+    """Rank world-1 dies or freezes; its neighbour's wait fails, and ranks further away, whose waits
+    fail on a live neighbour, follow the reports (pipe.comm.follow_lost) to name the same rank."""
     start = time.monotonic()
-    exits = run_ranks("tests.test_reliability:kill_body", world, timeout=60, raw=True)
-    assert time.monotonic() - start < 60
-    assert exits[-1].code == -signal.SIGKILL
-    for ex in exits[:-1]:
+    exits = run_ranks("tests.test_reliability:kill_body", world, timeout=60, raw=True, freeze=freeze)
+    assert time.monotonic() - start < 45
+    assert exits[-1].code in ((3, None) if freeze else (-signal.SIGKILL,))
+    for r, ex in enumerate(exits[:-1]):
         assert ex.code not in (0, None), ex.output[-2000:]
-        assert "lost rank" in ex.output and "PeerLost" in ex.output, ex.output[-2000:]
-    assert f"lost rank {world - 1}" in exits[world - 2].output
+        lines = [line for line in ex.output.splitlines() if "PeerLost: rank" in line]
+        assert lines and f"rank {r} lost rank {world - 1} during step 1" in lines[-1], ex.output[-3000:]
+        if r < world - 2:  # it waited on a live rank: the message says through whom
+            assert f"through rank {r + 1}" in lines[-1], lines[-1]
 
 
 def resume_body(rank: int, world: int, *, path: str, k: int, total: int) -> dict:
