@@ -3,8 +3,11 @@
 GPU check of memory/ with real CUDA memory and pinned-memory transfers, one script under 5 minutes.
 
 Prints (1) pinned against pageable copy speed and how well side-stream copies overlap a matmul
-loop; (2) per memory configuration, the ledger's peak against torch.cuda.max_memory_allocated;
-(3) step times of plain, auto at half the plain peak, selective and full recompute; (4) the
+loop; (2) interleaved-1f1b and zbv (two stages per rank; NCCL messages between the ranks when
+there are two GPUs, hand-over in memory with one): loss and grads against the unpartitioned
+model, and the CUDA-event timeline (device time) against the host's wall time of the step;
+(3) per memory configuration, the ledger's peak against torch.cuda.max_memory_allocated;
+(4) step times of plain, auto at half the plain peak, selective and full recompute; (5) the
 widest gpt that trains within a per-stage budget, plain against auto + offload of everything.
 Uses min(2, GPUs) ranks (one process per GPU); with one GPU the single stage runs GPipe so that
 several microbatches are in flight. Writes out/gpu_check/gpu_check.json.
@@ -94,6 +97,52 @@ def copy_speeds(say: Callable[..., None]) -> dict[str, float]:
     return out
 
 
+def schedules_check(base: dict[str, Any], M: int, say: Callable[..., None]) -> list[dict[str, Any]]:
+    """interleaved-1f1b and zbv: parity with the unpartitioned model (loss, every grad by name),
+    and the device timeline (CUDA events on CUDA) against the wall time of the step."""
+    import partition
+    import pipe
+    from pipe.comm import context
+    from pipe.runtime import split_microbatches
+    dev = context().device
+    rows = []
+    for schedule in ("interleaved-1f1b", "zbv"):
+        w = partition.load("gpt", **base)
+        ref = partition.load("gpt", **base)
+        ref.model.to(dev)
+        pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, schedule=schedule,
+                           cost="flops")
+        walls, spans = [], []
+        for step in range(3):
+            args, _, target = w.batch(w.microbatch_size * M, step)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss = pp.step(*args, target=target)
+            walls.append((time.perf_counter() - t0) * 1e3)
+            tl = pp.gather_timeline()
+            spans.append(tl.makespan if tl is not None else 0.0)
+            ref_loss = 0.0
+            mbs = split_microbatches(tuple(a.to(dev) for a in args), M)
+            for a, t in zip(mbs, split_microbatches(target.to(dev), M, "target")):
+                part = w.loss_fn(ref.model(*a), t) / M
+                part.backward()
+                ref_loss += float(part.detach())
+            ref_params = dict(ref.model.named_parameters())
+            grad_err = max(float((p.grad - ref_params[n].grad).abs().max()) for n, p in pp.named_parameters()
+                           if p.grad is not None and ref_params[n].grad is not None)
+            for p in list(pp.parameters()) + list(ref.model.parameters()):
+                p.grad = None
+        row = {"schedule": schedule, "ranks": dist.get_world_size(), "loss_err": abs(loss - ref_loss),
+               "grad_err": grad_err, "wall_ms": walls, "timeline_ms": spans, "bubble": tl.bubble if tl else None}
+        rows.append(row)
+        say(f"    {schedule:17s} |loss - ref| {row['loss_err']:.2e}, max |grad - ref| {grad_err:.2e}; step wall "
+            f"{walls[-1]:.1f} ms, device timeline {spans[-1]:.1f} ms"
+            + (f", bubble {tl.bubble:.3f}" if tl is not None else ""))
+        del w, ref, pp
+    return rows
+
+
 def ledger_vs_allocator(base: dict[str, Any], M: int, schedule: str, say: Callable[..., None]) -> list[dict[str, Any]]:
     """Each config alone on the device: the ledger's peak (this rank's stages) against the allocator's."""
     rows = []
@@ -136,6 +185,7 @@ def worker(dry: bool) -> int:
     t_all = time.perf_counter()
     steps: list[tuple[str, Callable[[], Any]]] = [
         ("copies", lambda: copy_speeds(say) if (ctx.rank == 0 and not dry) else {}),
+        ("schedules", lambda: schedules_check(cfg["timed"], 4, say)),
         ("ledger", lambda: ledger_vs_allocator(cfg["timed"], M, schedule, say)),
         ("time", lambda: timed(3, M, say, base=cfg["timed"], schedule=schedule, v=1)),
         ("scan_plain", lambda: largest(cfg["budget"], {}, 4, say, base=cfg["scan"], widths=cfg["widths"],
