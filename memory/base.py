@@ -38,6 +38,10 @@ class MemoryManager:
     def after(self, action: Any) -> None:
         pass
 
+    def set_actions(self, actions: Sequence[tuple[int, str, int]]) -> None:
+        """This rank's compute actions (stage, kind, mb) as the lowered program runs them (after its
+        passes: BW for a fused backward)."""
+
     def reload_stages(self) -> list[int]:
         """Stages whose offloaded activations the program reloads with RELOAD actions (pipe.lower)."""
         return []

@@ -314,7 +314,7 @@ class PlannedMemory(MemoryManager):
         self._windows = {}
         for s, kind, mb in self.actions:
             groups = self._fwd_groups.get(s, [])
-            if kind == "B":
+            if kind in ("B", "BW"):
                 groups = groups[::-1]
             elif kind == "W":
                 groups = [] if self.fused_backward(s) else self._w_groups.get(s, [])
@@ -357,11 +357,11 @@ class PlannedMemory(MemoryManager):
             yield
 
     def _frees(self, kind: str, s: int) -> bool:
-        return kind == ("W" if self.zero_bubble and not self.fused_backward(s) else "B")
+        return kind == "BW" or kind == ("W" if self.zero_bubble and not self.fused_backward(s) else "B")
 
     def before(self, action: Any) -> None:
         s, kind, mb = _act(action)
-        if kind in "BW":
+        if kind in ("B", "W", "BW"):
             self.bwd = (s, mb)
             h = self.held.get((s, mb))
             if h is not None and h.bundle is not None and self.acts is not None:
@@ -381,11 +381,11 @@ class PlannedMemory(MemoryManager):
         if kind == "F":
             if s < self.S - 1:
                 self.ledger.add(s, "comm", self.send[s])
-        if kind == "B" and s < self.S - 1 and not self.dynamic:
+        if kind in ("B", "BW") and s < self.S - 1 and not self.dynamic:
             self.ledger.add(s, "comm", -self.send[s])  # the grad buffer was consumed
-        if kind in "BW" and self._ring:
+        if kind in ("B", "W", "BW") and self._ring:
             self._drop_ring(len(self._ring))
-        if h is not None and kind in "BW":
+        if h is not None and kind in ("B", "W", "BW"):
             self.ledger.add(s, "recompute", -h.recompute)
             h.recompute = 0
             h.rptrs.clear()
@@ -399,8 +399,12 @@ class PlannedMemory(MemoryManager):
             elif h.bundle is not None and self.acts is not None:
                 self.acts.drop_device(h.bundle)
             self._count_grads(s)
-        if kind == "B" and s > 0:
+        if kind in ("B", "BW") and s > 0:
             self.ledger.add(s, "comm", self.recv[s])  # the grad sent back, held until the step ends
+
+    def set_actions(self, actions: Sequence[tuple[int, str, int]]) -> None:
+        self.actions = [_act(a) for a in actions]
+        self._windows = {}  # the chunk sequence follows the program: made again at the next step
 
     def reload_stages(self) -> list[int]:
         return [s for s in self.local if self.choices[s].offload_activations]

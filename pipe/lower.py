@@ -21,7 +21,8 @@ from typing import Sequence, Union
 from pipe.schedules import Action, Schedule, ScheduleError, lock_step, loop_placement, v_placement
 
 __all__ = ["Batch", "Item", "Program", "loop_placement", "v_placement", "lower", "validate",
-           "forward_only", "with_reloads", "format_program", "parse_program", "peer_of", "needs", "message"]
+           "forward_only", "fuse_backward", "with_reloads", "compute_actions", "format_program", "parse_program",
+           "peer_of", "needs", "message"]
 
 Batch = tuple[Action, ...]
 Item = Union[Action, Batch]
@@ -73,6 +74,29 @@ def lower(schedule: Schedule, n_stages: int, n_microbatches: int, place: Sequenc
     return program
 
 
+def fuse_backward(program: Program, stages: Sequence[int]) -> Program:
+    """The pass for stages that recompute under a zero-bubble schedule: a checkpoint recomputes for
+    one backward only, so each B of theirs becomes BW (input and weight grads in one backward) and
+    their W leave the program. Messages are untouched: BW sends what B sent."""
+    fused = set(stages)
+    out: Program = {}
+    for r, items in program.items():
+        kept: list[Item] = []
+        for x in items:
+            if isinstance(x, Action) and x.stage in fused and x.kind in ("B", "W"):
+                if x.kind == "B":
+                    kept.append(Action(x.stage, "BW", x.mb))
+                continue
+            kept.append(x)
+        out[r] = kept
+    return out
+
+
+def compute_actions(items: Sequence[Item]) -> list[Action]:
+    """The compute actions (F, B, W, BW) of one rank's program, in order."""
+    return [x for x in items if isinstance(x, Action) and x.kind in ("F", "B", "W", "BW")]
+
+
 def with_reloads(program: Program, stages: Sequence[int]) -> Program:
     """The memory pass for activation offload: before every B and W of the given stages, a RELOAD
     of that (stage, mb), placed right after the compute action before it (first in the program
@@ -85,7 +109,7 @@ def with_reloads(program: Program, stages: Sequence[int]) -> Program:
         last = -1
         for i, x in enumerate(items):
             if isinstance(x, Action):
-                if x.kind in ("B", "W") and x.stage in wanted:
+                if x.kind in ("B", "W", "BW") and x.stage in wanted:
                     inserts.setdefault(last, []).append(Action(x.stage, "RELOAD", x.mb))
                 last = i
         kept: list[Item] = list(inserts.get(-1, []))
@@ -140,7 +164,7 @@ def needs(a: Action, place: Sequence[int], n_stages: int) -> Action | None:
     r = place[a.stage]
     if a.kind == "F" and a.stage > 0 and place[a.stage - 1] != r:
         return Action(a.stage, "RECV_F", a.mb)
-    if a.kind == "B" and a.stage < n_stages - 1 and place[a.stage + 1] != r:
+    if a.kind in ("B", "BW") and a.stage < n_stages - 1 and place[a.stage + 1] != r:
         return Action(a.stage, "RECV_B", a.mb)
     return None
 

@@ -23,7 +23,7 @@ import memory
 from memory import MemoryManager
 from pipe import comm
 from pipe.exchange import Exchange
-from pipe.lower import forward_only, lower, validate, with_reloads
+from pipe.lower import compute_actions, forward_only, fuse_backward, lower, validate, with_reloads
 from pipe.backward import Saved, backward_full, backward_input, backward_weight, with_param_outputs
 from pipe.schedules import Action, ScheduleError, build, default_stages_per_rank, in_flight_limit, placement
 from pipe.simulate import Event, Timeline
@@ -180,7 +180,11 @@ class Pipeline:
                 self.memory.set_weight_order(s, [n for n, _ in self._zb[s][1]], self._zb[s][2])
         self._call = {s: self.memory.wrap_stage(s, self._zb[s][0] if self.has_w else self.stages[s])
                       for s in self.local}
-        self.program = with_reloads({self.rank: self.program}, self.memory.reload_stages())[self.rank]  # memory pass
+        # the memory passes: fused backward for stages that recompute under zero-bubble, then reloads
+        fused = [s for s in self.local if self.memory.fused_backward(s)]
+        mine = fuse_backward({self.rank: self.program}, fused)
+        self.program = with_reloads(mine, self.memory.reload_stages())[self.rank]
+        self.memory.set_actions([(a.stage, a.kind, a.mb) for a in compute_actions(self.program)])
         self._names = {id(p): n for n, p in model.named_parameters()}
         self._placed = {id(b) for st in stages for b in st.buffers()}
         self._model = model
@@ -527,7 +531,7 @@ class _StepState:
         self.loss_sum: torch.Tensor | float = 0.0
         self.clock = clock_for(pp.ctx.device)  # device time: CUDA events on CUDA, read after the step
         self.clock.begin()
-        self.handlers = {"F": self.forward, "B": self.backward, "W": self.weight}
+        self.handlers = {"F": self.forward, "B": self.backward, "W": self.weight, "BW": self.backward}
         self.memory_handlers = {"RELOAD": pp.memory.reload}
         self.current: Action | None = None  # the action running, named when it fails
 
@@ -610,13 +614,12 @@ class _StepState:
         saved = self.saved[(s, mb)]
         grads: list[torch.Tensor | None] = self.ex.recv_grads(s, mb, saved.roots) if s < pp.S - 1 else [None]
         start = self.clock.mark()
-        if pp.has_w and not pp.memory.fused_backward(s):
+        if a.kind == "B" and pp.has_w:  # input grads; W computes the weight grads
             leaf_grads = backward_input(saved, grads, pp._zb[s][2])
-        else:  # a recomputing stage under zero-bubble computes its weight grads here; its W does nothing
+        else:  # B without W, or BW (a stage recomputing under zero-bubble): the whole backward
             leaf_grads = backward_full(saved, grads)
             saved.param_outs.clear()
-            if not pp.has_w:
-                del self.saved[(s, mb)]
+            del self.saved[(s, mb)]
         if s > 0:
             self.ex.send_grads(s, mb, leaf_grads)
         self._record(a, start)

@@ -34,13 +34,14 @@ __all__ = [
     "zbv",
 ]
 
-_ACTION_RE = re.compile(r"(\d+)(F|B|W|SEND_F|RECV_F|SEND_B|RECV_B|RELOAD)(\d+)")
+_ACTION_RE = re.compile(r"(\d+)(F|BW|B|W|SEND_F|RECV_F|SEND_B|RECV_B|RELOAD)(\d+)")
 
 
 class Action(NamedTuple):
     """One unit of work on one stage: F forward, B backward, W weight gradient; prints "2F0".
-    Lowered programs (pipe.lower) add messages: SEND_F, RECV_F, SEND_B, RECV_B ("1RECV_F3"), and
-    memory actions: RELOAD (offloaded activations back on the device, "1RELOAD3")."""
+    Lowered programs (pipe.lower) add messages: SEND_F, RECV_F, SEND_B, RECV_B ("1RECV_F3"),
+    memory actions: RELOAD (offloaded activations back on the device, "1RELOAD3"), and BW (a B
+    that computes the weight grads too, for a stage whose W it replaces: "1BW3")."""
 
     stage: int
     kind: str
@@ -56,7 +57,8 @@ class Action(NamedTuple):
         if match is None:
             raise ValueError(
                 f"cannot parse action {text!r}: expected '{{stage}}{{kind}}{{mb}}' with kind "
-                "F, B, W (or SEND_F, RECV_F, SEND_B, RECV_B, RELOAD) and non-negative integers, e.g. '2F0' or '12B3'"
+                "F, B, W (or BW, SEND_F, RECV_F, SEND_B, RECV_B, RELOAD) and non-negative integers, e.g. '2F0' or "
+                "'12B3'"
             )
         return cls(int(match[1]), match[2], int(match[3]))
 

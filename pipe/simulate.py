@@ -18,8 +18,8 @@ from pipe.schedules import (
 
 __all__ = ["Event", "Timeline", "simulate", "simulate_program", "textbook_bubble"]
 
-_COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
-_NAMES = {"F": "forward", "B": "backward", "W": "weight grad"}
+_COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868", "BW": "#c44e52"}
+_NAMES = {"F": "forward", "B": "backward", "W": "weight grad", "BW": "backward with weight grads"}
 
 
 @dataclass(frozen=True)
@@ -274,6 +274,8 @@ def simulate_program(
             return f_ms[a.stage]
         if a.kind == "W":
             return w[a.stage]
+        if a.kind == "BW":
+            return b_ms[a.stage] + w[a.stage]
         return b_ms[a.stage] + (0.0 if a.stage in has_w else w[a.stage])
 
     def moves(group: list[Action]) -> float:  # the time of what this end sends
@@ -290,7 +292,7 @@ def simulate_program(
                         break
                     start = max(free[r], done[(r, need)] if need is not None else 0.0)
                     free[r] = start + cost(x)
-                    if x.kind in ("F", "B", "W"):
+                    if x.kind in _COLOURS:
                         events.append(Event(r, x, start, free[r]))
                 else:
                     for peer in dict.fromkeys(peer_of(a, where) for a in x):

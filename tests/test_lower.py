@@ -102,3 +102,19 @@ def test_the_memory_pass_reloads_offloaded_activations_one_compute_action_ahead(
     assert parse_program(format_program(program)) == program
     validate(program, 2)
     assert with_reloads(program, []) == program
+
+
+def test_fused_backward_replaces_a_recomputing_stages_b_and_w_by_bw() -> None:
+    """fuse_backward: stage 1's B become BW and its W leave; stage 0 keeps B and W; the messages and
+    their order do not change, so the program still validates; BW prints and parses."""
+    from pipe.lower import compute_actions, fuse_backward
+    base = lower(build("zb-h1", 2, 2), 2, 2)
+    fused = fuse_backward(base, [1])
+    assert format_program(fused) == "\n".join([
+        "rank 0: 0F0 [0SEND_F0] 0F1 [0SEND_F1] [0RECV_B0] 0B0 0W0 [0RECV_B1] 0B1 0W1",
+        "rank 1: [1RECV_F0] 1F0 [1RECV_F1] 1BW0 [1SEND_B0] 1F1 1BW1 [1SEND_B1]",
+    ])
+    assert parse_program(format_program(fused)) == fused
+    validate(fused, 2)
+    assert [str(a) for a in compute_actions(fused[1])] == ["1F0", "1BW0", "1F1", "1BW1"]
+    assert [x for x in fused[0]] == [x for x in base[0]]

@@ -19,6 +19,7 @@ def one_config(rank: int, world: int, cfg: Config, M: int, steps: int, budget: f
     import partition
     import pipe
     from tests.nccl_like import NcclLike
+    from pipe.schedules import Action
     from tests.parity import check_step
     schedule, v, recompute, offload, _ = cfg
     w = partition.load("gpt", **GPT)
@@ -39,7 +40,8 @@ def one_config(rank: int, world: int, cfg: Config, M: int, steps: int, budget: f
     return {"losses": losses, "peak": {s: r["peak_total"] for s, r in report.items()},
             "predicted": {s: r.get("predicted_peak") for s, r in report.items()}, "budget": budget,
             "labels": [choices[s].label() for s in sorted(choices)],
-            "recompute_ms": [choices[s].recompute_ms for s in sorted(choices)]}
+            "recompute_ms": [choices[s].recompute_ms for s in sorted(choices)],
+            "kinds": sorted({x.kind for x in pp.program if isinstance(x, Action)})}
 
 
 def memory_body(rank: int, world: int, *, configs: list[Config], M: int, steps: int = 3,
@@ -122,10 +124,15 @@ def test_memory_features_with_nccl_matching() -> None:
         ("1f1b", 1, "auto", "all", 0.6),
         ("interleaved-1f1b", 2, "selective", "all", None),
         ("zb-h1", 1, "full", "activations", None),
+        ("zbv", 2, "full", "activations", None),
     ]
     res = _check(run_ranks("tests.test_memory_parity:memory_body", 2, timeout=240, configs=configs, M=4,
                            nccl_like=True))
     assert not any("error" in r for r in res.values()), res
+    # recomputing under zero-bubble: the program's backward is BW (no W); offloaded activations RELOAD
+    for key in ("zb-h1/1/full/activations/None", "zbv/2/full/activations/None"):
+        assert res[key]["kinds"] == ["BW", "F", "RELOAD"], (key, res[key]["kinds"])
+    assert res["1f1b/1/none/none/None"]["kinds"] == ["B", "F"]
 
 
 def test_parity_and_budgets_on_4_ranks() -> None:

@@ -197,3 +197,12 @@ def test_program_simulation_by_hand() -> None:
     tl = simulate_program(lower(build("1f1b", 2, 1), 2, 1), 2, f_ms=[1, 1], b_ms=[1, 1], comm_ms=[0.5])
     got = {str(e.action): (e.start, e.end) for e in tl.events}
     assert got == {"0F0": (0, 1), "1F0": (1.5, 2.5), "1B0": (2.5, 3.5), "0B0": (4, 5)}
+
+
+def test_a_fused_backward_costs_b_and_w_and_a_reload_its_copy() -> None:
+    from pipe.lower import fuse_backward, lower, with_reloads
+    from pipe.simulate import simulate_program
+    program = with_reloads(fuse_backward(lower(build("zb-h1", 1, 1), 1, 1), [0]), [0])
+    assert [str(x) for x in program[0]] == ["0F0", "0RELOAD0", "0BW0"]
+    tl = simulate_program(program, 1, f_ms=[1.0], b_ms=[2.0], w_ms=[0.5], reload_ms=[0.25])
+    assert {str(e.action): (e.start, e.end) for e in tl.events} == {"0F0": (0.0, 1.0), "0BW0": (1.25, 3.75)}
