@@ -128,9 +128,10 @@ def schedules_check(base: dict[str, Any], M: int, say: Callable[..., None]) -> l
                 part = w.loss_fn(ref.model(*a), t) / M
                 part.backward()
                 ref_loss += float(part.detach())
-            ref_params = dict(ref.model.named_parameters())
-            grad_err = max(float((p.grad - ref_params[n].grad).abs().max()) for n, p in pp.named_parameters()
-                           if p.grad is not None and ref_params[n].grad is not None)
+            ref_grads = {n: p.grad for n, p in ref.model.named_parameters()}
+            grad_err = max(float((g - r).abs().max()) for n, g, r in
+                           ((n, p.grad, ref_grads[n]) for n, p in pp.named_parameters())
+                           if g is not None and r is not None)
             for p in list(pp.parameters()) + list(ref.model.parameters()):
                 p.grad = None
         row = {"schedule": schedule, "ranks": dist.get_world_size(), "loss_err": abs(loss - ref_loss),

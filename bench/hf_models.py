@@ -115,7 +115,7 @@ def t5(*, n_layer: int = 2, d_model: int = 64, n_head: int = 4, vocab: int = 256
     torch.manual_seed(seed)
     cfg = T5Config(num_layers=n_layer, num_decoder_layers=n_layer, d_model=d_model, d_kv=d_model // n_head,
                    d_ff=4 * d_model, num_heads=n_head, vocab_size=vocab, dropout_rate=0.0, use_cache=False,
-                   decoder_start_token_id=0)
+                   decoder_start_token_id=0)  # type: ignore[call-arg]  # a PretrainedConfig keyword
     model = T5ForConditionalGeneration(cfg)
     batch = _T5Batch(vocab, seq_len)
     args, kwargs, _ = batch(microbatch_size, 0)

@@ -23,8 +23,9 @@ def _check(results: list[dict[str, list[float]]]) -> None:
 @pytest.mark.parametrize("spec,args", [("gpt", SMALL_GPT), ("unet", {}), ("bench.hf_models:gpt2", HF)],
                          ids=["gpt", "unet", "hf-gpt2"])
 def test_parity_every_schedule(world: int, spec: str, args: dict) -> None:
+    schedules = ALL if spec != "bench.hf_models:gpt2" else [x for x in ALL if x[0] != "zbv"]  # zbv: gpt, unet
     _check(run_ranks("tests.parity:parity_body", world, timeout=240, spec=spec, model_args=args,
-                     schedules=ALL, M=4))
+                     schedules=schedules, M=4))
 
 
 @pytest.mark.parametrize("world,spec", [(2, "gpt"), (3, "gpt"), (4, "gpt"), (2, "unet"), (4, "unet")])
