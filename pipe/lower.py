@@ -16,13 +16,13 @@ per pair in issue order, one batch at a time, tags ignored.
 from __future__ import annotations
 
 import re
-from typing import Sequence, Union
+from typing import Callable, Sequence, Union
 
 from pipe.schedules import Action, Schedule, ScheduleError, lock_step, loop_placement, v_placement
 
 __all__ = ["Batch", "Item", "Program", "loop_placement", "v_placement", "lower", "validate",
            "forward_only", "fuse_backward", "with_reloads", "compute_actions", "format_program", "parse_program",
-           "peer_of", "needs", "message"]
+           "peer_of", "needs", "message", "walk"]
 
 Batch = tuple[Action, ...]
 Item = Union[Action, Batch]
@@ -169,18 +169,27 @@ def needs(a: Action, place: Sequence[int], n_stages: int) -> Action | None:
     return None
 
 
-def validate(program: Program, n_stages: int, place: Sequence[int] | None = None) -> None:
-    """Run every rank's program with NCCL's semantics; ScheduleError on a deadlock or a mismatch.
+Group = list[Action]
 
-    A rank issues a batch and goes on; a compute action waits until the receive it needs is
-    done. The ops of a batch towards one peer form a group; per pair, groups complete in issue
-    order, and the head groups of both ends must carry the same messages in the same order
-    (the i-th send from a to b meets the i-th receive b posts for a).
+
+def walk(program: Program, n_stages: int, place: Sequence[int], *,
+         compute: Callable[[int, Action, Action | None], None] | None = None,
+         issue: Callable[[int], object] | None = None,
+         match: Callable[[int, int, object, Group, object, Group, dict[int, int]], None] | None = None,
+         ) -> tuple[dict[int, int], dict[tuple[int, int], list[tuple[object, Group]]]]:
+    """Run every rank's program with NCCL's semantics, calling back what happens: the one walk
+    `validate` and the simulator (pipe.simulate.simulate_program) share.
+
+    A rank issues a batch and goes on (`issue(rank)` gives a tag kept with each of its groups, e.g.
+    the time); a compute action waits until the receive it needs is done (`compute(rank, action,
+    the receive or None)`). The ops of a batch towards one peer form a group; per pair, the head
+    groups of both ends complete together, in issue order (`match(a, b, tag_a, group_a, tag_b,
+    group_b, positions)`). Returns each rank's position (its program's length when it finished)
+    and the groups left unmatched.
     """
     ranks = sorted(program)
-    place = list(place) if place is not None else loop_placement(n_stages, len(ranks))
     pos = dict.fromkeys(ranks, 0)
-    pending: dict[tuple[int, int], list[list[Action]]] = {}  # (rank, peer) -> groups in issue order
+    pending: dict[tuple[int, int], list[tuple[object, Group]]] = {}  # (rank, peer) -> groups in issue order
     done: set[tuple[int, Action]] = set()
     while True:
         moved = False
@@ -191,32 +200,44 @@ def validate(program: Program, n_stages: int, place: Sequence[int] | None = None
                     need = needs(x, place, n_stages)
                     if need is not None and (r, need) not in done:
                         break
+                    if compute is not None:
+                        compute(r, x, need)
                 else:
+                    tag = issue(r) if issue is not None else None
                     for peer in dict.fromkeys(peer_of(a, place) for a in x):
-                        pending.setdefault((r, peer), []).append([a for a in x if peer_of(a, place) == peer])
+                        pending.setdefault((r, peer), []).append((tag, [a for a in x if peer_of(a, place) == peer]))
                 pos[r] += 1
                 moved = True
         for (a, b), groups in list(pending.items()):
             back = pending.get((b, a), [])
             if a < b and groups and back:
-                mine, theirs = groups[0], back[0]
-                sent = [message(x) for x in mine if x.kind.startswith("SEND")]
-                got = [message(x) for x in theirs if x.kind.startswith("RECV")]
-                sent_back = [message(x) for x in theirs if x.kind.startswith("SEND")]
-                got_back = [message(x) for x in mine if x.kind.startswith("RECV")]
-                if sent != got or sent_back != got_back:
-                    raise ScheduleError(f"message mismatch between ranks {a} and {b}: rank {a} sends {sent} and "
-                                        f"receives {got_back}, rank {b} receives {got} and sends {sent_back}\n"
-                                        + _grid(program, pos))
-                done.update((a, x) for x in mine)
-                done.update((b, x) for x in theirs)
-                groups.pop(0)
-                back.pop(0)
+                if match is not None:
+                    match(a, b, groups[0][0], groups[0][1], back[0][0], back[0][1], pos)
+                done.update((a, x) for x in groups.pop(0)[1])
+                done.update((b, x) for x in back.pop(0)[1])
                 moved = True
         if not moved:
-            break
-    stuck = [r for r in ranks if pos[r] < len(program[r])]
-    left = {k: v for k, v in pending.items() if v}
+            return pos, {k: v for k, v in pending.items() if v}
+
+
+def validate(program: Program, n_stages: int, place: Sequence[int] | None = None) -> None:
+    """Run every rank's program with NCCL's semantics (`walk`); ScheduleError on a deadlock or a
+    mismatch: the head groups of both ends of a pair must carry the same messages in the same
+    order (the i-th send from a to b meets the i-th receive b posts for a)."""
+    where = list(place) if place is not None else loop_placement(n_stages, len(program))
+
+    def check(a: int, b: int, _ta: object, mine: Group, _tb: object, theirs: Group, pos: dict[int, int]) -> None:
+        sent = [message(x) for x in mine if x.kind.startswith("SEND")]
+        got = [message(x) for x in theirs if x.kind.startswith("RECV")]
+        sent_back = [message(x) for x in theirs if x.kind.startswith("SEND")]
+        got_back = [message(x) for x in mine if x.kind.startswith("RECV")]
+        if sent != got or sent_back != got_back:
+            raise ScheduleError(f"message mismatch between ranks {a} and {b}: rank {a} sends {sent} and "
+                                f"receives {got_back}, rank {b} receives {got} and sends {sent_back}\n"
+                                + _grid(program, pos))
+
+    pos, left = walk(program, n_stages, where, match=check)
+    stuck = [r for r in sorted(program) if pos[r] < len(program[r])]
     if stuck or left:
         raise ScheduleError(f"deadlock: ranks {stuck} cannot go on and {len(left)} pair(s) hold messages no one "
                             f"matches ({sorted(left)})\n" + _grid(program, pos))

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipe.lower import Program, needs, peer_of
+from pipe.lower import Program, walk
 from pipe.schedules import (
     Action,
     Schedule,
@@ -247,7 +247,7 @@ def simulate_program(
     directions, each the sum of comm_ms[boundary] over the messages it moves (comm_ms[i]: one
     message across the boundary of stages i and i+1). A memory action (RELOAD) holds its rank
     for reload_ms[stage] (the copy time of a microbatch's offloaded activations; default 0).
-    Returns the timeline of the compute actions (F, B, W).
+    Returns the timeline of the compute actions (F, B, W, BW).
     """
     n_ranks = len(program)
     where = list(place) if place is not None else loop_placement(n_stages, n_ranks)
@@ -257,14 +257,10 @@ def simulate_program(
     comm = list(comm_ms) if comm_ms is not None else [0.0] * max(n_stages - 1, 0)
     _check_len("comm_ms", comm, max(n_stages - 1, 0), "one per boundary: n_stages - 1")
     has_w = {x.stage for items in program.values() for x in items if isinstance(x, Action) and x.kind == "W"}
-    ranks = sorted(program)
-    pos = dict.fromkeys(ranks, 0)
-    free = dict.fromkeys(ranks, 0.0)
-    pending: dict[tuple[int, int], list[tuple[float, list[Action]]]] = {}
+    free = dict.fromkeys(program, 0.0)
     pair_free: dict[tuple[int, int], float] = {}
-    done: dict[tuple[int, Action], float] = {}  # (rank, receive) -> when it completed
+    arrived: dict[tuple[int, Action], float] = {}  # (rank, receive) -> when it completed
     events: list[Event] = []
-
     reload = list(reload_ms) if reload_ms is not None else [0.0] * n_stages
 
     def cost(a: Action) -> float:
@@ -281,38 +277,23 @@ def simulate_program(
     def moves(group: list[Action]) -> float:  # the time of what this end sends
         return sum(comm[a.stage if a.kind == "SEND_F" else a.stage - 1] for a in group if a.kind.startswith("SEND"))
 
-    while True:
-        moved = False
-        for r in ranks:
-            while pos[r] < len(program[r]):
-                x = program[r][pos[r]]
-                if isinstance(x, Action):
-                    need = needs(x, where, n_stages)
-                    if need is not None and (r, need) not in done:
-                        break
-                    start = max(free[r], done[(r, need)] if need is not None else 0.0)
-                    free[r] = start + cost(x)
-                    if x.kind in _COLOURS:
-                        events.append(Event(r, x, start, free[r]))
-                else:
-                    for peer in dict.fromkeys(peer_of(a, where) for a in x):
-                        group = [a for a in x if peer_of(a, where) == peer]
-                        pending.setdefault((r, peer), []).append((free[r], group))
-                pos[r] += 1
-                moved = True
-        for (a, b), groups in list(pending.items()):
-            back = pending.get((b, a), [])
-            if a < b and groups and back:
-                (t_a, mine), (t_b, theirs) = groups.pop(0), back.pop(0)
-                end = max(t_a, t_b, pair_free.get((a, b), 0.0)) + max(moves(mine), moves(theirs))
-                pair_free[(a, b)] = end
-                done.update(((a, x), end) for x in mine)
-                done.update(((b, x), end) for x in theirs)
-                moved = True
-        if not moved:
-            break
-    if any(pos[r] < len(program[r]) for r in ranks):
-        stuck = {r: str(program[r][pos[r]]) for r in ranks if pos[r] < len(program[r])}
+    def run(r: int, x: Action, need: Action | None) -> None:
+        start = max(free[r], arrived[(r, need)] if need is not None else 0.0)
+        free[r] = start + cost(x)
+        if x.kind in _COLOURS:
+            events.append(Event(r, x, start, free[r]))
+
+    def complete(a: int, b: int, t_a: object, mine: list[Action], t_b: object, theirs: list[Action],
+                 _pos: dict[int, int]) -> None:
+        assert isinstance(t_a, float) and isinstance(t_b, float)
+        end = max(t_a, t_b, pair_free.get((a, b), 0.0)) + max(moves(mine), moves(theirs))
+        pair_free[(a, b)] = end
+        arrived.update(((a, x), end) for x in mine)
+        arrived.update(((b, x), end) for x in theirs)
+
+    pos, _ = walk(program, n_stages, where, compute=run, issue=lambda r: free[r], match=complete)
+    if any(pos[r] < len(program[r]) for r in program):
+        stuck = {r: str(program[r][pos[r]]) for r in program if pos[r] < len(program[r])}
         raise ScheduleError(f"the program deadlocks: ranks wait at {stuck}; run pipe.lower.validate on it for the grid")
     return Timeline(events, n_ranks)
 
