@@ -118,3 +118,29 @@ def test_fused_backward_replaces_a_recomputing_stages_b_and_w_by_bw() -> None:
     validate(fused, 2)
     assert [str(a) for a in compute_actions(fused[1])] == ["1F0", "1BW0", "1F1", "1BW1"]
     assert [x for x in fused[0]] == [x for x in base[0]]
+
+
+def test_receives_are_posted_ahead_by_a_bounded_number_of_buffers() -> None:
+    """A receive is posted in the batch of the round its sender computes (the earliest position both
+    ends agree on), and read by the compute action that needs it: the buffers posted and not yet
+    read on a rank never exceed 2 per stage it holds, whatever the number of microbatches."""
+    from pipe.lower import needs
+    from pipe.schedules import default_stages_per_rank
+    for name in sorted(SCHEDULES):
+        v = default_stages_per_rank(name)
+        for R, M in itertools.product(range(2, 5), (4, 8, 16)):
+            try:
+                schedule = build(name, R, M, v)
+            except ScheduleError:
+                continue
+            S, place = R * v, placement(name, R * v, R)
+            for r, items in lower(schedule, S, M, place).items():
+                alive = peak = 0
+                for x in items:
+                    if isinstance(x, Action):
+                        alive -= needs(x, place, S) is not None
+                    else:
+                        alive += sum(a.kind.startswith("RECV") for a in x)
+                        peak = max(peak, alive)
+                    assert alive >= 0
+                assert alive == 0 and peak <= 2 * v, (name, R, M, r, peak)
