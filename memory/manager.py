@@ -5,7 +5,7 @@ import contextlib
 import functools
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence, cast
 
 import torch
 import torch.fx
@@ -30,13 +30,44 @@ def _act(a: Any) -> Act:
     return int(s), str(kind), int(mb)
 
 
+class _Storages:
+    """Storages counted once each, by address. An address whose storage has been freed no longer
+    counts (the allocator may give it to a new tensor, which must be counted then)."""
+
+    def __init__(self) -> None:
+        self.refs: dict[int, int] = {}  # data_ptr -> weak reference to its storage
+
+    def __contains__(self, ptr: object) -> bool:
+        ref = self.refs.get(ptr) if isinstance(ptr, int) else None
+        if ref is None:
+            return False
+        if torch.UntypedStorage._expired(ref):
+            torch.UntypedStorage._free_weak_ref(ref)
+            del self.refs[ptr]  # type: ignore[arg-type]
+            return False
+        return True
+
+    def add(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        if st.data_ptr() not in self:
+            self.refs[st.data_ptr()] = cast(int, st._weak_ref())  # an int handle, typed as a storage
+
+    def clear(self) -> None:
+        for ref in self.refs.values():
+            torch.UntypedStorage._free_weak_ref(ref)
+        self.refs.clear()
+
+    def __del__(self) -> None:
+        self.clear()
+
+
 @dataclass
 class _Held:
     """What one (stage, mb) holds between its forward and the end of its backward."""
     acts: int = 0                                   # bytes kept on the device (counted once per storage)
-    ptrs: set[int] = field(default_factory=set)
+    ptrs: _Storages = field(default_factory=_Storages)
     recompute: int = 0                              # bytes recomputed for the backward running now
-    rptrs: set[int] = field(default_factory=set)
+    rptrs: _Storages = field(default_factory=_Storages)
     bundle: Bundle | None = None                    # offloaded activations
 
 
@@ -177,7 +208,7 @@ class PlannedMemory(MemoryManager):
             if isinstance(t, torch.Tensor) and not self._is_param(t) and not (t.is_leaf and t.requires_grad):
                 ptr, n = _storage(t)
                 if ptr not in h.ptrs:
-                    h.ptrs.add(ptr)
+                    h.ptrs.add(t)
                     h.acts += n
                     self.ledger.add(s, "activations", n)
 
@@ -198,7 +229,7 @@ class PlannedMemory(MemoryManager):
         ptr, n = _storage(t)
         if ptr in h.ptrs or ptr in h.rptrs or self._is_param(t) or (t.is_leaf and t.requires_grad):
             return
-        h.rptrs.add(ptr)
+        h.rptrs.add(t)
         h.recompute += n
         self.ledger.add(s, "recompute", n)
 
@@ -215,7 +246,7 @@ class PlannedMemory(MemoryManager):
             return h.bundle.put(t)
         ptr, n = _storage(t)
         if ptr not in h.ptrs:
-            h.ptrs.add(ptr)
+            h.ptrs.add(t)
             h.acts += n
             self.ledger.add(s, "activations", n)
         return t
