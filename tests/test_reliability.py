@@ -109,7 +109,7 @@ def kill_body(rank: int, world: int, freeze: bool = False) -> None:
     """The last rank dies (SIGKILL) or freezes (for longer than the timeout) in step 2."""
     import partition
     import pipe
-    pipe.init(timeout_s=6.0 if freeze else 300.0)
+    pipe.init(timeout_s=4.0 if freeze else 300.0)
     w = partition.load("gpt", n_layer=2, d_model=32, n_head=2, seq_len=16, vocab=64)
     pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=4, cost="flops")
     stage = pp.stages[pp.local[0]]
@@ -120,7 +120,7 @@ def kill_body(rank: int, world: int, freeze: bool = False) -> None:
         calls[0] += 1
         if rank == world - 1 and calls[0] == 6:  # step 2, second microbatch
             if freeze:
-                time.sleep(15)  # the survivors time out (6 s) and name it before it ends
+                time.sleep(11)  # the survivors time out (4 s) and name it before it ends
                 os._exit(3)
             os.kill(os.getpid(), signal.SIGKILL)
         return forward(*args)
