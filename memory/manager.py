@@ -48,9 +48,9 @@ class _Storages:
         return True
 
     def add(self, t: torch.Tensor) -> None:
+        """Hold t's storage; callers check `ptr not in` first (which drops an expired entry)."""
         st = t.untyped_storage()
-        if st.data_ptr() not in self:
-            self.refs[st.data_ptr()] = cast(int, st._weak_ref())  # an int handle, typed as a storage
+        self.refs[st.data_ptr()] = cast(int, st._weak_ref())  # an int handle, typed as a storage
 
     def clear(self) -> None:
         for ref in self.refs.values():
@@ -347,8 +347,8 @@ class PlannedMemory(MemoryManager):
             groups = self._fwd_groups.get(s, [])
             if kind in ("B", "BW"):
                 groups = groups[::-1]
-            elif kind == "W":
-                groups = [] if self.fused_backward(s) else self._w_groups.get(s, [])
+            elif kind == "W":  # a fused stage has no W in the program: its BW walks the groups like B
+                groups = self._w_groups.get(s, [])
             self._windows[(s, kind, mb)] = (len(seq), len(seq) + len(groups))
             seq += groups
         assert self.store is not None
@@ -387,19 +387,16 @@ class PlannedMemory(MemoryManager):
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield
 
-    def _frees(self, kind: str, s: int) -> bool:
-        return kind == "BW" or kind == ("W" if self.zero_bubble and not self.fused_backward(s) else "B")
+    def _frees(self, kind: str) -> bool:
+        return kind == "BW" or kind == ("W" if self.zero_bubble else "B")
 
     def before(self, action: Any) -> None:
         s, kind, mb = _act(action)
         if kind in ("B", "W", "BW"):
-            self.bwd = (s, mb)
-            h = self.held.get((s, mb))
-            if h is not None and h.bundle is not None and self.acts is not None:
-                self.acts.to_device(h.bundle)
+            self.bwd = (s, mb)  # offloaded activations came back with the RELOAD before this action
         if self.store is not None:
             self.store.begin(self._windows[(s, kind, mb)], backward=kind != "F")
-            if kind == "B" and self.zero_bubble and not self.fused_backward(s) and self._multi.get(s):
+            if kind == "B" and self.zero_bubble and self._multi.get(s):
                 self._pinned = self._multi[s]
                 self.store.pin(self._pinned, True)
 
@@ -420,7 +417,7 @@ class PlannedMemory(MemoryManager):
             self.ledger.add(s, "recompute", -h.recompute)
             h.recompute = 0
             h.rptrs.clear()
-            if self._frees(kind, s):
+            if self._frees(kind):
                 self.ledger.add(s, "activations", -h.acts)
                 if h.bundle is not None and self.acts is not None:
                     self.acts.release(h.bundle)
@@ -467,7 +464,8 @@ class PlannedMemory(MemoryManager):
         if self.store is not None:
             for s in self.local:
                 out[s]["host_state_bytes"] = sum(2 * ch.nbytes for ch in self.store.chunks if ch.owner == s)
-        out_bytes = {"h2d_bytes": self.copier.bytes_h2d, "d2h_bytes": self.copier.bytes_d2h}
+        out_bytes = {"h2d_bytes": self.copier.bytes_h2d, "d2h_bytes": self.copier.bytes_d2h,
+                     "reload_stalls": self.acts.stalls if self.acts is not None else 0}
         for s in self.local:
             out[s].update(out_bytes)
         return out

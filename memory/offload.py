@@ -72,8 +72,9 @@ class Bundle:
         return Handle(self, len(self.entries) - 1)
 
     def get(self, i: int) -> torch.Tensor:
-        if self.dev is None:
+        if self.dev is None:  # nothing reloaded it ahead (the program's RELOAD): the backward waits
             self.stalls += 1
+            self.owner.stalls += 1
             self.owner.to_device(self)
         assert self.dev is not None
         for e in self.events:
@@ -93,6 +94,7 @@ class ActivationOffload:
         self.device, self.copier, self.on_device = device, copier, on_device
         self.chunk_bytes = chunk_bytes
         self.free: list[torch.Tensor] = []
+        self.stalls = 0  # bundles read before they were brought back, since the start
 
     def take(self, n: int) -> torch.Tensor:
         for i, c in enumerate(self.free):

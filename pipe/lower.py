@@ -98,7 +98,7 @@ def compute_actions(items: Sequence[Item]) -> list[Action]:
 
 
 def with_reloads(program: Program, stages: Sequence[int]) -> Program:
-    """The memory pass for activation offload: before every B and W of the given stages, a RELOAD
+    """The memory pass for activation offload: before every B, W and BW of the given stages, a RELOAD
     of that (stage, mb), placed right after the compute action before it (first in the program
     when there is none), so the copy back is issued while the rank still waits for the backward's
     messages. The handler does nothing when nothing of that (stage, mb) is offloaded."""

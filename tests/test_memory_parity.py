@@ -41,7 +41,8 @@ def one_config(rank: int, world: int, cfg: Config, M: int, steps: int, budget: f
             "predicted": {s: r.get("predicted_peak") for s, r in report.items()}, "budget": budget,
             "labels": [choices[s].label() for s in sorted(choices)],
             "recompute_ms": [choices[s].recompute_ms for s in sorted(choices)],
-            "kinds": sorted({x.kind for x in pp.program if isinstance(x, Action)})}
+            "kinds": sorted({x.kind for x in pp.program if isinstance(x, Action)}),
+            "reload_stalls": sum(r["reload_stalls"] for r in report.values())}
 
 
 def memory_body(rank: int, world: int, *, configs: list[Config], M: int, steps: int = 3,
@@ -132,6 +133,10 @@ def test_memory_features_with_nccl_matching() -> None:
     # recomputing under zero-bubble: the program's backward is BW (no W); offloaded activations RELOAD
     for key in ("zb-h1/1/full/activations/None", "zbv/2/full/activations/None"):
         assert res[key]["kinds"] == ["BW", "F", "RELOAD"], (key, res[key]["kinds"])
+    offloading = ("interleaved-1f1b/2/selective/all/None", "zb-h1/1/full/activations/None",
+                  "zbv/2/full/activations/None")
+    for key in offloading:
+        assert res[key]["reload_stalls"] == 0, (key, res[key])  # every backward found its RELOAD done
     assert res["1f1b/1/none/none/None"]["kinds"] == ["B", "F"]
 
 
