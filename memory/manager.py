@@ -76,6 +76,17 @@ def _storage(t: torch.Tensor) -> tuple[int, int]:
     return st.data_ptr(), st.nbytes()
 
 
+# One optimizer hook for the process, registered once and never removed: removing a hook when a
+# manager is collected could mutate torch's hook table while an optimizer's step iterates it.
+_COUNTED: weakref.WeakSet[PlannedMemory] = weakref.WeakSet()
+_OPTIM_HOOK: Any = None
+
+
+def _count_optimizers(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for me in list(_COUNTED):
+        me._count_optimizer(opt)
+
+
 class PlannedMemory(MemoryManager):
     """Runs `choices` (one per stage, from memory.budget.choose) on this rank's `modules`.
 
@@ -161,15 +172,11 @@ class PlannedMemory(MemoryManager):
                                    functools.partial(self._remat_node, s)), before, after, remat)
 
     def _optim_hook(self) -> None:
-        ref = weakref.ref(self)
-
-        def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            me = ref()
-            if me is not None:
-                me._count_optimizer(opt)
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-        handle = register_optimizer_step_post_hook(hook)
-        weakref.finalize(self, handle.remove)
+        _COUNTED.add(self)
+        global _OPTIM_HOOK
+        if _OPTIM_HOOK is None:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+            _OPTIM_HOOK = register_optimizer_step_post_hook(_count_optimizers)
 
     def set_weight_order(self, stage: int, nodes: Sequence[str], multi: Sequence[torch.nn.Parameter]) -> None:
         """Zero-bubble: W visits `nodes` (the parameter nodes it differentiates) in this order, and B

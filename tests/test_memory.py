@@ -301,3 +301,34 @@ def test_offload_tells_a_new_tensor_at_a_reused_address_from_the_one_saved() -> 
     acts.to_device(b)
     assert torch.equal(hx.unpack(), torch.arange(8.0)) and torch.equal(hy.unpack(), 10 * torch.arange(8.0))
     assert b.nbytes == 64 + 32                               # the second starts at the next 64-byte boundary
+
+
+def test_collecting_managers_during_an_optimizer_step_leaves_torchs_hook_table_alone() -> None:
+    # A manager counts optimizer states through a global step hook. Once a collected manager's
+    # finalizer removed its hook, and a collection inside someone's optimizer step mutated the
+    # table that step iterates ("OrderedDict mutated during iteration", seen in CI).
+    import gc
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    managers = [_manager(_toy(), StageChoice(0, "none"), [(0, "F", 0), (0, "B", 0)]) for _ in range(3)]
+    collected = []
+
+    def drop(opt: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        collected.append(len(managers))
+        managers.clear()
+        gc.collect()
+
+    after: list[int] = []
+    handles = [register_optimizer_step_post_hook(drop),   # the table is iterated on past the collection
+               register_optimizer_step_post_hook(lambda opt, args, kwargs: after.append(1))]
+    try:
+        p = torch.nn.Parameter(torch.ones(2))
+        opt = torch.optim.SGD([p], lr=0.1)
+        p.grad = torch.ones(2)
+        opt.step()
+        opt.step()
+    finally:
+        for h in handles:
+            h.remove()
+    assert collected == [3, 0] and after == [1, 1]
+    torch.testing.assert_close(p.detach(), torch.full((2,), 0.8))
