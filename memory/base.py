@@ -14,7 +14,8 @@ class MemoryManager:
 
     The interpreter calls, for each compute action `a` (kind "F", "B" or "W", with `a.stage`,
     `a.mb`): `before(a)`, then for F the stage's forward inside `forward(stage, mb)`, then
-    `after(a)`; for each memory action of the program (RELOAD) its handler (`reload`).
+    `after(a)`; for each memory action of the program (RELOAD) its handler (`reload`); for each
+    batch of messages `posted(batch)` once it is issued.
     `wrap_stage` may replace a stage module (e.g. with a recomputing one) before the run.
     """
 
@@ -38,9 +39,12 @@ class MemoryManager:
     def after(self, action: Any) -> None:
         pass
 
-    def set_actions(self, actions: Sequence[tuple[int, str, int]]) -> None:
-        """This rank's compute actions (stage, kind, mb) as the lowered program runs them (after its
-        passes: BW for a fused backward)."""
+    def posted(self, batch: Sequence[Any]) -> None:
+        """A batch of the program (its communication actions) was issued: its receive buffers exist."""
+
+    def set_program(self, program: Sequence[Any]) -> None:
+        """This rank's lowered program as it will run (after its passes: BW for a fused backward,
+        RELOAD): compute actions (with .stage, .kind, .mb), memory actions and batches of messages."""
 
     def reload_stages(self) -> list[int]:
         """Stages whose offloaded activations the program reloads with RELOAD actions (pipe.lower)."""

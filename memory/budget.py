@@ -17,7 +17,7 @@ from partition.errors import FxpipeError
 from partition.plan import human_bytes
 
 __all__ = ["RECOMPUTE", "OFFLOAD", "BudgetError", "NodeInfo", "Region", "StageInfo", "StageChoice", "check_options",
-           "comm_peak", "choose", "knapsack", "human"]
+           "choose", "knapsack", "human"]
 
 RECOMPUTE = ("none", "full", "selective", "auto")
 OFFLOAD = ("none", "activations", "states", "all")
@@ -118,15 +118,6 @@ class StageChoice:
                                                                         else "")
         extra = [x for x, on in (("act", self.offload_activations), ("states", self.offload_states)) if on]
         return "+".join([text] + extra)
-
-
-def comm_peak(recv_bytes: int, send_bytes: int, microbatches: int, in_flight: int) -> int:
-    """Upper bound of communication buffers on a stage, as if every receive were posted at step start
-    and every send held until the step ends (pipe.exchange posts 2 ahead and frees sends as they
-    complete, so the real figure is lower). Per microbatch the received activation lives until its
-    backward and the grad sent back after it: M x recv at any time. The M grad buffers go one by
-    one at the backwards while the outputs sent pile up, at most `in_flight` ahead: (M + n) x send."""
-    return microbatches * recv_bytes + (microbatches + max(in_flight, 1)) * send_bytes
 
 
 def knapsack(weights: Sequence[float], values: Sequence[float], capacity: float, resolution: int = 2000

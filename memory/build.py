@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from memory.budget import COPY_BYTES_PER_MS, NodeInfo, StageChoice, StageInfo, check_options, choose, comm_peak
+from memory.budget import COPY_BYTES_PER_MS, NodeInfo, StageChoice, StageInfo, check_options, choose
+from memory.buffers import comm_peaks
 from memory.chunks import choose_chunk_elems, pack
 from memory.manager import PlannedMemory
 from memory.recompute import bases, is_matmul_node, remat_candidates, savers, saves_input_only
@@ -55,7 +56,7 @@ def _node_info(gm: torch.fx.GraphModule, node: torch.fx.Node, cost: NodeCost, st
 
 
 def stage_infos(*, stages: Sequence[dict[str, Any]], costs: dict[str, NodeCost], gm: torch.fx.GraphModule,
-                param_sizes: dict[str, tuple[int, int]], microbatches: int, input_bytes: int = 0,
+                param_sizes: dict[str, tuple[int, int]], microbatches: int, comm: Sequence[int], input_bytes: int = 0,
                 time_scale: float = 1.0, copy_bytes_per_ms: float = COPY_BYTES_PER_MS, regions: bool = True
                 ) -> tuple[list[StageInfo], dict[int, int]]:
     """StageInfo per stage (from the plan's stage dicts and the costs) and each stage's chunk size.
@@ -94,8 +95,7 @@ def stage_infos(*, stages: Sequence[dict[str, Any]], costs: dict[str, NodeCost],
                                loss_bytes=int(1.02 * loss) + input_bytes if s == last else 0,
                                in_flight=int(st["in_flight"]),
                                param_bytes=int(st["param_bytes"]),
-                               comm_bytes=comm_peak(int(st["recv_bytes"]), int(st["send_bytes"]), microbatches,
-                                                    int(st["in_flight"])),
+                               comm_bytes=int(comm[s]),
                                chunk_bytes=chunk_bytes, n_chunks=n_chunks, min_resident=need,
                                microbatches=microbatches, copy_bytes_per_ms=copy_bytes_per_ms,
                                input_bytes=input_bytes, regions=tuple(cuts)))
@@ -105,26 +105,31 @@ def stage_infos(*, stages: Sequence[dict[str, Any]], costs: dict[str, NodeCost],
 def build(*, recompute: str, offload: str, budget: float | None, stages: Sequence[dict[str, Any]],
           costs: dict[str, NodeCost], gm: torch.fx.GraphModule, modules: dict[int, torch.fx.GraphModule],
           param_nodes: dict[int, dict[str, list[str]]], param_sizes: dict[str, tuple[int, int]],
-          actions: Sequence[tuple[int, str, int]], microbatches: int, device: torch.device,
+          actions: Sequence[tuple[int, str, int]], programs: Mapping[int, Sequence[Any]], place: Sequence[int],
+          microbatches: int, device: torch.device,
           optim_factor: float = 2.0, dynamic: bool = False, input_bytes: int = 0, time_scale: float = 1.0,
           copy_bytes_per_ms: float = COPY_BYTES_PER_MS) -> tuple[PlannedMemory, list[StageChoice]]:
     """Plan every stage (the same on every rank: only the plan and the costs go in), then the
-    manager for this rank's `modules`. BudgetError when the budget cannot be met."""
+    manager for this rank's `modules`. BudgetError when the budget cannot be met. `programs`: every
+    rank's lowered program (pipe.lower), `place`: each stage's rank; the communication buffers a
+    stage holds are planned from them (memory.buffers)."""
     check_options(recompute, offload)
     tied = sorted({p for st in stages for p in st.get("shared", [])})
     if offload in ("states", "all") and device.type == "cuda" and tied:
         raise ValueError(f"offload={offload!r} keeps gradients on the host at the end of a step, where NCCL "
                          f"cannot sum the grads of weights tied across stages ({', '.join(tied[:3])}); untie "
                          "them, or use offload='activations'")
-    infos, elems = stage_infos(stages=stages, costs=costs, gm=gm, param_sizes=param_sizes,
-                               microbatches=microbatches, input_bytes=input_bytes, time_scale=time_scale,
-                               copy_bytes_per_ms=copy_bytes_per_ms,
-                               regions=not any(kind == "W" for _, kind, _ in actions))
-    choices = choose(infos, recompute=recompute, offload=offload, budget=budget, optim_factor=optim_factor)
     recv = [int(st["recv_bytes"]) for st in stages]
     send = [int(st["send_bytes"]) for st in stages]
+    zero_bubble = any(kind == "W" for _, kind, _ in actions)
+    infos, elems = stage_infos(stages=stages, costs=costs, gm=gm, param_sizes=param_sizes,
+                               microbatches=microbatches, comm=comm_peaks(programs, place, recv, send, zero_bubble),
+                               input_bytes=input_bytes, time_scale=time_scale,
+                               copy_bytes_per_ms=copy_bytes_per_ms,
+                               regions=not zero_bubble)
+    choices = choose(infos, recompute=recompute, offload=offload, budget=budget, optim_factor=optim_factor)
     mm = PlannedMemory(choices=choices, modules=modules, param_nodes=param_nodes, actions=actions,
                        microbatches=microbatches, recv_bytes=recv, send_bytes=send, device=device,
                        budget=budget, dynamic=dynamic, chunk_elems={s: elems[s] for s in modules if elems.get(s)},
-                       predicted=bool(costs))
+                       predicted=bool(costs), place=place)
     return mm, choices

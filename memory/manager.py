@@ -12,6 +12,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from memory.base import MemoryManager
+from memory.buffers import CommBuffers, comm_peaks
 from memory.budget import StageChoice, human
 from memory.ledger import Ledger
 from memory.offload import ActivationOffload, Bundle, Handle, offloadable
@@ -92,22 +93,27 @@ class PlannedMemory(MemoryManager):
 
     `param_nodes[s]`: node -> names of the parameters it reads (partition's StageIO);
     `actions`: this rank's schedule as (stage, kind, mb); `recv_bytes`/`send_bytes`: per
-    stage and microbatch, for the communication buffers the ledger counts.
+    stage and microbatch, for the communication buffers the ledger counts (memory.buffers, at
+    the program's batches and compute actions); `place`: each stage's rank.
     """
 
     def __init__(self, *, choices: Sequence[StageChoice], modules: dict[int, torch.fx.GraphModule],
                  param_nodes: dict[int, dict[str, list[str]]], actions: Sequence[Act], microbatches: int,
                  recv_bytes: Sequence[int], send_bytes: Sequence[int], device: torch.device,
                  budget: float | None = None, dynamic: bool = False,
-                 chunk_elems: dict[int, int] | None = None, predicted: bool = True) -> None:
+                 chunk_elems: dict[int, int] | None = None, predicted: bool = True,
+                 place: Sequence[int] | None = None) -> None:
         self.choices = {c.stage: c for c in choices}
         self.local = sorted(modules)
+        # where each stage runs (pipe.schedules.placement); without it: the local stages here, the others elsewhere
+        self.place = list(place) if place is not None else [0 if s in modules else -1 for s in range(len(recv_bytes))]
         self.actions = [_act(a) for a in actions]
         self.M, self.S = microbatches, len(recv_bytes)
         self.recv, self.send = list(recv_bytes), list(send_bytes)
         self.device, self.budget, self.dynamic = device, budget, dynamic
         self.predicted = predicted  # choices carry predicted peaks (per-node costs were given)
         self.zero_bubble = any(k == "W" for _, k, _ in self.actions)
+        self.planned_comm: dict[int, int] = {}
         self.ledger = Ledger(self.local, device)
         self.copier = Copier(device)
         self.held: dict[tuple[int, int], _Held] = {}
@@ -371,6 +377,8 @@ class PlannedMemory(MemoryManager):
         self._recipes.clear()
         if self._ring:
             self._drop_ring(len(self._ring))
+        for s in self.local:  # buffers of a step that failed half-way are gone with its exchange
+            self.ledger.set(s, "comm", 0)
         self.ledger.step_begin()
         self._pinned = ()
         if self.store is not None:
@@ -379,10 +387,8 @@ class PlannedMemory(MemoryManager):
             self.store.step_begin()
         self.param_ptrs = {p.untyped_storage().data_ptr() for s in self.local if s not in self.offloaded
                            for _, p in self.owned[s]}
+        self._comm = CommBuffers(self.place, self.place[self.local[0]], self.recv, self.send, self.zero_bubble)
         for s in self.local:
-            comm = self.M * (self.recv[s] if s > 0 else 0)
-            comm += self.M * (self.send[s] if s < self.S - 1 and not self.dynamic else 0)
-            self.ledger.set(s, "comm", comm)
             self._count_grads(s)
 
     @contextlib.contextmanager
@@ -413,11 +419,7 @@ class PlannedMemory(MemoryManager):
         if self._pinned and self.store is not None:
             self.store.pin(self._pinned, False)
             self._pinned = ()
-        if kind == "F":
-            if s < self.S - 1:
-                self.ledger.add(s, "comm", self.send[s])
-        if kind in ("B", "BW") and s < self.S - 1 and not self.dynamic:
-            self.ledger.add(s, "comm", -self.send[s])  # the grad buffer was consumed
+        self._count_comm(self._comm.after(s, kind, mb))
         if kind in ("B", "W", "BW") and self._ring:
             self._drop_ring(len(self._ring))
         if h is not None and kind in ("B", "W", "BW"):
@@ -428,18 +430,23 @@ class PlannedMemory(MemoryManager):
                 self.ledger.add(s, "activations", -h.acts)
                 if h.bundle is not None and self.acts is not None:
                     self.acts.release(h.bundle)
-                if s > 0:
-                    self.ledger.add(s, "comm", -self.recv[s])  # the received activation
                 del self.held[(s, mb)]
             elif h.bundle is not None and self.acts is not None:
                 self.acts.drop_device(h.bundle)
             self._count_grads(s)
-        if kind in ("B", "BW") and s > 0:
-            self.ledger.add(s, "comm", self.recv[s])  # the grad sent back, held until the step ends
 
-    def set_actions(self, actions: Sequence[tuple[int, str, int]]) -> None:
-        self.actions = [_act(a) for a in actions]
+    def posted(self, batch: Sequence[Any]) -> None:
+        self._count_comm(self._comm.batch(batch))
+
+    def _count_comm(self, moves: list[tuple[int, int]]) -> None:
+        for stage, n in moves:
+            self.ledger.add(stage, "comm", n)
+
+    def set_program(self, program: Sequence[Any]) -> None:
+        self.actions = [_act(x) for x in program if hasattr(x, "kind") and x.kind in ("F", "B", "W", "BW")]
         self._windows = {}  # the chunk sequence follows the program: made again at the next step
+        peaks = comm_peaks({self.place[self.local[0]]: program}, self.place, self.recv, self.send, self.zero_bubble)
+        self.planned_comm = {s: peaks[s] for s in self.local}  # what the ledger will count (the passes free earlier)
 
     def reload_stages(self) -> list[int]:
         return [s for s in self.local if self.choices[s].offload_activations]
@@ -455,8 +462,7 @@ class PlannedMemory(MemoryManager):
         assert not self.held, f"activations of (stage, mb) {sorted(self.held)} outlived their backward"
         if self.store is not None:
             self.store.step_end()
-        for s in self.local:
-            self.ledger.set(s, "comm", 0)
+        self._count_comm(self._comm.end())
 
     # ----- what it did -----
     def report(self) -> dict[int, dict[str, int]]:
@@ -465,6 +471,7 @@ class PlannedMemory(MemoryManager):
             c = self.choices[s]
             if self.predicted:
                 out[s]["predicted_peak"] = int(c.predicted_peak)
+                out[s]["predicted_comm"] = self.planned_comm.get(s, int(c.parts.get("comm", 0)))
             if self.budget is not None:
                 out[s]["budget"] = int(self.budget)
             out[s]["resident_chunks"] = c.resident_chunks

@@ -6,6 +6,10 @@ batch_isend_irecv, tag 0: matched per pair in issue order, as NCCL does). Neighb
 on one rank hand over in memory. With dynamic shapes each activation's shape travels first
 as a device tensor: a batch then moves every shape, waits for the incoming ones, and moves
 the data (gradients need none: they have the shapes of the outputs this rank sent).
+Sends stay alive until complete: activations until their grads come back (which the peer
+computes from them, so they arrived); grads until a receive from the same peer posted in a
+later batch is waited on (a pair's batches complete in issue order, as on NCCL); shapes until
+the step ends.
 """
 from __future__ import annotations
 
@@ -34,7 +38,11 @@ class Exchange:
         self.outbox: dict[tuple[str, int, int], list[torch.Tensor]] = {}  # (SEND kind, stage, mb)
         self.inbox: dict[Key, list[tuple[torch.Tensor, Any]]] = {}       # tensor, its receive (None: here)
         self.shapes: dict[tuple[int, int], list[list[int]]] = {}         # (stage, mb) -> sent shapes
-        self.sends: list[tuple[torch.Tensor, comm.Work]] = []
+        self.sends: list[tuple[torch.Tensor, comm.Work]] = []           # alive until complete
+        self.sent_outputs: dict[tuple[int, int], list[tuple[torch.Tensor, comm.Work]]] = {}  # (stage, mb)
+        self.sent_grads: dict[int, list[tuple[int, torch.Tensor, comm.Work]]] = {}  # peer -> (batch, ...)
+        self.batches = 0
+        self.posted_in: dict[Key, int] = {}  # a receive -> the batch that posted it
         self.peer: int | None = None  # the rank last waited on, named when a wait fails
 
     # ----- what compute actions leave and take -----
@@ -68,6 +76,8 @@ class Exchange:
     def recv_grads(self, s: int, mb: int, outs: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
         """Grads of stage s's outputs for microbatch mb (None for the non-floating ones)."""
         got = iter(self._take(("B", s, mb), self.place[s + 1]))
+        for _, work in self.sent_outputs.pop((s, mb), []):  # the grads came back: the outputs arrived
+            work.wait()
         return [next(got) if o.is_floating_point() else None for o in outs]
 
     def _take(self, key: Key, src: int) -> list[torch.Tensor]:
@@ -79,6 +89,12 @@ class Exchange:
             if work is not None:
                 work.wait()
             out.append(t)
+        j = self.posted_in.pop(key, None)
+        if j is not None and self.sent_grads.get(src):  # a pair's batches complete in issue order
+            done = [x for x in self.sent_grads[src] if x[0] < j]
+            self.sent_grads[src] = [x for x in self.sent_grads[src] if x[0] >= j]
+            for _, _, work in done:
+                work.wait()
         return out
 
     # ----- what a batch of the program moves -----
@@ -87,9 +103,15 @@ class Exchange:
         shapes = self._exchange_shapes(batch) if self.dynamic else {}
         ops: list[tuple[str, torch.Tensor, int]] = []
         posted: list[tuple[Key, list[tuple[torch.Tensor, int]]]] = []  # buffers and their op index
+        outputs: dict[int, tuple[int, int]] = {}  # op index of an activation sent -> (stage, mb)
+        n = self.batches
+        self.batches += 1
         for a in batch:
             peer = peer_of(a, self.place)
             if a.kind in ("SEND_F", "SEND_B"):
+                if a.kind == "SEND_F":
+                    outputs.update((len(ops) + i, (a.stage, a.mb))
+                                   for i in range(len(self.outbox[(a.kind, a.stage, a.mb)])))
                 ops += [("send", x, peer) for x in self.outbox.pop((a.kind, a.stage, a.mb))]
             elif a.kind == "RECV_F":
                 bufs = []
@@ -109,9 +131,14 @@ class Exchange:
                         ops.append(("recv", buf.view(-1), peer))
                 posted.append((("B", a.stage, a.mb), bufs))
         works = self._post(ops)
-        self.sends += [(x, w) for (kind, x, _), w in zip(ops, works) if kind == "send"]  # alive until done
+        for i, ((kind, x, peer), w) in enumerate(zip(ops, works)):
+            if i in outputs:  # alive until the grads of (stage, mb) come back (recv_grads)
+                self.sent_outputs.setdefault(outputs[i], []).append((x, w))
+            elif kind == "send":  # grads: until a later batch's receive from that peer is waited on
+                self.sent_grads.setdefault(peer, []).append((n, x, w))
         for key, bufs in posted:
             self.inbox[key] = [(buf, works[i]) for buf, i in bufs]
+            self.posted_in[key] = n
 
     def _exchange_shapes(self, batch: Batch) -> dict[tuple[int, int], list[list[int]]]:
         """Dynamic shapes: every activation's shape, as device tensors, sent and received for the
@@ -147,6 +174,12 @@ class Exchange:
         return self.transport.batch(ops)
 
     def finish(self) -> None:
-        for _, work in self.sends:
+        for _, work in self.sends + [x for held in self.sent_outputs.values() for x in held]:
+            work.wait()
+        for _, _, work in [x for held in self.sent_grads.values() for x in held]:
             work.wait()
         self.sends.clear()
+        self.sent_outputs.clear()
+        self.sent_grads.clear()
+        self.posted_in.clear()
+        self.batches = 0

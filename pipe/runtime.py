@@ -23,7 +23,7 @@ import memory
 from memory import MemoryManager
 from pipe import comm
 from pipe.exchange import Exchange
-from pipe.lower import compute_actions, forward_only, fuse_backward, lower, validate, with_reloads
+from pipe.lower import forward_only, fuse_backward, lower, validate, with_reloads
 from pipe.backward import Saved, backward_full, backward_input, backward_weight, with_param_outputs
 from pipe.schedules import Action, ScheduleError, build, default_stages_per_rank, in_flight_limit, placement
 from pipe.simulate import Event, Timeline
@@ -145,6 +145,7 @@ class Pipeline:
             raise PipelineError(str(e)) from e
         self.actions: list[Action] = full[self.rank]
         self.program, self.inference_program = programs[self.rank], inference[self.rank]
+        self._programs = programs
         self.has_w = any(a.kind == "W" for a in self.actions)
         args, kwargs = tuple(example_args), dict(example_kwargs or {})
         self.plan = self._agree_on_plan(model, args, kwargs, plan, cost, memory_budget, (recompute, offload),
@@ -184,7 +185,7 @@ class Pipeline:
         fused = [s for s in self.local if self.memory.fused_backward(s)]
         mine = fuse_backward({self.rank: self.program}, fused)
         self.program = with_reloads(mine, self.memory.reload_stages())[self.rank]
-        self.memory.set_actions([(a.stage, a.kind, a.mb) for a in compute_actions(self.program)])
+        self.memory.set_program(self.program)
         self._names = {id(p): n for n, p in model.named_parameters()}
         self._placed = {id(b) for st in stages for b in st.buffers()}
         self._model = model
@@ -252,7 +253,8 @@ class Pipeline:
                 stages=[asdict(st) for st in self.plan.stages], costs=costs, gm=self._gm, modules=self.stages,
                 param_nodes={s: self.io[s].param_nodes for s in self.local},
                 param_sizes={n: (p.numel(), p.element_size()) for n, p in model.named_parameters()},
-                actions=[(a.stage, a.kind, a.mb) for a in self.actions], microbatches=self.M, device=self.ctx.device,
+                actions=[(a.stage, a.kind, a.mb) for a in self.actions], programs=self._programs, place=self.place,
+                microbatches=self.M, device=self.ctx.device,
                 optim_factor=max(self.plan.state_factor - 2.0, 0.0), dynamic=self.dynamic,
                 input_bytes=sum(v.nbytes for v in self.plan.inputs if v is not None),
                 time_scale=FLOP_PER_MS / speeds[0][0], copy_bytes_per_ms=speeds[0][1])
@@ -542,6 +544,7 @@ class _StepState:
         for x in program:
             if not isinstance(x, Action):
                 self.ex.issue(x)
+                mem.posted(x)
                 continue
             if x.kind in self.memory_handlers:
                 self.memory_handlers[x.kind](x.stage, x.mb)

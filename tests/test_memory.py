@@ -332,3 +332,55 @@ def test_collecting_managers_during_an_optimizer_step_leaves_torchs_hook_table_a
             h.remove()
     assert collected == [3, 0] and after == [1, 1]
     torch.testing.assert_close(p.detach(), torch.full((2,), 0.8))
+
+
+# ----- communication buffers, from the lowered program (memory.buffers) -----
+def test_comm_buffers_follow_the_program_literally() -> None:
+    from memory.buffers import comm_peaks
+    from pipe.lower import lower
+    from pipe.schedules import build, placement
+    one = lower(build("1f1b", 2, 2), 2, 2, [0, 1])
+    # rank 0: 0F0 [0SEND_F0] 0F1 [0SEND_F1] [0RECV_B0] 0B0 [0RECV_B1] 0B1 -> two outputs held until their
+    # grads are back, and one grad buffer posted; rank 1: during 1B1 its input's grad, mb 0's grad (sent,
+    # alive until the step ends) and mb 1's input
+    assert comm_peaks(one, [0, 1], [0, 10], [10, 0], False) == [30, 30]
+    # with 8 microbatches stage 0 holds the outputs of its 2 in flight and one grad buffer, not 8 outputs;
+    # stage 1 its input and the grads of at most 2 microbatches: a grad sent goes once a receive from
+    # rank 0 posted in a later batch is done
+    eight = lower(build("1f1b", 2, 8), 2, 8, [0, 1])
+    assert comm_peaks(eight, [0, 1], [0, 10], [10, 0], False) == [30, 30]
+    # both stages on one rank hand over in memory: 0F0 1F0 1B0 0F1 0B0 1F1 1B1 0B1; stage 0 holds mb 0's
+    # outputs and their grads, and mb 1's outputs, after 0F1; stage 1 one copy of its input at a time
+    here = lower(build("interleaved-1f1b", 1, 2, 2), 2, 2, placement("interleaved-1f1b", 2, 1))
+    assert comm_peaks(here, [0, 0], [0, 10], [10, 0], False) == [30, 10]
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"])
+def test_comm_buffers_are_each_released_by_the_action_that_consumes_them(name: str) -> None:
+    from memory.buffers import CommBuffers
+    from pipe.lower import lower
+    from pipe.schedules import build, default_stages_per_rank, placement
+    v = default_stages_per_rank(name)
+    for r in (1, 2, 3, 4):
+        for m in (1, 2, 5, 8):
+            if name == "interleaved-1f1b" and m % r:
+                continue  # interleaving needs M a multiple of R
+            S = r * v
+            place = placement(name, S, r)
+            program = lower(build(name, r, m, v), S, m, place)
+            recv, send = [0] + [3] * (S - 1), [3] * (S - 1) + [0]
+            for rank, items in program.items():
+                bufs = CommBuffers(place, rank, recv, send, zero_bubble=name in ("zb-h1", "zbv"))
+                now = dict.fromkeys(range(S), 0)
+                for x in items:
+                    moves = bufs.batch(x) if isinstance(x, tuple) and not hasattr(x, "kind") else \
+                        bufs.after(x.stage, x.kind, x.mb)
+                    for s, n in moves:
+                        assert place[s] == rank
+                        now[s] += n
+                        assert now[s] >= 0, (name, r, m, rank, x)
+                # every consumer ran: only grads sent after the last receive from their peer wait for the end
+                assert all(k[0] == "sent" for k in bufs.held), (name, r, m, rank, bufs.held)
+                for s, n in bufs.end():
+                    now[s] += n
+                assert set(now.values()) == {0}, (name, r, m, rank, now)

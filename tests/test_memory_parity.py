@@ -38,6 +38,7 @@ def one_config(rank: int, world: int, cfg: Config, M: int, steps: int, budget: f
     report = pp.memory_report()
     choices = pp.memory.choices  # type: ignore[attr-defined]
     return {"losses": losses, "peak": {s: r["peak_total"] for s, r in report.items()},
+            "comm": {s: (r["peak_comm"], r.get("predicted_comm")) for s, r in report.items()},
             "predicted": {s: r.get("predicted_peak") for s, r in report.items()}, "budget": budget,
             "labels": [choices[s].label() for s in sorted(choices)],
             "recompute_ms": [choices[s].recompute_ms for s in sorted(choices)],
@@ -84,6 +85,9 @@ def _check(results: list[dict[str, Any]]) -> dict[str, Any]:
         res["peak"] = {s: p for r in results for s, p in r[name]["peak"].items()}
         res["predicted"] = {s: p for r in results for s, p in r[name]["predicted"].items()}
         assert len(res["losses"]) == 3
+        for r in results:  # the buffers the ledger counted as the program ran are the ones planned from it
+            for s, (peak, planned) in r[name]["comm"].items():
+                assert planned is None or peak == planned, (name, s, peak, planned)
         for s, peak in res["peak"].items():  # the predicted peak (made when a feature is on) bounds the measured
             assert res["predicted"][s] is None or peak <= res["predicted"][s], (name, s, peak, res["predicted"][s])
             if res["budget"] is not None:
@@ -98,7 +102,7 @@ def test_parity_and_budgets_on_2_ranks() -> None:
         ("1f1b", 1, "selective", "activations", None),
         ("1f1b", 1, "auto", "none", 0.8),
         ("1f1b", 1, "selective", "none", None),
-        ("1f1b", 1, "auto", "none", 0.6),
+        ("1f1b", 1, "auto", "none", 0.62),  # the partitioner's least budget is 0.60x (issue 13: one memory model)
         ("1f1b", 1, "none", "states", None),
         ("interleaved-1f1b", 2, "selective", "all", None),
         ("interleaved-1f1b", 2, "full", "activations", None),
@@ -110,7 +114,7 @@ def test_parity_and_budgets_on_2_ranks() -> None:
     res = _check(run_ranks("tests.test_memory_parity:memory_body", 2, timeout=240, configs=configs, M=4))
     auto = res["1f1b/1/auto/none/0.8"]
     assert auto["recompute_ms"][0] > auto["recompute_ms"][-1]  # stage 0 holds 2 microbatches, stage 1 one
-    assert res["1f1b/1/auto/none/0.6"]["labels"][0].startswith("ckpt")  # checkpoint regions, not the whole stage
+    assert res["1f1b/1/auto/none/0.62"]["labels"][0].startswith("ckpt")  # checkpoint regions, not the whole stage
     sel = res["1f1b/1/selective/none/None"]  # recomputing on unpack frees memory on every stage
     assert all(sel["peak"][s] < res["1f1b/1/none/none/None"]["peak"][s] for s in sel["peak"])
     assert res["zb-h1/1/auto/all/0.7"]["budget"] is not None
