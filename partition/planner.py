@@ -143,6 +143,14 @@ def _constants(leaves: list[Any]) -> dict[str, Any]:
             if x is None or isinstance(x, (bool, int, float, str)) and _json_exact(x)}
 
 
+def memory_check(cm: CostModel, recompute: str, offload: str) -> CostModel:
+    """The cost model a split's memory is checked with: less than memory/ reaches with these options
+    (a split is refused only when no policy it may use fits): with recompute or activation offload
+    no saved activations, with state offload no resident model state."""
+    return dataclasses.replace(cm, activation_floor=recompute != "none" or offload in ("activations", "all"),
+                               state_factor=0.0 if offload in ("states", "all") else cm.state_factor)
+
+
 def plan_from_bounds(a: Analysis, bounds: Sequence[int], cost_model: CostModel, *, schedule: str,
                      microbatches: int, stages_per_rank: int, memory_budget: float | None) -> Plan:
     """The Plan for given block bounds (the solver's, or a baseline's), with predicted figures."""
@@ -209,9 +217,12 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
     times `state_factor` (weight, grad, Adam's two moments), plus the activations of the
     microbatches the schedule keeps in flight there (1F1B: min(M, S - s); pass
     `in_flight_counts` for other schedules), each with its received inputs and sent outputs.
-    The memory check counts what memory/ can reach: with `recompute` 'full' or 'auto' one
-    microbatch's activations (recomputed in its backward), with `offload` 'states' or 'all' no
-    model state (its chunks stream through the device).
+    The memory check counts less than memory/ can reach, so that no split it can fit is refused:
+    with any `recompute` but 'none', or `offload` of activations, per microbatch in flight only
+    the received inputs and sent outputs (memory/ may recompute or offload any saved tensor, in
+    regions finer than a block); with `offload` 'states' or 'all' no model state (its chunks
+    stream through the device). memory/ then plans the policy and refuses a budget below what it
+    reaches, naming that figure.
     With `loss_fn` and a tensor `example_target` (one microbatch's) the loss is traced into
     the graph (partition.loss) when fx can trace it: the last stage returns the loss, and a
     linear layer too slow for one stage that feeds a cross entropy is spread over stages
@@ -243,8 +254,8 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
     cm = CostModel(bytes_per_ms=bytes_per_ms, latency_ms=latency_ms, state_factor=state_factor,
                    in_flight=tuple(flights), speeds=tuple(speeds) if speeds is not None else None,
                    memory_budget=budget, params_every_stage=with_params >= n_stages)
-    kept = dataclasses.replace(cm, in_flight=(1,) * n_stages if recompute in ("full", "auto") else cm.in_flight,
-                               state_factor=0.0 if offload in ("states", "all") else state_factor)
+    kept = memory_check(cm, recompute, offload)
+    floor = kept.activation_floor
     if progress is not None:
         progress(f"solving {n_stages} stages over {n} blocks ...")
     try:
@@ -260,8 +271,11 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
         raise InfeasibleBudget(
             f"{type(model).__name__} does not fit {n_stages} stages with memory_budget={human_bytes(budget or 0)} "
             f"({budget:.0f} bytes) per stage under schedule {schedule!r} with {M} microbatches: the "
-            f"least budget any split fits is {human_bytes(need)} ({need:.0f} bytes; parameters x "
-            f"{state_factor:g} for weights, grads and optimizer state, plus in-flight activations). "
+            f"least budget any split fits is {human_bytes(need)} ({need:.0f} bytes; "
+            + (f"parameters x {state_factor:g} for weights, grads and optimizer state" if kept.state_factor
+               else f"no model state (offload={offload!r})")
+            + (", plus per microbatch in flight its received inputs and sent outputs; activations, which "
+               "recompute/offload plan, are not counted here" if floor else ", plus in-flight activations") + "). "
             f"Fix: give memory_budget >= {need:.0f}, use more stages, fewer microbatches in flight, or "
             "recompute/offload activations", need) from None
     if analysis is None:

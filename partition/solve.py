@@ -108,6 +108,10 @@ class CostModel:
     memory_budget: float | tuple[float, ...] | None = None  # bytes per stage
     extra_bytes: float = 0.0  # fixed per-stage overhead
     params_every_stage: bool = False  # only stages that hold a parameter (so each rank has an optimizer)
+    # recompute or activation offload may be planned (by memory/): count per mb in flight only the
+    # received inputs and sent outputs, no saved activations (memory/ may recompute or offload any of
+    # them, in regions finer than a block), so no split memory/ can fit is refused
+    activation_floor: bool = False
 
     def __post_init__(self) -> None:
         if not self.bytes_per_ms > 0:
@@ -143,9 +147,12 @@ def _memory(cost: CostModel, union: Num, in_flight: Num, act: Num, cut_in: Num,
     """M_s(a, b): the one definition of stage memory, shared by the DP and the reports.
 
     Each microbatch in flight holds its saved activations, its received inputs (kept for
-    their grads) and its sent outputs (the roots of its backward).
+    their grads) and its sent outputs (the roots of its backward). With `activation_floor`
+    (recompute or offload allowed) the saved activations are left to memory/: the figure is
+    then less than any of its policies holds.
     """
-    return (cost.state_factor * union + in_flight * (act + cut_in + cut_out) + cost.extra_bytes)
+    saved = 0.0 if cost.activation_floor else act
+    return cost.state_factor * union + in_flight * (saved + cut_in + cut_out) + cost.extra_bytes
 
 
 @dataclass(frozen=True)

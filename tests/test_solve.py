@@ -63,8 +63,9 @@ def brute_costs(raw: Raw, bounds: tuple[int, ...], cost: CostModel
         used: set[int] = set()
         for i in range(a, b):
             used |= raw.params[i]
-        mems.append(cost.state_factor * sum(raw.sizes[p] for p in used)
-                    + in_flight[s] * (sum(raw.act[a:b]) + raw.cut[a] + raw.cut[b]) + cost.extra_bytes)
+        saved = 0 if cost.activation_floor else sum(raw.act[a:b])  # memory/ plans them (recompute, offload)
+        held = in_flight[s] * (saved + raw.cut[a] + raw.cut[b])
+        mems.append(cost.state_factor * sum(raw.sizes[p] for p in used) + held + cost.extra_bytes)
     return times, mems
 
 
@@ -96,7 +97,7 @@ def random_cost(rng: random.Random, raw: Raw, S: int) -> CostModel:
         state_factor=rng.choice([1.0, 2.0, 4.0]),
         in_flight=tuple(rng.randint(0, 4) for _ in range(S)) if rng.random() < 0.5 else None,
         speeds=tuple(rng.uniform(0.5, 2) for _ in range(S)) if rng.random() < 0.5 else None,
-        extra_bytes=float(rng.choice([0, 100])))
+        extra_bytes=float(rng.choice([0, 100])), activation_floor=rng.random() < 0.3)
     kind = rng.choice(["none", "uniform", "per_stage", "tight", "short"])
     if kind == "none":
         return cost

@@ -1,0 +1,66 @@
+"""The partitioner's memory check and memory/'s planner are one model: the partitioner refuses a split
+only when no policy memory/ may use fits it (pure: no processes)."""
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+import memory
+import partition
+from memory.budget import _least
+from memory.buffers import comm_peaks
+from memory.build import stage_infos
+from partition.costs import node_costs
+from partition.planner import Analysis, memory_check, plan_from_bounds
+from partition.solve import CostModel, InfeasibleBudget, stage_bytes
+from pipe.lower import lower
+from pipe.schedules import build, in_flight_limit
+
+S, M = 2, 4
+COMBOS = [("none", "states"), ("full", "none"), ("selective", "none"), ("auto", "none"), ("none", "activations"),
+          ("auto", "all")]
+MODELS = [("gpt", {"n_layer": 4, "d_model": 64, "n_head": 4, "seq_len": 64, "vocab": 256, "microbatch_size": 8}),
+          ("unet", {})]
+
+
+@pytest.mark.parametrize("spec,kw", MODELS, ids=[m for m, _ in MODELS])
+def test_the_partitioner_never_refuses_a_split_memory_can_fit(spec: str, kw: dict) -> None:
+    w = partition.load(spec, **kw)
+    a = Analysis(w.model, w.example_args, cost="flops", loss_fn=w.loss_fn, example_target=w.example_target)
+    found = node_costs(a.gm, a.flat, cost="flops")
+    costs = {n: memory.NodeCost(c.fwd_ms, c.out_bytes, c.saved_bytes, tuple(c.params)) for n, c in found.items()}
+    sizes = {n: (p.numel(), p.element_size()) for n, p in w.model.named_parameters()}
+    flights = tuple(in_flight_limit("1f1b", S, M, s) for s in range(S))
+    cm = CostModel(state_factor=4.0, in_flight=flights)
+    place = [0, 1]
+    programs = lower(build("1f1b", S, M), S, M, place)
+    best = {c: float("inf") for c in COMBOS}  # the least budget memory/ meets, over every split
+    splits = [(0, b, a.chain.n) for b in range(1, a.chain.n)]
+    for bounds in splits:
+        plan = plan_from_bounds(a, bounds, cm, schedule="1f1b", microbatches=M, stages_per_rank=1,
+                                memory_budget=None)
+        stages = [dataclasses.asdict(st) for st in plan.stages]
+        recv, send = [st["recv_bytes"] for st in stages], [st["send_bytes"] for st in stages]
+        infos, _ = stage_infos(stages=stages, costs=costs, gm=a.gm, param_sizes=sizes, microbatches=M,
+                               comm=comm_peaks(programs, place, recv, send, False),
+                               input_bytes=sum(v.nbytes for v in plan.inputs if v is not None))
+        for recompute, offload in COMBOS:
+            checked = stage_bytes(a.chain, bounds, memory_check(cm, recompute, offload))
+            floors = [_least(st, recompute, offload, 2.0).predicted_peak for st in infos]
+            for s, (c, f) in enumerate(zip(checked, floors)):
+                assert c <= f, (spec, bounds, recompute, offload, s, c, f)
+            best[(recompute, offload)] = min(best[(recompute, offload)], max(floors))
+    rng = random.Random(0)
+    refused = 0
+    for recompute, offload in COMBOS:  # random budgets around what memory/ meets: refused only below it
+        for _ in range(4):
+            budget = best[(recompute, offload)] * rng.uniform(0.3, 1.3)
+            try:
+                partition.plan(w.model, w.example_args, S, cost="flops", microbatches=M, memory_budget=budget,
+                               recompute=recompute, offload=offload, analysis=a, in_flight_counts=flights)
+            except InfeasibleBudget:
+                refused += 1
+                assert budget < best[(recompute, offload)], (spec, recompute, offload, budget)
+    assert refused > 0  # some budgets were too small for the partitioner too
