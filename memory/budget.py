@@ -236,11 +236,12 @@ def _recomputed_bound(st: StageInfo, region: Region) -> float:
                  + sum(x.temp_bytes for x in st.nodes if x.name in inside))
 
 
-def _region_plans(st: StageInfo, state: float) -> list[StageChoice]:
+def _region_plans(st: StageInfo, state: float, resident: int | None) -> list[StageChoice]:
     """Checkpoint the k regions freeing the most bytes per ms (k = 1..K), with or without recomputing
-    the other regions' cheap nodes on unpack. Bounds, not estimates: a microbatch keeps at most what the
-    other regions may save (or A) and what enters the checkpointed ones; the backward recomputes one
-    checkpointed region at a time."""
+    the other regions' cheap nodes on unpack; with `resident` chunks of streamed model state, or all of
+    it on the device (None). Bounds, not estimates: a microbatch keeps at most what the other regions
+    may save (or A) and what enters the checkpointed ones; the backward recomputes one checkpointed
+    region at a time (its chunks fetched as the recomputation reads them)."""
     n = max(st.in_flight, 1)
     # the 2% that A carries on top of the plan's figure (memory.build), for what the bounds cannot see:
     # storages wider than the tensors saved (a microbatch of the model inputs is a view of the batch)
@@ -252,14 +253,16 @@ def _region_plans(st: StageInfo, state: float) -> list[StageChoice]:
     for k in range(1, len(regs) + 1):
         chosen, rest = regs[:k], regs[k:]
         off = {m for r in chosen for m in r.nodes}
-        others = [nodes[m] for r in rest for m in r.nodes if m in nodes and nodes[m].remat]
+        others = [nodes[m] for r in rest for m in r.nodes if m in nodes and nodes[m].remat
+                  and not (resident is not None and nodes[m].params)]  # as _remattable
         for remat in ([], [x for x in others if x.remat_bytes > 0]):
             kept = min(float(st.act_bytes), _saved_bound(st, off) + margin) - sum(x.remat_bytes for x in remat) \
                 + sum(r.in_bytes for r in chosen)
             acts = n * (kept + st.loss_bytes) + max(_recomputed_bound(st, r) for r in chosen) + _transient(remat)
             c = StageChoice(st.index, "auto", remat=frozenset(x.name for x in remat),
                             regions=tuple(r.nodes for r in sorted(chosen, key=st.regions.index)),
-                            of_regions=len(regs),
+                            of_regions=len(regs), offload_states=resident is not None,
+                            resident_chunks=resident or 0, move_ms=_move_ms(st, resident),
                             recompute_ms=sum(r.fwd_ms for r in chosen) + sum(x.fwd_ms for x in remat))
             c.parts = {"state": state, "activations": acts, "comm": float(st.comm_bytes)}
             c.predicted_peak = state + acts + st.comm_bytes
@@ -310,8 +313,8 @@ def _candidates(st: StageInfo, recompute: str, offload: str, budget: float | Non
             c.parts = {"state": state, "activations": acts, "comm": float(st.comm_bytes)}
             c.predicted_peak = state + acts + st.comm_bytes
             out.append(c)
-        if recompute == "auto" and r is None and len(st.regions) > 1:
-            out += _region_plans(st, state)
+        if recompute == "auto" and len(st.regions) > 1:
+            out += _region_plans(st, state, r)
     return out
 
 

@@ -88,6 +88,32 @@ def _count_optimizers(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
         me._count_optimizer(opt)
 
 
+def _with_markers(gm: torch.fx.GraphModule, regions: Sequence[Sequence[str]]) -> list[list[str]]:
+    """Each region's node names with the marker calls (memory.recompute.instrument) of its nodes: the
+    one before its first node and those after its last."""
+    calls = [n for n in gm.graph.nodes if n.op.startswith("call")]
+    at = {n.name: i for i, n in enumerate(calls)}
+
+    def marker(n: torch.fx.Node) -> bool:
+        return n.op == "call_module" and n.target == "_fxpipe_memory"
+    out = []
+    for names in regions:
+        inside = [x for x in names if x in at]
+        if not inside:
+            out.append(list(names))
+            continue
+        lo, hi = at[inside[0]], at[inside[-1]]
+        mine = set(inside)
+        while lo > 0 and marker(calls[lo - 1]) and len(calls[lo - 1].args) == 1:  # a before-marker
+            lo -= 1
+        while hi + 1 < len(calls) and marker(calls[hi + 1]) and len(calls[hi + 1].args) > 1 \
+                and getattr(calls[hi + 1].args[1], "name", None) in mine:  # an after-marker of its nodes
+            hi += 1
+        out.append([n.name for n in calls[lo:at[inside[0]]]] + list(names)
+                   + [n.name for n in calls[at[inside[-1]] + 1:hi + 1]])
+    return out
+
+
 class PlannedMemory(MemoryManager):
     """Runs `choices` (one per stage, from memory.budget.choose) on this rank's `modules`.
 
@@ -153,7 +179,10 @@ class PlannedMemory(MemoryManager):
 
     # ----- set-up -----
     def _instrument(self, s: int, gm: torch.fx.GraphModule, param_nodes: dict[str, list[str]]) -> None:
-        if self.choices[s].regions:
+        # with streamed chunks the markers go in first and each region takes its nodes' markers along, so
+        # recomputing a region fetches its chunks again
+        streamed = self.store is not None and s in self.offloaded
+        if self.choices[s].regions and not streamed:
             checkpoint_regions(gm, self.choices[s].regions, functools.partial(self._region, s))
         nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
         calls = [n.name for n in nodes]
@@ -176,6 +205,8 @@ class PlannedMemory(MemoryManager):
         if before or after or remat:
             instrument(gm, Markers(functools.partial(self._before_node, s), functools.partial(self._after_node, s),
                                    functools.partial(self._remat_node, s)), before, after, remat)
+        if self.choices[s].regions and streamed:
+            checkpoint_regions(gm, _with_markers(gm, self.choices[s].regions), functools.partial(self._region, s))
 
     def _optim_hook(self) -> None:
         _COUNTED.add(self)

@@ -109,6 +109,7 @@ def test_parity_and_budgets_on_2_ranks() -> None:
         ("zb-h1", 1, "full", "states", None),
         ("zb-h1", 1, "none", "all", None),
         ("zb-h1", 1, "auto", "all", 0.7),
+        ("1f1b", 1, "auto", "all", 0.3),
         ("1f1b", 1, "auto", "all", 0.05),
     ]
     res = _check(run_ranks("tests.test_memory_parity:memory_body", 2, timeout=240, configs=configs, M=4))
@@ -118,6 +119,8 @@ def test_parity_and_budgets_on_2_ranks() -> None:
     sel = res["1f1b/1/selective/none/None"]  # recomputing on unpack frees memory on every stage
     assert all(sel["peak"][s] < res["1f1b/1/none/none/None"]["peak"][s] for s in sel["peak"])
     assert res["zb-h1/1/auto/all/0.7"]["budget"] is not None
+    # checkpoint regions with streamed model state: each region's chunks come back when it is recomputed
+    assert all(x.startswith("ckpt") and x.endswith("+states") for x in res["1f1b/1/auto/all/0.3"]["labels"])
     err = res["1f1b/1/auto/all/0.05"]["error"]  # the partitioner or memory/ refuses, naming the least budget
     assert "memory_budget >= " in err and ("least budget" in err or "smallest feasible" in err), err
 
