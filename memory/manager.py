@@ -243,13 +243,19 @@ class PlannedMemory(MemoryManager):
         ptr = t.untyped_storage().data_ptr()
         return ptr in self.param_ptrs or (self.store is not None and ptr in self.store.ptrs)
 
+    def _held_elsewhere(self, t: torch.Tensor) -> bool:
+        """A parameter, or a leaf that requires grad (a received input, counted as a message buffer), or a
+        view of one: its memory is not the microbatch's activations."""
+        base = t if t._base is None else t._base
+        return self._is_param(t) or (base.is_leaf and base.requires_grad)
+
     def _count_entering(self, s: int, args: tuple[Any, ...]) -> None:
         """A checkpointed region keeps its inputs until the backward: count them as saved."""
         if self.cur[0] != s:
             return
         h = self.held[self.cur]
         for t in args:
-            if isinstance(t, torch.Tensor) and not self._is_param(t) and not (t.is_leaf and t.requires_grad):
+            if isinstance(t, torch.Tensor) and not self._held_elsewhere(t):
                 ptr, n = _storage(t)
                 if ptr not in h.ptrs:
                     h.ptrs.add(t)
@@ -271,7 +277,7 @@ class PlannedMemory(MemoryManager):
         if h is None:
             return
         ptr, n = _storage(t)
-        if ptr in h.ptrs or ptr in h.rptrs or self._is_param(t) or (t.is_leaf and t.requires_grad):
+        if ptr in h.ptrs or ptr in h.rptrs or self._held_elsewhere(t):
             return
         h.rptrs.add(t)
         h.recompute += n
@@ -280,7 +286,7 @@ class PlannedMemory(MemoryManager):
     def _pack(self, t: torch.Tensor) -> Any:
         s, mb = self.cur
         h = self.held[(s, mb)]
-        if self._is_param(t) or (t.is_leaf and t.requires_grad):
+        if self._held_elsewhere(t):
             return t
         if self._recipes:
             found = self._recipes.get(t.untyped_storage().data_ptr())
@@ -301,7 +307,7 @@ class PlannedMemory(MemoryManager):
         and holds none."""
         if (r.stage, r.mb) != (s, mb) or t._version != r.version:
             return False
-        return all(self._is_param(x) or (x.is_leaf and x.requires_grad) or x.untyped_storage().data_ptr() in h.ptrs
+        return all(self._held_elsewhere(x) or x.untyped_storage().data_ptr() in h.ptrs
                    for x in r.inputs)
 
     def _unpack(self, x: Any) -> torch.Tensor:

@@ -384,3 +384,24 @@ def test_comm_buffers_are_each_released_by_the_action_that_consumes_them(name: s
                 for s, n in bufs.end():
                     now[s] += n
                 assert set(now.values()) == {0}, (name, r, m, rank, now)
+
+
+class _Flat(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x.view(x.shape[0], -1))
+
+
+def test_a_view_of_a_received_input_is_not_counted_as_activations() -> None:
+    # the stage input (a leaf requiring grad, counted as a message buffer) reaches the linear layer through a
+    # view, which the layer saves: its storage is the input's, not the microbatch's activations
+    gm = torch.fx.symbolic_trace(_Flat())
+    actions = [(0, "F", 0), (0, "B", 0)]
+    mm = _manager(gm, StageChoice(0, "none"), actions)
+    x = torch.randn(4, 2, 4, requires_grad=True)
+    _run_step(mm, gm, actions, [x])
+    assert mm.report()[0]["peak_activations"] == 4 * 8 * 4  # pow's input, the linear's output; not x
+    assert x.grad is not None
