@@ -20,7 +20,7 @@ def _valid_trace(path: Path) -> None:
 
 
 def test_bench_schedules(tmp_path: Path) -> None:
-    out = run_command([sys.executable, "-m", "bench", "schedules", "gpt", *TINY, "--microbatches", "2,4",
+    out = run_command([sys.executable, "-m", "bench", "schedules", "gpt", *TINY, "--microbatches", "4",
                        "--schedules", "gpipe,1f1b,interleaved-1f1b,zb-h1,zbv", "--steps", "2", "--warmup", "1",
                        "--cost", "flops", "--out", str(tmp_path)], timeout=180).output
     assert "| zb-h1 | 4 |" in out
@@ -28,7 +28,7 @@ def test_bench_schedules(tmp_path: Path) -> None:
     assert data["ranks"] == 2 and data["versions"]["torch"] and "bench schedules" in data["command"]
     rows = data["results"]
     assert {(r["schedule"], r["microbatches"]) for r in rows} == {
-        (s, m) for s in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv") for m in (2, 4)}
+        (s, 4) for s in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")}
     for r in rows:
         assert len(r["samples_s"]) == 2 and r["median_step_s"] > 0 and r["tokens_per_s"] > 0
         assert 0 <= r["measured_bubble"] < 1 and 0 <= r["predicted_bubble"] < 1

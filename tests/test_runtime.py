@@ -69,10 +69,11 @@ def test_parity_with_the_loss_in_the_graph_of_a_small_model() -> None:
                      schedules=[("1f1b", 1), ("interleaved-1f1b", 2)], M=4, fused=True))
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("spec", ["bench.hf_models:bert", "bench.hf_models:t5"], ids=["hf-bert", "hf-t5"])
+@pytest.mark.parametrize("spec,world", [("bench.hf_models:bert", 2), ("bench.hf_models:bert", 4),
+                                        ("bench.hf_models:t5", 4)], ids=["hf-bert-2", "hf-bert-4", "hf-t5-4"])
 def test_parity_encoder_models(spec: str, world: int) -> None:
-    """BERT with a padding mask and T5 (encoder-decoder), keyword inputs through the same step call."""
+    """BERT with a padding mask and T5 (encoder-decoder), keyword inputs through the same step call; T5 on
+    4 ranks only, to keep the suite within its time (zero bubble on an encoder: BERT on 2 ranks)."""
     schedules = [("1f1b", 1), ("zb-h1", 1)] if world == 2 else [("1f1b", 1)]
     _check(run_ranks("tests.parity:parity_body", world, timeout=180, spec=spec, model_args={},
                      schedules=schedules, M=world))
