@@ -107,7 +107,7 @@ def build(*, recompute: str, offload: str, budget: float | None, stages: Sequenc
           param_nodes: dict[int, dict[str, list[str]]], param_sizes: dict[str, tuple[int, int]],
           actions: Sequence[tuple[int, str, int]], programs: Mapping[int, Sequence[Any]], place: Sequence[int],
           microbatches: int, device: torch.device,
-          optim_factor: float = 2.0, dynamic: bool = False, input_bytes: int = 0, time_scale: float = 1.0,
+          optim_factor: float = 2.0, input_bytes: int = 0, time_scale: float = 1.0,
           copy_bytes_per_ms: float = COPY_BYTES_PER_MS) -> tuple[PlannedMemory, list[StageChoice]]:
     """Plan every stage (the same on every rank: only the plan and the costs go in), then the
     manager for this rank's `modules`. BudgetError when the budget cannot be met. `programs`: every
@@ -129,7 +129,7 @@ def build(*, recompute: str, offload: str, budget: float | None, stages: Sequenc
                                regions=not zero_bubble)
     choices = choose(infos, recompute=recompute, offload=offload, budget=budget, optim_factor=optim_factor)
     mm = PlannedMemory(choices=choices, modules=modules, param_nodes=param_nodes, actions=actions,
-                       microbatches=microbatches, recv_bytes=recv, send_bytes=send, device=device,
-                       budget=budget, dynamic=dynamic, chunk_elems={s: elems[s] for s in modules if elems.get(s)},
+                       recv_bytes=recv, send_bytes=send, device=device,
+                       budget=budget, chunk_elems={s: elems[s] for s in modules if elems.get(s)},
                        predicted=bool(costs), place=place)
     return mm, choices

@@ -16,7 +16,7 @@ from memory.buffers import CommBuffers, comm_peaks
 from memory.budget import StageChoice, human
 from memory.ledger import Ledger
 from memory.offload import ActivationOffload, Bundle, Handle, offloadable
-from memory.recompute import Markers, Recipe, Recomputed, Remat, instrument, make_recipe
+from memory.recompute import Markers, Recipe, Recomputed, Remat, instrument, make_recipe, with_markers
 from memory.regions import Checkpointed, checkpoint_regions
 from memory.store import ChunkStore
 from memory.streams import Copier
@@ -88,32 +88,6 @@ def _count_optimizers(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
         me._count_optimizer(opt)
 
 
-def _with_markers(gm: torch.fx.GraphModule, regions: Sequence[Sequence[str]]) -> list[list[str]]:
-    """Each region's node names with the marker calls (memory.recompute.instrument) of its nodes: the
-    one before its first node and those after its last."""
-    calls = [n for n in gm.graph.nodes if n.op.startswith("call")]
-    at = {n.name: i for i, n in enumerate(calls)}
-
-    def marker(n: torch.fx.Node) -> bool:
-        return n.op == "call_module" and n.target == "_fxpipe_memory"
-    out = []
-    for names in regions:
-        inside = [x for x in names if x in at]
-        if not inside:
-            out.append(list(names))
-            continue
-        lo, hi = at[inside[0]], at[inside[-1]]
-        mine = set(inside)
-        while lo > 0 and marker(calls[lo - 1]) and len(calls[lo - 1].args) == 1:  # a before-marker
-            lo -= 1
-        while hi + 1 < len(calls) and marker(calls[hi + 1]) and len(calls[hi + 1].args) > 1 \
-                and getattr(calls[hi + 1].args[1], "name", None) in mine:  # an after-marker of its nodes
-            hi += 1
-        out.append([n.name for n in calls[lo:at[inside[0]]]] + list(names)
-                   + [n.name for n in calls[at[inside[-1]] + 1:hi + 1]])
-    return out
-
-
 class PlannedMemory(MemoryManager):
     """Runs `choices` (one per stage, from memory.budget.choose) on this rank's `modules`.
 
@@ -124,9 +98,9 @@ class PlannedMemory(MemoryManager):
     """
 
     def __init__(self, *, choices: Sequence[StageChoice], modules: dict[int, torch.fx.GraphModule],
-                 param_nodes: dict[int, dict[str, list[str]]], actions: Sequence[Act], microbatches: int,
+                 param_nodes: dict[int, dict[str, list[str]]], actions: Sequence[Act],
                  recv_bytes: Sequence[int], send_bytes: Sequence[int], device: torch.device,
-                 budget: float | None = None, dynamic: bool = False,
+                 budget: float | None = None,
                  chunk_elems: dict[int, int] | None = None, predicted: bool = True,
                  place: Sequence[int] | None = None) -> None:
         self.choices = {c.stage: c for c in choices}
@@ -134,9 +108,8 @@ class PlannedMemory(MemoryManager):
         # where each stage runs (pipe.schedules.placement); without it: the local stages here, the others elsewhere
         self.place = list(place) if place is not None else [0 if s in modules else -1 for s in range(len(recv_bytes))]
         self.actions = [_act(a) for a in actions]
-        self.M, self.S = microbatches, len(recv_bytes)
         self.recv, self.send = list(recv_bytes), list(send_bytes)
-        self.device, self.budget, self.dynamic = device, budget, dynamic
+        self.device, self.budget = device, budget
         self.predicted = predicted  # choices carry predicted peaks (per-node costs were given)
         self.zero_bubble = any(k == "W" for _, k, _ in self.actions)
         self.planned_comm: dict[int, int] = {}
@@ -206,7 +179,7 @@ class PlannedMemory(MemoryManager):
             instrument(gm, Markers(functools.partial(self._before_node, s), functools.partial(self._after_node, s),
                                    functools.partial(self._remat_node, s)), before, after, remat)
         if self.choices[s].regions and streamed:
-            checkpoint_regions(gm, _with_markers(gm, self.choices[s].regions), functools.partial(self._region, s))
+            checkpoint_regions(gm, with_markers(gm, self.choices[s].regions), functools.partial(self._region, s))
 
     def _optim_hook(self) -> None:
         _COUNTED.add(self)

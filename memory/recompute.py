@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from partition.costs import node_callable
 
 __all__ = ["ChainedHooks", "Markers", "Recipe", "Remat", "Recomputed", "bases", "instrument", "is_matmul_node",
-           "is_random_node", "make_recipe", "remat_candidates", "savers", "saves_input_only"]
+           "is_random_node", "make_recipe", "remat_candidates", "savers", "saves_input_only", "with_markers"]
 
 _MATMUL_MODULES = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
                    torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d,
@@ -264,6 +264,32 @@ def instrument(gm: torch.fx.GraphModule, markers: Markers, before: dict[str, int
             with gm.graph.inserting_after(node):
                 gm.graph.call_module("_fxpipe_memory", (after[node.name], node))
     gm.recompile()
+
+
+def with_markers(gm: torch.fx.GraphModule, regions: Sequence[Sequence[str]]) -> list[list[str]]:
+    """Each region's node names with the marker calls (`instrument`) of its nodes: the
+    one before its first node and those after its last."""
+    calls = [n for n in gm.graph.nodes if n.op.startswith("call")]
+    at = {n.name: i for i, n in enumerate(calls)}
+
+    def marker(n: torch.fx.Node) -> bool:
+        return n.op == "call_module" and n.target == "_fxpipe_memory"
+    out = []
+    for names in regions:
+        inside = [x for x in names if x in at]
+        if not inside:
+            out.append(list(names))
+            continue
+        lo, hi = at[inside[0]], at[inside[-1]]
+        mine = set(inside)
+        while lo > 0 and marker(calls[lo - 1]) and len(calls[lo - 1].args) == 1:  # a before-marker
+            lo -= 1
+        while hi + 1 < len(calls) and marker(calls[hi + 1]) and len(calls[hi + 1].args) > 1 \
+                and getattr(calls[hi + 1].args[1], "name", None) in mine:  # an after-marker of its nodes
+            hi += 1
+        out.append([n.name for n in calls[lo:at[inside[0]]]] + list(names)
+                   + [n.name for n in calls[at[inside[-1]] + 1:hi + 1]])
+    return out
 
 
 def make_recipe(gm: torch.fx.GraphModule, node: torch.fx.Node, value: Any, inputs: Sequence[Any], stage: int,

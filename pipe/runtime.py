@@ -255,7 +255,7 @@ class Pipeline:
                 param_sizes={n: (p.numel(), p.element_size()) for n, p in model.named_parameters()},
                 actions=[(a.stage, a.kind, a.mb) for a in self.actions], programs=self._programs, place=self.place,
                 microbatches=self.M, device=self.ctx.device,
-                optim_factor=max(self.plan.state_factor - 2.0, 0.0), dynamic=self.dynamic,
+                optim_factor=max(self.plan.state_factor - 2.0, 0.0),
                 input_bytes=sum(v.nbytes for v in self.plan.inputs if v is not None),
                 time_scale=FLOP_PER_MS / speeds[0][0], copy_bytes_per_ms=speeds[0][1])
             for c in choices if costs else []:

@@ -183,7 +183,7 @@ def _manager(gm: torch.fx.GraphModule, choice: StageChoice, actions: list[tuple[
              elems: int | None = None) -> PlannedMemory:
     param_nodes = {n.name: [f"{n.target}.weight"] for n in gm.graph.nodes if n.op == "call_module"}
     return PlannedMemory(choices=[choice], modules={0: gm}, param_nodes={0: param_nodes}, actions=actions,
-                         microbatches=2, recv_bytes=[0], send_bytes=[0], device=torch.device("cpu"),
+                         recv_bytes=[0], send_bytes=[0], device=torch.device("cpu"),
                          chunk_elems={0: elems} if elems else None)
 
 
@@ -264,7 +264,7 @@ def _remat_run(remat: frozenset[str], xs: list[torch.Tensor]) -> tuple[list[torc
                    for n in gm.graph.nodes if n.op == "call_module"}
     actions = [(0, "F", 0), (0, "F", 1), (0, "B", 0), (0, "B", 1)]
     mm = PlannedMemory(choices=[StageChoice(0, "selective", remat=remat)], modules={0: gm},
-                       param_nodes={0: param_nodes}, actions=actions, microbatches=2, recv_bytes=[0], send_bytes=[0],
+                       param_nodes={0: param_nodes}, actions=actions, recv_bytes=[0], send_bytes=[0],
                        device=torch.device("cpu"))
     _run_step(mm, gm, actions, xs)
     return [p.grad for p in gm.parameters()] + [x.grad for x in xs], mm.report()[0]

@@ -54,8 +54,8 @@ def test_savers_follow_views_and_skip_ops_that_save_nothing() -> None:
 def _run(choice: StageChoice, xs: list[torch.Tensor]) -> tuple[list[torch.Tensor | None], dict[str, int], str]:
     gm = torch.fx.symbolic_trace(_Blocks())
     actions = [(0, "F", 0), (0, "F", 1), (0, "B", 0), (0, "B", 1)]
-    mm = PlannedMemory(choices=[choice], modules={0: gm}, param_nodes={0: {}}, actions=actions, microbatches=2,
-                       recv_bytes=[0], send_bytes=[0], device=torch.device("cpu"))
+    mm = PlannedMemory(choices=[choice], modules={0: gm}, param_nodes={0: {}}, actions=actions, recv_bytes=[0],
+                       send_bytes=[0], device=torch.device("cpu"))
     _run_step(mm, mm.wrap_stage(0, gm), actions, xs)
     return [p.grad for p in gm.parameters()] + [x.grad for x in xs], mm.report()[0], gm.code
 

@@ -1,0 +1,69 @@
+"""The exchange keeps a sent tensor exactly as long as the buffer rules of memory.buffers say (pure: a
+transport that records, no processes), so the ledger's message buffers are the exchange's."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, Sequence
+
+import pytest
+import torch
+
+from memory.buffers import CommBuffers
+from partition.plan import Value
+from pipe.exchange import Exchange
+from pipe.lower import lower
+from pipe.schedules import Action, build
+
+SHAPE = [2, 3]
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+class _Recorder:
+    """A transport whose operations are complete at once (the peer's side is not simulated)."""
+
+    def batch(self, ops: Sequence[tuple[str, torch.Tensor, int]]) -> list[Any]:
+        return [_Done() for _ in ops]
+
+
+@pytest.mark.parametrize("M", [2, 8])
+def test_the_exchange_holds_sends_as_long_as_the_ledger_counts_them(M: int) -> None:
+    S, place = 2, [0, 1]
+    plan: Any = SimpleNamespace(stages=[SimpleNamespace(recv=[]),
+                                        SimpleNamespace(recv=[Value("x", SHAPE, "float32", [3, 1])])])
+    program = lower(build("1f1b", S, M), S, M, place)
+    nbytes = 2 * 3 * 4
+    for rank in (0, 1):
+        ex = Exchange(_Recorder(), plan, place, rank, torch.device("cpu"), dynamic=False)  # type: ignore[arg-type]
+        bufs = CommBuffers(place, rank, [0, nbytes], [nbytes, 0], zero_bubble=False)
+        for x in program[rank]:
+            if not isinstance(x, Action):
+                ex.issue(x)
+                bufs.batch(x)
+                continue
+            s, mb = x.stage, x.mb
+            if x.kind == "F" and s == 0:
+                ex.send_activations(0, mb, [torch.randn(*SHAPE)])
+            elif x.kind == "F":
+                ex.recv_activations(1, mb)
+            elif x.kind == "B" and s == 0:
+                ex.recv_grads(0, mb, [torch.randn(*SHAPE)])
+            else:
+                ex.send_grads(1, mb, [torch.randn(*SHAPE)])
+            bufs.after(s, x.kind, mb)
+            # what the exchange keeps of what it sends (in its outbox, then in flight), against the rules
+            outputs = sum(len(v) for v in ex.sent_outputs.values()) + sum(
+                len(v) for k, v in ex.outbox.items() if k[0] == "SEND_F")
+            grads = sum(len(v) for v in ex.sent_grads.values()) + sum(
+                len(v) for k, v in ex.outbox.items() if k[0] == "SEND_B")
+            held_outputs = sum(1 for k in bufs.held if k[0] == "B" and k[1] == 0 and rank == 0)
+            held_grads = sum(1 for k in bufs.held if k[0] == "sent")
+            # rank 0's ("B", 0, mb) keys hold the outputs and, once posted, the grad buffer: count the outputs
+            assert outputs == held_outputs and grads == held_grads, (rank, x, outputs, held_outputs, grads,
+                                                                    held_grads)
+        assert grads <= 2 and outputs == 0  # sent grads wait at most for the next receive from their peer
+        ex.finish()
+        assert not ex.sent_grads and not ex.sent_outputs
