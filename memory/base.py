@@ -23,7 +23,8 @@ class MemoryManager:
         return module
 
     @contextlib.contextmanager
-    def forward(self, stage: int, mb: int) -> Iterator[None]:
+    def forward(self, stage: int, mb: int, inputs: Sequence[Any] = ()) -> Iterator[None]:
+        """Around the forward of (stage, mb); `inputs`: its model inputs (and targets)."""
         yield
 
     def set_weight_order(self, stage: int, nodes: Sequence[str], multi: Sequence[torch.nn.Parameter]) -> None:

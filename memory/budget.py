@@ -13,6 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
+from memory.timeline import Point, default_points, peak_of, room_per_mb
 from partition.errors import FxpipeError
 from partition.plan import human_bytes
 
@@ -81,6 +82,10 @@ class StageInfo:
     copy_bytes_per_ms: float = COPY_BYTES_PER_MS  # what offloading costs, against the nodes' fwd_ms
     regions: tuple[Region, ...] = ()  # checkpointable on their own (none under zero-bubble schedules)
     input_bytes: int = 0   # model inputs in act_bytes (held by the runtime whatever is recomputed)
+    points: tuple[Point, ...] = ()  # memory.timeline's points of the stage's program (() : from n and comm)
+
+    def timeline(self) -> tuple[Point, ...]:
+        return self.points or default_points(self.in_flight, self.comm_bytes)
 
 
 @dataclass
@@ -163,17 +168,24 @@ def _state(st: StageInfo, optim_factor: float, resident: int | None) -> float:
     return 2.0 * resident * st.chunk_bytes
 
 
-def _acts(st: StageInfo, kind: str, offload: bool, freed: float = 0.0, transient: float = 0.0) -> float:
-    """Activation peak of a plan: kind 'full' (whole-stage checkpoint: one microbatch's activations
-    recomputed at a time), else what each microbatch saves less `freed` (recomputed on unpack),
-    plus `transient` (recomputed outputs alive in the backward)."""
-    n = max(st.in_flight, 1)
-    held = min(n, 2) if offload else n  # offloaded: the microbatch in backward and the prefetched one
+def _per_mb(st: StageInfo, kind: str, offload: bool, freed: float = 0.0, transient: float = 0.0
+            ) -> tuple[float, float, float]:
+    """(kept, bundle, work) bytes of a plan, per microbatch (memory.timeline): kind 'full' (whole-stage
+    checkpoint: a microbatch keeps its inputs, its backward recomputes the rest), else what a
+    microbatch saves less `freed` (recomputed on unpack), on the device or (offloaded) back on it
+    before its backward, with `transient` (recomputed outputs alive in the backward) as work."""
     if kind == "full":
-        return st.act_bytes + held * st.loss_bytes
-    if offload:  # recomputing on unpack frees little then (most inputs of a recipe are on the host)
-        return held * (st.act_bytes + st.loss_bytes) + transient
-    return n * (st.act_bytes - freed + st.loss_bytes) + transient
+        return st.input_bytes + st.loss_bytes, 0.0, max(st.act_bytes - st.input_bytes, 0)
+    if offload:  # the model inputs stay (leaves); recomputing on unpack frees little then (a recipe's
+        return st.input_bytes, st.act_bytes + st.loss_bytes - st.input_bytes, transient  # inputs are on the host)
+    return st.act_bytes - freed + st.loss_bytes, 0.0, transient
+
+
+def _predict(c: StageChoice, st: StageInfo, state: float, kept: float, bundle: float, work: float) -> None:
+    """The plan's predicted peak, by kind at the point of the program where the stage holds the most."""
+    peak, acts, comm = peak_of(st.timeline(), kept, bundle, work)
+    c.parts = {"state": state, "activations": acts, "comm": comm}
+    c.predicted_peak = state + peak
 
 
 def _move_ms(st: StageInfo, resident: int | None) -> float:
@@ -209,10 +221,9 @@ def _remattable(st: StageInfo, states: bool) -> list[NodeInfo]:
 def _remat_set(st: StageInfo, room: float, states: bool) -> list[NodeInfo] | None:
     """The nodes to recompute on unpack so that n microbatches' activations fit in `room`, at the least
     recompute time: a knapsack keeps the outputs worth the most time per byte. None: they cannot fit."""
-    n = max(st.in_flight, 1)
     items = [x for x in _remattable(st, states) if x.remat_bytes > 0]
     transient = _transient(items)
-    need = st.act_bytes + st.loss_bytes - (room - transient) / n  # bytes each microbatch must free
+    need = st.act_bytes + st.loss_bytes - room_per_mb(st.timeline(), room, 0.0, transient)  # each must free
     total = sum(x.remat_bytes for x in items)
     if need > total:
         return None
@@ -242,7 +253,6 @@ def _region_plans(st: StageInfo, state: float, resident: int | None) -> list[Sta
     it on the device (None). Bounds, not estimates: a microbatch keeps at most what the other regions
     may save (or A) and what enters the checkpointed ones; the backward recomputes one checkpointed
     region at a time (its chunks fetched as the recomputation reads them)."""
-    n = max(st.in_flight, 1)
     # the 2% that A carries on top of the plan's figure (memory.build), for what the bounds cannot see:
     # storages wider than the tensors saved (a microbatch of the model inputs is a view of the batch)
     margin = (st.act_bytes - st.input_bytes) * 0.02 / 1.02
@@ -258,14 +268,13 @@ def _region_plans(st: StageInfo, state: float, resident: int | None) -> list[Sta
         for remat in ([], [x for x in others if x.remat_bytes > 0]):
             kept = min(float(st.act_bytes), _saved_bound(st, off) + margin) - sum(x.remat_bytes for x in remat) \
                 + sum(r.in_bytes for r in chosen)
-            acts = n * (kept + st.loss_bytes) + max(_recomputed_bound(st, r) for r in chosen) + _transient(remat)
+            work = max(_recomputed_bound(st, r) for r in chosen) + _transient(remat)
             c = StageChoice(st.index, "auto", remat=frozenset(x.name for x in remat),
                             regions=tuple(r.nodes for r in sorted(chosen, key=st.regions.index)),
                             of_regions=len(regs), offload_states=resident is not None,
                             resident_chunks=resident or 0, move_ms=_move_ms(st, resident),
                             recompute_ms=sum(r.fwd_ms for r in chosen) + sum(x.fwd_ms for x in remat))
-            c.parts = {"state": state, "activations": acts, "comm": float(st.comm_bytes)}
-            c.predicted_peak = state + acts + st.comm_bytes
+            _predict(c, st, state, kept + st.loss_bytes, 0.0, work)
             out.append(c)
     return out
 
@@ -298,20 +307,19 @@ def _candidates(st: StageInfo, recompute: str, offload: str, budget: float | Non
             elif kind == "remat":
                 if budget is None:
                     continue
-                got = _remat_set(st, budget - state - st.comm_bytes, r is not None)
+                got = _remat_set(st, budget - state, r is not None)
                 if not got:
                     continue
                 remat = got
             act_off = kind == "act" or (acts_ok and recompute != "auto")
             freed = sum(x.remat_bytes for x in remat)
-            acts = _acts(st, "full" if kind == "full" else "keep", act_off, freed, _transient(remat))
+            per_mb = _per_mb(st, "full" if kind == "full" else "keep", act_off, freed, _transient(remat))
             c = StageChoice(s, recompute, full=kind == "full", remat=frozenset(x.name for x in remat),
                             offload_activations=act_off, offload_states=r is not None, resident_chunks=r or 0,
                             recompute_ms=total_ms if kind == "full" else sum(x.fwd_ms for x in remat),
                             move_ms=_move_ms(st, r) + (2 * (st.act_bytes + st.loss_bytes) / st.copy_bytes_per_ms
                                                        if act_off else 0.0))
-            c.parts = {"state": state, "activations": acts, "comm": float(st.comm_bytes)}
-            c.predicted_peak = state + acts + st.comm_bytes
+            _predict(c, st, state, *per_mb)
             out.append(c)
         if recompute == "auto" and len(st.regions) > 1:
             out += _region_plans(st, state, r)

@@ -14,6 +14,7 @@ from memory.chunks import choose_chunk_elems, pack
 from memory.manager import PlannedMemory
 from memory.recompute import bases, is_matmul_node, remat_candidates, savers, saves_input_only
 from memory.regions import cut_regions
+from memory.timeline import Point, stage_points
 
 __all__ = ["NodeCost", "stage_infos", "build"]
 
@@ -57,7 +58,8 @@ def _node_info(gm: torch.fx.GraphModule, node: torch.fx.Node, cost: NodeCost, st
 
 def stage_infos(*, stages: Sequence[dict[str, Any]], costs: dict[str, NodeCost], gm: torch.fx.GraphModule,
                 param_sizes: dict[str, tuple[int, int]], microbatches: int, comm: Sequence[int], input_bytes: int = 0,
-                time_scale: float = 1.0, copy_bytes_per_ms: float = COPY_BYTES_PER_MS, regions: bool = True
+                time_scale: float = 1.0, copy_bytes_per_ms: float = COPY_BYTES_PER_MS, regions: bool = True,
+                points: Mapping[int, tuple[Point, ...]] | None = None, output_bytes: int = 0
                 ) -> tuple[list[StageInfo], dict[int, int]]:
     """StageInfo per stage (from the plan's stage dicts and the costs) and each stage's chunk size.
 
@@ -66,11 +68,14 @@ def stage_infos(*, stages: Sequence[dict[str, Any]], costs: dict[str, NodeCost],
     keeps the prediction an upper bound of what the ledger measures. `time_scale` turns the costs'
     forward ms into this device's, to weigh recomputing against copying at `copy_bytes_per_ms`.
     `regions`: cut each stage in checkpoint regions (not under zero-bubble schedules, whose split
-    backward cannot run through a checkpoint twice)."""
+    backward cannot run through a checkpoint twice). `points`: each stage's memory.timeline points
+    (else the planner assumes every microbatch in flight at once, with the buffers' peak).
+    `output_bytes`: the graph's outputs per microbatch (the plan's), what the loss saves when no
+    per-node costs are given (no memory feature asked for: the prediction comes from the plan)."""
     nodes = {n.name: n for n in gm.graph.nodes}
     out = next(n for n in gm.graph.nodes if n.op == "output")
     loss = sum(costs[x.name].out_bytes for x in pytree.tree_leaves(out.args[0])
-               if isinstance(x, torch.fx.Node) and x.name in costs)
+               if isinstance(x, torch.fx.Node) and x.name in costs) if costs else output_bytes
     candidates = set(remat_candidates(gm))
     saved_by = savers(gm)
     owner = {n.name: b.name for n, b in bases(gm).items() if b is not None}
@@ -98,7 +103,8 @@ def stage_infos(*, stages: Sequence[dict[str, Any]], costs: dict[str, NodeCost],
                                comm_bytes=int(comm[s]),
                                chunk_bytes=chunk_bytes, n_chunks=n_chunks, min_resident=need,
                                microbatches=microbatches, copy_bytes_per_ms=copy_bytes_per_ms,
-                               input_bytes=input_bytes, regions=tuple(cuts)))
+                               input_bytes=input_bytes, regions=tuple(cuts),
+                               points=(points or {}).get(s, ())))
     return infos, elems
 
 
@@ -108,7 +114,8 @@ def build(*, recompute: str, offload: str, budget: float | None, stages: Sequenc
           actions: Sequence[tuple[int, str, int]], programs: Mapping[int, Sequence[Any]], place: Sequence[int],
           microbatches: int, device: torch.device,
           optim_factor: float = 2.0, input_bytes: int = 0, time_scale: float = 1.0,
-          copy_bytes_per_ms: float = COPY_BYTES_PER_MS) -> tuple[PlannedMemory, list[StageChoice]]:
+          copy_bytes_per_ms: float = COPY_BYTES_PER_MS, output_bytes: int = 0
+          ) -> tuple[PlannedMemory, list[StageChoice]]:
     """Plan every stage (the same on every rank: only the plan and the costs go in), then the
     manager for this rank's `modules`. BudgetError when the budget cannot be met. `programs`: every
     rank's lowered program (pipe.lower), `place`: each stage's rank; the communication buffers a
@@ -126,10 +133,11 @@ def build(*, recompute: str, offload: str, budget: float | None, stages: Sequenc
                                microbatches=microbatches, comm=comm_peaks(programs, place, recv, send, zero_bubble),
                                input_bytes=input_bytes, time_scale=time_scale,
                                copy_bytes_per_ms=copy_bytes_per_ms,
-                               regions=not zero_bubble)
+                               regions=not zero_bubble, points=stage_points(programs, place, recv, send, zero_bubble),
+                               output_bytes=output_bytes)
     choices = choose(infos, recompute=recompute, offload=offload, budget=budget, optim_factor=optim_factor)
     mm = PlannedMemory(choices=choices, modules=modules, param_nodes=param_nodes, actions=actions,
                        recv_bytes=recv, send_bytes=send, device=device,
                        budget=budget, chunk_elems={s: elems[s] for s in modules if elems.get(s)},
-                       predicted=bool(costs), place=place)
+                       place=place)
     return mm, choices

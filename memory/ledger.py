@@ -27,6 +27,7 @@ class Ledger:
         self.now = {s: dict.fromkeys(KINDS, 0) for s in self.stages}
         self.peak = {s: dict.fromkeys(KINDS, 0) for s in self.stages}
         self.total_peak = dict.fromkeys(self.stages, 0)
+        self.at_peak = {s: dict.fromkeys(KINDS, 0) for s in self.stages}  # by kind when peak_total was reached
         self.extra: dict[int, dict[str, float]] = {s: {} for s in self.stages}
 
     def add(self, stage: int, kind: str, delta: int) -> None:
@@ -38,6 +39,7 @@ class Ledger:
         total = sum(now.values())
         if total > self.total_peak[stage]:
             self.total_peak[stage] = total
+            self.at_peak[stage] = dict(now)
 
     def set(self, stage: int, kind: str, value: int) -> None:
         self.add(stage, kind, int(value) - self.now[stage][kind])
@@ -49,6 +51,7 @@ class Ledger:
         for s in self.stages:
             self.peak[s] = dict(self.now[s])
             self.total_peak[s] = self.total(s)
+            self.at_peak[s] = dict(self.now[s])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -63,6 +66,7 @@ class Ledger:
             row.update({f"peak_{k}": v for k, v in self.peak[s].items()})
             row["total"] = self.total(s)
             row["peak_total"] = self.total_peak[s]
+            row.update({f"at_peak_{k}": v for k, v in self.at_peak[s].items()})
             row.update({k: int(v) for k, v in self.extra[s].items()})
             if cuda is not None:
                 row["cuda_peak_allocated"] = cuda

@@ -70,6 +70,7 @@ class _Held:
     recompute: int = 0                              # bytes recomputed for the backward running now
     rptrs: _Storages = field(default_factory=_Storages)
     bundle: Bundle | None = None                    # offloaded activations
+    inputs: set[int] = field(default_factory=set)   # storages of the model inputs (kept, never offloaded)
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int]:
@@ -101,7 +102,7 @@ class PlannedMemory(MemoryManager):
                  param_nodes: dict[int, dict[str, list[str]]], actions: Sequence[Act],
                  recv_bytes: Sequence[int], send_bytes: Sequence[int], device: torch.device,
                  budget: float | None = None,
-                 chunk_elems: dict[int, int] | None = None, predicted: bool = True,
+                 chunk_elems: dict[int, int] | None = None,
                  place: Sequence[int] | None = None) -> None:
         self.choices = {c.stage: c for c in choices}
         self.local = sorted(modules)
@@ -110,7 +111,6 @@ class PlannedMemory(MemoryManager):
         self.actions = [_act(a) for a in actions]
         self.recv, self.send = list(recv_bytes), list(send_bytes)
         self.device, self.budget = device, budget
-        self.predicted = predicted  # choices carry predicted peaks (per-node costs were given)
         self.zero_bubble = any(k == "W" for _, k, _ in self.actions)
         self.planned_comm: dict[int, int] = {}
         self.ledger = Ledger(self.local, device)
@@ -265,7 +265,7 @@ class PlannedMemory(MemoryManager):
             found = self._recipes.get(t.untyped_storage().data_ptr())
             if found is not None and found[0]() is not None and self._ready(found[1], t, s, mb, h):
                 return Remat(found[1], t)
-        if h.bundle is not None and t.device == self.device and offloadable(t):
+        if h.bundle is not None and t.device == self.device and offloadable(t, h.inputs):
             return h.bundle.put(t)
         ptr, n = _storage(t)
         if ptr not in h.ptrs:
@@ -402,9 +402,12 @@ class PlannedMemory(MemoryManager):
             self._count_grads(s)
 
     @contextlib.contextmanager
-    def forward(self, stage: int, mb: int) -> Iterator[None]:
+    def forward(self, stage: int, mb: int, inputs: Sequence[Any] = ()) -> Iterator[None]:
+        """The forward of (stage, mb) runs inside: what it saves is counted, offloaded or recomputed.
+        `inputs`: its model inputs (and targets), which the runtime holds anyway."""
         self.cur = (stage, mb)
         h = self.held.setdefault((stage, mb), _Held())
+        h.inputs |= {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
         if self.acts is not None and self.choices[stage].offload_activations and h.bundle is None:
             h.bundle = Bundle(self.acts, stage, mb)
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
@@ -479,9 +482,8 @@ class PlannedMemory(MemoryManager):
         out = self.ledger.report()
         for s in self.local:
             c = self.choices[s]
-            if self.predicted:
-                out[s]["predicted_peak"] = int(c.predicted_peak)
-                out[s]["predicted_comm"] = self.planned_comm.get(s, int(c.parts.get("comm", 0)))
+            out[s]["predicted_peak"] = int(c.predicted_peak)
+            out[s]["predicted_comm"] = self.planned_comm.get(s, int(c.parts.get("comm", 0)))
             if self.budget is not None:
                 out[s]["budget"] = int(self.budget)
             out[s]["resident_chunks"] = c.resident_chunks
@@ -503,7 +505,7 @@ class PlannedMemory(MemoryManager):
             kinds = ", ".join(f"{k} {human(r['peak_' + k])}" for k in
                               ("params", "grads", "optimizer", "activations", "recompute", "comm"))
             budget = "-" if self.budget is None else human(self.budget)
-            predicted = human(c.predicted_peak) if self.predicted else "-"
+            predicted = human(c.predicted_peak)
             lines.append(f"stage {s}: {c.label()}; peak {human(r['peak_total'])} (predicted "
                          f"{predicted}, budget {budget}); {kinds}")
         return "\n".join(lines)

@@ -14,21 +14,24 @@ __all__ = ["Bundle", "Handle", "ActivationOffload", "offloadable"]
 ALIGN = 64  # bytes; every tensor starts at a multiple of this inside its chunk
 
 
-def offloadable(t: torch.Tensor) -> bool:
-    """Tensors made by the forward (not leaves: parameters, inputs), strided, of nonzero size.
-    They come back contiguous, as with torch.autograd.graph.save_on_cpu."""
-    return not t.is_leaf and t.numel() > 0 and t.layout == torch.strided
+def offloadable(t: torch.Tensor, inputs: set[int]) -> bool:
+    """Tensors made by the forward, strided, of nonzero size: not of the model inputs' storages (`inputs`,
+    held by the runtime anyway); parameters and received values are never saved into a bundle (the
+    memory manager keeps them). Leaves that need no grad (batch norm's statistics, pooling indices)
+    are made by the forward too."""
+    return t.numel() > 0 and t.layout == torch.strided and t.untyped_storage().data_ptr() not in inputs
 
 
 class Handle:
-    """What autograd stores instead of an offloaded tensor."""
-    __slots__ = ("bundle", "index")
+    """What autograd stores instead of an offloaded tensor: where its storage went, and its view of it."""
+    __slots__ = ("bundle", "index", "dtype", "size", "stride", "offset")
 
-    def __init__(self, bundle: "Bundle", index: int) -> None:
-        self.bundle, self.index = bundle, index
+    def __init__(self, bundle: "Bundle", index: int, t: torch.Tensor) -> None:
+        self.bundle, self.index, self.dtype = bundle, index, t.dtype
+        self.size, self.stride, self.offset = tuple(t.shape), t.stride(), t.storage_offset()
 
     def unpack(self) -> torch.Tensor:
-        return self.bundle.get(self.index)
+        return self.bundle.get(self)
 
 
 class Bundle:
@@ -40,8 +43,9 @@ class Bundle:
         self.dev: list[torch.Tensor] | None = None
         self.events: list[Any] = []
         self.used: list[int] = []                  # bytes used in each host chunk
-        self.entries: list[tuple[int, int, int, torch.dtype, tuple[int, ...]]] = []  # chunk, start, bytes
-        self.keys: dict[tuple[Any, ...], tuple[Any, int]] = {}
+        self.entries: list[tuple[int, int, int]] = []  # per storage: chunk, start, bytes
+        self.keys: dict[int, tuple[list[Any], int, int]] = {}  # storage address -> its views (weakrefs), entry,
+        # version (views share it)
         self.stalls = 0
 
     @property
@@ -50,12 +54,15 @@ class Bundle:
         return sum(self.used)
 
     def put(self, t: torch.Tensor) -> Handle:
-        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
-        seen = self.keys.get(key)
-        if seen is not None and seen[0]() is t:  # the same tensor saved again (not a new one at a freed address)
-            return Handle(self, seen[1])
-        size = t.element_size()
-        n = t.numel() * size
+        """Offload `t`: its storage is copied once per microbatch however many views of it are saved
+        (as the ledger counts a storage once), and `t` comes back as the same view of that copy."""
+        storage = t.untyped_storage()
+        ptr, n = storage.data_ptr(), storage.nbytes()
+        seen = self.keys.get(ptr)
+        # the same storage, unchanged: not a new one at a freed address, not written since it was copied
+        if seen is not None and seen[2] == t._version and any(_alive_at(r, ptr) for r in seen[0]):
+            seen[0].append(weakref.ref(t))
+            return Handle(self, seen[1], t)
         o = self.owner
         start = -(-self.used[-1] // ALIGN) * ALIGN if self.used else 0
         if not self.host or start + n > self.host[-1].numel():
@@ -64,14 +71,14 @@ class Bundle:
             start = 0
         c = len(self.host) - 1
         self.used[c] = start + n
-        dst = self.host[c][start:start + n].view(t.dtype).view(t.shape)
-        o.copier.copy(dst, t, to_device=False)
+        whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+        o.copier.copy(self.host[c][start:start + n], whole, to_device=False)
         o.copier.hold(t)  # its device memory waits for the copy, without stalling the host
-        self.entries.append((c, start, n, t.dtype, tuple(t.shape)))
-        self.keys[key] = (weakref.ref(t), len(self.entries) - 1)
-        return Handle(self, len(self.entries) - 1)
+        self.entries.append((c, start, n))
+        self.keys[ptr] = ([weakref.ref(t)], len(self.entries) - 1, t._version)
+        return Handle(self, len(self.entries) - 1, t)
 
-    def get(self, i: int) -> torch.Tensor:
+    def get(self, h: "Handle") -> torch.Tensor:
         if self.dev is None:  # nothing reloaded it ahead (the program's RELOAD): the backward waits
             self.stalls += 1
             self.owner.stalls += 1
@@ -80,8 +87,14 @@ class Bundle:
         for e in self.events:
             self.owner.copier.wait(e)
         self.events.clear()
-        c, start, n, dtype, shape = self.entries[i]
-        return self.dev[c][start:start + n].view(dtype).view(shape)
+        c, start, n = self.entries[h.index]
+        flat = self.dev[c][start:start + n].view(h.dtype)  # as_strided's offset counts from the chunk's start
+        return flat.as_strided(h.size, h.stride, flat.storage_offset() + h.offset)
+
+
+def _alive_at(ref: Any, ptr: int) -> bool:
+    t = ref()
+    return t is not None and t.untyped_storage().data_ptr() == ptr
 
 
 class ActivationOffload:

@@ -77,6 +77,7 @@ class Plan:
     rewrites: list[list[Any]] = field(default_factory=list)  # [node, parts(, "vocab")]: see partition.rewrite
     loss: bool = False               # loss_fn is in the graph: the last stage returns it; inputs[-1] is the target
     loss_note: str = ""              # why the loss is outside the graph, when it is
+    output_bytes: int = 0            # the graph's outputs per microbatch (a loss outside the graph saves them)
     notes: list[str] = field(default_factory=list)  # faster paths not taken, and why
     leaf_modules: list[str] = field(default_factory=list)  # module types traced whole ("pkg.mod.Class")
     state_factor: float = 4.0
@@ -133,8 +134,9 @@ class Plan:
                             "written by Plan.save or python -m partition ... --out plan.json")
         return cls.from_dict(data)
 
-    def table(self) -> str:
-        """One row per stage: nodes, parameters, predicted times, memory and traffic."""
+    def table(self, measured: dict[int, float] | None = None) -> str:
+        """One row per stage: nodes, parameters, predicted times, memory and traffic; `measured`: the
+        peak bytes each stage's memory ledger measured, shown beside the predicted peak."""
         head = ["stage", "nodes", "params", "fwd ms", "bwd ms", "act/mb", "in flight", "peak",
                 "budget", "send/mb"]
         rows = [[str(s.index), str(len(s.nodes)), human_bytes(s.param_bytes), f"{s.fwd_ms:.2f}",
@@ -142,6 +144,10 @@ class Plan:
                  human_bytes(s.memory_peak if s.memory else s.peak_bytes),
                  "-" if self.memory_budget is None else human_bytes(self.memory_budget),
                  human_bytes(s.send_bytes)] for s in self.stages]
+        if measured is not None:
+            head.insert(8, "measured")
+            for r, s in zip(rows, self.stages):
+                r.insert(8, human_bytes(measured[s.index]) if s.index in measured else "-")
         if any(s.memory for s in self.stages):  # the memory plan: policy per stage, its peak in "peak"
             head.insert(7, "memory")
             for r, s in zip(rows, self.stages):

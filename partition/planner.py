@@ -11,7 +11,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from partition.costs import node_costs, param_names, preserve_state
+from partition.costs import NodeCost, node_costs, param_names, preserve_state, storage_owner
 from partition.errors import first_line
 from partition.graph import build_graph, coarsen
 from partition.loss import attach_loss, has_loss
@@ -151,6 +151,27 @@ def memory_check(cm: CostModel, recompute: str, offload: str) -> CostModel:
                                state_factor=0.0 if offload in ("states", "all") else cm.state_factor)
 
 
+
+def _output_bytes(gm: torch.fx.GraphModule, costs: dict[str, NodeCost]) -> int:
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    return sum(costs[x.name].out_bytes for x in pytree.tree_leaves(out.args[0])
+               if isinstance(x, torch.fx.Node) and x.name in costs)
+
+
+def _saved_on_stage(costs: dict[str, NodeCost], nodes: Sequence[str], stage_of: dict[str, int]) -> int:
+    """Bytes a stage's nodes save for backward per microbatch, every storage once; a storage made on
+    another stage is left out: it arrives as a received input, a message buffer the stage holds
+    anyway (memory.buffers counts it until the backward that frees the microbatch)."""
+    mine = set(nodes)
+    saved: dict[str, int] = {}
+    for u in nodes:
+        for sid, nb in costs[u].saved.items() if u in costs else ():
+            owner = storage_owner(sid)
+            if owner in stage_of and owner not in mine:
+                continue
+            saved[sid] = nb
+    return sum(saved.values())
+
 def plan_from_bounds(a: Analysis, bounds: Sequence[int], cost_model: CostModel, *, schedule: str,
                      microbatches: int, stages_per_rank: int, memory_budget: float | None) -> Plan:
     """The Plan for given block bounds (the solver's, or a baseline's), with predicted figures."""
@@ -181,7 +202,7 @@ def plan_from_bounds(a: Analysis, bounds: Sequence[int], cost_model: CostModel, 
             index=s, nodes=nodes_of[s], params=params_of[s],
             fwd_ms=float(ch.fwd_ms[lo:hi].sum()), bwd_ms=float(ch.bwd_ms[lo:hi].sum()),
             param_bytes=sum(pbytes[p] for p in params_of[s]),
-            activation_bytes=int(ch.act_bytes[lo:hi].sum()), in_flight=int(flights[s]),
+            activation_bytes=_saved_on_stage(a.costs, nodes_of[s], stage_of), in_flight=int(flights[s]),
             peak_bytes=float(sol.stage_bytes[s]), send_bytes=int(ch.cut_bytes[hi]),
             recv_bytes=int(ch.cut_bytes[lo]), recv=values,
             shared=[p for p in params_of[s] if holders[p] > 1]))
@@ -196,7 +217,8 @@ def plan_from_bounds(a: Analysis, bounds: Sequence[int], cost_model: CostModel, 
                 imbalance=float(max(times) / (sum(times) / len(times))) if sum(times) > 0 else 1.0,
                 model=type(a.model).__name__, fingerprint=fingerprint(a.gm), rewrites=[list(r) for r in a.rewrites],
                 tracer=str(a.gm.meta.get("fxpipe_tracer", "")), inputs=inputs, loss=a.loss,
-                loss_note=a.loss_note, notes=notes, leaf_modules=qualnames(a.leaf_modules),
+                loss_note=a.loss_note, output_bytes=_output_bytes(a.gm, a.costs), notes=notes,
+                leaf_modules=qualnames(a.leaf_modules),
                 input_spec=pytree.treespec_dumps(spec), input_constants=_constants(flat_leaves),
                 state_factor=cost_model.state_factor,
                 bytes_per_ms=cost_model.bytes_per_ms, latency_ms=cost_model.latency_ms)

@@ -57,6 +57,15 @@ def _memory_lines(pp: Any) -> str:
     return "\n".join(sorted(lines, key=lambda line: int(line.split()[1].rstrip(":"))))
 
 
+def _measured_peaks(pp: Any) -> dict[int, float]:
+    """Every stage's peak bytes as its ledger measured them (last step), gathered to every rank."""
+    mine = {s: r["peak_total"] for s, r in pp.memory_report().items() if "peak_total" in r}
+    parts: list[Any] = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
+    if dist.is_initialized():
+        dist.all_gather_object(parts, mine)
+    return {s: v for p in parts for s, v in p.items()}
+
+
 def error_line(rank: int, e: BaseException) -> str:
     """How a command line reports an error: one line, with the notes fxpipe added (rank, stage, mb)."""
     notes = "; ".join(getattr(e, "__notes__", []))
@@ -122,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"step {step + 1:4d}/{args.steps} {_bar(step + 1, args.steps)} loss {loss:.4f}  "
             f"{tokens / dt:9.0f} tok/s  {dt * 1e3:7.1f} ms", flush=True)
     memory_lines = _memory_lines(pp)
+    peaks = _measured_peaks(pp)
     measured = pp.gather_timeline()
     if ctx.rank == 0 and measured is not None:
         out = Path(args.out)
@@ -150,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         say(measured.to_text(width=80))
         say(f"wrote {out / 'trace.json'} (open in ui.perfetto.dev or chrome://tracing){png}")
         say("memory per stage (last step):\n" + memory_lines)
+        say("the plan with each stage's peak as measured (last step):\n" + pp.plan.table(measured=peaks))
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

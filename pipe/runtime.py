@@ -257,8 +257,9 @@ class Pipeline:
                 microbatches=self.M, device=self.ctx.device,
                 optim_factor=max(self.plan.state_factor - 2.0, 0.0),
                 input_bytes=sum(v.nbytes for v in self.plan.inputs if v is not None),
-                time_scale=FLOP_PER_MS / speeds[0][0], copy_bytes_per_ms=speeds[0][1])
-            for c in choices if costs else []:
+                time_scale=FLOP_PER_MS / speeds[0][0], copy_bytes_per_ms=speeds[0][1],
+                output_bytes=self.plan.output_bytes)
+            for c in choices:
                 self.plan.stages[c.stage].memory = c.label()
                 self.plan.stages[c.stage].memory_peak = c.predicted_peak
         except ValueError as e:
@@ -569,8 +570,9 @@ class _StepState:
         leaves = [t.requires_grad_(True) if t.is_floating_point() else t
                   for t in (self.ex.recv_activations(s, mb) if s > 0 else [])]
         start = self.clock.mark()
-        args = leaves + [self.flats[mb][i] for i in io.inputs]
-        with pp.memory.forward(s, mb):
+        model_inputs = [self.flats[mb][i] for i in io.inputs]
+        args = leaves + model_inputs
+        with pp.memory.forward(s, mb, model_inputs):
             if pp.has_w:
                 outs, param_outs = pp._call[s](*args)
             else:
@@ -586,7 +588,7 @@ class _StepState:
             if pp.plan.loss:  # the stage computed it
                 loss = outs[0]
             else:
-                with pp.memory.forward(s, mb):  # the loss's saved tensors count (and offload) too
+                with pp.memory.forward(s, mb, [self.targets[mb]]):  # the loss's saved tensors count (and offload)
                     loss = self._loss(unflatten_outputs(outs, io.out_spec), self.targets[mb])
             self.loss_sum = self.loss_sum + loss.detach().double() / pp.M  # stays on device: no sync
             roots = [loss / pp.M]

@@ -27,14 +27,15 @@ def saved_bytes(stages: Sequence[torch.fx.GraphModule], flat: list[Any]) -> list
     """Bytes autograd keeps for backward on each stage, measured on the real stage forward.
 
     Received values arrive as fresh tensors (as from the wire); storages count once however
-    many saved tensors view them; parameters and buffers are state, not activations.
+    many saved tensors view them; parameters and buffers are state, and received values message
+    buffers (memory.buffers), not activations.
     """
     env: dict[str, Any] = {}
     out = []
     for st in stages:
         io = stage_io(st)
         recv = [env[r].detach().clone().requires_grad_(env[r].is_floating_point()) for r in io.recv]
-        state = {t.untyped_storage().data_ptr() for t in [*st.parameters(), *st.buffers()]}
+        state = {t.untyped_storage().data_ptr() for t in [*st.parameters(), *st.buffers(), *recv]}
         kept: dict[int, int] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
