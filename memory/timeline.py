@@ -116,7 +116,7 @@ def peak_of(points: Sequence[Point], kept: float, bundle: float, work: float) ->
 
 
 def room_per_mb(points: Sequence[Point], room: float, bundle: float, work: float) -> float:
-    """The most bytes each microbatch may keep so that every point fits in `room` (-inf: none fits)."""
+    """The most bytes each microbatch may keep so that every point fits in `room` (below 0: none fits)."""
     most = float("inf")
     for p in points:
         left = room - p.bundles * bundle - p.working * work - p.comm

@@ -64,3 +64,28 @@ def test_the_partitioner_never_refuses_a_split_memory_can_fit(spec: str, kw: dic
                 refused += 1
                 assert budget < best[(recompute, offload)], (spec, recompute, offload, budget)
     assert refused > 0  # some budgets were too small for the partitioner too
+
+
+# ----- memory.timeline: what a stage holds at each point of its rank's program -----
+def test_timeline_points_follow_the_program_of_1f1b() -> None:
+    from memory.timeline import Point, peak_of, room_per_mb, stage_points
+    from pipe.lower import lower
+    from pipe.schedules import build
+    programs = lower(build("1f1b", 2, 4), 2, 4)
+    recv, send = [0, 100], [100, 0]
+    pts = stage_points(programs, [0, 1], recv, send, zero_bubble=False)
+    # stage 0 keeps 2 microbatches (1F1B's warm-up on 2 stages), stage 1 one; an offloaded microbatch
+    # comes back one at a time (its RELOAD follows the action before its backward)
+    assert max(p.kept for p in pts[0]) == 2 and max(p.kept for p in pts[1]) == 1
+    assert max(p.bundles for p in pts[0]) == 1 and max(p.bundles for p in pts[1]) == 1
+    # stage 0's outputs wait for their grads: 2 microbatches' worth, plus one grad received for B
+    assert max(p.comm for p in pts[0]) == 300
+    assert Point(2, 0, 0, 200) in pts[0]  # after F1: two microbatches kept, both outputs held
+    # B0 of stage 0 runs with both microbatches kept, mb 0's offloaded copy back, the outputs of both
+    # and mb 0's grad held: its peak; stage 1 holds one microbatch at a time
+    assert peak_of(pts[0], 1000, 500, 50) == (2 * 1000 + 500 + 50 + 300, 2 * 1000 + 500 + 50, 300)
+    assert peak_of(pts[1], 1000, 0, 0)[1] == 1000
+    # the most a microbatch may keep to fit a room is what peak_of then reaches
+    room = room_per_mb(pts[0], 5000, 0, 50)
+    assert peak_of(pts[0], room, 0, 50)[0] == pytest.approx(5000)
+    assert room_per_mb(pts[0], 10, 0, 50) < 0  # the buffers alone do not fit: no microbatch can
