@@ -55,6 +55,9 @@ class NodeInfo:
     params: bool = False   # reads parameters (not recomputed when they stream in chunks: states offload)
     temp_bytes: int = 0    # temporaries it saves for backward
     saved_by: tuple[str, ...] = ()  # nodes that may save its output (storage) for backward: () for views
+    saved: tuple[tuple[str, int], ...] = ()  # storages it saves for backward, in order: (id, bytes) (partition
+    # .costs ids: the owner node's name, '#k' for its k-th other output, '@k' for a temporary)
+    reads: tuple[str, ...] = ()  # the stage's nodes whose storages its tensor inputs are (views: their base)
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,6 @@ class StageInfo:
     microbatches: int = 1
     copy_bytes_per_ms: float = COPY_BYTES_PER_MS  # what offloading costs, against the nodes' fwd_ms
     regions: tuple[Region, ...] = ()  # checkpointable on their own (none under zero-bubble schedules)
-    input_bytes: int = 0   # model inputs in act_bytes (held by the runtime whatever is recomputed)
     points: tuple[Point, ...] = ()  # memory.timeline's points of the stage's program (() : from n and comm)
 
     def timeline(self) -> tuple[Point, ...]:
@@ -101,6 +103,8 @@ class StageChoice:
     offload_states: bool = False
     resident_chunks: int = 0            # parameter chunks the device holds at once (states offload)
     predicted_peak: float = 0.0
+    peak_if_grads_kept: float = 0.0     # the predicted peak when grads exist as the step begins
+    param_bytes: float = 0.0            # the stage's parameters (their optimizer state scales with them)
     recompute_ms: float = 0.0           # extra forward time per microbatch
     move_ms: float = 0.0                # host <-> device copy time per microbatch (offload)
     parts: dict[str, float] = field(default_factory=dict)
@@ -171,21 +175,27 @@ def _state(st: StageInfo, optim_factor: float, resident: int | None) -> float:
 def _per_mb(st: StageInfo, kind: str, offload: bool, freed: float = 0.0, transient: float = 0.0
             ) -> tuple[float, float, float]:
     """(kept, bundle, work) bytes of a plan, per microbatch (memory.timeline): kind 'full' (whole-stage
-    checkpoint: a microbatch keeps its inputs, its backward recomputes the rest), else what a
+    checkpoint: a microbatch keeps nothing of its own, its backward recomputes it all), else what a
     microbatch saves less `freed` (recomputed on unpack), on the device or (offloaded) back on it
     before its backward, with `transient` (recomputed outputs alive in the backward) as work."""
     if kind == "full":
-        return st.input_bytes + st.loss_bytes, 0.0, max(st.act_bytes - st.input_bytes, 0)
-    if offload:  # the model inputs stay (leaves); recomputing on unpack frees little then (a recipe's
-        return st.input_bytes, st.act_bytes + st.loss_bytes - st.input_bytes, transient  # inputs are on the host)
+        return st.loss_bytes, 0.0, st.act_bytes
+    if offload:  # recomputing on unpack frees little then (a recipe's inputs are on the host)
+        return 0.0, st.act_bytes - freed + st.loss_bytes, transient
     return st.act_bytes - freed + st.loss_bytes, 0.0, transient
 
 
 def _predict(c: StageChoice, st: StageInfo, state: float, kept: float, bundle: float, work: float) -> None:
-    """The plan's predicted peak, by kind at the point of the program where the stage holds the most."""
-    peak, acts, comm = peak_of(st.timeline(), kept, bundle, work)
-    c.parts = {"state": state, "activations": acts, "comm": comm}
-    c.predicted_peak = state + peak
+    """The plan's predicted peak, by kind at the point of the program where the stage holds the most.
+    `state` holds the grads unless chunks stream (then what is resident is both): a step that begins
+    without them (torch's zero_grad) has them from the stage's first backward on."""
+    grads = 0.0 if c.offload_states else float(st.param_bytes)
+    fixed = state - grads
+    peak, acts, comm, held = peak_of(st.timeline(), kept, bundle, work, grads)
+    c.parts = {"state": fixed + held, "activations": acts, "comm": comm}
+    c.predicted_peak = fixed + peak
+    c.peak_if_grads_kept = fixed + grads + peak_of(st.timeline(), kept, bundle, work)[0]
+    c.param_bytes = float(st.param_bytes)
 
 
 def _move_ms(st: StageInfo, resident: int | None) -> float:
@@ -212,6 +222,39 @@ def _transient(nodes: Sequence[NodeInfo]) -> float:
     return float(sum(sorted((x.out_bytes for x in nodes), reverse=True)[:2]))
 
 
+def _kept_bytes(st: StageInfo, remat: frozenset[str], offload: bool) -> tuple[float, list[NodeInfo]]:
+    """What a microbatch saves when the nodes in `remat` are recomputed on unpack, decided save by
+    save as the memory manager does: a storage a recipe stands for is not kept when every storage the
+    recipe reads is held on the device by then (offloaded, none is); the nodes recomputed. Storages
+    made on another stage or given to the model are not counted (held anyway)."""
+    mine = {x.name: x for x in st.nodes}
+    held: set[str] = set()
+    kept, rematted = 0.0, {}
+    for x in st.nodes:
+        for sid, nb in x.saved:
+            owner = sid.split("@")[0].split("#")[0]
+            if owner not in mine or sid in held:
+                continue
+            if owner in remat and sid == owner and not (offload and mine[owner].reads) and \
+                    all(r in held for r in mine[owner].reads):
+                rematted[owner] = mine[owner]
+                continue
+            held.add(sid)
+            kept += nb
+    return kept, list(rematted.values())
+
+
+def _freed(st: StageInfo, remat: list[NodeInfo], offload: bool) -> tuple[float, list[NodeInfo]]:
+    """(bytes a microbatch frees by recomputing `remat` on unpack, the nodes that are recomputed): from
+    the saves of the stage's nodes when they are known, else each node's own figure (none offloaded)."""
+    if not any(x.saved for x in st.nodes):
+        return (0.0 if offload else float(sum(x.remat_bytes for x in remat))), remat
+    names = frozenset(x.name for x in remat)
+    every, _ = _kept_bytes(st, frozenset(), offload)
+    kept, rematted = _kept_bytes(st, names, offload)
+    return every - kept, rematted
+
+
 def _remattable(st: StageInfo, states: bool) -> list[NodeInfo]:
     """Nodes that may be recomputed on unpack; with streamed state chunks, not those reading parameters
     (their chunk could push out the one the backward op recomputing them is using)."""
@@ -235,7 +278,7 @@ def _saved_bound(st: StageInfo, off: set[str]) -> float:
     """Upper bound of what a microbatch saves when the nodes in `off` save nothing (checkpointed): the
     outputs some other node may save, the others' temporaries, the model inputs."""
     return float(sum(x.out_bytes for x in st.nodes if any(y not in off for y in x.saved_by))
-                 + sum(x.temp_bytes for x in st.nodes if x.name not in off) + st.input_bytes)
+                 + sum(x.temp_bytes for x in st.nodes if x.name not in off))
 
 
 def _recomputed_bound(st: StageInfo, region: Region) -> float:
@@ -255,7 +298,7 @@ def _region_plans(st: StageInfo, state: float, resident: int | None) -> list[Sta
     region at a time (its chunks fetched as the recomputation reads them)."""
     # the 2% that A carries on top of the plan's figure (memory.build), for what the bounds cannot see:
     # storages wider than the tensors saved (a microbatch of the model inputs is a view of the batch)
-    margin = (st.act_bytes - st.input_bytes) * 0.02 / 1.02
+    margin = st.act_bytes * 0.02 / 1.02
     freed = {r.nodes: _recomputed_bound(st, r) - r.in_bytes for r in st.regions}
     regs = sorted(st.regions, key=lambda r: -freed[r.nodes] / max(r.fwd_ms, 1e-9))
     nodes = {x.name: x for x in st.nodes}
@@ -312,8 +355,8 @@ def _candidates(st: StageInfo, recompute: str, offload: str, budget: float | Non
                     continue
                 remat = got
             act_off = kind == "act" or (acts_ok and recompute != "auto")
-            freed = sum(x.remat_bytes for x in remat)
-            per_mb = _per_mb(st, "full" if kind == "full" else "keep", act_off, freed, _transient(remat))
+            freed, rematted = _freed(st, remat, act_off)
+            per_mb = _per_mb(st, "full" if kind == "full" else "keep", act_off, freed, _transient(rematted))
             c = StageChoice(s, recompute, full=kind == "full", remat=frozenset(x.name for x in remat),
                             offload_activations=act_off, offload_states=r is not None, resident_chunks=r or 0,
                             recompute_ms=total_ms if kind == "full" else sum(x.fwd_ms for x in remat),

@@ -27,6 +27,7 @@ class NodeCost:
     out_bytes: int
     temp_bytes: int = 0
     params: tuple[str, ...] = ()
+    saved: tuple[tuple[str, int], ...] = ()  # storages it saves for backward (partition.costs ids), in order
 
 
 def _chunks(names: list[str], sizes: dict[str, tuple[int, int]], groups: list[tuple[str, ...]]
@@ -44,7 +45,8 @@ def _chunks(names: list[str], sizes: dict[str, tuple[int, int]], groups: list[tu
 
 
 def _node_info(gm: torch.fx.GraphModule, node: torch.fx.Node, cost: NodeCost, stage: set[str],
-               candidates: set[str], time_scale: float, saved_by: tuple[str, ...]) -> NodeInfo:
+               candidates: set[str], time_scale: float, saved_by: tuple[str, ...], reads: tuple[str, ...]
+               ) -> NodeInfo:
     """A node as the planner sees it. Recomputing on unpack is planned only for nodes whose users are
     all on the stage (a stage output stays alive anyway), and it is counted as freeing the output only
     for ops known to save their input rather than their output, read by a matmul (which saves it)."""
@@ -53,19 +55,19 @@ def _node_info(gm: torch.fx.GraphModule, node: torch.fx.Node, cost: NodeCost, st
     frees = remat and saves_input_only(gm, node) and any(is_matmul_node(gm, u) for u in users)
     return NodeInfo(node.name, cost.fwd_ms * time_scale, out_bytes=cost.out_bytes,
                     remat_bytes=cost.out_bytes if frees else 0, remat=remat, params=bool(cost.params),
-                    temp_bytes=cost.temp_bytes, saved_by=saved_by)
+                    temp_bytes=cost.temp_bytes, saved_by=saved_by, saved=cost.saved, reads=reads)
 
 
 def stage_infos(*, stages: Sequence[dict[str, Any]], costs: dict[str, NodeCost], gm: torch.fx.GraphModule,
-                param_sizes: dict[str, tuple[int, int]], microbatches: int, comm: Sequence[int], input_bytes: int = 0,
+                param_sizes: dict[str, tuple[int, int]], microbatches: int, comm: Sequence[int],
                 time_scale: float = 1.0, copy_bytes_per_ms: float = COPY_BYTES_PER_MS, regions: bool = True,
                 points: Mapping[int, tuple[Point, ...]] | None = None, output_bytes: int = 0
                 ) -> tuple[list[StageInfo], dict[int, int]]:
     """StageInfo per stage (from the plan's stage dicts and the costs) and each stage's chunk size.
 
-    The plan's activation bytes leave out model inputs that ops save (token ids, targets):
-    `input_bytes` (one microbatch's) is added to every stage's and to the loss's, and 2% on top
-    keeps the prediction an upper bound of what the ledger measures. `time_scale` turns the costs'
+    The plan's activation bytes leave out the model inputs that ops save (token ids, targets: the
+    runtime holds the step's batch anyway, and the ledger does not count it); 2% on top keeps the
+    prediction an upper bound of what the ledger measures. `time_scale` turns the costs'
     forward ms into this device's, to weigh recomputing against copying at `copy_bytes_per_ms`.
     `regions`: cut each stage in checkpoint regions (not under zero-bubble schedules, whose split
     backward cannot run through a checkpoint twice). `points`: each stage's memory.timeline points
@@ -85,8 +87,12 @@ def stage_infos(*, stages: Sequence[dict[str, Any]], costs: dict[str, NodeCost],
     last = len(stages) - 1
     for s, st in enumerate(stages):
         names = [n for n in st["nodes"] if n in costs]
-        infos_nodes = tuple(_node_info(gm, nodes[n], costs[n], set(names), candidates, time_scale,
-                                       tuple(x for x in saved_by.get(n, (n,)) if x in names)) if n in nodes
+        here = set(names)
+        infos_nodes = tuple(_node_info(gm, nodes[n], costs[n], here, candidates, time_scale,
+                                       tuple(x for x in saved_by.get(n, (n,)) if x in names),
+                                       tuple(dict.fromkeys(b for b in (owner.get(a, "") for a in reads[n])
+                                                           if b in here and costs[b].out_bytes > 0)))
+                            if n in nodes
                             else NodeInfo(n, costs[n].fwd_ms * time_scale, costs[n].out_bytes,
                                           temp_bytes=costs[n].temp_bytes, saved_by=(n,)) for n in names)
         order = list(dict.fromkeys(p for n in names for p in costs[n].params if p in param_sizes))
@@ -96,14 +102,14 @@ def stage_infos(*, stages: Sequence[dict[str, Any]], costs: dict[str, NodeCost],
         cuts = cut_regions(names, users, reads, {n: c.out_bytes for n, c in costs.items()},
                            {n: costs[n].fwd_ms * time_scale for n in names}, owner) if regions and exact else []
         infos.append(StageInfo(index=s, nodes=infos_nodes,
-                               act_bytes=int(1.02 * st["activation_bytes"]) + input_bytes,
-                               loss_bytes=int(1.02 * loss) + input_bytes if s == last else 0,
+                               act_bytes=int(1.02 * st["activation_bytes"]),
+                               loss_bytes=int(1.02 * loss) if s == last else 0,
                                in_flight=int(st["in_flight"]),
                                param_bytes=int(st["param_bytes"]),
                                comm_bytes=int(comm[s]),
                                chunk_bytes=chunk_bytes, n_chunks=n_chunks, min_resident=need,
                                microbatches=microbatches, copy_bytes_per_ms=copy_bytes_per_ms,
-                               input_bytes=input_bytes, regions=tuple(cuts),
+                               regions=tuple(cuts),
                                points=(points or {}).get(s, ())))
     return infos, elems
 
@@ -113,7 +119,7 @@ def build(*, recompute: str, offload: str, budget: float | None, stages: Sequenc
           param_nodes: dict[int, dict[str, list[str]]], param_sizes: dict[str, tuple[int, int]],
           actions: Sequence[tuple[int, str, int]], programs: Mapping[int, Sequence[Any]], place: Sequence[int],
           microbatches: int, device: torch.device,
-          optim_factor: float = 2.0, input_bytes: int = 0, time_scale: float = 1.0,
+          optim_factor: float = 2.0, time_scale: float = 1.0,
           copy_bytes_per_ms: float = COPY_BYTES_PER_MS, output_bytes: int = 0
           ) -> tuple[PlannedMemory, list[StageChoice]]:
     """Plan every stage (the same on every rank: only the plan and the costs go in), then the
@@ -131,7 +137,7 @@ def build(*, recompute: str, offload: str, budget: float | None, stages: Sequenc
     zero_bubble = any(kind == "W" for _, kind, _ in actions)
     infos, elems = stage_infos(stages=stages, costs=costs, gm=gm, param_sizes=param_sizes,
                                microbatches=microbatches, comm=comm_peaks(programs, place, recv, send, zero_bubble),
-                               input_bytes=input_bytes, time_scale=time_scale,
+                               time_scale=time_scale,
                                copy_bytes_per_ms=copy_bytes_per_ms,
                                regions=not zero_bubble, points=stage_points(programs, place, recv, send, zero_bubble),
                                output_bytes=output_bytes)
@@ -139,5 +145,5 @@ def build(*, recompute: str, offload: str, budget: float | None, stages: Sequenc
     mm = PlannedMemory(choices=choices, modules=modules, param_nodes=param_nodes, actions=actions,
                        recv_bytes=recv, send_bytes=send, device=device,
                        budget=budget, chunk_elems={s: elems[s] for s in modules if elems.get(s)},
-                       place=place)
+                       place=place, optim_factor=optim_factor)
     return mm, choices

@@ -13,7 +13,7 @@ import torch.utils._pytree as pytree
 
 from memory.base import MemoryManager
 from memory.buffers import CommBuffers, comm_peaks
-from memory.budget import StageChoice, human
+from memory.budget import BudgetError, StageChoice, human
 from memory.ledger import Ledger
 from memory.offload import ActivationOffload, Bundle, Handle, offloadable
 from memory.recompute import Markers, Recipe, Recomputed, Remat, instrument, make_recipe, with_markers
@@ -84,6 +84,24 @@ _COUNTED: weakref.WeakSet[PlannedMemory] = weakref.WeakSet()
 _OPTIM_HOOK: Any = None
 
 
+# tensors the size of a parameter an optimizer keeps per parameter (torch.optim), before its options
+_STATE_TENSORS = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adadelta": 2, "Rprop": 2,
+                  "Adagrad": 1, "ASGD": 1, "RMSprop": 1, "SGD": 0}
+
+
+def optimizer_state_factor(opt: torch.optim.Optimizer) -> float | None:
+    """Bytes of state `opt` will keep per parameter byte, from its kind and options (None: a kind this
+    does not know; its first step tells)."""
+    n = _STATE_TENSORS.get(type(opt).__name__)
+    if n is None:
+        return None
+    most = 0
+    for g in opt.param_groups:
+        extra = int(bool(g.get("amsgrad"))) + int(bool(g.get("momentum"))) + int(bool(g.get("centered")))
+        most = max(most, n + extra)
+    return float(most)
+
+
 def _count_optimizers(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     for me in list(_COUNTED):
         me._count_optimizer(opt)
@@ -103,8 +121,13 @@ class PlannedMemory(MemoryManager):
                  recv_bytes: Sequence[int], send_bytes: Sequence[int], device: torch.device,
                  budget: float | None = None,
                  chunk_elems: dict[int, int] | None = None,
-                 place: Sequence[int] | None = None) -> None:
+                 place: Sequence[int] | None = None, optim_factor: float = 2.0) -> None:
         self.choices = {c.stage: c for c in choices}
+        self.optim_factor = optim_factor  # optimizer state per parameter byte the choices were predicted with
+        self.optim_known: set[int] = set()  # stages whose optimizer state was measured after a step
+        self._param_bytes: dict[int, int] = {}  # per local stage, its resident parameters' bytes (step_begin)
+        self._factor: dict[int, float] = {}  # stage -> the optimizer factor its prediction counts now
+        self.over_budget: BudgetError | None = None  # the optimizer measured at its first step puts a stage over
         self.local = sorted(modules)
         # where each stage runs (pipe.schedules.placement); without it: the local stages here, the others elsewhere
         self.place = list(place) if place is not None else [0 if s in modules else -1 for s in range(len(recv_bytes))]
@@ -228,7 +251,8 @@ class PlannedMemory(MemoryManager):
             return
         h = self.held[self.cur]
         for t in args:
-            if isinstance(t, torch.Tensor) and not self._held_elsewhere(t):
+            if isinstance(t, torch.Tensor) and not self._held_elsewhere(t) and \
+                    t.untyped_storage().data_ptr() not in h.inputs:
                 ptr, n = _storage(t)
                 if ptr not in h.ptrs:
                     h.ptrs.add(t)
@@ -250,7 +274,7 @@ class PlannedMemory(MemoryManager):
         if h is None:
             return
         ptr, n = _storage(t)
-        if ptr in h.ptrs or ptr in h.rptrs or self._held_elsewhere(t):
+        if ptr in h.ptrs or ptr in h.rptrs or ptr in h.inputs or self._held_elsewhere(t):
             return
         h.rptrs.add(t)
         h.recompute += n
@@ -259,8 +283,8 @@ class PlannedMemory(MemoryManager):
     def _pack(self, t: torch.Tensor) -> Any:
         s, mb = self.cur
         h = self.held[(s, mb)]
-        if self._held_elsewhere(t):
-            return t
+        if self._held_elsewhere(t) or t.untyped_storage().data_ptr() in h.inputs:
+            return t  # a parameter, a received value or a model input: not the microbatch's activations
         if self._recipes:
             found = self._recipes.get(t.untyped_storage().data_ptr())
             if found is not None and found[0]() is not None and self._ready(found[1], t, s, mb, h):
@@ -276,12 +300,12 @@ class PlannedMemory(MemoryManager):
 
     def _ready(self, r: Recipe, t: torch.Tensor, s: int, mb: int, h: _Held) -> bool:
         """The recipe may stand for `t`: same microbatch, `t` unchanged since the node made it, and every
-        input held anyway (a parameter, a received activation, or saved on the device): it frees memory
+        input held anyway (a parameter, a received activation, a model input, or saved on the device): it frees memory
         and holds none."""
         if (r.stage, r.mb) != (s, mb) or t._version != r.version:
             return False
         return all(self._held_elsewhere(x) or x.untyped_storage().data_ptr() in h.ptrs
-                   for x in r.inputs)
+                   or x.untyped_storage().data_ptr() in h.inputs for x in r.inputs)
 
     def _unpack(self, x: Any) -> torch.Tensor:
         if isinstance(x, Remat):
@@ -332,6 +356,37 @@ class PlannedMemory(MemoryManager):
             self.ledger.set(s, "grads", sum(p.grad.numel() * p.grad.element_size()
                                             for _, p in self.owned[s] if p.grad is not None))
 
+    def attach_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        """The optimizer that will step this rank's parameters: the predicted peaks count the state it
+        keeps (by its kind now, measured after its first step) instead of the planned Adam's two
+        copies; BudgetError when the budget is then not met (the plan is not made again)."""
+        self.optim_known.clear()  # its first step measures it again
+        f = optimizer_state_factor(opt)
+        if f is not None:
+            self._repredict({s: f for s in self.choices})
+
+    def _repredict(self, factors: dict[int, float]) -> None:
+        """Each stage's predicted peak with `factors[s]` optimizer bytes per parameter byte on the device
+        (none for a stage streaming its state: its optimizer steps host views)."""
+        for s, f in factors.items():
+            c = self.choices[s]
+            if c.offload_states:
+                continue
+            delta = c.param_bytes * (f - self._factor.get(s, self.optim_factor))
+            c.predicted_peak += delta
+            c.peak_if_grads_kept += delta
+            c.parts["state"] = c.parts.get("state", 0.0) + delta
+            self._factor[s] = f
+        over = [c for c in self.choices.values() if self.budget is not None and c.predicted_peak > self.budget]
+        if over:
+            c = max(over, key=lambda c: c.predicted_peak)
+            raise BudgetError(
+                f"memory_budget={human(self.budget or 0)} per stage is not met on stage {c.stage} with this "
+                f"optimizer: its state takes {self._factor[c.stage]:.1f} bytes per parameter byte (the plan "
+                f"assumed {self.optim_factor:.1f}), which puts the stage at {human(c.predicted_peak)}. Fix: give "
+                f"memory_budget >= {c.predicted_peak:.0f}, or offload='states' (the optimizer then steps on "
+                "the host)", c.predicted_peak)
+
     def _count_optimizer(self, opt: torch.optim.Optimizer) -> None:
         for s in self.local:  # an offloaded stage's optimizer steps host views: its state lives on the host
             if s in self.offloaded:
@@ -343,6 +398,13 @@ class PlannedMemory(MemoryManager):
                     for v in st.values() if isinstance(v, torch.Tensor) and v.device.type == self.device.type
                     and v.dim() > 0)
             self.ledger.set(s, "optimizer", n)
+            params = sum(p.numel() * p.element_size() for _, p in self.owned[s])
+            if s not in self.optim_known and params:  # the first step: what the optimizer really keeps
+                self.optim_known.add(s)
+                try:
+                    self._repredict({s: n / params})
+                except BudgetError as e:  # inside torch's step: raised by the pipeline's next step
+                    self.over_budget = e
 
     # ----- markers in the stage graphs -----
     def _before_node(self, s: int, i: int) -> None:
@@ -397,9 +459,13 @@ class PlannedMemory(MemoryManager):
             self.store.step_begin()
         self.param_ptrs = {p.untyped_storage().data_ptr() for s in self.local if s not in self.offloaded
                            for _, p in self.owned[s]}
+        self._param_bytes = {s: sum(p.numel() * p.element_size() for _, p in self.owned[s]) for s in self.local}
         self._comm = CommBuffers(self.place, self.place[self.local[0]], self.recv, self.send, self.zero_bubble)
         for s in self.local:
             self._count_grads(s)
+            c = self.choices[s]
+            if self.ledger.now[s]["grads"] > 0 and c.peak_if_grads_kept > c.predicted_peak:
+                c.predicted_peak = c.peak_if_grads_kept  # grads kept across steps (no zero_grad to None)
 
     @contextlib.contextmanager
     def forward(self, stage: int, mb: int, inputs: Sequence[Any] = ()) -> Iterator[None]:
@@ -420,6 +486,8 @@ class PlannedMemory(MemoryManager):
         s, kind, mb = _act(action)
         if kind in ("B", "W", "BW"):
             self.bwd = (s, mb)  # offloaded activations came back with the RELOAD before this action
+            if s not in self.offloaded:  # the grads it makes are counted from its start (as planned)
+                self.ledger.set(s, "grads", max(self.ledger.now[s]["grads"], self._param_bytes.get(s, 0)))
         if self.store is not None:
             self.store.begin(self._windows[(s, kind, mb)], backward=kind != "F")
             if kind == "B" and self.zero_bubble and self._multi.get(s):

@@ -2,12 +2,14 @@
 walk, which the planner evaluates for each policy instead of multiplying a per-microbatch figure by
 the microbatches in flight and adding every kind's own peak.
 
-A point is (k, b, w, c): k microbatches keep their saved activations on the device, b microbatches'
-offloaded activations are back on it (a RELOAD brings them ahead of their backward), w = 1 while the
-stage's own backward runs (its recompute working set is alive), and c bytes of communication buffers
-(memory.buffers) are held. A policy gives per-microbatch bytes (kept, bundle, work); the stage's
-activation-side peak is the largest k * kept + b * bundle + w * work + c over its points. The rules
-are the memory manager's:
+A point is (k, b, w, c, g): k microbatches keep their saved activations on the device, b
+microbatches' offloaded activations are back on it (a RELOAD brings them ahead of their backward),
+w = 1 while the stage's own backward runs (its recompute working set is alive), c bytes of
+communication buffers (memory.buffers) are held, and g = 1 once the stage's first backward of the
+step has begun (its parameters' grads exist from then on, when the step began without them, as after
+torch's zero_grad()). A policy gives per-microbatch bytes (kept, bundle, work) and the grads' bytes;
+the stage's peak beside its fixed state is the largest k * kept + b * bundle + w * work + c + g * grads
+over its points. The rules are the memory manager's:
 - F of (s, mb) ends with its saved activations held (k + 1);
 - the backward of (s, mb) that frees them (B, or W under zero bubble, or BW) ends with k - 1; a B
   that does not free them sends its offloaded copy back to the host;
@@ -30,6 +32,7 @@ class Point(NamedTuple):
     bundles: int   # microbatches whose offloaded activations are back on the device
     working: int   # 1 while the stage's own backward runs
     comm: int      # communication buffer bytes held
+    grads: int = 1  # 1 once the stage's first backward of the step has begun
 
 
 def _is_batch(x: Any) -> bool:
@@ -58,12 +61,12 @@ def stage_points(programs: Mapping[int, Sequence[Any]], place: Sequence[int], re
     seen: dict[int, dict[Point, None]] = {s: {} for s in range(S)}
     for rank, items in programs.items():
         bufs = CommBuffers(place, rank, recv, send, zero_bubble)
-        comm, kept = [0] * S, [0] * S
+        comm, kept, grads = [0] * S, [0] * S, [0] * S
         on: list[set[int]] = [set() for _ in range(S)]
         working = -1  # the stage whose backward runs
 
         def mark(s: int) -> None:
-            seen[s][Point(kept[s], len(on[s]), int(working == s), comm[s])] = None
+            seen[s][Point(kept[s], len(on[s]), int(working == s), comm[s], grads[s])] = None
 
         def move(moves: Iterable[tuple[int, int]]) -> None:
             for s, n in moves:
@@ -82,7 +85,7 @@ def stage_points(programs: Mapping[int, Sequence[Any]], place: Sequence[int], re
             if kind == "F":
                 kept[s] += 1
             else:
-                working = s
+                working, grads[s] = s, 1
             mark(s)
             move(bufs.after(s, kind, mb))
             working = -1
@@ -105,13 +108,16 @@ def default_points(in_flight: int, comm_bytes: int) -> tuple[Point, ...]:
     return (Point(n, min(n, 2), 1, comm_bytes),)
 
 
-def peak_of(points: Sequence[Point], kept: float, bundle: float, work: float) -> tuple[float, float, float]:
-    """(peak, activations at it, buffers at it): the largest k * kept + b * bundle + w * work + c."""
-    best = (0.0, 0.0, 0.0)
+def peak_of(points: Sequence[Point], kept: float, bundle: float, work: float, grads: float = 0.0
+            ) -> tuple[float, float, float, float]:
+    """(peak, activations, buffers and grads at it): the largest k * kept + b * bundle + w * work + c +
+    g * grads."""
+    best = (0.0, 0.0, 0.0, 0.0)
     for p in points:
         acts = p.kept * kept + p.bundles * bundle + p.working * work
-        if acts + p.comm > best[0]:
-            best = (acts + p.comm, acts, float(p.comm))
+        total = acts + p.comm + p.grads * grads
+        if total > best[0]:
+            best = (total, acts, float(p.comm), p.grads * grads)
     return best
 
 

@@ -159,15 +159,16 @@ def _output_bytes(gm: torch.fx.GraphModule, costs: dict[str, NodeCost]) -> int:
 
 
 def _saved_on_stage(costs: dict[str, NodeCost], nodes: Sequence[str], stage_of: dict[str, int]) -> int:
-    """Bytes a stage's nodes save for backward per microbatch, every storage once; a storage made on
-    another stage is left out: it arrives as a received input, a message buffer the stage holds
-    anyway (memory.buffers counts it until the backward that frees the microbatch)."""
+    """Bytes a stage's nodes save for backward per microbatch, every storage once. Left out: a storage
+    made on another stage (it arrives as a received input, a message buffer the stage holds anyway:
+    memory.buffers counts it until the backward that frees the microbatch), and a model input's (the
+    runtime holds the step's batch whatever the stage saves)."""
     mine = set(nodes)
     saved: dict[str, int] = {}
     for u in nodes:
         for sid, nb in costs[u].saved.items() if u in costs else ():
             owner = storage_owner(sid)
-            if owner in stage_of and owner not in mine:
+            if owner not in costs or (owner in stage_of and owner not in mine):
                 continue
             saved[sid] = nb
     return sum(saved.values())

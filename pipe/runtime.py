@@ -231,7 +231,8 @@ class Pipeline:
             return {}
         from partition.costs import node_costs
         found = node_costs(self._gm, flatten_inputs(self._gm, args, kwargs, self._example_target), cost="flops")
-        return {n: memory.NodeCost(c.fwd_ms, c.out_bytes, c.saved_bytes, tuple(c.params)) for n, c in found.items()}
+        return {n: memory.NodeCost(c.fwd_ms, c.out_bytes, c.saved_bytes, tuple(c.params), tuple(c.saved.items()))
+                for n, c in found.items()}
 
     def _build_memory(self, model: torch.nn.Module, costs: dict[str, memory.NodeCost], recompute: str,
                       offload: str, budget: float | str | None) -> MemoryManager:
@@ -256,7 +257,6 @@ class Pipeline:
                 actions=[(a.stage, a.kind, a.mb) for a in self.actions], programs=self._programs, place=self.place,
                 microbatches=self.M, device=self.ctx.device,
                 optim_factor=max(self.plan.state_factor - 2.0, 0.0),
-                input_bytes=sum(v.nbytes for v in self.plan.inputs if v is not None),
                 time_scale=FLOP_PER_MS / speeds[0][0], copy_bytes_per_ms=speeds[0][1],
                 output_bytes=self.plan.output_bytes)
             for c in choices:
@@ -299,6 +299,16 @@ class Pipeline:
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         for _, p in self.named_parameters():
             yield p
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Predict memory with the state this optimizer keeps (its kind; measured after its first step,
+        which happens anyway when it is not attached) rather than the planned Adam's; BudgetError (on
+        every rank, as each computes it alike) when the budget is then not met."""
+        attach = getattr(self.memory, "attach_optimizer", None)
+        if attach is not None:
+            attach(optimizer)
+            for s, c in getattr(self.memory, "choices", {}).items():
+                self.plan.stages[s].memory_peak = c.predicted_peak
 
     def memory_report(self) -> dict[int, dict[str, int]]:
         """Per local stage: bytes held by kind, current and peak ('peak' in the key names)."""
@@ -392,6 +402,9 @@ class Pipeline:
         exchange = Exchange(self.transport, self.plan, self.place, self.rank, dev, self.dynamic)
         run = _StepState(self, flats, targets, exchange)
         with self._failures(run, f"step {self.steps_done}"):
+            over = getattr(self.memory, "over_budget", None)
+            if over is not None:  # the optimizer's first step measured more state than the budget allows
+                raise over
             self.memory.step_begin()
             run.execute(self.program)
             self.memory.step_end()

@@ -405,3 +405,43 @@ def test_a_view_of_a_received_input_is_not_counted_as_activations() -> None:
     _run_step(mm, gm, actions, [x])
     assert mm.report()[0]["peak_activations"] == 4 * 8 * 4  # pow's input, the linear's output; not x
     assert x.grad is not None
+
+
+# ----- optimizer state from the optimizer that exists -----
+def test_optimizer_state_factor_by_kind_and_options() -> None:
+    from memory.manager import optimizer_state_factor
+    ps = [torch.nn.Parameter(torch.zeros(3))]
+    assert optimizer_state_factor(torch.optim.Adam(ps)) == 2.0
+    assert optimizer_state_factor(torch.optim.Adam(ps, amsgrad=True)) == 3.0
+    assert optimizer_state_factor(torch.optim.SGD(ps, lr=0.1)) == 0.0
+    assert optimizer_state_factor(torch.optim.SGD(ps, lr=0.1, momentum=0.9)) == 1.0
+    assert optimizer_state_factor(torch.optim.RMSprop(ps, momentum=0.9, centered=True)) == 3.0
+    assert optimizer_state_factor(torch.optim.LBFGS(ps)) is None  # not known: its first step tells
+
+
+def test_attached_and_measured_optimizer_state_replace_the_planned_adam() -> None:
+    from memory.budget import BudgetError
+    gm = _toy()
+    params = sum(p.numel() * 4 for p in gm.parameters())
+    choice = StageChoice(0, "none", predicted_peak=4.0 * params + 1000, parts={"state": 4.0 * params},
+                         param_bytes=params)
+    actions = [(0, "F", 0), (0, "B", 0)]
+    mm = _manager(gm, choice, actions)
+    mm.attach_optimizer(torch.optim.SGD(gm.parameters(), lr=0.1))  # no state: params and grads only
+    assert mm.choices[0].predicted_peak == pytest.approx(2.0 * params + 1000)
+    # not attached: the first step of the optimizer measures it (SGD with momentum: one buffer)
+    mm = _manager(gm, StageChoice(0, "none", predicted_peak=4.0 * params + 1000, parts={"state": 4.0 * params},
+                         param_bytes=params),
+                  actions)
+    opt = torch.optim.SGD(gm.parameters(), lr=0.1, momentum=0.9)
+    _run_step(mm, gm, actions, [torch.randn(4, 8)])
+    opt.step()
+    assert mm.choices[0].predicted_peak == pytest.approx(3.0 * params + 1000)
+    assert mm.report()[0]["optimizer"] == params
+    # an optimizer keeping more than the budget allows is refused, naming the figure and the fix
+    mm = _manager(gm, StageChoice(0, "none", predicted_peak=4.0 * params, parts={"state": 4.0 * params},
+                                  param_bytes=params), actions)
+    mm.budget = 4.5 * params
+    with pytest.raises(BudgetError, match=r"memory_budget >= \d+, or offload='states'") as e:
+        mm.attach_optimizer(torch.optim.Adam(gm.parameters(), amsgrad=True))
+    assert e.value.needed_bytes == pytest.approx(5.0 * params)

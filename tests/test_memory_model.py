@@ -30,7 +30,8 @@ def test_the_partitioner_never_refuses_a_split_memory_can_fit(spec: str, kw: dic
     w = partition.load(spec, **kw)
     a = Analysis(w.model, w.example_args, cost="flops", loss_fn=w.loss_fn, example_target=w.example_target)
     found = node_costs(a.gm, a.flat, cost="flops")
-    costs = {n: memory.NodeCost(c.fwd_ms, c.out_bytes, c.saved_bytes, tuple(c.params)) for n, c in found.items()}
+    costs = {n: memory.NodeCost(c.fwd_ms, c.out_bytes, c.saved_bytes, tuple(c.params), tuple(c.saved.items()))
+             for n, c in found.items()}
     sizes = {n: (p.numel(), p.element_size()) for n, p in w.model.named_parameters()}
     flights = tuple(in_flight_limit("1f1b", S, M, s) for s in range(S))
     cm = CostModel(state_factor=4.0, in_flight=flights)
@@ -44,8 +45,7 @@ def test_the_partitioner_never_refuses_a_split_memory_can_fit(spec: str, kw: dic
         stages = [dataclasses.asdict(st) for st in plan.stages]
         recv, send = [st["recv_bytes"] for st in stages], [st["send_bytes"] for st in stages]
         infos, _ = stage_infos(stages=stages, costs=costs, gm=a.gm, param_sizes=sizes, microbatches=M,
-                               comm=comm_peaks(programs, place, recv, send, False),
-                               input_bytes=sum(v.nbytes for v in plan.inputs if v is not None))
+                               comm=comm_peaks(programs, place, recv, send, False))
         for recompute, offload in COMBOS:
             checked = stage_bytes(a.chain, bounds, memory_check(cm, recompute, offload))
             floors = [_least(st, recompute, offload, 2.0).predicted_peak for st in infos]
@@ -80,10 +80,12 @@ def test_timeline_points_follow_the_program_of_1f1b() -> None:
     assert max(p.bundles for p in pts[0]) == 1 and max(p.bundles for p in pts[1]) == 1
     # stage 0's outputs wait for their grads: 2 microbatches' worth, plus one grad received for B
     assert max(p.comm for p in pts[0]) == 300
-    assert Point(2, 0, 0, 200) in pts[0]  # after F1: two microbatches kept, both outputs held
+    assert Point(2, 0, 0, 200, 0) in pts[0]  # after F1: two microbatches kept, both outputs held, no grads yet
     # B0 of stage 0 runs with both microbatches kept, mb 0's offloaded copy back, the outputs of both
     # and mb 0's grad held: its peak; stage 1 holds one microbatch at a time
-    assert peak_of(pts[0], 1000, 500, 50) == (2 * 1000 + 500 + 50 + 300, 2 * 1000 + 500 + 50, 300)
+    assert peak_of(pts[0], 1000, 500, 50) == (2 * 1000 + 500 + 50 + 300, 2 * 1000 + 500 + 50, 300, 0)
+    assert peak_of(pts[0], 1000, 500, 50, grads=10)[0] == 2 * 1000 + 500 + 50 + 300 + 10  # B0 makes grads
+    assert peak_of(pts[0], 1000, 0, 0, grads=5000)[0] == 2 * 1000 + 5000 + 300  # F2: two kept, B0's grads
     assert peak_of(pts[1], 1000, 0, 0)[1] == 1000
     # the most a microbatch may keep to fit a room is what peak_of then reaches
     room = room_per_mb(pts[0], 5000, 0, 50)

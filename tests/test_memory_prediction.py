@@ -7,6 +7,8 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import pytest
+
 from tests.mp import run_ranks
 
 MODELS = {"gpt": ("gpt", {"n_layer": 4, "d_model": 64, "n_head": 4, "seq_len": 64, "vocab": 256,
@@ -39,30 +41,72 @@ def body(rank: int, world: int, *, M: int = 4, steps: int = 2) -> dict[str, Any]
             rep = pp.memory_report()
             for s, r in rep.items():
                 out[f"{model}/{schedule}/{recompute}/{offload}/{s}"] = (r["peak_total"], r["predicted_peak"])
+            if (model, schedule, recompute, offload) == ("gpt", "1f1b", "none", "none"):
+                # plain SGD keeps no state: the prediction drops by Adam's two copies of the parameters
+                pp.attach_optimizer(torch.optim.SGD(list(pp.parameters()), lr=0.1))
+                params = sum(p.numel() * p.element_size() for p in pp.parameters())
+                for s, r in pp.memory_report().items():
+                    out[f"sgd/{s}"] = (rep[s]["predicted_peak"] - r["predicted_peak"], 2 * params,
+                                       pp.plan.stages[s].memory_peak == r["predicted_peak"])
+    out["floor"] = _floor(M, steps)
     return out
 
 
+def _floor(M: int, steps: int) -> tuple[int, int, list[str]]:
+    """(the least budget fxpipe names for the GPT with recompute='auto', offload='all', the peak the
+    ledger measures when run at it): the figure a refusal names is asked for until one is met."""
+    import re
+    import torch
+    import partition
+    import pipe
+    name, kw = MODELS["gpt"]
+    budget, tried = 1 << 20, []
+    for _ in range(4):
+        w = partition.load(name, **kw)
+        try:
+            pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, schedule="1f1b",
+                               cost="flops", recompute="auto", offload="all", memory_budget=budget,
+                               example_target=w.example_target)
+        except ValueError as e:
+            tried.append(str(e))
+            found = re.search(r"memory_budget >= (\d+)", str(e))
+            assert found, e
+            budget = int(found.group(1))
+            continue
+        opt = torch.optim.Adam(list(pp.parameters()), lr=1e-3)
+        for step in range(steps):
+            args, kwargs, target = w.batch(w.microbatch_size * M, step)
+            pp.step(*args, target=target, **kwargs)
+            opt.step()
+            opt.zero_grad()
+        import torch.distributed as dist
+        peaks: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(peaks, max(r["peak_total"] for r in pp.memory_report().values()))
+        return budget, max(peaks), tried
+    raise AssertionError(f"no budget named was met: {tried}")
+
+
 def test_predicted_peaks_against_the_ledger() -> None:
-    res: dict[str, tuple[int, int]] = {}
+    res: dict[str, Any] = {}
     for r in run_ranks("tests.test_memory_prediction:body", 2, timeout=480):
         res.update(r)
+    floor, reached, refusals = res.pop("floor")
+    # the least budget named is met, and the best plan comes within 10% of it
+    assert refusals and floor / 1.10 <= reached <= floor, (floor, reached, refusals)
+    for s in (0, 1):  # pp.attach_optimizer: the state the optimizer keeps, in the report and the plan
+        dropped, adam, in_plan = res.pop(f"sgd/{s}")
+        assert dropped == pytest.approx(adam, abs=2) and in_plan, (s, dropped, adam, in_plan)
     assert len(res) == len(MODELS) * len(POLICIES) * (2 + 4), sorted(res)  # 2 stages under 1F1B, 4 interleaved
     ratio = {k: predicted / measured for k, (measured, predicted) in res.items()}
     lines = "\n".join(f"{k}: measured {m}, predicted {p}, x{ratio[k]:.3f}" for k, (m, p) in sorted(res.items()))
-    # never below what the ledger measured on the GPTs, for every policy (the UNet's first stage is
-    # predicted up to 4.3% low with full recompute or offload: what its microbatches keep is undercounted)
     for k, x in ratio.items():
-        if not k.startswith("unet/"):
-            assert x >= 1.0, f"{k} predicted below the ledger\n{lines}"
-    # within 5% on the GPT (both schedules) and on every model under 1F1B, without per-node recompute;
-    # elsewhere within what was measured when this test was written (the prediction's known slack:
-    # selective counts only the bytes it can prove freed; interleaved, the UNet's and GPT-2's first
-    # stages come out up to 7% and 14% high), so that a regression still shows
-    for k, x in ratio.items():
-        model, schedule, recompute = k.split("/")[:3]
+        model, schedule, recompute, offload = k.split("/")[:4]
+        # within 5%, and never below; the known slack beyond (a regression still shows): selective
+        # counts what recomputing on unpack frees from the saves the planner saw (up to 9% high);
+        # GPT-2's first stage interleaved, with streamed state, up to 8% high
+        limit = 1.05
         if recompute == "selective":
-            assert x <= 1.35, f"{k} predicted x{x:.3f} the ledger's peak\n{lines}"
-        elif model == "gpt" or schedule == "1f1b":
-            assert 0.95 <= x <= 1.05, f"{k} predicted x{x:.3f} the ledger's peak\n{lines}"
-        else:
-            assert 0.95 <= x <= 1.15, f"{k} predicted x{x:.3f} the ledger's peak\n{lines}"
+            limit = 1.12
+        elif model == "gpt2" and schedule != "1f1b" and offload in ("states", "all"):
+            limit = 1.08
+        assert 1.0 <= x <= limit, f"{k} predicted x{x:.3f} the ledger's peak (limit {limit})\n{lines}"
