@@ -19,12 +19,12 @@ def _check(results: list[dict[str, list[float]]]) -> None:
         assert len(losses) == 3 and all(x == x for x in losses), name
 
 
-@pytest.mark.parametrize("world,spec,args", [(2, "gpt", SMALL_GPT), (4, "gpt", SMALL_GPT), (2, "unet", {}),
-                                             (4, "unet", {}), (4, "bench.hf_models:gpt2", HF)],
-                         ids=["gpt-2", "gpt-4", "unet-2", "unet-4", "hf-gpt2-4"])
+@pytest.mark.parametrize("world,spec,args", [(2, "gpt", SMALL_GPT), (4, "bench.hf_models:gpt2", HF)],
+                         ids=["gpt-2", "hf-gpt2-4"])
 def test_parity_every_schedule(world: int, spec: str, args: dict) -> None:
-    """Plain gloo. Hugging Face GPT-2 (tied embedding and head, a ModelOutput) runs on 4 ranks only, to
-    keep the suite within its time; gpt and unet cover 2 ranks."""
+    """Plain gloo: the GPT on 2 ranks, Hugging Face GPT-2 (tied embedding and head, a ModelOutput) on 4.
+    The GPT on 3 and 4 ranks and the U-Net run every schedule through the NCCL-like transport below,
+    which matches more strictly (the plain transport on them too took 35 s of the suite's time)."""
     schedules = ALL if spec == "gpt" else [x for x in ALL if x[0] != "zbv"]  # zbv here on gpt; unet: nccl-like
     _check(run_ranks("tests.parity:parity_body", world, timeout=240, spec=spec, model_args=args,
                      schedules=schedules, M=4))
