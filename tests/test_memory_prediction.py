@@ -26,6 +26,16 @@ CONFIGS = [("gpt", "1f1b", 1, r, o) for r, o in (("none", "none"), ("none", "act
     [("gpt2", "interleaved-1f1b", 2, r, o) for r, o in (("none", "none"), ("full", "all"))]
 
 
+def _train(w: Any, pp: Any, M: int, steps: int) -> None:
+    import torch
+    opt = torch.optim.Adam(list(pp.parameters()), lr=1e-3)
+    for step in range(steps):
+        args, kwargs, target = w.batch(w.microbatch_size * M, step)
+        pp.step(*args, target=target, **kwargs)
+        opt.step()
+        opt.zero_grad()
+
+
 def body(rank: int, world: int, *, M: int = 4, steps: int = 2) -> dict[str, Any]:
     import torch
     import partition
@@ -38,12 +48,7 @@ def body(rank: int, world: int, *, M: int = 4, steps: int = 2) -> dict[str, Any]
         pp = pipe.Pipeline(w.model, w.example_args, example_kwargs=w.example_kwargs, loss_fn=w.loss_fn,
                            microbatches=M, schedule=schedule, stages_per_rank=v, cost="flops",
                            recompute=recompute, offload=offload, example_target=w.example_target)
-        opt = torch.optim.Adam(list(pp.parameters()), lr=1e-3)
-        for step in range(steps):
-            args, kwargs, target = w.batch(w.microbatch_size * M, step)
-            pp.step(*args, target=target, **kwargs)
-            opt.step()
-            opt.zero_grad()
+        _train(w, pp, M, steps)
         rep = pp.memory_report()
         for s, r in rep.items():
             out[f"{model}/{schedule}/{recompute}/{offload}/{s}"] = (r["peak_total"], r["predicted_peak"])
@@ -62,7 +67,6 @@ def _floor(M: int, steps: int) -> tuple[int, int, list[str]]:
     """(the least budget fxpipe names for the GPT with recompute='auto', offload='all', the peak the
     ledger measures when run at it): the figure a refusal names is asked for until one is met."""
     import re
-    import torch
     import partition
     import pipe
     name, kw = MODELS["gpt"]
@@ -79,12 +83,7 @@ def _floor(M: int, steps: int) -> tuple[int, int, list[str]]:
             assert found, e
             budget = int(found.group(1))
             continue
-        opt = torch.optim.Adam(list(pp.parameters()), lr=1e-3)
-        for step in range(steps):
-            args, kwargs, target = w.batch(w.microbatch_size * M, step)
-            pp.step(*args, target=target, **kwargs)
-            opt.step()
-            opt.zero_grad()
+        _train(w, pp, M, steps)
         import torch.distributed as dist
         peaks: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(peaks, max(r["peak_total"] for r in pp.memory_report().values()))
