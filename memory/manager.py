@@ -283,13 +283,14 @@ class PlannedMemory(MemoryManager):
     def _pack(self, t: torch.Tensor) -> Any:
         s, mb = self.cur
         h = self.held[(s, mb)]
-        if self._held_elsewhere(t) or t.untyped_storage().data_ptr() in h.inputs:
+        ptr = t.untyped_storage().data_ptr()
+        if self._held_elsewhere(t) or ptr in h.inputs:
             return t  # a parameter, a received value or a model input: not the microbatch's activations
         if self._recipes:
-            found = self._recipes.get(t.untyped_storage().data_ptr())
+            found = self._recipes.get(ptr)
             if found is not None and found[0]() is not None and self._ready(found[1], t, s, mb, h):
                 return Remat(found[1], t)
-        if h.bundle is not None and t.device == self.device and offloadable(t, h.inputs):
+        if h.bundle is not None and t.device == self.device and offloadable(t):
             return h.bundle.put(t)
         ptr, n = _storage(t)
         if ptr not in h.ptrs:

@@ -14,12 +14,11 @@ __all__ = ["Bundle", "Handle", "ActivationOffload", "offloadable"]
 ALIGN = 64  # bytes; every tensor starts at a multiple of this inside its chunk
 
 
-def offloadable(t: torch.Tensor, inputs: set[int]) -> bool:
-    """Tensors made by the forward, strided, of nonzero size: not of the model inputs' storages (`inputs`,
-    held by the runtime anyway); parameters and received values are never saved into a bundle (the
-    memory manager keeps them). Leaves that need no grad (batch norm's statistics, pooling indices)
-    are made by the forward too."""
-    return t.numel() > 0 and t.layout == torch.strided and t.untyped_storage().data_ptr() not in inputs
+def offloadable(t: torch.Tensor) -> bool:
+    """Strided tensors of nonzero size. The memory manager asks only for what the forward made:
+    parameters, received values and model inputs never reach a bundle; leaves that need no grad
+    (batch norm's statistics, pooling indices) are made by the forward too."""
+    return t.numel() > 0 and t.layout == torch.strided
 
 
 class Handle:

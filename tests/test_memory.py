@@ -437,7 +437,15 @@ def test_attached_and_measured_optimizer_state_replace_the_planned_adam() -> Non
     _run_step(mm, gm, actions, [torch.randn(4, 8)])
     opt.step()
     assert mm.choices[0].predicted_peak == pytest.approx(3.0 * params + 1000)
-    assert mm.report()[0]["optimizer"] == params
+    assert mm.report()[0]["optimizer"] == params and mm.over_budget is None
+    # measured over the budget at the first step: kept for the pipeline's next step to raise
+    mm = _manager(gm, StageChoice(0, "none", predicted_peak=4.0 * params, parts={"state": 4.0 * params},
+                                  param_bytes=params), actions)
+    mm.budget = 4.5 * params
+    opt = torch.optim.Adam(gm.parameters(), amsgrad=True)
+    _run_step(mm, gm, actions, [torch.randn(4, 8)])
+    opt.step()
+    assert isinstance(mm.over_budget, BudgetError) and "3.0 bytes per parameter byte" in str(mm.over_budget)
     # an optimizer keeping more than the budget allows is refused, naming the figure and the fix
     mm = _manager(gm, StageChoice(0, "none", predicted_peak=4.0 * params, parts={"state": 4.0 * params},
                                   param_bytes=params), actions)

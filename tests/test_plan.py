@@ -79,6 +79,10 @@ def test_round_trip_through_json(gpt: tuple[partition.Workload, partition.Analys
     rows = [ln for ln in lines if re.match(r"^\s*\d+\s", ln)]
     assert [int(r.split()[0]) for r in rows] == [0, 1, 2]
     assert "tok_emb.weight" in plan.table()  # tied weights are listed
+    # the ledger's measured peaks beside the predicted ones; a stage not measured shows "-"
+    head, *rows = plan.table(measured={0: 3 * 2**20, 2: 2**20}).splitlines()[1:5]
+    end = head.index("measured") + len("measured")  # columns are right-aligned
+    assert head.index(" peak ") < end and [r[end - 7:end] for r in rows] == ["3.0 MiB", "      -", "1.0 MiB"], rows
 
 
 @pytest.mark.parametrize("text, value", [("8GiB", 8 * 2**30), ("512MB", 512e6), ("1.5e9", 1.5e9),

@@ -24,6 +24,7 @@ def test_run_command(launcher: str, tmp_path: Path) -> None:
     steps = [line for line in out.splitlines() if line.startswith("step ")]
     assert len(steps) == 4 and all("tok/s" in s and "loss" in s for s in steps)
     assert "bubble: measured" in out
+    assert "the plan with each stage's peak as measured" in out and " measured " in out.split("as measured")[1]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["launcher"] == ("torchrun" if launcher == "torchrun" else "mpi")
     assert 0 <= summary["measured_bubble"] < 1 and 0 <= summary["predicted_bubble"] < 1
