@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -17,8 +17,8 @@ from memory.timeline import Point, default_points, peak_of, room_per_mb
 from partition.errors import FxpipeError
 from partition.plan import human_bytes
 
-__all__ = ["RECOMPUTE", "OFFLOAD", "BudgetError", "NodeInfo", "Region", "StageInfo", "StageChoice", "check_options",
-           "choose", "knapsack", "human"]
+__all__ = ["RECOMPUTE", "OFFLOAD", "BudgetError", "NodeInfo", "Region", "Chunking", "StageInfo", "StageChoice",
+           "check_options", "choose", "knapsack", "human"]
 
 RECOMPUTE = ("none", "full", "selective", "auto")
 OFFLOAD = ("none", "activations", "states", "all")
@@ -69,6 +69,15 @@ class Region:
 
 
 @dataclass(frozen=True)
+class Chunking:
+    """One cut of a stage's parameters into chunks (memory.chunks), for streaming them (states offload)."""
+    elems: int             # elements of one chunk
+    nbytes: int            # bytes of one chunk's parameters (its grads take as much again)
+    count: int             # chunks of the stage
+    need: int              # chunks one node needs at once (one more lets prefetch work)
+
+
+@dataclass(frozen=True)
 class StageInfo:
     """What the planner needs to know about one stage (bytes per microbatch unless noted)."""
     index: int
@@ -78,9 +87,7 @@ class StageInfo:
     in_flight: int         # n
     param_bytes: int
     comm_bytes: int        # peak bytes of communication buffers over a step
-    chunk_bytes: int = 0   # bytes of one parameter chunk (params; grads take as much again)
-    n_chunks: int = 0
-    min_resident: int = 0  # chunks one node needs at once (states offload; one more lets prefetch work)
+    chunkings: tuple[Chunking, ...] = ()  # the chunk sizes states offload may stream the parameters in
     microbatches: int = 1
     copy_bytes_per_ms: float = COPY_BYTES_PER_MS  # what offloading costs, against the nodes' fwd_ms
     regions: tuple[Region, ...] = ()  # checkpointable on their own (none under zero-bubble schedules)
@@ -102,6 +109,7 @@ class StageChoice:
     offload_activations: bool = False
     offload_states: bool = False
     resident_chunks: int = 0            # parameter chunks the device holds at once (states offload)
+    chunk_elems: int = 0                # elements of one of them
     predicted_peak: float = 0.0
     peak_if_grads_kept: float = 0.0     # the predicted peak when grads exist as the step begins
     param_bytes: float = 0.0            # the stage's parameters (their optimizer state scales with them)
@@ -165,11 +173,14 @@ def knapsack(weights: Sequence[float], values: Sequence[float], capacity: float,
     return sorted(free + chosen)
 
 
-def _state(st: StageInfo, optim_factor: float, resident: int | None) -> float:
-    """Model state on the device: everything (resident None), or `resident` chunks of params and grads."""
-    if resident is None:
+Streaming = tuple[Chunking, int] | None  # a chunking and how many of its chunks stay resident; None: no streaming
+
+
+def _state(st: StageInfo, optim_factor: float, stream: Streaming) -> float:
+    """Model state on the device: everything (stream None), or the resident chunks of params and grads."""
+    if stream is None:
         return st.param_bytes * (2.0 + optim_factor)
-    return 2.0 * resident * st.chunk_bytes
+    return 2.0 * stream[1] * stream[0].nbytes
 
 
 def _per_mb(st: StageInfo, kind: str, offload: bool, freed: float = 0.0, transient: float = 0.0
@@ -198,28 +209,59 @@ def _predict(c: StageChoice, st: StageInfo, state: float, kept: float, bundle: f
     c.param_bytes = float(st.param_bytes)
 
 
-def _move_ms(st: StageInfo, resident: int | None) -> float:
+def _move_ms(st: StageInfo, stream: Streaming) -> float:
     """Copy time per microbatch of streaming chunks: with every chunk resident, one fetch and one
     write-back a step; else each microbatch's forward fetches the absent share of the params and
     its backward the params and grads (in and out)."""
-    if resident is None or not st.n_chunks:
+    if stream is None or not stream[0].count:
         return 0.0
     per_step = 2.0 * st.param_bytes / max(st.microbatches, 1)
-    absent = max(0.0, 1.0 - resident / st.n_chunks)
+    absent = max(0.0, 1.0 - stream[1] / stream[0].count)
     return (per_step + absent * 4.0 * st.param_bytes) / st.copy_bytes_per_ms
 
 
-def _residents(st: StageInfo) -> list[int]:
-    """Resident chunk counts worth trying: from what one node needs up to every chunk (8 at most)."""
-    lo, hi = st.min_resident, st.n_chunks
-    if hi - lo <= 8:
-        return list(range(lo, hi + 1))
-    return sorted({lo + round(k * (hi - lo) / 7) for k in range(8)})
+def _streamed(st: StageInfo, stream: Streaming) -> dict[str, Any]:
+    """A StageChoice's fields for a streaming."""
+    if stream is None:
+        return {}
+    return {"offload_states": True, "resident_chunks": stream[1], "chunk_elems": stream[0].elems,
+            "move_ms": _move_ms(st, stream)}
+
+
+def _streamings(st: StageInfo) -> list[Streaming]:
+    """Streamings worth trying: each chunking with resident counts from what one node needs up to every
+    chunk (8 at most)."""
+    out: list[Streaming] = []
+    for ch in st.chunkings:
+        lo, hi = ch.need, ch.count
+        counts = range(lo, hi + 1) if hi - lo <= 8 else sorted({lo + round(k * (hi - lo) / 7) for k in range(8)})
+        out += [(ch, r) for r in counts]
+    return out
 
 
 def _transient(nodes: Sequence[NodeInfo]) -> float:
     """Recomputed outputs alive at once in a backward: the manager holds the last two."""
     return float(sum(sorted((x.out_bytes for x in nodes), reverse=True)[:2]))
+
+
+def _ring_peak(st: StageInfo, rematted: Sequence[NodeInfo]) -> float:
+    """Recomputed outputs alive at once in a backward as the manager holds them (the last two it made):
+    the backward unpacks the saves in reverse order of the nodes that saved them (a node's own saves in
+    either order: the larger peak). From the stage's saves when known, else the two largest outputs."""
+    mine = {x.name: x.out_bytes for x in rematted}
+    if not mine or not any(x.saved for x in st.nodes):
+        return _transient(rematted)
+    peaks = []
+    for inner in (False, True):
+        ring: list[str] = []
+        peak = 0
+        for x in reversed(st.nodes):
+            for sid, _ in (reversed(x.saved) if inner else x.saved):
+                if sid in mine and sid not in ring:
+                    ring = ring[-1:] + [sid]
+                    peak = max(peak, sum(mine[r] for r in ring))
+        peaks.append(peak)
+    return float(max(peaks))
 
 
 def _kept_bytes(st: StageInfo, remat: frozenset[str], offload: bool) -> tuple[float, list[NodeInfo]]:
@@ -290,9 +332,9 @@ def _recomputed_bound(st: StageInfo, region: Region) -> float:
                  + sum(x.temp_bytes for x in st.nodes if x.name in inside))
 
 
-def _region_plans(st: StageInfo, state: float, resident: int | None) -> list[StageChoice]:
+def _region_plans(st: StageInfo, state: float, stream: Streaming) -> list[StageChoice]:
     """Checkpoint the k regions freeing the most bytes per ms (k = 1..K), with or without recomputing
-    the other regions' cheap nodes on unpack; with `resident` chunks of streamed model state, or all of
+    the other regions' cheap nodes on unpack; with streamed model state (`stream`), or all of
     it on the device (None). Bounds, not estimates: a microbatch keeps at most what the other regions
     may save (or A) and what enters the checkpointed ones; the backward recomputes one checkpointed
     region at a time (its chunks fetched as the recomputation reads them)."""
@@ -307,15 +349,14 @@ def _region_plans(st: StageInfo, state: float, resident: int | None) -> list[Sta
         chosen, rest = regs[:k], regs[k:]
         off = {m for r in chosen for m in r.nodes}
         others = [nodes[m] for r in rest for m in r.nodes if m in nodes and nodes[m].remat
-                  and not (resident is not None and nodes[m].params)]  # as _remattable
+                  and not (stream is not None and nodes[m].params)]  # as _remattable
         for remat in ([], [x for x in others if x.remat_bytes > 0]):
             kept = min(float(st.act_bytes), _saved_bound(st, off) + margin) - sum(x.remat_bytes for x in remat) \
                 + sum(r.in_bytes for r in chosen)
             work = max(_recomputed_bound(st, r) for r in chosen) + _transient(remat)
             c = StageChoice(st.index, "auto", remat=frozenset(x.name for x in remat),
                             regions=tuple(r.nodes for r in sorted(chosen, key=st.regions.index)),
-                            of_regions=len(regs), offload_states=resident is not None,
-                            resident_chunks=resident or 0, move_ms=_move_ms(st, resident),
+                            of_regions=len(regs), **_streamed(st, stream),
                             recompute_ms=sum(r.fwd_ms for r in chosen) + sum(x.fwd_ms for x in remat))
             _predict(c, st, state, kept + st.loss_bytes, 0.0, work)
             out.append(c)
@@ -330,18 +371,20 @@ def _candidates(st: StageInfo, recompute: str, offload: str, budget: float | Non
     """
     s = st.index
     acts_ok = offload in ("activations", "all")
-    states_ok = offload in ("states", "all") and st.n_chunks > 0
+    states_ok = offload in ("states", "all") and bool(st.chunkings)
     total_ms = sum(x.fwd_ms for x in st.nodes)
     if recompute == "auto":
-        residents: list[int | None] = [None] + (_residents(st) if states_ok else [])
+        streams: list[Streaming] = [None]
+        streams += _streamings(st) if states_ok else []
         kinds = ["none"] + (["act"] if acts_ok else []) + ["remat", "full"]
     else:
-        residents = [None]
-        if states_ok:
-            residents = list(_residents(st)) if budget is not None else [min(st.n_chunks, st.min_resident + 1)]
+        streams = [None]
+        if states_ok:  # without a budget: the default chunking, with one chunk more than a node needs (prefetch)
+            ch = st.chunkings[-1]
+            streams = _streamings(st) if budget is not None else [(ch, min(ch.count, ch.need + 1))]
         kinds = [recompute]
     out = []
-    for r in residents:
+    for r in streams:
         state = _state(st, optim_factor, r)
         for kind in kinds:
             remat: list[NodeInfo] = []
@@ -356,12 +399,12 @@ def _candidates(st: StageInfo, recompute: str, offload: str, budget: float | Non
                 remat = got
             act_off = kind == "act" or (acts_ok and recompute != "auto")
             freed, rematted = _freed(st, remat, act_off)
-            per_mb = _per_mb(st, "full" if kind == "full" else "keep", act_off, freed, _transient(rematted))
+            per_mb = _per_mb(st, "full" if kind == "full" else "keep", act_off, freed, _ring_peak(st, rematted))
             c = StageChoice(s, recompute, full=kind == "full", remat=frozenset(x.name for x in remat),
-                            offload_activations=act_off, offload_states=r is not None, resident_chunks=r or 0,
-                            recompute_ms=total_ms if kind == "full" else sum(x.fwd_ms for x in remat),
-                            move_ms=_move_ms(st, r) + (2 * (st.act_bytes + st.loss_bytes) / st.copy_bytes_per_ms
-                                                       if act_off else 0.0))
+                            offload_activations=act_off, **_streamed(st, r),
+                            recompute_ms=total_ms if kind == "full" else sum(x.fwd_ms for x in remat))
+            if act_off:
+                c.move_ms += 2 * (st.act_bytes + st.loss_bytes) / st.copy_bytes_per_ms
             _predict(c, st, state, *per_mb)
             out.append(c)
         if recompute == "auto" and len(st.regions) > 1:

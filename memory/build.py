@@ -8,13 +8,14 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from memory.budget import COPY_BYTES_PER_MS, NodeInfo, StageChoice, StageInfo, check_options, choose
+from memory.budget import COPY_BYTES_PER_MS, Chunking, NodeInfo, StageChoice, StageInfo, check_options, choose
 from memory.buffers import comm_peaks
-from memory.chunks import choose_chunk_elems, pack
+from memory.chunks import chunk_sizes, node_units, pack
 from memory.manager import PlannedMemory
 from memory.recompute import bases, is_matmul_node, remat_candidates, savers, saves_input_only
 from memory.regions import cut_regions
 from memory.timeline import Point, stage_points
+from partition.costs import storage_owner
 
 __all__ = ["NodeCost", "stage_infos", "build"]
 
@@ -28,20 +29,24 @@ class NodeCost:
     temp_bytes: int = 0
     params: tuple[str, ...] = ()
     saved: tuple[tuple[str, int], ...] = ()  # storages it saves for backward (partition.costs ids), in order
+    storage: str = ""      # the storage id its output lives in (partition.costs: measured; a view's is its base's)
 
 
-def _chunks(names: list[str], sizes: dict[str, tuple[int, int]], groups: list[tuple[str, ...]]
-            ) -> tuple[int, int, int, int]:
-    """(chunk elements, chunk bytes, chunks, most chunks one node needs at once) for a stage."""
+def _chunkings(groups: list[tuple[str, ...]], sizes: dict[str, tuple[int, int]]) -> tuple[Chunking, ...]:
+    """The chunk sizes a stage whose nodes read `groups` of parameters may stream them in (each with its
+    chunk bytes, chunk count and the most chunks one node needs at once), packed as memory.store packs."""
+    names, units = node_units([tuple(p for p in g if p in sizes) for g in groups])
     if not names:
-        return 0, 0, 0, 0
+        return ()
     numels = [sizes[n][0] for n in names]
-    elems = choose_chunk_elems(numels)
-    layout = pack([(n, sizes[n][0]) for n in names], elems)
-    where = {s.name: s.chunk for s in layout.slots}
-    need = max([len({where[p] for p in g if p in where}) for g in groups] + [1])
     itemsize = max(sizes[n][1] for n in names)
-    return elems, elems * itemsize, layout.n_chunks, need
+    out = []
+    for elems in chunk_sizes(numels, units):
+        layout = pack(list(zip(names, numels)), elems, units=units)
+        where = {s.name: s.chunk for s in layout.slots}
+        need = max([len({where[p] for p in g if p in where}) for g in groups] + [1])
+        out.append(Chunking(elems, elems * itemsize, layout.n_chunks, need))
+    return tuple(out)
 
 
 def _node_info(gm: torch.fx.GraphModule, node: torch.fx.Node, cost: NodeCost, stage: set[str],
@@ -62,8 +67,8 @@ def stage_infos(*, stages: Sequence[dict[str, Any]], costs: dict[str, NodeCost],
                 param_sizes: dict[str, tuple[int, int]], microbatches: int, comm: Sequence[int],
                 time_scale: float = 1.0, copy_bytes_per_ms: float = COPY_BYTES_PER_MS, regions: bool = True,
                 points: Mapping[int, tuple[Point, ...]] | None = None, output_bytes: int = 0
-                ) -> tuple[list[StageInfo], dict[int, int]]:
-    """StageInfo per stage (from the plan's stage dicts and the costs) and each stage's chunk size.
+                ) -> list[StageInfo]:
+    """StageInfo per stage (from the plan's stage dicts and the costs).
 
     The plan's activation bytes leave out the model inputs that ops save (token ids, targets: the
     runtime holds the step's batch anyway, and the ledger does not count it); 2% on top keeps the
@@ -80,10 +85,13 @@ def stage_infos(*, stages: Sequence[dict[str, Any]], costs: dict[str, NodeCost],
                if isinstance(x, torch.fx.Node) and x.name in costs) if costs else output_bytes
     candidates = set(remat_candidates(gm))
     saved_by = savers(gm)
+    # the node owning each node's output storage: as measured (an aten.reshape may or may not view), else by op
     owner = {n.name: b.name for n, b in bases(gm).items() if b is not None}
+    owner.update({n: storage_owner(c.storage) for n, c in costs.items()
+                  if c.storage and storage_owner(c.storage) in nodes})
     users = {n.name: [u.name for u in n.users] for n in gm.graph.nodes}
     reads = {n.name: [a.name for a in n.all_input_nodes] for n in gm.graph.nodes}
-    infos, elems = [], {}
+    infos = []
     last = len(stages) - 1
     for s, st in enumerate(stages):
         names = [n for n in st["nodes"] if n in costs]
@@ -95,9 +103,6 @@ def stage_infos(*, stages: Sequence[dict[str, Any]], costs: dict[str, NodeCost],
                             if n in nodes
                             else NodeInfo(n, costs[n].fwd_ms * time_scale, costs[n].out_bytes,
                                           temp_bytes=costs[n].temp_bytes, saved_by=(n,)) for n in names)
-        order = list(dict.fromkeys(p for n in names for p in costs[n].params if p in param_sizes))
-        e, chunk_bytes, n_chunks, need = _chunks(order, param_sizes, [costs[n].params for n in names])
-        elems[s] = e
         exact = all(n in costs and n in nodes for n in st["nodes"])  # no node rewritten (sliced) by the plan
         cuts = cut_regions(names, users, reads, {n: c.out_bytes for n, c in costs.items()},
                            {n: costs[n].fwd_ms * time_scale for n in names}, owner) if regions and exact else []
@@ -107,11 +112,11 @@ def stage_infos(*, stages: Sequence[dict[str, Any]], costs: dict[str, NodeCost],
                                in_flight=int(st["in_flight"]),
                                param_bytes=int(st["param_bytes"]),
                                comm_bytes=int(comm[s]),
-                               chunk_bytes=chunk_bytes, n_chunks=n_chunks, min_resident=need,
+                               chunkings=_chunkings([costs[n].params for n in names], param_sizes),
                                microbatches=microbatches, copy_bytes_per_ms=copy_bytes_per_ms,
                                regions=tuple(cuts),
                                points=(points or {}).get(s, ())))
-    return infos, elems
+    return infos
 
 
 def build(*, recompute: str, offload: str, budget: float | None, stages: Sequence[dict[str, Any]],
@@ -135,7 +140,7 @@ def build(*, recompute: str, offload: str, budget: float | None, stages: Sequenc
     recv = [int(st["recv_bytes"]) for st in stages]
     send = [int(st["send_bytes"]) for st in stages]
     zero_bubble = any(kind == "W" for _, kind, _ in actions)
-    infos, elems = stage_infos(stages=stages, costs=costs, gm=gm, param_sizes=param_sizes,
+    infos = stage_infos(stages=stages, costs=costs, gm=gm, param_sizes=param_sizes,
                                microbatches=microbatches, comm=comm_peaks(programs, place, recv, send, zero_bubble),
                                time_scale=time_scale,
                                copy_bytes_per_ms=copy_bytes_per_ms,
@@ -144,6 +149,6 @@ def build(*, recompute: str, offload: str, budget: float | None, stages: Sequenc
     choices = choose(infos, recompute=recompute, offload=offload, budget=budget, optim_factor=optim_factor)
     mm = PlannedMemory(choices=choices, modules=modules, param_nodes=param_nodes, actions=actions,
                        recv_bytes=recv, send_bytes=send, device=device,
-                       budget=budget, chunk_elems={s: elems[s] for s in modules if elems.get(s)},
+                       budget=budget, chunk_elems={c.stage: c.chunk_elems for c in choices if c.chunk_elems},
                        place=place, optim_factor=optim_factor)
     return mm, choices

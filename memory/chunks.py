@@ -1,6 +1,7 @@
 """Chunks after PatrickStar, pure: packing tensors in use order, the chunk size, and the move order.
 
-Legend: a chunk holds whole tensors, packed in the order the stage first uses them; a use
+Legend: a chunk holds whole tensors, packed in the order the stage first uses them (a node's
+parameters together where they fit, so a node needs one chunk); a use
 sequence is one group of chunks per parameter-reading node visit (a node whose tensors span
 two chunks needs both at once); events are "F3" fetch chunk 3 for use now, "P4" prefetch
 chunk 4 ahead of its use, "E1" evict chunk 1 (to the host).
@@ -11,7 +12,8 @@ import bisect
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-__all__ = ["Slot", "Layout", "pack", "choose_chunk_elems", "use_sequence", "Belady", "plan_moves"]
+__all__ = ["Slot", "Layout", "pack", "node_units", "chunk_sizes", "choose_chunk_elems", "use_sequence", "Belady",
+           "plan_moves"]
 
 
 @dataclass(frozen=True)
@@ -42,35 +44,75 @@ def _align(n: int, a: int) -> int:
     return -(-n // a) * a
 
 
-def pack(sizes: Sequence[tuple[str, int]], chunk_elems: int, align: int = 16) -> Layout:
+def _runs(sizes: Sequence[tuple[str, int]], units: Sequence[int] | None, align: int) -> list[int]:
+    """For each tensor that starts a unit (consecutive tensors of one unit id), the elements the whole
+    unit spans from an aligned start; 0 for the others (each tensor is its own unit without `units`)."""
+    if units is None:
+        return [n for _, n in sizes]
+    runs = [0] * len(sizes)
+    head = 0
+    for i, (_, n) in enumerate(sizes):
+        if i and units[i] != units[i - 1]:
+            head = i
+        runs[head] = _align(runs[head], align) + n
+    return runs
+
+
+def pack(sizes: Sequence[tuple[str, int]], chunk_elems: int, align: int = 16, units: Sequence[int] | None = None
+         ) -> Layout:
     """Pack (name, numel) in the given order into chunks of `chunk_elems`; each tensor starts at a
-    multiple of `align` elements and never spans two chunks. O(n)."""
+    multiple of `align` elements and never spans two chunks, and the tensors of one unit (`units`:
+    an id per tensor, a node's parameters) share a chunk when the unit fits in one. O(n)."""
     biggest = max([n for _, n in sizes] + [1])
     if chunk_elems < biggest:
         raise ValueError(f"chunk of {chunk_elems} elements cannot hold a tensor of {biggest}; use a chunk "
                          f"size >= {biggest}")
+    runs = _runs(sizes, units, align)
     slots, chunk, used = [], 0, 0
-    for name, n in sizes:
+    for (name, n), run in zip(sizes, runs):
         start = _align(used, align)
-        if start + n > chunk_elems and used > 0:
+        whole = run if 0 < run <= chunk_elems else n  # a unit starts here: keep it together when it can be
+        if start + whole > chunk_elems and used > 0:
             chunk, start = chunk + 1, 0
         slots.append(Slot(name, chunk, start, n))
         used = start + n
     return Layout(chunk_elems, tuple(slots), chunk + 1 if sizes else 0)
 
 
-def choose_chunk_elems(sizes: Sequence[int], *, align: int = 16, min_chunks: int = 4, tries: int = 64) -> int:
-    """The chunk size (elements) wasting the least padding, from the largest tensor up to
+def node_units(groups: Sequence[Sequence[str]]) -> tuple[list[str], list[int]]:
+    """Parameter names in first-use order (`groups`: each node's, in node order) and, for each, the
+    node that first reads it: the units `pack` keeps in one chunk, so one node needs one chunk."""
+    order: dict[str, int] = {}
+    for k, g in enumerate(groups):
+        for name in g:
+            order.setdefault(name, k)
+    return list(order), list(order.values())
+
+
+def chunk_sizes(sizes: Sequence[int], units: Sequence[int] | None = None, *, align: int = 16) -> list[int]:
+    """Chunk sizes (elements) worth planning with, smallest first: the least that holds every unit
+    whole (the least memory a streamed stage can hold) and the one wasting the least padding."""
+    if not sizes:
+        return []
+    named = [("", n) for n in sizes]
+    least = _align(max(_runs(named, units, align)), align)
+    return sorted({least, choose_chunk_elems(sizes, units, align=align)})
+
+
+def choose_chunk_elems(sizes: Sequence[int], units: Sequence[int] | None = None, *, align: int = 16,
+                       min_chunks: int = 4, tries: int = 64) -> int:
+    """The chunk size (elements) wasting the least padding, from the largest tensor (or unit) up to
     total / min_chunks (so a stage has about `min_chunks` chunks or more); ties go to the
     smaller size. O(tries * n)."""
     if not sizes:
         return align
-    lo = _align(max(sizes), align)
+    named = [("", n) for n in sizes]
+    lo = _align(max(_runs(named, units, align)), align)
     hi = max(lo, _align(-(-sum(_align(n, align) for n in sizes) // min_chunks), align))
     step = max(align, _align((hi - lo) // tries, align))
     best_waste, best = -1, lo
     for c in range(lo, hi + 1, step):
-        waste = pack([("", n) for n in sizes], c, align).waste
+        waste = pack(named, c, align, units).waste
         if best_waste < 0 or waste < best_waste:
             best_waste, best = waste, c
     return best

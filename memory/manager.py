@@ -143,17 +143,20 @@ class PlannedMemory(MemoryManager):
         self.bwd: tuple[int, int] = (-1, -1)       # (stage, mb) whose backward runs
         self.modules = modules
         self.owned: dict[int, list[tuple[str, torch.nn.Parameter]]] = {}
+        units: dict[int, list[int]] = {}  # per local stage, the node that first reads each owned parameter
         seen: set[int] = set()
         for s in self.local:  # each parameter once, with the first local stage that reads it, in use order
-            named = [(n, modules[s].get_parameter(n)) for ns in param_nodes[s].values() for n in ns]
-            self.owned[s] = []
-            for n, p in named + list(modules[s].named_parameters()):
+            named = [(k, n, modules[s].get_parameter(n)) for k, ns in enumerate(param_nodes[s].values()) for n in ns]
+            named += [(len(named) + k, n, p) for k, (n, p) in enumerate(modules[s].named_parameters())]
+            self.owned[s], units[s] = [], []
+            for k, n, p in named:
                 if id(p) not in seen:
                     seen.add(id(p))
                     self.owned[s].append((n, p))
+                    units[s].append(k)
         self.offloaded = [s for s in self.local if self.choices[s].offload_states]
         self.store = ChunkStore({s: self.owned[s] for s in self.offloaded}, device, self.ledger, self.copier,
-                                chunk_elems=chunk_elems) if self.offloaded else None
+                                chunk_elems=chunk_elems, units=units) if self.offloaded else None
         self.acts = ActivationOffload(device, self.copier, self._bundle_bytes) \
             if any(self.choices[s].offload_activations for s in self.local) else None
         self.param_ptrs: set[int] = set()

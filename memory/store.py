@@ -49,30 +49,34 @@ class ChunkStore:
     """Chunks of the parameters of this rank's stages; one pool (capacity) per owning stage.
 
     `params[s]` lists stage s's parameters in the order its forward first reads them (each
-    parameter once per rank). `use(group)` is called before a node runs (forward) and before its
-    backward (from a hook on its output), with the chunks it reads; the store follows the
+    parameter once per rank); `units[s]` gives each the node that first reads it, whose parameters
+    share a chunk where they fit (memory.chunks.pack). `use(group)` is called before a node runs
+    (forward) and before its backward (from a hook on its output), with the chunks it reads; the store follows the
     step's use sequence (`set_sequence`) and logs every move in `log` ("F3", "P4", "E1").
     """
 
     def __init__(self, params: dict[int, list[tuple[str, torch.nn.Parameter]]], device: torch.device,
-                 ledger: Ledger, copier: Copier, *, chunk_elems: dict[int, int] | None = None) -> None:
+                 ledger: Ledger, copier: Copier, *, chunk_elems: dict[int, int] | None = None,
+                 units: dict[int, list[int]] | None = None) -> None:
         self.device, self.ledger, self.copier = device, ledger, copier
         self.chunks: list[_Chunk] = []
         self.chunk_of: dict[int, int] = {}  # id(param) -> chunk
         self.layouts: dict[int, list[Layout]] = {}
         for s, named in params.items():
-            by_dtype: dict[torch.dtype, list[tuple[str, torch.nn.Parameter]]] = {}
-            for name, p in named:
-                by_dtype.setdefault(p.dtype, []).append((name, p))
+            by_dtype: dict[torch.dtype, list[tuple[str, torch.nn.Parameter, int]]] = {}
+            unit = (units or {}).get(s) or list(range(len(named)))
+            for (name, p), k in zip(named, unit):
+                by_dtype.setdefault(p.dtype, []).append((name, p, k))
             self.layouts[s] = []
             for dtype, group in by_dtype.items():
-                sizes = [(n, p.numel()) for n, p in group]
-                elems = (chunk_elems or {}).get(s) or choose_chunk_elems([n for _, n in sizes])
-                layout = pack(sizes, elems)
+                sizes = [(n, p.numel()) for n, p, _ in group]
+                kinds = [k for _, _, k in group]
+                elems = (chunk_elems or {}).get(s) or choose_chunk_elems([n for _, n in sizes], kinds)
+                layout = pack(sizes, elems, units=kinds)
                 self.layouts[s].append(layout)
                 base = len(self.chunks)
                 self.chunks += [_Chunk(base + k, s, dtype, elems, device) for k in range(layout.n_chunks)]
-                for slot, (_, p) in zip(layout.slots, group):
+                for slot, (_, p, _) in zip(layout.slots, group):
                     c = self.chunks[base + slot.chunk]
                     c.members.append((p, slot.offset, slot.numel))
                     c.host[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))

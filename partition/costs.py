@@ -44,6 +44,7 @@ class NodeCost:
     saved_inputs: set[str] = field(default_factory=set)  # of `saved`: nodes whose storages it keeps
     params: tuple[str, ...] = ()  # canonical names of the parameters it reads
     buffer_bytes: int = 0         # bytes of buffers and constant tensors it reads
+    storage: str = ""             # the storage id its (first) output tensor lives in: a view's is its base's
 
 
 def storage_owner(sid: str) -> str:
@@ -139,6 +140,7 @@ class _Pass:
     env: dict[str, Any]
     fwd_ms: dict[str, float]
     saved: dict[str, dict[str, int]]          # node -> storage id -> bytes
+    storage: dict[str, str]                   # node -> storage id of its first output tensor
     fn_owner: dict[Any, str]                  # autograd node -> the fx node whose forward made it
     outputs: list[torch.Tensor]               # model outputs that backward starts from
 
@@ -196,7 +198,7 @@ def _clock(module: Any, inputs: list[Any]) -> Callable[[], float]:
 def _forward(gm: torch.fx.GraphModule, flat_inputs: list[Any], *, observe_saved: bool,
              clock: Callable[[], float] = time.perf_counter) -> _Pass:
     """Run the graph once with autograd on, timing each node and claiming its autograd nodes."""
-    p = _Pass(env={}, fwd_ms={}, saved={}, fn_owner={}, outputs=[])
+    p = _Pass(env={}, fwd_ms={}, saved={}, storage={}, fn_owner={}, outputs=[])
     storages = _Storages(gm)
     packed: list[torch.Tensor] = []
 
@@ -228,7 +230,7 @@ def _forward(gm: torch.fx.GraphModule, flat_inputs: list[Any], *, observe_saved:
                 env[node.name] = value
                 _claim(node.name, value, p.fn_owner)
                 if observe_saved:
-                    storages.add(node.name, value)
+                    p.storage[node.name] = next(iter(storages.add(node.name, value)), "")
                     ids = storages.add(node.name, packed, temporary=True)
                     p.saved[node.name] = {sid: storages.size[sid] for sid in ids}
     return p
@@ -387,7 +389,8 @@ def node_costs(gm: torch.fx.GraphModule, flat_inputs: list[Any], *, cost: str = 
             params, buffers = _node_params(gm, node, names)
             c = NodeCost(out_bytes=_nbytes(ts), is_tensor=isinstance(value, torch.Tensor),
                          requires_grad=any(t.requires_grad for t in ts), params=tuple(params),
-                         buffer_bytes=buffers, saved=p.saved.get(node.name, {}))
+                         buffer_bytes=buffers, saved=p.saved.get(node.name, {}),
+                         storage=p.storage.get(node.name, ""))
             if isinstance(value, torch.Tensor):
                 c.shape, c.dtype = tuple(value.shape), str(value.dtype).removeprefix("torch.")
                 c.stride = tuple(value.stride())

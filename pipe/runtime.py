@@ -231,7 +231,8 @@ class Pipeline:
             return {}
         from partition.costs import node_costs
         found = node_costs(self._gm, flatten_inputs(self._gm, args, kwargs, self._example_target), cost="flops")
-        return {n: memory.NodeCost(c.fwd_ms, c.out_bytes, c.saved_bytes, tuple(c.params), tuple(c.saved.items()))
+        return {n: memory.NodeCost(c.fwd_ms, c.out_bytes, c.saved_bytes, tuple(c.params), tuple(c.saved.items()),
+                                  c.storage)
                 for n, c in found.items()}
 
     def _build_memory(self, model: torch.nn.Module, costs: dict[str, memory.NodeCost], recompute: str,

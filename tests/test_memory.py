@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.fx
 
-from memory.budget import BudgetError, NodeInfo, StageChoice, StageInfo, check_options, choose, knapsack
-from memory.chunks import Belady, choose_chunk_elems, pack, plan_moves, use_sequence
+from memory.budget import BudgetError, Chunking, NodeInfo, StageChoice, StageInfo, check_options, choose, knapsack
+from memory.chunks import Belady, choose_chunk_elems, chunk_sizes, node_units, pack, plan_moves, use_sequence
 from memory.ledger import Ledger
 from memory.manager import PlannedMemory
 from memory.recompute import Recomputed
@@ -57,7 +57,7 @@ def _stage(s: int, in_flight: int, nodes: int = 6) -> StageInfo:
     infos = tuple(NodeInfo(f"n{i}", fwd_ms=1.0 + (i % 3), out_bytes=100_000 * (1 + i % 2),
                            remat_bytes=100_000 * (1 + i % 2) * (i % 3 > 0), remat=i % 3 > 0) for i in range(nodes))
     return StageInfo(index=s, nodes=infos, act_bytes=900_000, loss_bytes=0, in_flight=in_flight,
-                     param_bytes=200_000, comm_bytes=50_000, chunk_bytes=40_000, n_chunks=5, min_resident=1)
+                     param_bytes=200_000, comm_bytes=50_000, chunkings=(Chunking(10_000, 40_000, 5, 1),))
 
 
 def test_auto_meets_the_budget_and_recomputes_more_on_earlier_stages() -> None:
@@ -131,6 +131,22 @@ def test_pack_in_use_order_without_spanning_chunks() -> None:
     assert (lay.n_chunks, lay.waste) == (3, 31)
     with pytest.raises(ValueError, match="cannot hold a tensor of 30"):
         pack([("d", 30)], 16)
+
+
+def test_pack_keeps_a_nodes_parameters_in_one_chunk() -> None:
+    # units: a weight and its bias (node 0), one tensor (node 1), a weight and bias again (node 2)
+    names, units = node_units([("w0", "b0"), ("w1",), ("w0", "w2", "b2")])
+    assert (names, units) == (["w0", "b0", "w1", "w2", "b2"], [0, 0, 1, 2, 2])
+    sizes = list(zip(names, [24, 4, 8, 24, 4]))
+    lay = pack(sizes, 32, align=4, units=units)  # node 2's pair would span chunks 1 and 2 tensor by tensor
+    assert [(s.name, s.chunk, s.offset) for s in lay.slots] == [
+        ("w0", 0, 0), ("b0", 0, 24), ("w1", 1, 0), ("w2", 2, 0), ("b2", 2, 24)]
+    assert [s.chunk for s in pack(sizes, 32, align=4).slots] == [0, 0, 1, 1, 2]
+    # the least chunk holding every unit whole, and the least-waste one
+    assert chunk_sizes([3, 4] * 4, align=1) == [4, 7]  # 4: 8 chunks, 4 padding; 7: 4 chunks, none
+    assert chunk_sizes([3, 4] * 4, [0, 0, 1, 1, 2, 2, 3, 3], align=1) == [7] and chunk_sizes([]) == []
+    with pytest.raises(ValueError, match="cannot hold a tensor of 24"):
+        pack(sizes, 16, align=4, units=units)
 
 
 def test_chunk_size_wastes_least_padding() -> None:

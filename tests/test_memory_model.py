@@ -30,7 +30,8 @@ def test_the_partitioner_never_refuses_a_split_memory_can_fit(spec: str, kw: dic
     w = partition.load(spec, **kw)
     a = Analysis(w.model, w.example_args, cost="flops", loss_fn=w.loss_fn, example_target=w.example_target)
     found = node_costs(a.gm, a.flat, cost="flops")
-    costs = {n: memory.NodeCost(c.fwd_ms, c.out_bytes, c.saved_bytes, tuple(c.params), tuple(c.saved.items()))
+    costs = {n: memory.NodeCost(c.fwd_ms, c.out_bytes, c.saved_bytes, tuple(c.params), tuple(c.saved.items()),
+                                c.storage)
              for n, c in found.items()}
     sizes = {n: (p.numel(), p.element_size()) for n, p in w.model.named_parameters()}
     flights = tuple(in_flight_limit("1f1b", S, M, s) for s in range(S))
@@ -44,7 +45,7 @@ def test_the_partitioner_never_refuses_a_split_memory_can_fit(spec: str, kw: dic
                                 memory_budget=None)
         stages = [dataclasses.asdict(st) for st in plan.stages]
         recv, send = [st["recv_bytes"] for st in stages], [st["send_bytes"] for st in stages]
-        infos, _ = stage_infos(stages=stages, costs=costs, gm=a.gm, param_sizes=sizes, microbatches=M,
+        infos = stage_infos(stages=stages, costs=costs, gm=a.gm, param_sizes=sizes, microbatches=M,
                                comm=comm_peaks(programs, place, recv, send, False))
         for recompute, offload in COMBOS:
             checked = stage_bytes(a.chain, bounds, memory_check(cm, recompute, offload))
