@@ -19,12 +19,13 @@ def _check(results: list[dict[str, list[float]]]) -> None:
         assert len(losses) == 3 and all(x == x for x in losses), name
 
 
-@pytest.mark.parametrize("world,spec,args", [(2, "gpt", SMALL_GPT), (4, "bench.hf_models:gpt2", HF)],
-                         ids=["gpt-2", "hf-gpt2-4"])
+@pytest.mark.parametrize("world,spec,args", [(2, "gpt", SMALL_GPT), (2, "bench.hf_models:gpt2", HF)],
+                         ids=["gpt-2", "hf-gpt2-2"])
 def test_parity_every_schedule(world: int, spec: str, args: dict) -> None:
-    """Plain gloo: the GPT on 2 ranks, Hugging Face GPT-2 (tied embedding and head, a ModelOutput) on 4.
+    """Plain gloo on 2 ranks: the GPT, and Hugging Face GPT-2 (tied embedding and head, a ModelOutput).
     The GPT on 3 and 4 ranks and the U-Net run every schedule through the NCCL-like transport below,
-    which matches more strictly (the plain transport on them too took 35 s of the suite's time)."""
+    which matches more strictly (the plain transport on them too took 35 s of the suite's time, GPT-2
+    on 4 ranks 47 s; T5 runs on 4)."""
     schedules = ALL if spec == "gpt" else [x for x in ALL if x[0] != "zbv"]  # zbv here on gpt; unet: nccl-like
     _check(run_ranks("tests.parity:parity_body", world, timeout=240, spec=spec, model_args=args,
                      schedules=schedules, M=4))
@@ -69,11 +70,11 @@ def test_parity_with_the_loss_in_the_graph_of_a_small_model() -> None:
                      schedules=[("1f1b", 1), ("interleaved-1f1b", 2)], M=4, fused=True))
 
 
-@pytest.mark.parametrize("spec,world", [("bench.hf_models:bert", 2), ("bench.hf_models:bert", 4),
-                                        ("bench.hf_models:t5", 4)], ids=["hf-bert-2", "hf-bert-4", "hf-t5-4"])
+@pytest.mark.parametrize("spec,world", [("bench.hf_models:bert", 2), ("bench.hf_models:t5", 4)],
+                         ids=["hf-bert-2", "hf-t5-4"])
 def test_parity_encoder_models(spec: str, world: int) -> None:
-    """BERT with a padding mask and T5 (encoder-decoder), keyword inputs through the same step call; T5 on
-    4 ranks only, to keep the suite within its time (zero bubble on an encoder: BERT on 2 ranks)."""
+    """BERT with a padding mask and T5 (encoder-decoder), keyword inputs through the same step call; BERT on
+    2 ranks and T5 on 4 only, to keep the suite within its time (zero bubble on an encoder: BERT)."""
     schedules = [("1f1b", 1), ("zb-h1", 1)] if world == 2 else [("1f1b", 1)]
     _check(run_ranks("tests.parity:parity_body", world, timeout=180, spec=spec, model_args={},
                      schedules=schedules, M=world))
