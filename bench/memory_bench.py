@@ -1,12 +1,13 @@
 """OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m bench.memory_bench [--budget 32MiB] [--rounds 8] [--config long]
 
-Memory features: the largest gpt trained under a per-stage budget, and step times at half the plain peak.
+Memory features: the largest gpt trained under a per-stage budget, and step times at a fraction of the plain peak.
 
 Part 1 grows a gpt (4 layers, seq 32, microbatch 2, 4 microbatches) in width until it no longer
 trains within `--budget` per stage, once plain (recompute none, offload none) and once with
 recompute auto and offload of states and activations; "trains" means the pipeline accepts the
 budget and two Adam steps keep the ledger's peak within it on every stage.
-Part 2 measures a gpt's plain peak, then times plain, auto (budget = half that peak), selective and
+Part 2 measures a gpt's plain peak, then times plain, auto (budget = `--fraction` of that peak, half by
+default; recompute alone where it reaches it, else with offload too), selective and
 full recompute on the plain boundaries, one step of each in turn per round (medians; 1 thread per
 rank), and prints each stage's peak split into model state, activations and message buffers.
 
@@ -123,8 +124,8 @@ def _shares(pp: Any, say: Any) -> dict[int, dict[str, int]]:
 
 
 def timed(rounds: int, M: int, say: Any, base: dict[str, Any] = LONG, schedule: str = "interleaved-1f1b",
-          v: int = 2) -> dict[str, Any]:
-    """Step times of plain, auto at half the plain peak, selective and full, alternating."""
+          v: int = 2, fraction: float = 0.5) -> dict[str, Any]:
+    """Step times of plain, auto at `fraction` of the plain peak, selective and full, alternating."""
     w, plain = _build(base, M, schedule, v=v)
     opt = torch.optim.Adam(list(plain.parameters()), lr=1e-4)
     for step in range(2):  # the peak with the optimizer state present
@@ -134,7 +135,7 @@ def timed(rounds: int, M: int, say: Any, base: dict[str, Any] = LONG, schedule: 
         opt.zero_grad(set_to_none=True)
     peak = max(_peaks(plain).values())
     shares = _shares(plain, say)
-    budget = peak / 2
+    budget = peak * fraction
     runs: dict[str, Any] = {"none": (w, plain, opt)}
     notes = {}
     from partition.plan import Plan
@@ -180,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", default="32MiB", help="per-stage budget of part 1")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--skip", default="", help="'scan' or 'time' to skip that part")
+    p.add_argument("--fraction", type=float, default=0.5, help="auto's budget in part 2, of the plain peak")
     p.add_argument("--config", default="long", choices=sorted(CONFIGS),
                    help="timed gpt: 'long' (activations dominate; default) or 'short' (the earlier config)")
     p.add_argument("--out", default="out/memory_bench")
@@ -206,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         base, schedule, v = CONFIGS[args.config]
         say(f"part 2 ({args.config}): step time of gpt {base}, batch 16 in 8 microbatches, {schedule} with {v} "
             f"stage(s) per rank, {args.rounds} alternating rounds")
-        result["time"] = timed(args.rounds, 8, say, base, schedule, v)
+        result["time"] = timed(args.rounds, 8, say, base, schedule, v, args.fraction)
     if ctx.rank == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

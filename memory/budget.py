@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from memory.chunks import residency
 from memory.timeline import Point, default_points, peak_of, room_per_mb
 from partition.errors import FxpipeError
 from partition.plan import human_bytes
@@ -75,6 +76,7 @@ class Chunking:
     nbytes: int            # bytes of one chunk's parameters (its grads take as much again)
     count: int             # chunks of the stage
     need: int              # chunks one node needs at once (one more lets prefetch work)
+    groups: tuple[tuple[int, ...], ...] = ()  # the chunks each parameter node reads, in forward order
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,7 @@ class StageInfo:
     copy_bytes_per_ms: float = COPY_BYTES_PER_MS  # what offloading costs, against the nodes' fwd_ms
     regions: tuple[Region, ...] = ()  # checkpointable on their own (none under zero-bubble schedules)
     points: tuple[Point, ...] = ()  # memory.timeline's points of the stage's program (() : from n and comm)
+    actions: tuple[str, ...] = ()  # its compute actions' kinds in program order (what Point.act indexes)
 
     def timeline(self) -> tuple[Point, ...]:
         return self.points or default_points(self.in_flight, self.comm_bytes)
@@ -196,16 +199,50 @@ def _per_mb(st: StageInfo, kind: str, offload: bool, freed: float = 0.0, transie
     return st.act_bytes - freed + st.loss_bytes, 0.0, transient
 
 
-def _predict(c: StageChoice, st: StageInfo, state: float, kept: float, bundle: float, work: float) -> None:
+def _profile(st: StageInfo, stream: Streaming) -> list[float] | None:
+    """Streamed params and grads on the device at each of the stage's points, as the store moves its chunks
+    (memory.chunks.residency over the stage's uses: a forward's in forward order, a backward's reversed);
+    None without streaming or without the program's points."""
+    if stream is None or not st.actions or not st.points or not stream[0].groups:
+        return None
+    ch, r = stream
+    seq: list[tuple[int, ...]] = []
+    windows, backward = [], []
+    for kind in st.actions:
+        groups = list(ch.groups) if kind == "F" else list(ch.groups[::-1])
+        windows.append((len(seq), len(seq) + len(groups)))
+        seq += groups
+        backward += [kind != "F"] * len(groups)
+    held = residency(seq, backward, r)
+    during, end, last = [], [], 0
+    for a, b in windows:
+        during.append(max([last] + [most for most, _ in held[a:b]]))
+        last = held[b - 1][1] if b > a else last
+        end.append(last)
+    return [0.0 if p.act < 0 else float((during if p.during else end)[p.act] * ch.nbytes) for p in st.points]
+
+
+def _predict(c: StageChoice, st: StageInfo, state: float, kept: float, bundle: float, work: float,
+             profile: list[float] | None = None, work_end: float | None = None) -> None:
     """The plan's predicted peak, by kind at the point of the program where the stage holds the most.
-    `state` holds the grads unless chunks stream (then what is resident is both): a step that begins
-    without them (torch's zero_grad) has them from the stage's first backward on."""
-    grads = 0.0 if c.offload_states else float(st.param_bytes)
+    `state` holds the grads (when chunks stream, the resident chunks' params and grads alike): a step
+    that begins without them (torch's zero_grad) has them from the stage's first backward on; streamed
+    chunks load their grads from the host only in a backward, whatever the step began with. `profile`:
+    the streamed state at each point (memory.chunks.residency), in place of `state`; `work_end`: the
+    working set still held as a backward ends (its messages move then), when less than `work`."""
+    if profile is not None:
+        peak, acts, comm, held = peak_of(st.points, kept, bundle, work, 0.0, profile, work_end)
+        c.parts = {"state": held, "activations": acts, "comm": comm}
+        c.predicted_peak = c.peak_if_grads_kept = peak
+        c.param_bytes = float(st.param_bytes)
+        return
+    grads = state / 2 if c.offload_states else float(st.param_bytes)
     fixed = state - grads
-    peak, acts, comm, held = peak_of(st.timeline(), kept, bundle, work, grads)
+    peak, acts, comm, held = peak_of(st.timeline(), kept, bundle, work, grads, work_end=work_end)
     c.parts = {"state": fixed + held, "activations": acts, "comm": comm}
     c.predicted_peak = fixed + peak
-    c.peak_if_grads_kept = fixed + grads + peak_of(st.timeline(), kept, bundle, work)[0]
+    c.peak_if_grads_kept = c.predicted_peak if c.offload_states else \
+        fixed + grads + peak_of(st.timeline(), kept, bundle, work, work_end=work_end)[0]
     c.param_bytes = float(st.param_bytes)
 
 
@@ -244,24 +281,24 @@ def _transient(nodes: Sequence[NodeInfo]) -> float:
     return float(sum(sorted((x.out_bytes for x in nodes), reverse=True)[:2]))
 
 
-def _ring_peak(st: StageInfo, rematted: Sequence[NodeInfo]) -> float:
-    """Recomputed outputs alive at once in a backward as the manager holds them (the last two it made):
-    the backward unpacks the saves in reverse order of the nodes that saved them (a node's own saves in
-    either order: the larger peak). From the stage's saves when known, else the two largest outputs."""
+def _ring_peak(st: StageInfo, rematted: Sequence[NodeInfo]) -> tuple[float, float]:
+    """Recomputed outputs alive at once in a backward as the manager holds them (the last two it made),
+    at most and as the backward ends: it unpacks the saves in reverse order of the nodes that saved them
+    (a node's own saves in either order: the larger). From the stage's saves when known, else the two
+    largest outputs."""
     mine = {x.name: x.out_bytes for x in rematted}
     if not mine or not any(x.saved for x in st.nodes):
-        return _transient(rematted)
-    peaks = []
+        return _transient(rematted), _transient(rematted)
+    peak = end = 0
     for inner in (False, True):
         ring: list[str] = []
-        peak = 0
         for x in reversed(st.nodes):
             for sid, _ in (reversed(x.saved) if inner else x.saved):
                 if sid in mine and sid not in ring:
                     ring = ring[-1:] + [sid]
                     peak = max(peak, sum(mine[r] for r in ring))
-        peaks.append(peak)
-    return float(max(peaks))
+        end = max(end, sum(mine[r] for r in ring))
+    return float(peak), float(end)
 
 
 def _kept_bytes(st: StageInfo, remat: frozenset[str], offload: bool) -> tuple[float, list[NodeInfo]]:
@@ -399,13 +436,16 @@ def _candidates(st: StageInfo, recompute: str, offload: str, budget: float | Non
                 remat = got
             act_off = kind == "act" or (acts_ok and recompute != "auto")
             freed, rematted = _freed(st, remat, act_off)
-            per_mb = _per_mb(st, "full" if kind == "full" else "keep", act_off, freed, _ring_peak(st, rematted))
+            ring = _ring_peak(st, rematted)
+            per_mb = _per_mb(st, "full" if kind == "full" else "keep", act_off, freed, ring[0])
             c = StageChoice(s, recompute, full=kind == "full", remat=frozenset(x.name for x in remat),
                             offload_activations=act_off, **_streamed(st, r),
                             recompute_ms=total_ms if kind == "full" else sum(x.fwd_ms for x in remat))
             if act_off:
                 c.move_ms += 2 * (st.act_bytes + st.loss_bytes) / st.copy_bytes_per_ms
-            _predict(c, st, state, *per_mb)
+            # a whole-stage checkpoint fetches chunks again as it recomputes: bounded by `state` instead
+            _predict(c, st, state, *per_mb, profile=None if kind == "full" else _profile(st, r),
+                     work_end=None if kind == "full" else ring[1])
             out.append(c)
         if recompute == "auto" and len(st.regions) > 1:
             out += _region_plans(st, state, r)

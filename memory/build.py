@@ -14,7 +14,7 @@ from memory.chunks import chunk_sizes, node_units, pack
 from memory.manager import PlannedMemory
 from memory.recompute import bases, is_matmul_node, remat_candidates, savers, saves_input_only
 from memory.regions import cut_regions
-from memory.timeline import Point, stage_points
+from memory.timeline import Point, stage_actions, stage_points
 from partition.costs import storage_owner
 
 __all__ = ["NodeCost", "stage_infos", "build"]
@@ -45,7 +45,8 @@ def _chunkings(groups: list[tuple[str, ...]], sizes: dict[str, tuple[int, int]])
         layout = pack(list(zip(names, numels)), elems, units=units)
         where = {s.name: s.chunk for s in layout.slots}
         need = max([len({where[p] for p in g if p in where}) for g in groups] + [1])
-        out.append(Chunking(elems, elems * itemsize, layout.n_chunks, need))
+        fwd = tuple(g for g in (tuple(sorted({where[p] for p in grp if p in where})) for grp in groups) if g)
+        out.append(Chunking(elems, elems * itemsize, layout.n_chunks, need, fwd))
     return tuple(out)
 
 
@@ -66,7 +67,8 @@ def _node_info(gm: torch.fx.GraphModule, node: torch.fx.Node, cost: NodeCost, st
 def stage_infos(*, stages: Sequence[dict[str, Any]], costs: dict[str, NodeCost], gm: torch.fx.GraphModule,
                 param_sizes: dict[str, tuple[int, int]], microbatches: int, comm: Sequence[int],
                 time_scale: float = 1.0, copy_bytes_per_ms: float = COPY_BYTES_PER_MS, regions: bool = True,
-                points: Mapping[int, tuple[Point, ...]] | None = None, output_bytes: int = 0
+                points: Mapping[int, tuple[Point, ...]] | None = None, output_bytes: int = 0,
+                actions: Mapping[int, tuple[str, ...]] | None = None
                 ) -> list[StageInfo]:
     """StageInfo per stage (from the plan's stage dicts and the costs).
 
@@ -76,7 +78,8 @@ def stage_infos(*, stages: Sequence[dict[str, Any]], costs: dict[str, NodeCost],
     forward ms into this device's, to weigh recomputing against copying at `copy_bytes_per_ms`.
     `regions`: cut each stage in checkpoint regions (not under zero-bubble schedules, whose split
     backward cannot run through a checkpoint twice). `points`: each stage's memory.timeline points
-    (else the planner assumes every microbatch in flight at once, with the buffers' peak).
+    (else the planner assumes every microbatch in flight at once, with the buffers' peak), `actions` the
+    kinds of its compute actions (memory.timeline.stage_actions: where streamed chunks are, at each).
     `output_bytes`: the graph's outputs per microbatch (the plan's), what the loss saves when no
     per-node costs are given (no memory feature asked for: the prediction comes from the plan)."""
     nodes = {n.name: n for n in gm.graph.nodes}
@@ -115,7 +118,7 @@ def stage_infos(*, stages: Sequence[dict[str, Any]], costs: dict[str, NodeCost],
                                chunkings=_chunkings([costs[n].params for n in names], param_sizes),
                                microbatches=microbatches, copy_bytes_per_ms=copy_bytes_per_ms,
                                regions=tuple(cuts),
-                               points=(points or {}).get(s, ())))
+                               points=(points or {}).get(s, ()), actions=(actions or {}).get(s, ())))
     return infos
 
 
@@ -145,6 +148,7 @@ def build(*, recompute: str, offload: str, budget: float | None, stages: Sequenc
                                time_scale=time_scale,
                                copy_bytes_per_ms=copy_bytes_per_ms,
                                regions=not zero_bubble, points=stage_points(programs, place, recv, send, zero_bubble),
+                               actions=stage_actions(programs),
                                output_bytes=output_bytes)
     choices = choose(infos, recompute=recompute, offload=offload, budget=budget, optim_factor=optim_factor)
     mm = PlannedMemory(choices=choices, modules=modules, param_nodes=param_nodes, actions=actions,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 __all__ = ["Slot", "Layout", "pack", "node_units", "chunk_sizes", "choose_chunk_elems", "use_sequence", "Belady",
-           "plan_moves"]
+           "plan_moves", "residency"]
 
 
 @dataclass(frozen=True)
@@ -216,3 +216,23 @@ def plan_moves(seq: Sequence[tuple[int, ...]], capacity: int, *, prefetch: bool 
         if prefetch:
             events += b.prefetch(pos)
     return events
+
+
+def residency(seq: Sequence[tuple[int, ...]], backward: Sequence[bool], capacity: int) -> list[tuple[int, int]]:
+    """Per use of one pool's `seq` (`backward[i]`: the use is a backward's), the most and the last count
+    of chunk buffers on the device around it and its prefetch: params of resident chunks, plus the grads
+    of those a backward used since they came (memory.store loads grads on a backward's use, and drops
+    them with the chunk). What the memory model adds to a streamed stage's points."""
+    b = Belady(seq, capacity)
+    grads: set[int] = set()
+    out = []
+    for pos, group in enumerate(seq):
+        most = 0
+        for events in (b.use(pos, group), b.prefetch(pos)):  # the store's order: fetch, prefetch, then grads
+            grads -= {int(e[1:]) for e in events if e[0] == "E"}
+            most = max(most, len(b.resident) + len(grads))
+        if backward[pos]:
+            grads.update(group)
+        most = max(most, len(b.resident) + len(grads))
+        out.append((most, len(b.resident) + len(grads)))
+    return out

@@ -365,6 +365,7 @@ class PlannedMemory(MemoryManager):
         keeps (by its kind now, measured after its first step) instead of the planned Adam's two
         copies; BudgetError when the budget is then not met (the plan is not made again)."""
         self.optim_known.clear()  # its first step measures it again
+        self.over_budget = None  # what an earlier optimizer's first step found is not this one's
         f = optimizer_state_factor(opt)
         if f is not None:
             self._repredict({s: f for s in self.choices})

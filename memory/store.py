@@ -130,12 +130,13 @@ class ChunkStore:
     def _use(self, group: tuple[int, ...]) -> None:
         pos = self._locate(group)
         at = pos if pos >= 0 else self.cursor - 1
-        for owner in sorted({self.chunks[c].owner for c in group}):
+        owners = sorted({self.chunks[c].owner for c in group})
+        for owner in owners:
             mine = tuple(c for c in group if self.chunks[c].owner == owner)
             self._run(self.pools[owner].use(at, mine), now=True)
-        if pos >= 0:
-            for pool in self.pools.values():
-                self._run(pool.prefetch(pos), now=False)
+        if pos >= 0:  # each pool prefetches at its own uses only: what it holds follows its stage's program alone
+            for owner in owners:
+                self._run(self.pools[owner].prefetch(pos), now=False)
         for c in group:
             ch = self.chunks[c]
             if self.backward:

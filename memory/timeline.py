@@ -2,14 +2,16 @@
 walk, which the planner evaluates for each policy instead of multiplying a per-microbatch figure by
 the microbatches in flight and adding every kind's own peak.
 
-A point is (k, b, w, c, g): k microbatches keep their saved activations on the device, b
+A point is (k, b, w, c, g, a, d): k microbatches keep their saved activations on the device, b
 microbatches' offloaded activations are back on it (a RELOAD brings them ahead of their backward),
 w = 1 while the stage's own backward runs (its recompute working set is alive), c bytes of
 communication buffers (memory.buffers) are held, and g = 1 once the stage's first backward of the
 step has begun (its parameters' grads exist from then on, when the step began without them, as after
-torch's zero_grad()). A policy gives per-microbatch bytes (kept, bundle, work) and the grads' bytes;
-the stage's peak beside its fixed state is the largest k * kept + b * bundle + w * work + c + g * grads
-over its points. The rules are the memory manager's:
+torch's zero_grad()), a is the index of the stage's latest compute action and d = 1 while it computes
+(which tells where streamed parameter chunks are: memory.chunks.residency). A policy gives
+per-microbatch bytes (kept, bundle, work) and the grads' bytes; the stage's peak beside its fixed
+state is the largest k * kept + b * bundle + w * work + c + g * grads over its points (plus the
+streamed chunks' bytes at each, when they stream). The rules are the memory manager's:
 - F of (s, mb) ends with its saved activations held (k + 1);
 - the backward of (s, mb) that frees them (B, or W under zero bubble, or BW) ends with k - 1; a B
   that does not free them sends its offloaded copy back to the host;
@@ -24,7 +26,7 @@ from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 from memory.buffers import CommBuffers
 
-__all__ = ["Point", "stage_points", "default_points", "peak_of", "room_per_mb"]
+__all__ = ["Point", "stage_points", "stage_actions", "default_points", "peak_of", "room_per_mb"]
 
 
 class Point(NamedTuple):
@@ -33,6 +35,8 @@ class Point(NamedTuple):
     working: int   # 1 while the stage's own backward runs
     comm: int      # communication buffer bytes held
     grads: int = 1  # 1 once the stage's first backward of the step has begun
+    act: int = -1   # the stage's compute actions begun so far, less one (-1: none yet)
+    during: int = 0  # 1 while that action computes (0: after it)
 
 
 def _is_batch(x: Any) -> bool:
@@ -61,12 +65,13 @@ def stage_points(programs: Mapping[int, Sequence[Any]], place: Sequence[int], re
     seen: dict[int, dict[Point, None]] = {s: {} for s in range(S)}
     for rank, items in programs.items():
         bufs = CommBuffers(place, rank, recv, send, zero_bubble)
-        comm, kept, grads = [0] * S, [0] * S, [0] * S
+        comm, kept, grads, acts = [0] * S, [0] * S, [0] * S, [-1] * S
         on: list[set[int]] = [set() for _ in range(S)]
-        working = -1  # the stage whose backward runs
+        working = running = -1  # the stage whose backward runs, whose action computes
 
         def mark(s: int) -> None:
-            seen[s][Point(kept[s], len(on[s]), int(working == s), comm[s], grads[s])] = None
+            seen[s][Point(kept[s], len(on[s]), int(working == s), comm[s], grads[s], acts[s],
+                          int(running == s))] = None
 
         def move(moves: Iterable[tuple[int, int]]) -> None:
             for s, n in moves:
@@ -86,7 +91,10 @@ def stage_points(programs: Mapping[int, Sequence[Any]], place: Sequence[int], re
                 kept[s] += 1
             else:
                 working, grads[s] = s, 1
+            acts[s] += 1
+            running = s
             mark(s)
+            running = -1
             move(bufs.after(s, kind, mb))
             working = -1
             if kind == "BW" or kind == ("W" if zero_bubble else "B"):
@@ -101,6 +109,16 @@ def stage_points(programs: Mapping[int, Sequence[Any]], place: Sequence[int], re
     return {s: tuple(p) for s, p in seen.items()}
 
 
+def stage_actions(programs: Mapping[int, Sequence[Any]]) -> dict[int, tuple[str, ...]]:
+    """Per stage, the kinds of its compute actions in its rank's program order (Point.act indexes them)."""
+    out: dict[int, list[str]] = {}
+    for items in programs.values():
+        for x in items:
+            if not _is_batch(x) and x.kind in ("F", "B", "W", "BW"):
+                out.setdefault(x.stage, []).append(x.kind)
+    return {s: tuple(k) for s, k in out.items()}
+
+
 def default_points(in_flight: int, comm_bytes: int) -> tuple[Point, ...]:
     """The points of a stage known only by its microbatches in flight and its buffer peak: all of them
     at once, with two offloaded microbatches back (the one in backward and the next)."""
@@ -108,16 +126,18 @@ def default_points(in_flight: int, comm_bytes: int) -> tuple[Point, ...]:
     return (Point(n, min(n, 2), 1, comm_bytes),)
 
 
-def peak_of(points: Sequence[Point], kept: float, bundle: float, work: float, grads: float = 0.0
-            ) -> tuple[float, float, float, float]:
-    """(peak, activations, buffers and grads at it): the largest k * kept + b * bundle + w * work + c +
-    g * grads."""
+def peak_of(points: Sequence[Point], kept: float, bundle: float, work: float, grads: float = 0.0,
+            state: Sequence[float] | None = None, work_end: float | None = None) -> tuple[float, float, float, float]:
+    """(peak, activations, buffers and grads (and `state`) at it): the largest k * kept + b * bundle +
+    w * work + c + g * grads, plus state[i] at point i when given (streamed model state); `work_end`
+    in place of `work` once the backward's compute is over (as its messages move), when given."""
     best = (0.0, 0.0, 0.0, 0.0)
-    for p in points:
-        acts = p.kept * kept + p.bundles * bundle + p.working * work
-        total = acts + p.comm + p.grads * grads
+    for i, p in enumerate(points):
+        acts = p.kept * kept + p.bundles * bundle + p.working * (work if p.during or work_end is None else work_end)
+        held = p.grads * grads + (state[i] if state is not None else 0.0)
+        total = acts + p.comm + held
         if total > best[0]:
-            best = (total, acts, float(p.comm), p.grads * grads)
+            best = (total, acts, float(p.comm), held)
     return best
 
 

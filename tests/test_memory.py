@@ -10,7 +10,8 @@ import torch
 import torch.fx
 
 from memory.budget import BudgetError, Chunking, NodeInfo, StageChoice, StageInfo, check_options, choose, knapsack
-from memory.chunks import Belady, choose_chunk_elems, chunk_sizes, node_units, pack, plan_moves, use_sequence
+from memory.chunks import (Belady, choose_chunk_elems, chunk_sizes, node_units, pack, plan_moves, residency,
+                           use_sequence)
 from memory.ledger import Ledger
 from memory.manager import PlannedMemory
 from memory.recompute import Recomputed
@@ -147,6 +148,14 @@ def test_pack_keeps_a_nodes_parameters_in_one_chunk() -> None:
     assert chunk_sizes([3, 4] * 4, [0, 0, 1, 1, 2, 2, 3, 3], align=1) == [7] and chunk_sizes([]) == []
     with pytest.raises(ValueError, match="cannot hold a tensor of 24"):
         pack(sizes, 16, align=4, units=units)
+
+
+def test_residency_counts_params_and_the_grads_a_backward_loaded() -> None:
+    # one forward over chunks 0, 1, 2 and its backward, two resident: the forward prefetches ahead, the
+    # backward loads each chunk's grads after its prefetch (0 comes back for 2, whose grads leave with it)
+    seq = [(0,), (1,), (2,), (2,), (1,), (0,)]
+    assert residency(seq, [False] * 3 + [True] * 3, 2) == [(2, 2), (2, 2), (2, 2), (3, 3), (3, 3), (4, 4)]
+    assert residency(seq, [False] * 6, 3) == [(2, 2), (3, 3), (3, 3), (3, 3), (3, 3), (3, 3)]
 
 
 def test_chunk_size_wastes_least_padding() -> None:

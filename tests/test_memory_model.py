@@ -81,7 +81,7 @@ def test_timeline_points_follow_the_program_of_1f1b() -> None:
     assert max(p.bundles for p in pts[0]) == 1 and max(p.bundles for p in pts[1]) == 1
     # stage 0's outputs wait for their grads: 2 microbatches' worth, plus one grad received for B
     assert max(p.comm for p in pts[0]) == 300
-    assert Point(2, 0, 0, 200, 0) in pts[0]  # after F1: two microbatches kept, both outputs held, no grads yet
+    assert Point(2, 0, 0, 200, 0, 1, 0) in pts[0]  # after F1: two microbatches kept, both outputs held, no grads yet
     # B0 of stage 0 runs with both microbatches kept, mb 0's offloaded copy back, the outputs of both
     # and mb 0's grad held: its peak; stage 1 holds one microbatch at a time
     assert peak_of(pts[0], 1000, 500, 50) == (2 * 1000 + 500 + 50 + 300, 2 * 1000 + 500 + 50, 300, 0)
