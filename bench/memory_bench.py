@@ -33,6 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bench.memory_budgets import GPT as BUDGETS_GPT
+
 __all__ = ["main", "train_steps"]
 
 SCAN = {"n_layer": 4, "n_head": 4, "seq_len": 32, "vocab": 512, "microbatch_size": 2, "tie": False}
@@ -41,7 +43,8 @@ TIMED = {"n_layer": 8, "d_model": 256, "n_head": 8, "seq_len": 128, "vocab": 100
          "tie": False}
 LONG = {"n_layer": 16, "d_model": 128, "n_head": 4, "seq_len": 512, "vocab": 1000, "microbatch_size": 2,
         "tie": False}
-CONFIGS = {"long": (LONG, "interleaved-1f1b", 2), "short": (TIMED, "1f1b", 1)}  # gpt, schedule, stages per rank
+# gpt, schedule, stages per rank; "budgets" is bench.memory_budgets' GPT (batch 32 in 8 microbatches of 4)
+CONFIGS = {"long": (LONG, "interleaved-1f1b", 2), "short": (TIMED, "1f1b", 1), "budgets": (BUDGETS_GPT, "1f1b", 1)}
 
 
 def _build(args: dict[str, Any], M: int, schedule: str = "1f1b", *, v: int = 1, **kw: Any) -> tuple[Any, Any]:
@@ -183,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", default="", help="'scan' or 'time' to skip that part")
     p.add_argument("--fraction", type=float, default=0.5, help="auto's budget in part 2, of the plain peak")
     p.add_argument("--config", default="long", choices=sorted(CONFIGS),
-                   help="timed gpt: 'long' (activations dominate; default) or 'short' (the earlier config)")
+                   help="timed gpt: 'long' (activations dominate; default), 'short' (the earlier config) or "
+                        "'budgets' (bench.memory_budgets' GPT, issue 13's)")
     p.add_argument("--out", default="out/memory_bench")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -206,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         result["scan"] = {"budget": budget, "plain": plain, "features": feat, "ratio": ratio}
     if args.skip != "time":
         base, schedule, v = CONFIGS[args.config]
-        say(f"part 2 ({args.config}): step time of gpt {base}, batch 16 in 8 microbatches, {schedule} with {v} "
+        say(f"part 2 ({args.config}): step time of gpt {base}, batch {8 * base['microbatch_size']} in 8 microbatches, "
+            f"{schedule} with {v} "
             f"stage(s) per rank, {args.rounds} alternating rounds")
         result["time"] = timed(args.rounds, 8, say, base, schedule, v, args.fraction)
     if ctx.rank == 0:
