@@ -67,6 +67,7 @@ class Region:
     nodes: tuple[str, ...]
     fwd_ms: float          # what recomputing it costs
     in_bytes: int          # values entering it from the stage's own nodes: a checkpoint keeps them
+    entering: tuple[str, ...] = ()  # the nodes owning their storages
 
 
 @dataclass(frozen=True)
@@ -369,6 +370,51 @@ def _recomputed_bound(st: StageInfo, region: Region) -> float:
                  + sum(x.temp_bytes for x in st.nodes if x.name in inside))
 
 
+def _region_saves(st: StageInfo, chosen: Sequence[Region], remat: frozenset[str]
+                  ) -> tuple[float, float, float] | None:
+    """(kept, work, work as the backward ends) per microbatch when the `chosen` regions are checkpointed
+    and the nodes in `remat` recomputed on unpack, save by save as the memory manager counts them: a
+    microbatch keeps the storages the other nodes save (once; a recipe's when what it reads is not held)
+    and those entering a checkpointed region; the backward recomputes one region at a time, saving again
+    what its nodes save beyond those (the first region is recomputed last). None: saves not known."""
+    if not any(x.saved for x in st.nodes) or any(r.in_bytes and not r.entering for r in chosen):
+        return None
+    mine = {x.name: x for x in st.nodes}
+    starts = {r.nodes[0]: r for r in chosen}
+    off = {m for r in chosen for m in r.nodes}
+    held: set[str] = set()
+    kept = 0.0
+    for x in st.nodes:
+        if x.name in starts:
+            for o in starts[x.name].entering:
+                if o in mine and o not in held:
+                    held.add(o)
+                    kept += mine[o].out_bytes
+        if x.name in off:
+            continue
+        for sid, nb in x.saved:
+            owner = sid.split("@")[0].split("#")[0]
+            if owner not in mine or sid in held:
+                continue
+            if owner in remat and sid == owner and all(r in held for r in mine[owner].reads):
+                continue
+            held.add(sid)
+            kept += nb
+    again = []
+    for r in chosen:
+        inside, seen, n = set(r.nodes), set(), 0.0
+        for m in r.nodes:
+            for sid, nb in mine[m].saved if m in mine else ():
+                owner = sid.split("@")[0].split("#")[0]
+                if owner in inside and sid not in held and sid not in seen:
+                    seen.add(sid)
+                    n += nb
+        again.append(n)
+    ring = _ring_peak(st, [mine[m] for m in remat if m in mine])
+    first = min(range(len(chosen)), key=lambda i: st.regions.index(chosen[i]))
+    return kept, max(again) + ring[0], again[first] + ring[1]
+
+
 def _region_plans(st: StageInfo, state: float, stream: Streaming) -> list[StageChoice]:
     """Checkpoint the k regions freeing the most bytes per ms (k = 1..K), with or without recomputing
     the other regions' cheap nodes on unpack; with streamed model state (`stream`), or all of
@@ -391,11 +437,15 @@ def _region_plans(st: StageInfo, state: float, stream: Streaming) -> list[StageC
             kept = min(float(st.act_bytes), _saved_bound(st, off) + margin) - sum(x.remat_bytes for x in remat) \
                 + sum(r.in_bytes for r in chosen)
             work = max(_recomputed_bound(st, r) for r in chosen) + _transient(remat)
+            work_end = None
+            exact = _region_saves(st, chosen, frozenset(x.name for x in remat))
+            if exact is not None:  # the saves are known: the figures the manager will count, and 2% of them
+                kept, work, work_end = 1.02 * exact[0], exact[1], exact[2]
             c = StageChoice(st.index, "auto", remat=frozenset(x.name for x in remat),
                             regions=tuple(r.nodes for r in sorted(chosen, key=st.regions.index)),
                             of_regions=len(regs), **_streamed(st, stream),
                             recompute_ms=sum(r.fwd_ms for r in chosen) + sum(x.fwd_ms for x in remat))
-            _predict(c, st, state, kept + st.loss_bytes, 0.0, work)
+            _predict(c, st, state, kept + st.loss_bytes, 0.0, work, work_end=work_end)
             out.append(c)
     return out
 

@@ -72,8 +72,9 @@ def cut_regions(order: Sequence[str], users: dict[str, list[str]], inputs: dict[
         names = order[a:b]
         inside = set(names)
         entering = {x for m in names for x in inputs.get(m, []) if x not in inside and x in pos}
-        in_bytes = sum(out_bytes.get(x, 0) for x in entering)
-        out.append(Region(tuple(names), sum(fwd_ms.get(m, 0.0) for m in names), in_bytes))
+        owners = tuple(sorted({owner.get(x, x) for x in entering}))
+        in_bytes = sum(out_bytes.get(x, 0) for x in owners)
+        out.append(Region(tuple(names), sum(fwd_ms.get(m, 0.0) for m in names), in_bytes, owners))
     return out
 
 

@@ -21,7 +21,8 @@ def test_regions_are_cut_where_the_fewest_bytes_cross() -> None:
     reads = {"b": ["a"], "c": ["a", "b"], "d": ["c"], "e": ["d"]}
     out = {"a": 4, "b": 8, "c": 2, "d": 8, "e": 1}
     ms = dict.fromkeys(order, 1.0)
-    assert cut_regions(order, users, reads, out, ms) == [Region(("a", "b", "c"), 3.0, 0), Region(("d", "e"), 2.0, 2)]
+    assert cut_regions(order, users, reads, out, ms) == [Region(("a", "b", "c"), 3.0, 0),
+                                                         Region(("d", "e"), 2.0, 2, ("c",))]
     # a run under the minimum share of the stage's time joins its neighbour
     assert cut_regions(order, users, reads, out, dict(ms, d=0.0625, e=0.0625)) == [Region(tuple(order), 3.125, 0)]
 
