@@ -123,27 +123,27 @@ class ChunkStore:
     def use(self, group: tuple[int, ...]) -> None:
         if not group:
             return
-        # Outside any dispatch mode (checkpointing, a user's mode): none may see or cache these copies.
-        with _disable_current_modes(), torch.no_grad():
-            self._use(group)
-
-    def _use(self, group: tuple[int, ...]) -> None:
         pos = self._locate(group)
         at = pos if pos >= 0 else self.cursor - 1
         owners = sorted({self.chunks[c].owner for c in group})
-        for owner in owners:
-            mine = tuple(c for c in group if self.chunks[c].owner == owner)
-            self._run(self.pools[owner].use(at, mine), now=True)
-        if pos >= 0:  # each pool prefetches at its own uses only: what it holds follows its stage's program alone
-            for owner in owners:
-                self._run(self.pools[owner].prefetch(pos), now=False)
-        for c in group:
-            ch = self.chunks[c]
-            if self.backward:
-                self._load_grad(ch)
-                ch.dirty = True
-            self.copier.wait(ch.event)
-            ch.event = None
+        now = [e for o in owners for e in self.pools[o].use(at, tuple(c for c in group if self.chunks[c].owner == o))]
+        # each pool prefetches at its own uses only: what it holds follows its stage's program alone
+        later = [e for o in owners for e in self.pools[o].prefetch(pos)] if pos >= 0 else []
+        chunks = [self.chunks[c] for c in group]
+        if not now and not later and all(ch.event is None and (ch.grad_loaded or not self.backward) for ch in chunks):
+            for ch in chunks:  # all there already (most uses): no copy to make or wait for
+                ch.dirty = ch.dirty or self.backward
+            return
+        # Outside any dispatch mode (checkpointing, a user's mode): none may see or cache these copies.
+        with _disable_current_modes(), torch.no_grad():
+            self._run(now, now=True)
+            self._run(later, now=False)
+            for ch in chunks:
+                if self.backward:
+                    self._load_grad(ch)
+                    ch.dirty = True
+                self.copier.wait(ch.event)
+                ch.event = None
 
     def _run(self, events: list[str], now: bool) -> None:
         for e in events:
