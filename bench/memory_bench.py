@@ -21,18 +21,17 @@ activations are about 85% of its peak. `--config short` is the earlier one (8 la
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from bench import save_json
 from bench.memory_budgets import GPT as BUDGETS_GPT
 
 __all__ = ["main", "train_steps"]
@@ -215,10 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             f"stage(s) per rank, {args.rounds} alternating rounds")
         result["time"] = timed(args.rounds, 8, say, base, schedule, v, args.fraction)
     if ctx.rank == 0:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "memory_bench.json").write_text(json.dumps(result, indent=1, default=str))
-        say(f"wrote {out / 'memory_bench.json'}")
+        say(f"wrote {save_json(args.out, 'memory_bench.json', result)}")
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -10,12 +10,12 @@ figure it needs). Rank 0 prints a table and writes out/memory_budgets/memory_bud
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from bench import save_json
 
 GPT = {"n_layer": 8, "d_model": 256, "n_head": 8, "seq_len": 128, "vocab": 1000, "microbatch_size": 4}
 M = 8
@@ -76,9 +76,7 @@ def main() -> None:
             pred = "-" if v["predicted"] is None else f"{v['predicted'] / mib:.1f}"
             print(f"| {name} | {budget} | {s} | {v['peak'] / mib:.1f} | {pred} | {v['comm'] / mib:.2f} "
                   f"| {v['label']} |")
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "memory_budgets.json").write_text(json.dumps({"plain_peak": base, "configs": rows}, indent=1))
+    save_json(a.out, "memory_budgets.json", {"plain_peak": base, "configs": rows})
 
 
 if __name__ == "__main__":

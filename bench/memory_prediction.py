@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+
+from bench import save_json
 
 __all__ = ["MODELS", "measure", "train", "main"]
 
@@ -82,9 +82,7 @@ def main() -> None:
         print(f"{k:48s} measured {m / 2**20:8.3f} MiB  predicted {p / 2**20:8.3f} MiB  x{ratio[k]:.3f}")
     print(f"{len(rows)} stages of {len(configs)} configurations: predicted / measured from "
           f"x{min(ratio.values()):.3f} to x{max(ratio.values()):.3f}")
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "memory_prediction.json").write_text(json.dumps({"rows": rows, "ratio": ratio}, indent=1))
+    print(f"wrote {save_json(a.out, 'memory_prediction.json', {'rows': rows, 'ratio': ratio})}")
 
 
 if __name__ == "__main__":
