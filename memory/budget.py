@@ -203,8 +203,9 @@ def _per_mb(st: StageInfo, kind: str, offload: bool, freed: float = 0.0, transie
 def _profile(st: StageInfo, stream: Streaming) -> list[float] | None:
     """Streamed params and grads on the device at each of the stage's points, as the store moves its chunks
     (memory.chunks.residency over the stage's uses: a forward's in forward order, a backward's reversed);
-    None without streaming or without the program's points."""
-    if stream is None or not st.actions or not st.points or not stream[0].groups:
+    None without streaming, without the program's points, or under zero bubble (its W visits the
+    parameter nodes in the order it differentiates them, and pins the ones several nodes read)."""
+    if stream is None or not st.actions or not st.points or not stream[0].groups or "W" in st.actions:
         return None
     ch, r = stream
     seq: list[tuple[int, ...]] = []
