@@ -21,7 +21,7 @@ from memory.regions import Checkpointed, checkpoint_regions
 from memory.store import ChunkStore
 from memory.streams import Copier
 
-__all__ = ["PlannedMemory"]
+__all__ = ["PlannedMemory", "optimizer_state_factor", "factory_state_factor"]
 
 Act = tuple[int, str, int]  # (stage, kind, mb)
 
@@ -100,6 +100,27 @@ def optimizer_state_factor(opt: torch.optim.Optimizer) -> float | None:
         extra = int(bool(g.get("amsgrad"))) + int(bool(g.get("momentum"))) + int(bool(g.get("centered")))
         most = max(most, n + extra)
     return float(most)
+
+
+def factory_state_factor(factory: Any) -> float:
+    """Bytes of state per parameter byte the optimizer `factory` (a torch.optim class, or a callable
+    taking the parameters) keeps: by its kind and options, or else measured after one step of it on a
+    parameter of its own."""
+    p = torch.nn.Parameter(torch.zeros(64))
+    try:
+        opt = factory([p])
+    except Exception as e:  # noqa: BLE001 - the user's factory: name what failed
+        raise ValueError(f"optimizer={factory!r} must build an optimizer from a list of parameters "
+                         f"(e.g. functools.partial(torch.optim.SGD, lr=0.1)); calling it failed: {e}") from e
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise ValueError(f"optimizer={factory!r} built {type(opt).__name__}, not a torch.optim.Optimizer")
+    f = optimizer_state_factor(opt)
+    if f is None:
+        p.grad = torch.ones_like(p)
+        opt.step()
+        f = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
+                if isinstance(t, torch.Tensor) and t.numel() > 1) / (p.numel() * p.element_size())
+    return float(f)
 
 
 def _count_optimizers(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

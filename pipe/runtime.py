@@ -96,7 +96,9 @@ class Pipeline:
     Every rank builds the same model (same seed) and makes the same calls. Rank 0 plans the
     stages (or `plan=` gives them) and shares the plan; each rank keeps the stages the
     schedule's placement gives it (pipe.schedules.placement: stage s on rank s % world, or the
-    V of zbv); `step` runs one schedule and returns the mean loss on every rank.
+    V of zbv); `step` runs one schedule and returns the mean loss on every rank. `optimizer`: the
+    torch.optim class or factory (called with the parameters) the training loop will step them with,
+    so memory is planned for the state it keeps (by default Adam's two copies of the parameters).
     """
 
     def __init__(self, model: torch.nn.Module, example_args: Sequence[Any], *,
@@ -106,12 +108,15 @@ class Pipeline:
                  memory_budget: float | str | None = None, dynamic_shapes: bool = False,
                  recompute: str = "none", offload: str = "none", skip_nonfinite: bool = False,
                  example_target: Any = None, leaf_modules: Sequence[type[torch.nn.Module]] = (),
-                 progress: Callable[[str], None] | None = None, transport: comm.Transport | None = None) -> None:
+                 progress: Callable[[str], None] | None = None, transport: comm.Transport | None = None,
+                 optimizer: Callable[..., torch.optim.Optimizer] | None = None) -> None:
         if loss_fn is None or not callable(loss_fn):
             raise PipelineError(f"loss_fn must be a callable (output, target) -> scalar loss, got {loss_fn!r}; "
                                 "pass e.g. loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())")
         try:
             memory.check_options(recompute, offload)
+            # optimizer state per parameter byte the plans count: the optimizer's to come, else Adam's two copies
+            self._optim_factor = None if optimizer is None else memory.factory_state_factor(optimizer)
         except ValueError as e:
             raise PipelineError(str(e)) from None
         interleaved = schedule.startswith("interleaved")
@@ -209,7 +214,8 @@ class Pipeline:
                 microbatches=self.M, memory_budget=budget, stages_per_rank=self.v,
                 in_flight_counts=flights, recompute=features[0], offload=features[1], loss_fn=self.loss_fn,
                 example_target=example_target, bytes_per_ms=bytes_per_ms, latency_ms=latency_ms,
-                leaf_modules=self.leaf_modules, progress=self.progress).to_dict(),
+                leaf_modules=self.leaf_modules, progress=self.progress,
+                state_factor=4.0 if self._optim_factor is None else 2.0 + self._optim_factor).to_dict(),
                 self.rank,
                 everyone=cost == "measured" and self.ctx.device.type == "cpu")
             plan = Plan.from_dict(d)
@@ -257,7 +263,8 @@ class Pipeline:
                 param_sizes={n: (p.numel(), p.element_size()) for n, p in model.named_parameters()},
                 actions=[(a.stage, a.kind, a.mb) for a in self.actions], programs=self._programs, place=self.place,
                 microbatches=self.M, device=self.ctx.device,
-                optim_factor=max(self.plan.state_factor - 2.0, 0.0),
+                optim_factor=max(self.plan.state_factor - 2.0, 0.0) if self._optim_factor is None
+                else self._optim_factor,
                 time_scale=FLOP_PER_MS / speeds[0][0], copy_bytes_per_ms=speeds[0][1],
                 output_bytes=self.plan.output_bytes)
             for c in choices:

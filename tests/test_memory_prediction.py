@@ -1,7 +1,7 @@
 """The memory model against the ledger on 2 gloo ranks: every stage's predicted peak (memory.budget on
 memory.timeline's walk of the lowered program) beside the peak the ledger measured over a step, for
 recompute policies and offload modes, 1F1B and interleaved, on the bundled GPT, the UNet and a
-Hugging Face GPT-2 (one launch); the least budget named met; pp.attach_optimizer."""
+Hugging Face GPT-2 (one launch); the least budget named met; pp.attach_optimizer and optimizer=."""
 from __future__ import annotations
 
 from typing import Any
@@ -40,7 +40,36 @@ def body(rank: int, world: int, *, M: int = 4, steps: int = 2) -> dict[str, Any]
                                pp.plan.stages[s].memory_peak == r["predicted_peak"])
     out.update(measure(CONFIGS, M, steps, sgd))
     out["floor"] = _floor(M, steps)
+    out["optimizer="] = _planned_for_sgd(M, steps)
     return out
+
+
+def _planned_for_sgd(M: int, steps: int) -> tuple[float, list[str], list[str], int, list[float]]:
+    """A budget plain SGD fits without recompute but Adam's state does not: planned by default (for
+    Adam) auto recomputes; with optimizer=SGD it plans none, and SGD steps stay within the budget."""
+    import functools
+    import torch
+    import torch.distributed as dist
+    import partition
+    import pipe
+    from bench.memory_prediction import MODELS, train
+    name, kw = MODELS["gpt"]
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    w = partition.load(name, **kw)
+    plain = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, cost="flops",
+                          optimizer=sgd, recompute="auto")
+    peaks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, [c.predicted_peak for c in plain.memory.choices.values()])
+    budget = 1.001 * max(x for p in peaks for x in p)
+    labels = {}
+    for key, factory in (("adam", None), ("sgd", sgd)):
+        w = partition.load(name, **kw)
+        pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, cost="flops",
+                           recompute="auto", memory_budget=budget, optimizer=factory)
+        labels[key] = [c.label() for c in pp.memory.choices.values()]
+    train(w, pp, M, steps, optimizer=sgd)
+    return budget, labels["adam"], labels["sgd"], max(r["peak_total"] for r in pp.memory_report().values()), \
+        [c.predicted_peak for c in pp.memory.choices.values()]
 
 
 def _floor(M: int, steps: int) -> tuple[int, int, list[str]]:
@@ -74,11 +103,17 @@ def _floor(M: int, steps: int) -> tuple[int, int, list[str]]:
 
 def test_predicted_peaks_against_the_ledger() -> None:
     res: dict[str, Any] = {}
-    for r in run_ranks("tests.test_memory_prediction:body", 2, timeout=480):
+    ranks = run_ranks("tests.test_memory_prediction:body", 2, timeout=480)
+    run_result = [r.pop("optimizer=") for r in ranks]
+    for r in ranks:
         res.update(r)
     floor, reached, refusals = res.pop("floor")
     # the least budget named is met, and the best plan comes within 10% of it
     assert refusals and floor / 1.10 <= reached <= floor, (floor, reached, refusals)
+    # optimizer=: planned for SGD's (no) state, where Adam's would need recomputing on some stage
+    assert any(x != "none" for r in run_result for x in r[1]), run_result
+    for budget, adam, sgd, peak, predicted in run_result:
+        assert set(sgd) == {"none"} and peak <= max(predicted) <= budget, run_result
     for s in (0, 1):  # pp.attach_optimizer: the state the optimizer keeps, in the report and the plan
         dropped, adam, in_plan = res.pop(f"sgd/{s}")
         assert dropped == pytest.approx(adam, abs=2) and in_plan, (s, dropped, adam, in_plan)
