@@ -18,7 +18,8 @@ CONFIGS = [("gpt", "1f1b", 1, r, o) for r, o in (("none", "none"), ("none", "act
     [("gpt2", "1f1b", 1, r, o) for r, o in (("none", "all"), ("full", "none"), ("selective", "states"))] + \
     [("gpt", "interleaved-1f1b", 2, r, o) for r, o in (("none", "activations"), ("full", "states"),
                                                        ("selective", "none"))] + \
-    [("gpt2", "interleaved-1f1b", 2, r, o) for r, o in (("none", "none"), ("none", "states"), ("full", "all"))]
+    [("gpt2", "interleaved-1f1b", 2, r, o) for r, o in (("none", "none"), ("none", "states"), ("full", "all"))] + \
+    [("gpt", "zb-h1", 1, "none", "states")]  # zero bubble: streamed state bounded, not walked (never below)
 
 
 def body(rank: int, world: int, *, M: int = 4, steps: int = 2) -> dict[str, Any]:
