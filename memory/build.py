@@ -68,7 +68,7 @@ def stage_infos(*, stages: Sequence[dict[str, Any]], costs: dict[str, NodeCost],
                 param_sizes: dict[str, tuple[int, int]], microbatches: int, comm: Sequence[int],
                 time_scale: float = 1.0, copy_bytes_per_ms: float = COPY_BYTES_PER_MS, regions: bool = True,
                 points: Mapping[int, tuple[Point, ...]] | None = None, output_bytes: int = 0,
-                actions: Mapping[int, tuple[str, ...]] | None = None
+                actions: Mapping[int, tuple[str, ...]] | None = None, place: Sequence[int] | None = None
                 ) -> list[StageInfo]:
     """StageInfo per stage (from the plan's stage dicts and the costs).
 
@@ -81,7 +81,9 @@ def stage_infos(*, stages: Sequence[dict[str, Any]], costs: dict[str, NodeCost],
     (else the planner assumes every microbatch in flight at once, with the buffers' peak), `actions` the
     kinds of its compute actions (memory.timeline.stage_actions: where streamed chunks are, at each).
     `output_bytes`: the graph's outputs per microbatch (the plan's), what the loss saves when no
-    per-node costs are given (no memory feature asked for: the prediction comes from the plan)."""
+    per-node costs are given (no memory feature asked for: the prediction comes from the plan).
+    `place`: each stage's rank; a parameter an earlier stage on the same rank reads (a tied weight) is
+    that stage's (the memory manager holds it once per rank, with the first local stage reading it)."""
     nodes = {n.name: n for n in gm.graph.nodes}
     out = next(n for n in gm.graph.nodes if n.op == "output")
     loss = sum(costs[x.name].out_bytes for x in pytree.tree_leaves(out.args[0])
@@ -96,7 +98,11 @@ def stage_infos(*, stages: Sequence[dict[str, Any]], costs: dict[str, NodeCost],
     reads = {n.name: [a.name for a in n.all_input_nodes] for n in gm.graph.nodes}
     infos = []
     last = len(stages) - 1
+    before: dict[int, set[str]] = {}  # rank -> parameters its earlier stages read
     for s, st in enumerate(stages):
+        rank = place[s] if place is not None else s
+        earlier = set(before.get(rank, set()))
+        before.setdefault(rank, set()).update(st.get("params", ()))
         names = [n for n in st["nodes"] if n in costs]
         here = set(names)
         infos_nodes = tuple(_node_info(gm, nodes[n], costs[n], here, candidates, time_scale,
@@ -113,9 +119,12 @@ def stage_infos(*, stages: Sequence[dict[str, Any]], costs: dict[str, NodeCost],
                                act_bytes=int(1.02 * st["activation_bytes"]),
                                loss_bytes=int(1.02 * loss) if s == last else 0,
                                in_flight=int(st["in_flight"]),
-                               param_bytes=int(st["param_bytes"]),
+                               param_bytes=int(st["param_bytes"]) - sum(
+                                   param_sizes[p][0] * param_sizes[p][1] for p in st.get("params", ())
+                                   if p in earlier and p in param_sizes),
                                comm_bytes=int(comm[s]),
-                               chunkings=_chunkings([costs[n].params for n in names], param_sizes),
+                               chunkings=_chunkings([tuple(p for p in costs[n].params if p not in earlier)
+                                                     for n in names], param_sizes),
                                microbatches=microbatches, copy_bytes_per_ms=copy_bytes_per_ms,
                                regions=tuple(cuts),
                                points=(points or {}).get(s, ()), actions=(actions or {}).get(s, ())))
@@ -148,7 +157,7 @@ def build(*, recompute: str, offload: str, budget: float | None, stages: Sequenc
                                time_scale=time_scale,
                                copy_bytes_per_ms=copy_bytes_per_ms,
                                regions=not zero_bubble, points=stage_points(programs, place, recv, send, zero_bubble),
-                               actions=stage_actions(programs),
+                               actions=stage_actions(programs), place=place,
                                output_bytes=output_bytes)
     choices = choose(infos, recompute=recompute, offload=offload, budget=budget, optim_factor=optim_factor)
     mm = PlannedMemory(choices=choices, modules=modules, param_nodes=param_nodes, actions=actions,
