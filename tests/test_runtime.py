@@ -31,11 +31,11 @@ def test_parity_every_schedule(world: int, spec: str, args: dict) -> None:
                      schedules=schedules, M=4))
 
 
-@pytest.mark.parametrize("world,spec", [(2, "gpt"), (3, "gpt"), (4, "gpt"), (2, "unet"), (4, "unet")])
+@pytest.mark.parametrize("world,spec", [(2, "gpt"), (3, "gpt"), (4, "gpt"), (4, "unet")])
 def test_parity_every_schedule_with_nccl_matching(world: int, spec: str) -> None:
     """Every schedule through a transport with NCCL's semantics (tests.nccl_like): no tags, per pair
     in issue order, one batch at a time; tied weights (the GPT's embedding and head) and skip
-    connections across stages (the U-Net's) included."""
+    connections across stages (the U-Net's, on 4 ranks: every skip crosses stages there) included."""
     _check(run_ranks("tests.parity:parity_body", world, timeout=240, spec=spec,
                      model_args=SMALL_GPT if spec == "gpt" else {}, schedules=ALL, M=3 if world == 3 else 4,
                      nccl_like=True))
