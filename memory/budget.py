@@ -285,22 +285,23 @@ def _transient(nodes: Sequence[NodeInfo]) -> float:
 
 def _ring_peak(st: StageInfo, rematted: Sequence[NodeInfo]) -> tuple[float, float]:
     """Recomputed outputs alive at once in a backward as the manager holds them (the last two it made),
-    at most and as the backward ends: it unpacks the saves in reverse order of the nodes that saved them
-    (a node's own saves in either order: the larger). From the stage's saves when known, else the two
-    largest outputs."""
+    at most and as the backward ends: it unpacks the saves in reverse order of the nodes that saved them,
+    each node's own in an order not known here, so any two neighbours may be held together: two saves
+    next to each other in one node, or either end of a node with either end of the next one (the last
+    node's, as the backward ends). From the stage's saves when known, else the two largest outputs."""
     mine = {x.name: x.out_bytes for x in rematted}
     if not mine or not any(x.saved for x in st.nodes):
         return _transient(rematted), _transient(rematted)
-    peak = end = 0
-    for inner in (False, True):
-        ring: list[str] = []
-        for x in reversed(st.nodes):
-            for sid, _ in (reversed(x.saved) if inner else x.saved):
-                if sid in mine and sid not in ring:
-                    ring = ring[-1:] + [sid]
-                    peak = max(peak, sum(mine[r] for r in ring))
-        end = max(end, sum(mine[r] for r in ring))
-    return float(peak), float(end)
+    runs = [r for r in ([sid for sid in dict.fromkeys(s for s, _ in x.saved) if sid in mine]
+                        for x in reversed(st.nodes)) if r]
+
+    def pairs(a: list[str], b: list[str] | None) -> float:
+        inside = [mine[u] + mine[v] for u, v in zip(a, a[1:])]
+        across = [mine[u] + mine[v] for u in {a[0], a[-1]} for v in {b[0], b[-1]} if u != v] if b else []
+        return float(max(inside + across + [mine[u] for u in a]))
+    peak = max(pairs(a, b) for a, b in zip(runs, runs[1:] + [None]))
+    end = max(pairs(runs[-1], None), pairs(runs[-2], runs[-1]) if len(runs) > 1 else 0.0)
+    return peak, min(end, peak)
 
 
 def _kept_bytes(st: StageInfo, remat: frozenset[str], offload: bool) -> tuple[float, list[NodeInfo]]:

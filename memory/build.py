@@ -99,10 +99,14 @@ def stage_infos(*, stages: Sequence[dict[str, Any]], costs: dict[str, NodeCost],
     infos = []
     last = len(stages) - 1
     before: dict[int, set[str]] = {}  # rank -> parameters its earlier stages read
+    rank_of = list(place) if place is not None else list(range(len(stages)))
     for s, st in enumerate(stages):
-        rank = place[s] if place is not None else s
+        rank = rank_of[s]
         earlier = set(before.get(rank, set()))
         before.setdefault(rank, set()).update(st.get("params", ()))
+        # a later stage of this rank using this one's chunks moves them too: its state is then bounded
+        lent = any(set(st.get("params", ())) & set(stages[t].get("params", ()))
+                   for t in range(s + 1, len(stages)) if rank_of[t] == rank)
         names = [n for n in st["nodes"] if n in costs]
         here = set(names)
         infos_nodes = tuple(_node_info(gm, nodes[n], costs[n], here, candidates, time_scale,
@@ -127,7 +131,8 @@ def stage_infos(*, stages: Sequence[dict[str, Any]], costs: dict[str, NodeCost],
                                                      for n in names], param_sizes),
                                microbatches=microbatches, copy_bytes_per_ms=copy_bytes_per_ms,
                                regions=tuple(cuts),
-                               points=(points or {}).get(s, ()), actions=(actions or {}).get(s, ())))
+                               points=(points or {}).get(s, ()),
+                               actions=() if lent else (actions or {}).get(s, ())))
     return infos
 
 

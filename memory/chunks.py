@@ -228,7 +228,8 @@ def residency(seq: Sequence[tuple[int, ...]], backward: Sequence[bool], capacity
     out = []
     for pos, group in enumerate(seq):
         most = 0
-        for events in (b.use(pos, group), b.prefetch(pos)):  # the store's order: fetch, prefetch, then grads
+        for k in range(2):  # the store's order: fetch, prefetch, then grads
+            events = b.use(pos, group) if k == 0 else b.prefetch(pos)
             grads -= {int(e[1:]) for e in events if e[0] == "E"}
             most = max(most, len(b.resident) + len(grads))
         if backward[pos]:

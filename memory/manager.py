@@ -117,7 +117,13 @@ def factory_state_factor(factory: Any) -> float:
     f = optimizer_state_factor(opt)
     if f is None:
         p.grad = torch.ones_like(p)
-        opt.step()
+        try:
+            opt.step()
+        except Exception as e:  # noqa: BLE001 - an optimizer this cannot step alone (a closure, sparse grads)
+            raise ValueError(f"optimizer={factory!r}: fxpipe does not know {type(opt).__name__}'s state and one "
+                             f"step of it on a probe parameter failed ({type(e).__name__}: {e}); leave "
+                             "optimizer= out (memory is then planned for Adam's two copies of the parameters) "
+                             "and pp.attach_optimizer(opt) once it is built") from e
         f = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
                 if isinstance(t, torch.Tensor) and t.numel() > 1) / (p.numel() * p.element_size())
     return float(f)

@@ -123,7 +123,7 @@ def default_points(in_flight: int, comm_bytes: int) -> tuple[Point, ...]:
     """The points of a stage known only by its microbatches in flight and its buffer peak: all of them
     at once, with two offloaded microbatches back (the one in backward and the next)."""
     n = max(in_flight, 1)
-    return (Point(n, min(n, 2), 1, comm_bytes),)
+    return (Point(n, min(n, 2), 1, comm_bytes, during=1),)
 
 
 def peak_of(points: Sequence[Point], kept: float, bundle: float, work: float, grads: float = 0.0,
