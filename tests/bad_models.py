@@ -110,19 +110,9 @@ def _with_batches(how: Any) -> Workload:
     return w
 
 
-def wrong_dtype() -> Workload:
-    """Token ids as float64 after the example: refused on every rank before any message."""
-    return _with_batches(lambda a, k, t: ((a[0].double(),), k, t))
-
-
 def extra_input() -> Workload:
     """An attention mask the plan was not made with: it would be dropped silently."""
     return _with_batches(lambda a, k, t: (a, {"attention_mask": torch.ones_like(a[0])}, t))
-
-
-def missing_input() -> Workload:
-    """No input at all where the plan has the token ids."""
-    return _with_batches(lambda a, k, t: ((), k, t))
 
 
 def index_out_of_range() -> Workload:

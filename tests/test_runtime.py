@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mp import free_port, run_command, run_ranks
+from tests.mp import run_command, run_ranks
 
 BIN = Path(sys.executable).parent
 ALL = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 2)]
@@ -87,13 +87,9 @@ def test_same_seed_same_losses_bitwise() -> None:
     assert a[0]["1f1b/v1"] == b[0]["1f1b/v1"]
 
 
-def test_parity_under_torchrun() -> None:
-    out = run_command([str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", str(free_port()),
-                       "tests/scripts/parity.py"], timeout=180).output
-    assert out.count("parity ok") == 2, out
-
-
 def test_parity_under_mpiexec() -> None:
+    """Parity under mpiexec's environment (torchrun's: every tests.mp launch sets its variables, and the
+    README recipe and pipe.run run under torchrun itself, tests/test_run_cli.py)."""
     out = run_command([str(BIN / "mpiexec"), "-n", "2", sys.executable, "tests/scripts/parity.py"],
                       timeout=180).output
     assert out.count("parity ok") == 2, out
