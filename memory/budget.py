@@ -1,8 +1,9 @@
 """Per-stage memory plan from one budget: predicted peaks, the recompute knapsack, offload choices.
 
-Pure (numpy only). Legend: A activation bytes a microbatch saves for backward, L bytes the
-loss saves (last stage), R bytes a microbatch frees by recomputing nodes on unpack, n
-microbatches in flight on the stage, F fixed bytes (model state and communication buffers).
+Pure: plain data in, no tensors or processes (numpy for the knapsack). Legend: A activation bytes
+a microbatch saves for backward, L bytes the loss saves (last stage), R bytes a microbatch frees by
+recomputing nodes on unpack, n microbatches in flight on the stage, F fixed bytes (model state and
+communication buffers).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import numpy as np
 
 from memory.chunks import residency
 from memory.timeline import Point, default_points, peak_of, room_per_mb
+from partition.costs import storage_owner
 from partition.errors import FxpipeError
 from partition.plan import human_bytes
 
@@ -300,21 +302,36 @@ def _ring_peak(st: StageInfo, rematted: Sequence[NodeInfo]) -> tuple[float, floa
         across = [mine[u] + mine[v] for u in {a[0], a[-1]} for v in {b[0], b[-1]} if u != v] if b else []
         return float(max(inside + across + [mine[u] for u in a]))
     peak = max(pairs(a, b) for a, b in zip(runs, runs[1:] + [None]))
-    end = max(pairs(runs[-1], None), pairs(runs[-2], runs[-1]) if len(runs) > 1 else 0.0)
+    last = runs[-1]  # the node the backward reaches last: its last two saves, or its one and the node before's
+    if len(last) > 1:
+        end = float(max(mine[last[0]] + mine[last[1]], mine[last[-2]] + mine[last[-1]]))
+    else:
+        end = float(mine[last[0]] + max([mine[v] for v in {runs[-2][0], runs[-2][-1]} - {last[0]}] + [0]
+                                        if len(runs) > 1 else [0]))
     return peak, min(end, peak)
 
 
-def _kept_bytes(st: StageInfo, remat: frozenset[str], offload: bool) -> tuple[float, list[NodeInfo]]:
-    """What a microbatch saves when the nodes in `remat` are recomputed on unpack, decided save by
-    save as the memory manager does: a storage a recipe stands for is not kept when every storage the
-    recipe reads is held on the device by then (offloaded, none is); the nodes recomputed. Storages
-    made on another stage or given to the model are not counted (held anyway)."""
+def _walk_saves(st: StageInfo, remat: frozenset[str], offload: bool, chosen: Sequence[Region] = ()
+                ) -> tuple[float, list[NodeInfo], set[str]]:
+    """(bytes, recomputed nodes, storage ids) a microbatch keeps when the nodes in `remat` are recomputed
+    on unpack and the `chosen` regions checkpointed, decided save by save as the memory manager does: a
+    storage a recipe stands for is not kept when every storage the recipe reads is held on the device by
+    then (offloaded, none is); a checkpointed region keeps what enters it and none of its nodes' saves.
+    Storages made on another stage or given to the model are not counted (held anyway)."""
     mine = {x.name: x for x in st.nodes}
+    starts = {r.nodes[0]: r for r in chosen}
+    off = {m for r in chosen for m in r.nodes}
     held: set[str] = set()
     kept, rematted = 0.0, {}
     for x in st.nodes:
+        for o in starts[x.name].entering if x.name in starts else ():
+            if o in mine and o not in held:
+                held.add(o)
+                kept += mine[o].out_bytes
+        if x.name in off:
+            continue
         for sid, nb in x.saved:
-            owner = sid.split("@")[0].split("#")[0]
+            owner = storage_owner(sid)
             if owner not in mine or sid in held:
                 continue
             if owner in remat and sid == owner and not (offload and mine[owner].reads) and \
@@ -323,7 +340,14 @@ def _kept_bytes(st: StageInfo, remat: frozenset[str], offload: bool) -> tuple[fl
                 continue
             held.add(sid)
             kept += nb
-    return kept, list(rematted.values())
+    return kept, list(rematted.values()), held
+
+
+def _kept_bytes(st: StageInfo, remat: frozenset[str], offload: bool) -> tuple[float, list[NodeInfo]]:
+    """What a microbatch saves when the nodes in `remat` are recomputed on unpack (_walk_saves), and the
+    nodes recomputed."""
+    kept, rematted, _ = _walk_saves(st, remat, offload)
+    return kept, rematted
 
 
 def _freed(st: StageInfo, remat: list[NodeInfo], offload: bool) -> tuple[float, list[NodeInfo]]:
@@ -382,33 +406,13 @@ def _region_saves(st: StageInfo, chosen: Sequence[Region], remat: frozenset[str]
     if not any(x.saved for x in st.nodes) or any(r.in_bytes and not r.entering for r in chosen):
         return None
     mine = {x.name: x for x in st.nodes}
-    starts = {r.nodes[0]: r for r in chosen}
-    off = {m for r in chosen for m in r.nodes}
-    held: set[str] = set()
-    kept = 0.0
-    for x in st.nodes:
-        if x.name in starts:
-            for o in starts[x.name].entering:
-                if o in mine and o not in held:
-                    held.add(o)
-                    kept += mine[o].out_bytes
-        if x.name in off:
-            continue
-        for sid, nb in x.saved:
-            owner = sid.split("@")[0].split("#")[0]
-            if owner not in mine or sid in held:
-                continue
-            if owner in remat and sid == owner and all(r in held for r in mine[owner].reads):
-                continue
-            held.add(sid)
-            kept += nb
+    kept, _, held = _walk_saves(st, remat, False, chosen)
     again = []
     for r in chosen:
         inside, seen, n = set(r.nodes), set(), 0.0
         for m in r.nodes:
             for sid, nb in mine[m].saved if m in mine else ():
-                owner = sid.split("@")[0].split("#")[0]
-                if owner in inside and sid not in held and sid not in seen:
+                if storage_owner(sid) in inside and sid not in held and sid not in seen:
                     seen.add(sid)
                     n += nb
         again.append(n)
@@ -475,6 +479,7 @@ def _candidates(st: StageInfo, recompute: str, offload: str, budget: float | Non
     out = []
     for r in streams:
         state = _state(st, optim_factor, r)
+        profile = _profile(st, r)  # where the streamed chunks are: the same for every kind of plan
         for kind in kinds:
             remat: list[NodeInfo] = []
             if kind == "selective":
@@ -496,7 +501,7 @@ def _candidates(st: StageInfo, recompute: str, offload: str, budget: float | Non
             if act_off:
                 c.move_ms += 2 * (st.act_bytes + st.loss_bytes) / st.copy_bytes_per_ms
             # a whole-stage checkpoint fetches chunks again as it recomputes: bounded by `state` instead
-            _predict(c, st, state, *per_mb, profile=None if kind == "full" else _profile(st, r),
+            _predict(c, st, state, *per_mb, profile=None if kind == "full" else profile,
                      work_end=None if kind == "full" else ring[1])
             out.append(c)
         if recompute == "auto" and len(st.regions) > 1:

@@ -444,6 +444,41 @@ def test_optimizer_state_factor_by_kind_and_options() -> None:
     assert optimizer_state_factor(torch.optim.LBFGS(ps)) is None  # not known: its first step tells
 
 
+class _OneCopy(torch.optim.Optimizer):
+    """A kind fxpipe does not know, keeping one tensor the size of each parameter."""
+
+    def __init__(self, params) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(params, {})
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def]
+        for g in self.param_groups:
+            for p in g["params"]:
+                self.state[p].setdefault("trace", torch.zeros_like(p)).add_(p.grad)
+
+
+def test_optimizer_factory_state_by_kind_or_by_one_probe_step() -> None:
+    import functools
+    from memory.manager import factory_state_factor
+    assert factory_state_factor(torch.optim.AdamW) == 2.0
+    assert factory_state_factor(functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)) == 1.0
+    assert factory_state_factor(_OneCopy) == 1.0  # measured after one step on a probe parameter
+    with pytest.raises(ValueError, match="LBFGS.*probe parameter failed.*attach_optimizer"):
+        factory_state_factor(torch.optim.LBFGS)  # its step needs a closure
+    with pytest.raises(ValueError, match="built int, not a torch.optim.Optimizer"):
+        factory_state_factor(lambda ps: 3)
+
+
+def test_recomputed_outputs_held_at_once_by_neighbouring_saves() -> None:
+    from memory.budget import _ring_peak
+    # the backward reaches Y before X; each unpacks its own saves in an order not known: with X's a
+    # unpacked last and Y's c first, a and c are held together (200)
+    nodes = (NodeInfo("a", 0.0, 100), NodeInfo("b", 0.0, 1), NodeInfo("c", 0.0, 100), NodeInfo("d", 0.0, 1),
+             NodeInfo("X", 0.0, 0, saved=(("a", 100), ("b", 1))), NodeInfo("Y", 0.0, 0, saved=(("c", 100), ("d", 1))))
+    st = StageInfo(index=0, nodes=nodes, act_bytes=0, loss_bytes=0, in_flight=1, param_bytes=0, comm_bytes=0)
+    assert _ring_peak(st, nodes[:4]) == (200.0, 101.0)  # the end: X's two, the last node the backward reaches
+    assert _ring_peak(st, nodes[1:2] + nodes[3:4]) == (2.0, 2.0)  # one each: Y's d, then X's b
+
+
 def test_attached_and_measured_optimizer_state_replace_the_planned_adam() -> None:
     from memory.budget import BudgetError
     gm = _toy()

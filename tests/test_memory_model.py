@@ -92,3 +92,6 @@ def test_timeline_points_follow_the_program_of_1f1b() -> None:
     room = room_per_mb(pts[0], 5000, 0, 50)
     assert peak_of(pts[0], room, 0, 50)[0] == pytest.approx(5000)
     assert room_per_mb(pts[0], 10, 0, 50) < 0  # the buffers alone do not fit: no microbatch can
+    # without a program: one point, the backward running (its whole working set, not what its end holds)
+    from memory.timeline import default_points
+    assert peak_of(default_points(2, 10), 1000, 0, 100, work_end=5)[0] == 2 * 1000 + 100 + 10
