@@ -45,6 +45,7 @@ class NodeCost:
     params: tuple[str, ...] = ()  # canonical names of the parameters it reads
     buffer_bytes: int = 0         # bytes of buffers and constant tensors it reads
     storage: str = ""             # the storage id its (first) output tensor lives in: a view's is its base's
+    ref_ms: float = 0.0           # forward + backward by the FLOP model (deterministic): measured plans' tie-break
 
 
 def storage_owner(sid: str) -> str:
@@ -336,8 +337,9 @@ def _measure(gm: torch.fx.GraphModule, flat_inputs: list[Any], costs: dict[str, 
         c.fwd_ms, c.bwd_ms = fwd[u], bwd[u]
 
 
-def _count_flops(gm: torch.fx.GraphModule, node: torch.fx.Node, env: dict[str, Any], cost: NodeCost) -> None:
-    """FLOPs of the node's forward and backward run in isolation, plus bytes moved, as ms."""
+def _count_flops(gm: torch.fx.GraphModule, node: torch.fx.Node, env: dict[str, Any], cost: NodeCost
+                 ) -> tuple[float, float]:
+    """FLOPs of the node's forward and backward run in isolation, plus bytes moved, as (fwd, bwd) ms."""
     def prep(n: torch.fx.Node) -> Any:
         v = env[n.name]
         if n.op == "get_attr":
@@ -360,8 +362,8 @@ def _count_flops(gm: torch.fx.GraphModule, node: torch.fx.Node, env: dict[str, A
             torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
         bwd_flops = bwd.get_total_flops()
     moved = cost.out_bytes + sum(_nbytes(_tensors(env[a.name])) for a in node.all_input_nodes)
-    cost.fwd_ms = fwd.get_total_flops() / FLOP_PER_MS + moved / BYTES_PER_MS
-    cost.bwd_ms = (bwd_flops / FLOP_PER_MS + 2 * moved / BYTES_PER_MS) if outs else 0.0
+    return (fwd.get_total_flops() / FLOP_PER_MS + moved / BYTES_PER_MS,
+            (bwd_flops / FLOP_PER_MS + 2 * moved / BYTES_PER_MS) if outs else 0.0)
 
 
 def node_costs(gm: torch.fx.GraphModule, flat_inputs: list[Any], *, cost: str = "measured",
@@ -373,7 +375,8 @@ def node_costs(gm: torch.fx.GraphModule, flat_inputs: list[Any], *, cost: str = 
     cost="measured" runs the whole graph node by node (median of `repeats` after a
     warm-up), times each node's forward, gives each node the backward time of the autograd
     nodes its forward created, and fits both to a clean timing of the whole graph.
-    cost="flops" counts FLOPs and bytes moved per node in isolation (deterministic).
+    cost="flops" counts FLOPs and bytes moved per node in isolation (deterministic); both give
+    that count as `ref_ms`, which measured plans break near-ties with (stable across launches).
     """
     if cost not in ("measured", "flops"):
         raise ValueError(f"cost must be 'measured' or 'flops', got {cost!r}")
@@ -402,11 +405,14 @@ def node_costs(gm: torch.fx.GraphModule, flat_inputs: list[Any], *, cost: str = 
                 else:
                     c.saved_inputs.add(storage_owner(sid))
             out[node.name] = c
-        if cost == "flops":
-            for node in gm.graph.nodes:
-                if _is_call(node):
-                    _count_flops(gm, node, p.env, out[node.name])
-        else:
+        for node in gm.graph.nodes:
+            if _is_call(node):
+                c = out[node.name]
+                fwd_ms, bwd_ms = _count_flops(gm, node, p.env, c)
+                c.ref_ms = fwd_ms + bwd_ms
+                if cost == "flops":
+                    c.fwd_ms, c.bwd_ms = fwd_ms, bwd_ms
+        if cost == "measured":
             del p
             readers: dict[str, int] = {}
             for c in out.values():

@@ -121,15 +121,16 @@ def coarsen(g: nx.DiGraph, param_bytes: dict[str, int], *, max_blocks: int = 200
 
     act = _activation_bytes(g, members, set(pos))
     pid: dict[str, int] = {}
-    fwd, bwd, params = [], [], []
+    fwd, bwd, ref, params = [], [], [], []
     for block in members:
         costs: list[NodeCost] = [g.nodes[u]["cost"] for u in block]
         fwd.append(sum(c.fwd_ms for c in costs))
         bwd.append(sum(c.bwd_ms for c in costs))
+        ref.append(sum(c.ref_ms for c in costs))
         params.append(tuple(sorted({pid.setdefault(p, len(pid)) for c in costs for p in c.params})))
     names = list(pid)
     chain = Chain(fwd_ms=np.array(fwd), bwd_ms=np.array(bwd), act_bytes=np.array(act, dtype=np.float64),
                   params=params, param_bytes={i: param_bytes[p] for i, p in enumerate(names)},
                   cut_bytes=np.array([0.0] + [float(live[i]) for i in cuts] + [0.0]),
-                  names=[b[0] for b in members])
+                  names=[b[0] for b in members], ref_ms=np.array(ref) if any(ref) else None)
     return Blocks(chain=chain, members=members, replicated=rep, param_names=names)

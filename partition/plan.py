@@ -193,9 +193,9 @@ def parse_bytes(x: float | int | str | None) -> float | None:
             raise PlanError(f"memory budget {x!r} is not a size; write e.g. 8GiB, 512MiB, 2GB or a "
                             "number of bytes")
         value = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if value <= 0:
-        raise PlanError(f"memory budget must be positive, got {x!r}; give the bytes each stage may "
-                        "use, e.g. 8GiB, or no budget at all")
+    if not value > 0 or value == float("inf"):
+        raise PlanError(f"memory budget must be positive and finite, got {x!r}; give the bytes each "
+                        "stage may use, e.g. 8GiB, or no budget at all")
     return value
 
 

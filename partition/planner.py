@@ -233,7 +233,8 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
          bytes_per_ms: float = 1e6, latency_ms: float = 0.05, state_factor: float = 4.0,
          max_blocks: int = 2000, analysis: Analysis | None = None, recompute: str = "none",
          offload: str = "none", loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-         example_target: Any = None, progress: Callable[[str], None] | None = None) -> Plan:
+         example_target: Any = None, progress: Callable[[str], None] | None = None,
+         stable_within: float = 0.1) -> Plan:
     """Balanced stages for `model`, found by the exact solver under a per-stage memory budget.
 
     `example_args`/`example_kwargs` are one microbatch. Memory per stage counts parameters
@@ -251,6 +252,11 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
     linear layer too slow for one stage that feeds a cross entropy is spread over stages
     by vocabulary slices (partition.rewrite.vocab_parallel). `progress` receives a line at
     each phase (tracing, costing, solving), for a command line to show.
+    With measured costs, which differ between launches by noise, splits whose slowest stage is
+    within `stable_within` (10%) of the fastest measured split's count as equal, and the most
+    even among them by FLOP count is taken: a fresh launch gets the same cuts unless its
+    measurements move a stage by more than that (the plan's notes say when this choice is not
+    the fastest measured split, and by how much).
     """
     if isinstance(n_stages, bool) or not isinstance(n_stages, int) or n_stages < 1:
         raise PlanError(f"n_stages must be a positive integer (one per pipeline stage), got {n_stages!r}; "
@@ -276,7 +282,8 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
     with_params = sum(1 for ps in a.chain.params if ps)
     cm = CostModel(bytes_per_ms=bytes_per_ms, latency_ms=latency_ms, state_factor=state_factor,
                    in_flight=tuple(flights), speeds=tuple(speeds) if speeds is not None else None,
-                   memory_budget=budget, params_every_stage=with_params >= n_stages)
+                   memory_budget=budget, params_every_stage=with_params >= n_stages,
+                   tolerance=stable_within if a.cost == "measured" else 0.0)
     kept = memory_check(cm, recompute, offload)
     floor = kept.activation_floor
     if progress is not None:
@@ -303,6 +310,13 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
             "recompute/offload activations", need) from None
     if analysis is None:
         a, sol = split_heavy_ops(a, sol, n_stages, kept)
+    if kept.tolerance > 0:
+        fastest = solve(a.chain, n_stages, dataclasses.replace(kept, tolerance=0.0))
+        if fastest.bounds != sol.bounds:
+            a.notes.append(f"measured costs: these cuts are the most even by FLOPs among the splits within "
+                           f"{kept.tolerance:.0%} of the fastest measured one (stable across launches); the "
+                           f"fastest measured split predicts {fastest.bottleneck_ms:.2f} ms for the slowest "
+                           f"stage, this one {sol.bottleneck_ms:.2f} ms (pass stable_within=0 for it)")
     return plan_from_bounds(a, sol.bounds, cm, schedule=schedule, microbatches=M,
                             stages_per_rank=stages_per_rank, memory_budget=budget)
 

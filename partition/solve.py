@@ -59,6 +59,7 @@ class Chain:
     param_bytes: dict[int, int]  # bytes per parameter id
     cut_bytes: Floats  # (n+1,) bytes live across boundary i; 0 at both ends
     names: Sequence[str] | None = None
+    ref_ms: Floats | None = None  # (n,) fwd+bwd by a deterministic model (FLOPs): breaks near-ties stably
     _work: Floats = field(init=False, repr=False)  # (n+1,) prefix sum of fwd+bwd
     _act: Floats = field(init=False, repr=False)  # (n+1,) prefix sum of act_bytes
 
@@ -87,6 +88,8 @@ class Chain:
             put(self, "names", tuple(self.names))
             if len(self.names) != n:
                 raise PartitionError(f"Chain.names has {len(self.names)} entries, expected {n}")
+        if self.ref_ms is not None:
+            put(self, "ref_ms", _floats("ref_ms", self.ref_ms, n))
         put(self, "_work", np.concatenate([[0.0], np.cumsum(self.fwd_ms + self.bwd_ms)]))
         put(self, "_act", np.concatenate([[0.0], np.cumsum(self.act_bytes)]))
 
@@ -112,12 +115,16 @@ class CostModel:
     # received inputs and sent outputs, no saved activations (memory/ may recompute or offload any of
     # them, in regions finer than a block), so no split memory/ can fit is refused
     activation_floor: bool = False
+    # measured costs are noisy: splits whose slowest stage is within this fraction of the fastest
+    # split's count as equal, and among them the most even by Chain.ref_ms is taken (0: the most
+    # even by the measured times), so a fresh measurement gives the same split
+    tolerance: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.bytes_per_ms > 0:
             raise PartitionError(f"CostModel.bytes_per_ms={self.bytes_per_ms} must be positive "
                                  "(inf prices transfers at latency_ms alone)")
-        for name in ("latency_ms", "state_factor", "extra_bytes"):
+        for name in ("latency_ms", "state_factor", "extra_bytes", "tolerance"):
             if not getattr(self, name) >= 0:
                 raise PartitionError(f"CostModel.{name}={getattr(self, name)} must be >= 0")
 
@@ -235,8 +242,10 @@ def _memory_rows(chain: Chain, cost: CostModel, per: _PerStage) -> Iterator[Floa
 
 def _time_rows(chain: Chain, cost: CostModel, per: _PerStage, *, limit: float = _INF,
                square: bool = False) -> Iterator[Floats]:
-    """For b = 1..n, (k, b) time of a last stage [a, b); inf where memory or `limit` forbid."""
+    """For b = 1..n, (k, b) time of a last stage [a, b); inf where memory or `limit` forbid.
+    `square`: the square of the stage's time by Chain.ref_ms where the chain has them."""
     comm, work, speed = _comm(chain, cost), chain._work, _column(per.speed)
+    ref = work if chain.ref_ms is None else np.concatenate([[0.0], np.cumsum(chain.ref_ms)])
     mems = _memory_rows(chain, cost, per) if per.budget is not None else None
     budget = _column(per.budget) if per.budget is not None else None
     held = np.concatenate([[0], np.cumsum([len(p) > 0 for p in chain.params])])  # (n+1,) blocks with params
@@ -248,7 +257,10 @@ def _time_rows(chain: Chain, cost: CostModel, per: _PerStage, *, limit: float = 
             t = np.where(next(mems) <= budget, t, _INF)
         if limit < _INF:
             t = np.where(t <= limit, t, _INF)
-        yield t * t if square else t
+        if square:
+            r = np.asarray(_time(ref[b] - ref[:b], speed, comm[:b], comm[b]))
+            t = np.where(np.isfinite(t), r * r, _INF)
+        yield t
 
 
 def _dp(n: int, n_stages: int, rows: Iterator[Floats], *, add: bool
@@ -283,9 +295,11 @@ def solve(chain: Chain, n_stages: int, cost: CostModel = CostModel()) -> Solutio
     sec. 8.5) as used by PipeDream's planner: D[s][b] = min_a max(D[s-1][a], T_s(a, b)),
     with stages whose M_s(a, b) exceeds the budget excluded inside the recurrence.
     Complexity O(S n^2) time, vectorised over (s, a) for each b; O(S n) memory.
-    Ties: a second DP of the same cost keeps the optimal bottleneck as a bound and
-    minimises the sum of squared stage times (the most even partition); exact ties
-    left after that go to the earliest cut (smallest start of each later stage).
+    Ties: a second DP of the same cost keeps the optimal bottleneck (times 1 + the cost
+    model's `tolerance`) as a bound and minimises the sum of squared stage times (the most even
+    partition; by the chain's deterministic `ref_ms` where it has them, so that measurement
+    noise within the tolerance does not move the cuts); exact ties left after that go to the
+    earliest cut (smallest start of each later stage).
     """
     _check_stages(chain, n_stages)
     per = _per_stage(cost, n_stages)
@@ -299,8 +313,8 @@ def solve(chain: Chain, n_stages: int, cost: CostModel = CostModel()) -> Solutio
             f"{cost.memory_budget} bytes: it needs at least {human_bytes(needed, 2)} per stage "
             f"(uniform budget of {needed:.0f} bytes); raise the budget, use more stages, or "
             "reduce activation memory with recompute/offload", needed)
-    spread, arg = _dp(n, n_stages, _time_rows(chain, cost, per, limit=bottleneck, square=True),
-                      add=True)
+    limit = bottleneck * (1.0 + cost.tolerance)
+    spread, arg = _dp(n, n_stages, _time_rows(chain, cost, per, limit=limit, square=True), add=True)
     assert np.isfinite(spread[n_stages - 1, n]), "second pass lost the optimum"
     bounds = [n]
     for s in range(n_stages - 1, 0, -1):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -103,7 +104,8 @@ class Pipeline:
 
     def __init__(self, model: torch.nn.Module, example_args: Sequence[Any], *,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None, microbatches: int = 8,
-                 schedule: str = "1f1b", plan: Plan | str | None = None, stages_per_rank: int | None = None,
+                 schedule: str = "1f1b", plan: Plan | str | Path | None = None,
+                 stages_per_rank: int | None = None,
                  example_kwargs: dict[str, Any] | None = None, cost: str = "measured",
                  memory_budget: float | str | None = None, dynamic_shapes: bool = False,
                  recompute: str = "none", offload: str = "none", skip_nonfinite: bool = False,
@@ -138,6 +140,7 @@ class Pipeline:
         self.dynamic = dynamic_shapes
         self.skip_nonfinite = skip_nonfinite
         self.steps_done = 0
+        self.loaded: Any = None  # what the last load restored (pipe.checkpoint.Loaded)
         self.schedule_name = schedule
         try:
             full = build(schedule, self.world, microbatches, stages_per_rank)
@@ -200,10 +203,12 @@ class Pipeline:
 
     # ----- set-up -----
     def _agree_on_plan(self, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                       plan: Plan | str | None, cost: str, budget: float | str | None,
+                       plan: Plan | str | Path | None, cost: str, budget: float | str | None,
                        features: tuple[str, str] = ("none", "none"), example_target: Any = None) -> Plan:
-        if isinstance(plan, str):
-            plan = Plan.load(plan)
+        if isinstance(plan, (str, Path)):
+            from pipe import checkpoint
+            # a checkpoint's folder: the plan it was made with (a resume that is bitwise), else a plan file
+            plan = checkpoint.read_plan(plan) if Path(plan).is_dir() else Plan.load(plan)
         if plan is None:
             flights = [in_flight_limit(self.schedule_name, self.S, self.M, s, self.v) for s in range(self.S)]
             # measured costs: the link measured too (ranks 0 and 1), so cuts weigh real transfer times
@@ -340,15 +345,25 @@ class Pipeline:
                 out[k] = b
         return out
 
-    def save(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> str:
-        """Checkpoint every rank's stages (collective); see pipe.checkpoint.save."""
+    def save(self, path: str | Path, optimizer: torch.optim.Optimizer | None = None,
+             extra: dict[str, Any] | None = None, keep: int = 1) -> str:
+        """Checkpoint every rank's stages, the optimizer and the loop's `extra` state (collective);
+        returns the version folder written. See pipe.checkpoint.save."""
         from pipe import checkpoint
-        return str(checkpoint.save(self, path, optimizer))
+        return str(checkpoint.save(self, path, optimizer, extra=extra, keep=keep))
 
-    def load(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> int:
-        """Resume from `save`'s folder (collective); returns the number of steps done."""
+    def load(self, path: str | Path, optimizer: torch.optim.Optimizer | None = None) -> int:
+        """Resume from a checkpoint any plan of this model saved (collective); returns the number of
+        steps done. `self.loaded` then holds the extra state saved with it (pipe.checkpoint.Loaded)."""
         from pipe import checkpoint
-        return checkpoint.load(self, path, optimizer)
+        self.loaded = checkpoint.load(self, path, optimizer)
+        return self.loaded.step
+
+    def load_model_state(self, path: str | Path) -> None:
+        """Load a state dict of the unpartitioned model (.pt, .safetensors, a folder of Hugging Face
+        shards, or a checkpoint), each rank reading only its tensors (collective)."""
+        from pipe import checkpoint
+        checkpoint.load_model_state(self, path)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """On rank 0: a state dict that loads into the unpartitioned model; None on other ranks."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -309,3 +310,26 @@ def test_a_parameterless_stage_only_when_asked_for() -> None:
     assert held.bounds == (0, 1, 3)
     with pytest.raises(InfeasibleBudget):
         solve(raw.chain(), 3, CostModel(bytes_per_ms=math.inf, latency_ms=0.0, params_every_stage=True))
+
+
+def test_measured_noise_within_the_tolerance_keeps_the_cuts() -> None:
+    """Costs measured again (each block off by up to 30%, the whole run up to 2x slower) give the
+    same split when near-ties go by the deterministic reference; by the measured times they do not."""
+    rng = np.random.default_rng(0)
+    ref = np.tile([0.3, 1.0, 0.2, 2.0, 0.5], 12)  # a transformer-like repeat of small and big ops
+    n = ref.size
+
+    def measured(r: np.random.Generator) -> Chain:
+        t = ref * r.uniform(0.7, 1.3, n) * r.uniform(1.0, 2.0)
+        return Chain(fwd_ms=t / 3, bwd_ms=2 * t / 3, act_bytes=np.ones(n), params=[(i,) for i in range(n)],
+                     param_bytes={i: 1 for i in range(n)}, cut_bytes=np.r_[0.0, np.full(n - 1, 10.0), 0.0],
+                     ref_ms=ref)
+    for stages in (2, 4):
+        stable = {solve(measured(rng), stages, CostModel(tolerance=0.1)).bounds for _ in range(30)}
+        noisy = {solve(dataclasses.replace(measured(rng), ref_ms=None), stages, CostModel()).bounds
+                 for _ in range(30)}
+        assert len(stable) == 1, stable
+        assert len(noisy) > 1  # what the tolerance removes
+        c = measured(rng)
+        best, fastest = solve(c, stages, CostModel(tolerance=0.1)), solve(c, stages, CostModel())
+        assert fastest.bottleneck_ms <= best.bottleneck_ms <= 1.1 * fastest.bottleneck_ms
