@@ -693,7 +693,12 @@ class _Source:
                     from safetensors import safe_open
                     self._open[f] = safe_open(str(f), framework="pt")
                 else:
-                    self._open[f] = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+                    try:  # mapped, so a rank reads only the tensors it asks for
+                        self._open[f] = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+                    except RuntimeError as e:
+                        if "mmap" not in str(e):
+                            raise
+                        self._open[f] = torch.load(f, map_location="cpu", weights_only=True)  # a legacy .pt
             except Exception as e:  # noqa: BLE001 - torch.load refuses pickled code; all is a damaged file
                 raise CheckpointError(f"{f} cannot be read as a state dict ({type(e).__name__}: {str(e)[:300]}); "
                                       "the file is damaged or holds pickled objects, which are never loaded") from None
