@@ -23,6 +23,7 @@ objects in the data, so no pickled code ever runs; any failure is raised as the 
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -33,6 +34,7 @@ import random
 import re
 import shutil
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -227,6 +229,14 @@ class _Planner(DefaultLoadPlanner):
                               "loads tensors only and never runs pickled code")
 
 
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """DCP warns on every call without a group that it assumes one process; that is meant here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def _dcp_error(e: BaseException) -> str:
     """One line for a DCP failure: each failing rank's exception, without the tracebacks."""
     if isinstance(e, CheckpointException):
@@ -242,7 +252,8 @@ def _dcp_error(e: BaseException) -> str:
 def _dcp_load(state: dict[str, torch.Tensor], folder: Path, no_dist: bool = False) -> None:
     """DCP loads `state` in place; its errors (gathered on every rank by DCP) become CheckpointError."""
     try:
-        dcp.load(state, storage_reader=_Reader(folder), planner=_Planner(), no_dist=no_dist or not _group())
+        with _quiet():
+            dcp.load(state, storage_reader=_Reader(folder), planner=_Planner(), no_dist=no_dist or not _group())
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # DCP's (a BaseException) holds every rank's failure
@@ -412,7 +423,8 @@ def save(pp: "Pipeline", path: str | Path, optimizer: torch.optim.Optimizer | No
 
     info = _everywhere(prepare)
     try:
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder, sync_files=True), no_dist=not _group())
+        with _quiet():
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder, sync_files=True), no_dist=not _group())
         error = None
     except (Exception, CheckpointException) as e:  # DCP gathers every rank's failure and raises it on all
         error = f"writing {folder} failed ({_dcp_error(e)}); check the disk has room and the folder is writable"

@@ -244,6 +244,11 @@ def test_resume_on_any_plan_and_refuse_damage_alike(tmp_path: Path) -> None:
     w.model.load_state_dict(checkpoint.load_full_state_dict(ckpt), strict=True)
     opt = torch.optim.AdamW(w.model.parameters(), lr=1e-2)
     assert checkpoint.load_full_optimizer_state(ckpt, w.model, opt) == K
+    saved_m = {n: t for s in saved for n, t in s["moments"].items()}
+    named = dict(w.model.named_parameters())
+    assert set(saved_m) == set(named)
+    for n, t in saved_m.items():
+        torch.testing.assert_close(opt.state[named[n]]["exp_avg"], t, rtol=0, atol=0)
     plain = []
     for step in range(K, TOTAL):
         args, target = w.make_batch(16, step)
@@ -251,7 +256,7 @@ def test_resume_on_any_plan_and_refuse_damage_alike(tmp_path: Path) -> None:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        plain.append(float(loss))
+        plain.append(float(loss.detach()))
     _close(plain, ref["rest"])
     # exported as one file (and as HF-style shards), loadable strictly outside fxpipe
     assert checkpoint.main(["export", str(ckpt), "--to", str(tmp_path / "model.safetensors")]) == 0
@@ -292,7 +297,6 @@ def test_resume_on_any_plan_and_refuse_damage_alike(tmp_path: Path) -> None:
         _close(got["from offload"]["rest"], ref["off_rest"])
         assert len(got["2 per rank"]["bounds"]) == 4
     # AdamW's moments, by name, on whichever rank holds each parameter now
-    saved_m = {n: t for s in saved for n, t in s["moments"].items()}
     for got in [res[0]["measured"], res[1]["measured"], res[0]["2 per rank"], *[f for f in four]]:
         moments = got["moments"]
         assert moments
