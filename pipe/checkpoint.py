@@ -833,11 +833,16 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--allow-nonfinite", action="store_true", help="export NaN/inf values instead of refusing")
     show = sub.add_parser("show", help="print what a checkpoint holds")
     show.add_argument("dir")
+    plan = sub.add_parser("plan", help="write the plan the checkpoint was made with (for --plan / plan=)")
+    plan.add_argument("dir")
+    plan.add_argument("--to", required=True, help="the plan file to write, e.g. plan.json")
     a = p.parse_args(argv)
     try:
         if a.command == "export":
             out = export(a.dir, a.to, allow_nonfinite=a.allow_nonfinite)
             print(f"wrote {out}")
+        elif a.command == "plan":
+            print(f"wrote {read_plan(a.dir).save(a.to)}")
         else:
             folder = resolve(a.dir)
             manifest = _manifest(folder)

@@ -261,6 +261,9 @@ def test_resume_on_any_plan_and_refuse_damage_alike(tmp_path: Path) -> None:
     # exported as one file (and as HF-style shards), loadable strictly outside fxpipe
     assert checkpoint.main(["export", str(ckpt), "--to", str(tmp_path / "model.safetensors")]) == 0
     assert checkpoint.main(["export", str(ckpt), "--to", str(tmp_path / "model.pt")]) == 0
+    assert checkpoint.main(["plan", str(ckpt), "--to", str(tmp_path / "plan.json")]) == 0
+    assert [st.params for st in partition.Plan.load(tmp_path / "plan.json").stages] == ref["bounds"]
+    assert checkpoint.main(["show", str(ckpt)]) == 0 and checkpoint.main(["show", str(tmp_path)]) == 2
     full = checkpoint.load_full_state_dict(ckpt)
     from safetensors.torch import load_file, save_file
     for exported in (load_file(str(tmp_path / "model.safetensors")),
