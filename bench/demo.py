@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks),
            "--master-port", str(port), "-m", "pipe.run", "gpt_text", "--schedule", args.schedule,
-           "--microbatches", "8", "--steps", str(args.steps), "--cost", "measured", "--out", args.out]
+           "--microbatches", "8", "--steps", str(args.steps), "--cost", "measured", "--out", args.out, "--overwrite"]
     print("$ " + " ".join(cmd), flush=True)
     return subprocess.call(cmd)
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import math
 import os
 import socket
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Protocol, Sequence
@@ -17,7 +19,7 @@ import torch.distributed as dist
 from partition.errors import FxpipeError, first_line
 
 __all__ = ["PeerLost", "RemoteError", "guarded", "fail_everywhere", "first_failure", "report_lost", "follow_lost",
-           "Context", "init", "context",
+           "Context", "init", "context", "finish", "timeout_setting", "TimeoutSettingError", "DEFAULT_TIMEOUT_S",
            "Transport", "TorchTransport", "LaunchError", "Work", "alloc_layout", "to_layout", "is_dense",
            "measure_link"]
 
@@ -39,10 +41,20 @@ class RemoteError(FxpipeError, RuntimeError):
     """Another rank failed with an error of its own, and this rank stopped with it."""
 
 
-_ERROR_KEY, _FAILURES_KEY, _STOPPED_KEY = "fxpipe/error", "fxpipe/failures", "fxpipe/stopped"
+class TimeoutSettingError(LaunchError, ValueError):
+    """The communication timeout given is not a positive, finite number of seconds."""
+
+
+DEFAULT_TIMEOUT_S = 300.0
+_ERROR_KEY, _FAILURES_KEY = "fxpipe/error", "fxpipe/failures"
 _LOST_KEY = "fxpipe/lost/"  # + rank: the rank it could not reach
+_DONE_KEY = "fxpipe/done/"  # + rank: that rank is leaving (finish), its failure named
 _KEPT: list[Any] = []  # the store outlives the process group it served, for the failure protocol
-_TIMEOUT_S = [300.0]   # the process group's timeout (init's timeout_s)
+_TIMEOUT_S = [DEFAULT_TIMEOUT_S]  # the process group's timeout (init's timeout_s)
+_FAILED = [False]  # this rank saw the job fail: a lost rank, another rank's error, or its own
+_MPI: list[Any] = []  # (mpi4py.MPI, whether finish finalizes it) once the rendezvous used MPI
+_STORE_OP_S = 5.0  # the longest a store operation of the failure protocol waits
+_LINGER_S = 5.0    # how long finish waits at most for the ranks still naming a failure
 
 
 @contextlib.contextmanager
@@ -55,13 +67,20 @@ def guarded(what: str, peer: int | None = None) -> Iterator[None]:
     except PeerLost:
         raise
     except Exception as e:  # gloo and NCCL raise RuntimeError subclasses of many kinds
+        _FAILED[0] = True
         who = "another rank" if peer is None else f"rank {peer}"
         early = time.monotonic() - start < _TIMEOUT_S[0] / 2
         raise PeerLost(f"{what} with {who} failed ({type(e).__name__}: {first_line(e)})", peer, early) from e
 
 
 def _store() -> Any:
+    """The rendezvous store, kept for after the teardown, each operation bounded by a few seconds
+    (were its host unreachable, each would wait the whole timeout)."""
     store = dist.distributed_c10d._get_default_store()
+    layer: Any = store
+    while layer is not None:  # PrefixStores around the TCPStore: each has a timeout of its own
+        layer.set_timeout(datetime.timedelta(seconds=min(_STORE_OP_S, _TIMEOUT_S[0])))
+        layer = getattr(layer, "underlying_store", None)
     _KEPT.append(store)
     return store
 
@@ -79,12 +98,13 @@ def follow_lost(peer: int, early: bool, me: int) -> tuple[int, list[int]]:
     not reach, follow what each rank reported it could not reach (report_lost) to a rank that
     reported nothing. A peer whose process ended (`early`) has reported already, if it ever will;
     one that timed out may be waiting on its own peer, so its report gets longer to arrive
-    (a tenth of the timeout, 3 s to 30 s). Works after this rank's process group is torn down."""
+    (a tenth of the timeout, 1 s to 15 s: a survivor ends within the timeout + 30 s). Works after
+    this rank's process group is torn down."""
     chain = [peer]
     store = _store() if dist.is_initialized() else (_KEPT[-1] if _KEPT else None)  # kept past a teardown
     if store is None:
         return peer, chain
-    patience = 1.0 if early else min(max(3.0, _TIMEOUT_S[0] / 10), 30.0)
+    patience = 1.0 if early else min(max(1.0, _TIMEOUT_S[0] / 10), 15.0)
     while len(chain) <= 64:
         key = f"{_LOST_KEY}{chain[-1]}"
         try:
@@ -104,11 +124,12 @@ def fail_everywhere(message: str) -> None:
     _stop for when that is)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
+    _FAILED[0] = True
     store = _store()
     with contextlib.suppress(Exception):  # the store may be gone with a dead rank 0
         if int(store.add(_FAILURES_KEY, 1)) == 1:
             store.set(_ERROR_KEY, message)
-    _stop(store)
+    _stop()
 
 
 def first_failure(timeout_s: float = 1.0) -> str | None:
@@ -117,33 +138,24 @@ def first_failure(timeout_s: float = 1.0) -> str | None:
     rank's process group too."""
     if not dist.is_initialized():
         return None
+    _FAILED[0] = True
     store = _store()
     message = None
     with contextlib.suppress(Exception):
         store.wait([_ERROR_KEY], datetime.timedelta(seconds=timeout_s))
         message = store.get(_ERROR_KEY).decode()
-    _stop(store)
+    _stop()
     return message
 
 
-def _stop(store: Any) -> None:
+def _stop() -> None:
     """Abort this rank's process group. Under gloo a rank waiting on this one wakes when this
     process exits (its pending operations hold the connections open until then), and reads the
-    first failure from the store. Where rank 0 hosts the store (mpirun; torchrun's agent hosts it
-    elsewhere) rank 0 waits a few seconds at most until every rank has stopped, so that its
-    neighbours can still read it; ranks further away may then find the store gone and report a
-    lost peer."""
-    world = dist.get_world_size()
-    rank = -1 if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else dist.get_rank()
+    first failure from the store (see finish for how long a rank stays for the others)."""
     if dist.get_backend() == "nccl":
         dist.distributed_c10d._abort_process_group()
     else:
         dist.destroy_process_group()
-    with contextlib.suppress(Exception):
-        store.add(_STOPPED_KEY, 1)
-        deadline = time.monotonic() + 3.0
-        while rank == 0 and int(store.add(_STOPPED_KEY, 0)) < world and time.monotonic() < deadline:
-            time.sleep(0.02)
 
 
 @dataclass(frozen=True)
@@ -168,20 +180,54 @@ def _int_env(*names: str) -> int | None:
 
 
 def _mpi_rendezvous(rank: int) -> tuple[str, int]:
-    """Rank 0 picks an address and a free port; MPI broadcasts them to every rank."""
+    """Rank 0 starts the store host (_store_host) and MPI broadcasts its address and port to every
+    rank. MPI stays initialized (a rank that exits without MPI_Finalize makes mpiexec end the job)
+    and `finish`, not mpi4py's exit hook, finalizes it: after a failure it does not."""
     try:
-        from mpi4py import MPI
+        import mpi4py
     except ImportError as e:
         raise LaunchError("started by mpirun (MPI environment variables found) but mpi4py is not "
                           "installed; fix: pip install 'fxpipe[mpi]'") from e
     addr_port: tuple[str, int] | None = None
-    if rank == 0:
+    if rank == 0:  # forked before MPI starts
         addr = os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname())
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            addr_port = (addr, int(s.getsockname()[1]))
+        addr_port = (addr, _store_host(addr))
+    ours = "mpi4py.MPI" not in sys.modules  # else its importer set the exit hook already
+    if ours:
+        mpi4py.rc.finalize = False
+    from mpi4py import MPI
+    _MPI[:] = [MPI, ours]
     result: tuple[str, int] = MPI.COMM_WORLD.bcast(addr_port, root=0)
     return result
+
+
+def _store_host(addr: str) -> int:
+    """Under mpirun: fork a process to host the rendezvous store, as torchrun's agent hosts it, so
+    that it answers while rank 0 is frozen (a stopped process's store blocks every rank that asks
+    it); it ends once rank 0 has ended. Returns the store's port."""
+    read, write = os.pipe()
+    if os.fork() == 0:  # the host: no MPI, no exit handlers, no output
+        code = 1
+        with contextlib.suppress(BaseException):
+            os.close(read)
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            parent = os.getppid()
+            store = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False)
+            os.write(write, str(store.port).encode())
+            os.close(write)
+            while os.getppid() == parent:
+                time.sleep(0.2)
+            code = 0
+        os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as f:
+        port = f.read()
+    if not port.isdigit():
+        raise LaunchError(f"rank 0 could not start the rendezvous store on {addr}; set MASTER_ADDR to "
+                          "an address of this host the other ranks reach")
+    return int(port)
 
 
 def _detect() -> tuple[str, int, int, int]:
@@ -198,17 +244,39 @@ def _detect() -> tuple[str, int, int, int]:
     return "single", 0, 1, 0
 
 
-def init(*, backend: str | None = None, timeout_s: float = 300.0) -> Context:
+def timeout_setting(value: object, source: str = "timeout_s") -> float:
+    """`value` (a number, or its text from the command line or the environment) as the
+    communication timeout in seconds; `source` names where it came from, for the error."""
+    try:
+        seconds = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if isinstance(value, bool) or not (math.isfinite(seconds) and seconds > 0):
+        raise TimeoutSettingError(f"{source} must be a positive, finite number of seconds, got {value!r}; "
+                                  f"give e.g. 60, or leave it unset for the default {DEFAULT_TIMEOUT_S:g} s")
+    return seconds
+
+
+def init(*, backend: str | None = None, timeout_s: float | None = None) -> Context:
     """Start torch.distributed from the launcher's environment; idempotent.
 
     torchrun: RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT. mpirun/mpiexec (MPICH, Open MPI,
     MVAPICH): rank and size from the MPI variables, rendezvous through mpi4py. Neither:
     one process. Backend: NCCL when CUDA is available, else gloo. `timeout_s` bounds every
-    wait on another rank, so a lost rank ends the others with an error instead of a hang.
+    wait on another rank, so a lost rank ends the others with an error instead of a hang
+    (default: $FXPIPE_TIMEOUT, else 300 s). Every survivor of a lost rank exits within the
+    timeout + 30 s, under every launcher (see finish).
     """
     global _CONTEXT
     if _CONTEXT is not None:
         return _CONTEXT
+    env_timeout = os.environ.get("FXPIPE_TIMEOUT", "")
+    if timeout_s is not None:
+        timeout_s = timeout_setting(timeout_s)
+    elif env_timeout.strip():
+        timeout_s = timeout_setting(env_timeout, "FXPIPE_TIMEOUT")
+    else:
+        timeout_s = DEFAULT_TIMEOUT_S
     launcher, rank, world, local_rank = _detect()
     cuda = torch.cuda.is_available()
     backend = backend or ("nccl" if cuda else "gloo")
@@ -225,25 +293,55 @@ def init(*, backend: str | None = None, timeout_s: float = 300.0) -> Context:
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
         elif launcher == "mpi":
             addr, port = _mpi_rendezvous(rank)
-            dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
-                                    world_size=world, timeout=timeout)
+            store = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         else:
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 s.bind(("127.0.0.1", 0))
                 port = int(s.getsockname()[1])
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
                                     world_size=1, timeout=timeout)
-    atexit.register(_shutdown)
+    atexit.register(finish)
     _CONTEXT = Context(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
                        device=device, backend=backend, launcher=launcher)
     return _CONTEXT
 
 
-def _shutdown() -> None:
-    """Destroy the process group at exit: left to C++ destructors, gloo's threads have aborted
-    finished processes ("terminate called without an active exception")."""
-    if dist.is_initialized():
+def finish() -> None:
+    """End this rank's part in the job; init registers it to run at exit, and a command line may
+    call it before os._exit. Normally: destroy the process group, finalize MPI. After a failure
+    (this rank's own, another's, a lost rank): wait while a rank still names it, 5 s at most (a
+    launcher ends every rank once one exits non-zero), and leave MPI unfinalized: MPI_Finalize
+    waits for every rank, a frozen one too, while a rank that exits without it makes mpiexec end
+    the job. Where mpi4py was imported before init (its exit hook finalizes), abort the job."""
+    if _FAILED[0]:
+        _linger()
+        if _MPI and not _MPI[1]:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            _MPI[0].COMM_WORLD.Abort(1)
+        return
+    if dist.is_initialized():  # left to C++ destructors, gloo's threads abort a finished process
         dist.destroy_process_group()
+    if _MPI and _MPI[1] and not _MPI[0].Is_finalized():
+        _MPI[0].Finalize()
+
+
+def _linger() -> None:
+    """Mark this rank as leaving, then wait (_LINGER_S at most) while a rank that began naming the
+    failure (it reported what it could not reach) has not left yet."""
+    store = _KEPT[-1] if _KEPT else None
+    if store is None or _CONTEXT is None:
+        return
+    me, world = _CONTEXT.rank, _CONTEXT.world_size
+    deadline = time.monotonic() + _LINGER_S
+    with contextlib.suppress(Exception):  # the store may be gone with rank 0
+        store.set(f"{_DONE_KEY}{me}", "1")
+        while time.monotonic() < deadline:
+            if not any(store.check([f"{_LOST_KEY}{r}"]) and not store.check([f"{_DONE_KEY}{r}"])
+                       for r in range(world) if r != me):
+                return
+            time.sleep(0.05)
 
 
 def measure_link(device: torch.device, sizes: Sequence[int] = (1 << 14, 1 << 22), repeats: int = 5

@@ -5,35 +5,86 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from pipe.comm import DEFAULT_TIMEOUT_S, finish, timeout_setting
 from pipe.schedules import SCHEDULES
 
-__all__ = ["main", "parse_args", "error_line"]
+__all__ = ["main", "parse_args", "error_line", "OUTPUTS"]
+
+OUTPUTS = ("summary.json", "trace.json", "timeline.json", "timeline.png")  # what a run writes to --out
+_EPILOG = (f"--out: a folder that already holds a previous run's outputs ({', '.join(OUTPUTS)}) is refused "
+           f"before anything runs, unless --overwrite is given. --timeout: also FXPIPE_TIMEOUT (seconds); "
+           f"default {DEFAULT_TIMEOUT_S:g} s.")
+
+
+def _whole(flag: str, least: int, example: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= `least`, or an error naming the value and the fix."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = least - 1
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {least}, got {text!r}; e.g. {flag} {example}")
+        return value
+    return parse
+
+
+def _positive(flag: str, example: str) -> Callable[[str], float]:
+    """An argparse type: a positive, finite number, or an error naming the value and the fix."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"must be a positive, finite number, got {text!r}; e.g. {flag} {example}")
+        return value
+    return parse
+
+
+def _budget(text: str) -> str:
+    from partition.plan import parse_bytes
+    try:
+        parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _timeout(text: str) -> float:
+    try:
+        return timeout_setting(text, "--timeout")
+    except ValueError as e:  # argparse names the flag
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--timeout ")) from None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m pipe.run", description=__doc__)
+    """The command line, every value checked (a bad one: usage and one line naming it, exit 2)."""
+    p = argparse.ArgumentParser(prog="python -m pipe.run", description=__doc__, epilog=_EPILOG)
     p.add_argument("model", help="bundled name (gpt, gpt_text, ...), package.module:factory or path/file.py:factory")
     p.add_argument("--model-arg", action="append", default=[], metavar="K=V", help="factory keyword, repeatable")
     p.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES), help="the pipeline schedule")
-    p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--stages-per-rank", type=int, default=None,
+    p.add_argument("--microbatches", type=_whole("--microbatches", 1, 8), default=8)
+    p.add_argument("--stages-per-rank", type=_whole("--stages-per-rank", 1, 2), default=None,
                    help="stages per rank (default: 2 for interleaved-1f1b and zbv, else 1)")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--batch-size", type=int, default=None, help="default: microbatch size x microbatches")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--steps", type=_whole("--steps", 1, 20), default=20)
+    p.add_argument("--batch-size", type=_whole("--batch-size", 1, 32), default=None,
+                   help="default: microbatch size x microbatches")
+    p.add_argument("--lr", type=_positive("--lr", "1e-3"), default=1e-3)
     p.add_argument("--cost", default="measured", choices=["measured", "flops"])
     p.add_argument("--plan", default=None, help="a plan.json from python -m partition (default: plan now)")
-    p.add_argument("--memory-budget", default=None, help="per-stage budget, e.g. 8GiB")
+    p.add_argument("--memory-budget", type=_budget, default=None, help="per-stage budget, e.g. 8GiB")
     p.add_argument("--recompute", default="none", choices=["none", "full", "selective", "auto"],
                    help="activation recomputation per stage (auto: chosen from --memory-budget)")
     p.add_argument("--offload", default="none", choices=["none", "activations", "states", "all"],
@@ -41,10 +92,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loss-outside", action="store_true",
                    help="keep the loss out of the graph (by default it is traced into the last stage, which "
                         "lets a wide LM head and its cross entropy be spread over stages)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--skip-nonfinite", action="store_true",
+                   help="drop a step whose loss is NaN or infinite (its grads cleared) instead of stopping")
+    p.add_argument("--timeout", type=_timeout, default=None, metavar="SECONDS",
+                   help=f"bound on every wait on another rank (default: $FXPIPE_TIMEOUT, else {DEFAULT_TIMEOUT_S:g})")
+    p.add_argument("--threads", type=_whole("--threads", 1, 1), default=1, help="torch threads per process")
     p.add_argument("--out", default="out/run", help="folder for the trace, the PNG and the summary")
+    p.add_argument("--overwrite", action="store_true", help="replace a previous run's outputs in --out")
     p.add_argument("--seed", type=int, default=None, help="passed to the factory as seed= when given")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    env = os.environ.get("FXPIPE_TIMEOUT", "")
+    if args.timeout is None and env.strip():
+        try:
+            args.timeout = timeout_setting(env, "FXPIPE_TIMEOUT")
+        except ValueError as e:
+            p.error(str(e))
+    previous = [name for name in OUTPUTS if (Path(args.out) / name).exists()]
+    if previous and not args.overwrite:
+        p.error(f"--out {args.out} already holds a previous run's outputs ({', '.join(previous)}); "
+                "give another --out, or --overwrite to replace them")
+    return args
 
 
 def _memory_lines(pp: Any) -> str:
@@ -80,15 +147,16 @@ def _bar(done: int, total: int, width: int = 20) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 done, 2 an error of the input or the model (every rank names it), 3 a lost rank."""
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     import partition
     import pipe
     from partition.workload import WorkloadError, parse_overrides
     from pipe.comm import PeerLost
-    from pipe.predict import predicted_timeline
+    from pipe.runtime import NonFiniteLoss
 
-    ctx = pipe.init()
+    ctx = pipe.init(timeout_s=args.timeout)
     say = print if ctx.rank == 0 else (lambda *a, **k: None)
     try:
         extra = {} if args.seed is None else {"seed": args.seed}
@@ -102,71 +170,104 @@ def main(argv: list[str] | None = None) -> int:
                            stages_per_rank=args.stages_per_rank, cost=args.cost, memory_budget=args.memory_budget,
                            recompute=args.recompute, offload=args.offload, leaf_modules=w.leaf_modules,
                            example_target=None if args.loss_outside else w.example_target,
-                           progress=lambda line: say(f"[plan] {line}", flush=True))
+                           skip_nonfinite=args.skip_nonfinite, progress=lambda line: say(f"[plan] {line}", flush=True))
     except (ValueError, TypeError) as e:
         print(error_line(ctx.rank, e), file=sys.stderr)
         return 2
     say(pp.plan.table())
+    try:
+        run = _train(pp, w, args, say)
+    except Exception as e:  # this rank's own error (the model's too), another rank's, or a lost rank
+        if isinstance(e, NonFiniteLoss):
+            e.add_note("pipe.run: --skip-nonfinite drops such steps")
+        print(error_line(ctx.rank, e), file=sys.stderr, flush=True)
+        return 3 if isinstance(e, PeerLost) else 2
+    code = _report(pp, args, ctx, run, say)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return code
+
+
+def _train(pp: Any, w: Any, args: argparse.Namespace, say: Callable[..., None]) -> dict[str, Any]:
+    """The training loop: per-step line, losses (a step dropped by --skip-nonfinite: skipped) and times."""
     params = list(pp.parameters())  # a rank may hold none (a stage computing only the loss, say)
     opt = torch.optim.AdamW(params, lr=args.lr) if params else None
     batch_size = args.batch_size or w.microbatch_size * args.microbatches
     tokens = batch_size * w.tokens_per_sample
     times: list[float] = []
-    first = last = float("nan")
+    losses: list[float] = []
     for step in range(args.steps):
         b_args, b_kwargs, target = w.batch(batch_size, step)
         t0 = time.perf_counter()
-        try:
-            loss = pp.step(*b_args, target=target, **b_kwargs)
-        except Exception as e:  # this rank's own error (the model's too), another rank's, or a lost rank
-            print(error_line(ctx.rank, e), file=sys.stderr, flush=True)
-            return 3 if isinstance(e, PeerLost) else 2
+        loss = pp.step(*b_args, target=target, **b_kwargs)
         if opt is not None:
             opt.step()
             opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
         times.append(dt)
-        first = loss if step == 0 else first
-        last = loss
+        skipped = not math.isfinite(loss)  # only with --skip-nonfinite: else step raised NonFiniteLoss
+        if not skipped:
+            losses.append(loss)
         say(f"step {step + 1:4d}/{args.steps} {_bar(step + 1, args.steps)} loss {loss:.4f}  "
-            f"{tokens / dt:9.0f} tok/s  {dt * 1e3:7.1f} ms", flush=True)
+            f"{tokens / dt:9.0f} tok/s  {dt * 1e3:7.1f} ms" + ("  (skipped: not finite)" if skipped else ""),
+            flush=True)
+    return {"times": times, "losses": losses, "tokens": tokens, "skipped": args.steps - len(losses)}
+
+
+def _report(pp: Any, args: argparse.Namespace, ctx: Any, run: dict[str, Any], say: Callable[..., None]) -> int:
+    """Rank 0 writes the trace, the PNG and the summary to --out and prints the summary; 0, or 2 when
+    another run wrote its outputs to --out meanwhile (they are kept, this run's are not written)."""
+    from pipe.predict import predicted_timeline
     memory_lines = _memory_lines(pp)
     peaks = _measured_peaks(pp)
     measured = pp.gather_timeline()
-    if ctx.rank == 0 and measured is not None:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        predicted = predicted_timeline(pp.plan, ctx.world_size)
-        (out / "trace.json").write_text(json.dumps(measured.to_chrome_trace()))
-        (out / "timeline.json").write_text(json.dumps(measured.to_json()))
-        png = ""
-        try:
-            measured.to_png(str(out / "timeline.png"), title=f"{args.model} {args.schedule} M={args.microbatches}")
-            png = f", {out / 'timeline.png'}"
-        except RuntimeError as e:
-            say(f"(no PNG: {e})")
-        warm = times[1:] or times
-        summary: dict[str, Any] = {
-            "model": args.model, "schedule": args.schedule, "microbatches": args.microbatches,
-            "ranks": ctx.world_size, "launcher": ctx.launcher, "first_loss": first, "last_loss": last,
-            "median_step_s": statistics.median(warm), "tokens_per_s": tokens / statistics.median(warm),
-            "measured_bubble": measured.bubble, "predicted_bubble": predicted.bubble,
-            "measured_step_ms": measured.makespan, "predicted_step_ms": predicted.makespan}
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
-        say(f"loss {first:.4f} -> {last:.4f}; median step {summary['median_step_s'] * 1e3:.1f} ms, "
-            f"{summary['tokens_per_s']:.0f} tok/s")
-        say(f"bubble: measured {measured.bubble:.3f}, predicted {predicted.bubble:.3f}; last step "
-            f"{measured.makespan:.1f} ms measured, {predicted.makespan:.1f} ms predicted")
-        say(measured.to_text(width=80))
-        say(f"wrote {out / 'trace.json'} (open in ui.perfetto.dev or chrome://tracing){png}")
-        say("memory per stage (last step):\n" + memory_lines)
-        say("the plan with each stage's peak as measured (last step):\n" + pp.plan.table(measured=peaks))
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    if ctx.rank != 0 or measured is None:
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    warm = run["times"][1:] or run["times"]
+    first, last = (run["losses"][0], run["losses"][-1]) if run["losses"] else (math.nan, math.nan)
+    predicted = predicted_timeline(pp.plan, ctx.world_size)
+    summary: dict[str, Any] = {
+        "model": args.model, "schedule": args.schedule, "microbatches": args.microbatches,
+        "ranks": ctx.world_size, "launcher": ctx.launcher, "first_loss": first, "last_loss": last,
+        "skipped_steps": run["skipped"],
+        "median_step_s": statistics.median(warm), "tokens_per_s": run["tokens"] / statistics.median(warm),
+        "measured_bubble": measured.bubble, "predicted_bubble": predicted.bubble,
+        "measured_step_ms": measured.makespan, "predicted_step_ms": predicted.makespan}
+    try:  # the summary first, created only if absent (unless --overwrite): a concurrent run's is kept
+        with open(out / "summary.json", "w" if args.overwrite else "x") as f:
+            f.write(json.dumps(summary, indent=1))
+    except FileExistsError:
+        print(f"error (rank 0): another run wrote its outputs to --out {out} while this one ran; they are "
+              "kept and this run's are not written: give each run its own --out (or --overwrite)",
+              file=sys.stderr, flush=True)
+        return 2
+    (out / "trace.json").write_text(json.dumps(measured.to_chrome_trace()))
+    (out / "timeline.json").write_text(json.dumps(measured.to_json()))
+    png = ""
+    try:
+        measured.to_png(str(out / "timeline.png"), title=f"{args.model} {args.schedule} M={args.microbatches}")
+        png = f", {out / 'timeline.png'}"
+    except RuntimeError as e:
+        say(f"(no PNG: {e})")
+    skipped = f"; {run['skipped']} step(s) skipped (loss not finite)" if run["skipped"] else ""
+    say(f"loss {first:.4f} -> {last:.4f}{skipped}; median step {summary['median_step_s'] * 1e3:.1f} ms, "
+        f"{summary['tokens_per_s']:.0f} tok/s")
+    say(f"bubble: measured {measured.bubble:.3f}, predicted {predicted.bubble:.3f}; last step "
+        f"{measured.makespan:.1f} ms measured, {predicted.makespan:.1f} ms predicted")
+    say(measured.to_text(width=80))
+    say(f"wrote {out / 'trace.json'} (open in ui.perfetto.dev or chrome://tracing){png}")
+    say("memory per stage (last step):\n" + memory_lines)
+    say("the plan with each stage's peak as measured (last step):\n" + pp.plan.table(measured=peaks))
     return 0
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    sys.exit(main())
+    exit_code = main()
+    finish()  # the process group and MPI ended here; os._exit then skips C++ static destructors, in
+    sys.stdout.flush()  # which gloo's threads have aborted finished processes ("terminate called
+    sys.stderr.flush()  # without an active exception")
+    os._exit(exit_code)

@@ -1,6 +1,7 @@
 """Multi-process test harness: run a test body on N gloo ranks, or a launcher command, with a hard timeout."""
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import pickle
@@ -12,9 +13,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Iterator
 
-__all__ = ["RankExit", "RankFailure", "free_port", "run_ranks", "run_command", "Completed"]
+__all__ = ["RankExit", "RankFailure", "free_port", "run_ranks", "run_command", "Completed", "launch", "Launched",
+           "ended"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -145,6 +147,56 @@ def run_command(cmd: list[str], *, timeout: float = 120.0, threads: int = 1,
     if check and proc.returncode != 0:
         raise RankFailure(f"{' '.join(cmd)} exited {proc.returncode}\n{text[-8000:]}")
     return Completed(proc.returncode, text)
+
+
+class Launched:
+    """A launcher command running under `launch`: its process, its output so far, and `strays`, the
+    pids outside its process group (torchrun starts each worker in a session of its own) to kill
+    when the test ends."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], out: IO[bytes]) -> None:
+        self.proc, self._out = proc, out
+        self.strays: list[int] = []
+
+    def output(self) -> str:
+        self._out.seek(0)
+        return self._out.read().decode(errors="replace")
+
+    def wait(self, timeout: float) -> int | None:
+        """The exit status, or None when it still runs after `timeout` seconds."""
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+
+@contextlib.contextmanager
+def launch(cmd: list[str], *, threads: int = 1, env: dict[str, str] | None = None,
+           cwd: Path = ROOT) -> Iterator[Launched]:
+    """Start a launcher command for a test to watch while it runs; on leaving, its process group and
+    its strays are killed, so no rank (a stopped one included) outlives the test."""
+    e = _base_env(threads)
+    e.update(env or {})
+    with tempfile.TemporaryFile() as out:
+        proc = subprocess.Popen(cmd, env=e, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        job = Launched(proc, out)
+        try:
+            yield job
+        finally:
+            for pid in job.strays:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            _kill([proc])
+
+
+def ended(pid: int) -> bool:
+    """Whether process `pid` has ended (gone, or a zombie its parent has not reaped yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
 def _child() -> None:

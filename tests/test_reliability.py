@@ -1,14 +1,17 @@
-"""Reliability: every bad input a clear error on every rank, lost ranks, checkpoints, NaN, soak."""
+"""Reliability: every bad input a clear error on every rank, lost and frozen ranks under every launcher, NaN, soak."""
 import os
 import signal
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from tests.mp import run_ranks
+from tests.mp import ended, free_port, launch, run_ranks
 
+BIN = Path(sys.executable).parent
 BAD = "tests/bad_models.py"
 GPT = ["--model-arg", "n_layer=2", "--model-arg", "d_model=32", "--model-arg", "n_head=2",
        "--model-arg", "seq_len=16", "--model-arg", "vocab=64"]
@@ -65,25 +68,74 @@ RELAYED = {
 }
 
 
+def batch_body(rank: int, world: int, *, runs: dict[str, list[str]]) -> dict[str, Any]:
+    """pipe.run's main for each run in turn, in one launch (no case of CASES tears the process group
+    down), then skip_body; by run: the exit code (None: an error escaped main), what it printed, its
+    seconds, and whether the process group was still up after it."""
+    import contextlib
+    import io
+    import traceback
+    import torch.distributed as dist
+    from pipe.run import main
+    results: dict[str, Any] = {}
+    for name, argv in runs.items():
+        if name == "skip" and dist.is_initialized():  # before the first run that ends the group
+            results["skip_body"] = skip_body(rank, world)
+        buf = io.StringIO()
+        start = time.monotonic()
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+            code: Any = None
+            try:
+                code = main(argv)
+            except SystemExit as e:
+                code = e.code
+            except BaseException:
+                traceback.print_exc()
+        results[name] = {"code": code, "output": buf.getvalue(), "s": time.monotonic() - start,
+                         "group": dist.is_initialized()}
+    return results
+
+
+@pytest.fixture(scope="module")
+def gpt_plans(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
+    """Plan files of the small GPT for 2 and 3 stages (FLOP costs), made once: by stage count."""
+    tmp = tmp_path_factory.mktemp("plans")
+    return {stages: _plan_for(tmp, ["gpt", *GPT[1::2]], stages) for stages in (2, 3)}
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory: pytest.TempPathFactory, gpt_plans: dict[int, str]) -> list[dict[str, Any]]:
+    """Every case of CASES, then a run with --skip-nonfinite and the same run again into its folder, on
+    2 ranks in one launch (a launch per case took 5 to 11 s); by rank."""
+    tmp = tmp_path_factory.mktemp("cases")
+    runs = {}
+    for i, (case, (argv, _)) in enumerate(CASES.items()):
+        argv = list(argv)
+        if "@mlp-other" in argv:
+            argv[argv.index("@mlp-other")] = _plan_for(tmp, ["mlp", "depth=3"], 2)
+        if "@gpt3" in argv:
+            argv[argv.index("@gpt3")] = gpt_plans[3]
+        runs[case] = argv + ["--cost", "flops", "--steps", "3", "--out", str(tmp / f"out{i}")]
+    runs["skip"] = runs["again"] = [f"{BAD}:nan_data", "--skip-nonfinite", "--cost", "flops", "--steps", "3",
+                                    "--out", str(tmp / "skip")]
+    results: list[dict[str, Any]] = run_ranks("tests.test_reliability:batch_body", 2, timeout=150, runs=runs)
+    results[0]["out"] = tmp
+    return results
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_bad_input_fails_on_every_rank(case: str, tmp_path: Path) -> None:
-    argv, words = CASES[case]
-    argv = list(argv)
-    if "@mlp-other" in argv:
-        argv[argv.index("@mlp-other")] = _plan_for(tmp_path, ["mlp", "depth=3"], 2)
-    if "@gpt3" in argv:
-        argv[argv.index("@gpt3")] = _plan_for(tmp_path, ["gpt", *GPT[1::2]], 3)
-    start = time.monotonic()
-    exits = run_ranks("tests.test_reliability:cli_body", 2, timeout=30, raw=True, argv=argv,
-                      env={"FXPIPE_OUT": str(tmp_path / "out")})
-    assert time.monotonic() - start < 30
-    for r, ex in enumerate(exits):
-        assert ex.code not in (0, None), f"rank {r} exited {ex.code}:\n{ex.output[-3000:]}"
-        err = [line for line in ex.output.splitlines() if line.startswith("error (rank")]
-        assert err, f"rank {r} printed no error line:\n{ex.output[-3000:]}"
-        for word in words:
+def test_bad_input_fails_on_every_rank(case: str, batch: list[dict[str, Any]]) -> None:
+    for r, runs in enumerate(batch):
+        ex = runs[case]
+        gone = [name for name in list(runs)[:list(runs).index(case)] if not runs[name]["group"]]
+        assert not gone, f"rank {r}: {gone} tore the process group down; {case!r} needs a launch of its own"
+        assert ex["code"] not in (0, None), f"rank {r} exited {ex['code']}:\n{ex['output'][-3000:]}"
+        assert ex["s"] < 30, ex["s"]
+        err = [line for line in ex["output"].splitlines() if line.startswith("error (rank")]
+        assert err, f"rank {r} printed no error line:\n{ex['output'][-3000:]}"
+        for word in CASES[case][1]:
             assert word in err[-1], f"rank {r}: {word!r} not in {err[-1]!r}"
-        assert "Traceback" not in ex.output, ex.output[-3000:]
+        assert "Traceback" not in ex["output"], ex["output"][-3000:]
 
 
 @pytest.mark.parametrize("case", list(RELAYED))
@@ -104,29 +156,43 @@ def test_an_error_in_a_step_is_its_ranks_own_and_named_on_every_rank(case: str, 
             assert f"because rank {failing}" in err, err
 
 
-def kill_body(rank: int, world: int, freeze: bool = False) -> None:
-    """The last rank dies (SIGKILL) or freezes (for longer than the timeout) in step 2."""
+def _lose_a_rank(rank: int, world: int, lost: int, how: str, folder: Path | None = None,
+                 plan: str | None = None) -> None:
+    """Train the small GPT; in step 1, at its second microbatch, rank `lost` dies ("kill": SIGKILL),
+    sleeps past the 4 s timeout and then ends ("sleep"), or stops ("stop": SIGSTOP). With `folder`,
+    each rank writes its pid there (pid0, pid1, ...) and the lost rank when it stopped (froze). With a
+    `plan` file no rank waits on rank 0's planning (which a short timeout may not cover)."""
     import partition
     import pipe
-    pipe.init(timeout_s=4.0 if freeze else 300.0)
     w = partition.load("gpt", n_layer=2, d_model=32, n_head=2, seq_len=16, vocab=64)
-    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=4, cost="flops")
+    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=4, cost="flops", plan=plan)
+    if folder is not None:
+        (folder / f"pid{rank}").write_text(str(os.getpid()))
     stage = pp.stages[pp.local[0]]
     calls = [0]
     forward = stage.forward
 
     def dying_forward(*args):  # type: ignore[no-untyped-def]
         calls[0] += 1
-        if rank == world - 1 and calls[0] == 6:  # step 2, second microbatch
-            if freeze:
-                time.sleep(11)  # the survivors time out (4 s) and name it before it ends
+        if rank == lost and calls[0] == 6:
+            if how == "sleep":
+                time.sleep(9)  # the survivors time out (4 s) and name it before it ends
                 os._exit(3)
-            os.kill(os.getpid(), signal.SIGKILL)
+            if folder is not None:
+                (folder / "froze").write_text(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
         return forward(*args)
     stage.forward = dying_forward  # type: ignore[method-assign]
     for step in range(4):
         args, target = w.make_batch(16, step)
         pp.step(*args, target=target)
+
+
+def kill_body(rank: int, world: int, freeze: bool = False) -> None:
+    """The last rank dies (SIGKILL) or freezes (for longer than the timeout) in step 1."""
+    import pipe
+    pipe.init(timeout_s=4.0 if freeze else 300.0)
+    _lose_a_rank(rank, world, world - 1, "sleep" if freeze else "kill")
 
 
 @pytest.mark.parametrize("world,freeze", [(2, False), (3, False), (3, True)], ids=["2-killed", "3-killed", "3-frozen"])
@@ -143,6 +209,59 @@ def test_lost_rank_ends_the_others_and_every_survivor_names_it(world: int, freez
         assert lines and f"rank {r} lost rank {world - 1} during step 1" in lines[-1], ex.output[-3000:]
         if r < world - 2:  # it waited on a live rank: the message says through whom
             assert f"through rank {r + 1}" in lines[-1], lines[-1]
+
+
+def frozen_main(lost: int, folder: str, plan: str) -> None:
+    """Under a launcher: python -m tests.test_reliability LOST FOLDER PLAN (FXPIPE_TIMEOUT=3): rank
+    LOST stops (SIGSTOP) in step 1; every other rank ends with PeerLost naming it."""
+    import pipe
+    ctx = pipe.init()
+    _lose_a_rank(ctx.rank, ctx.world_size, lost, "stop", Path(folder), plan)
+
+
+FROZEN = [("mpiexec", 2, 0), ("mpiexec", 3, 2), ("torchrun", 2, 1), ("torchrun", 3, 0)]
+
+
+@pytest.mark.parametrize("launcher,world,lost", FROZEN, ids=[f"{a}-{w}-rank{f}" for a, w, f in FROZEN])
+def test_a_frozen_rank_under_a_launcher_ends_every_survivor_who_names_it(launcher: str, world: int, lost: int,
+                                                                          tmp_path: Path,
+                                                                          gpt_plans: dict[int, str]) -> None:
+    """Every survivor exits non-zero within the timeout (3 s) + 30 s of the freeze, naming the frozen rank;
+    then the launcher ends the job: mpiexec kills the stopped rank once a rank exits without MPI_Finalize,
+    torchrun's agent sends it SIGTERM (its SIGKILL follows 30 s later: the test resumes it instead, so
+    the pending SIGTERM ends it, as it ends a rank that hangs without being stopped)."""
+    timeout = 3.0
+    runner = ([str(BIN / "mpiexec"), "-n", str(world), sys.executable] if launcher == "mpiexec" else
+              [str(BIN / "torchrun"), "--nproc-per-node", str(world), "--master-port", str(free_port())])
+    survivors = [r for r in range(world) if r != lost]
+    started = time.time()
+    with launch(runner + ["-m", "tests.test_reliability", str(lost), str(tmp_path), gpt_plans[world]],
+                env={"FXPIPE_TIMEOUT": str(timeout)}) as job:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "froze").exists() and time.monotonic() < deadline and job.proc.poll() is None:
+            time.sleep(0.05)
+        assert (tmp_path / "froze").exists(), job.output()[-3000:]
+        pids = {r: int((tmp_path / f"pid{r}").read_text()) for r in range(world)}
+        job.strays.extend(pids.values())
+        froze = float((tmp_path / "froze").read_text())
+        while not all(ended(pids[r]) for r in survivors) and time.time() < froze + timeout + 30:
+            time.sleep(0.05)
+        took = time.time() - froze
+        assert all(ended(pids[r]) for r in survivors), f"survivors still running {took:.0f} s after the freeze"
+        if launcher == "torchrun":
+            sigterm = f"Sending process {pids[lost]} closing signal SIGTERM"
+            while sigterm not in job.output() and time.time() < froze + timeout + 35:
+                time.sleep(0.05)
+            assert sigterm in job.output(), job.output()[-3000:]
+            os.kill(pids[lost], signal.SIGCONT)
+        code = job.wait(10)
+        out = job.output()
+        print(f"{launcher}, {world} ranks: started to frozen {froze - started:.1f} s, frozen to every survivor "
+              f"ended {took:.1f} s, to the job's end {time.time() - froze:.1f} s")
+    assert code not in (0, None), out[-3000:]
+    assert ended(pids[lost])
+    for r in survivors:
+        assert f"rank {r} lost rank {lost} during step 1" in out, out[-4000:]
 
 
 def skip_body(rank: int, world: int) -> list[float]:
@@ -167,9 +286,27 @@ def skip_body(rank: int, world: int) -> list[float]:
     return losses
 
 
-def test_skip_nonfinite_drops_the_step() -> None:
-    losses = run_ranks("tests.test_reliability:skip_body", 2, timeout=60)[0]
+def test_skip_nonfinite_drops_the_step(batch: list[dict[str, Any]]) -> None:
+    losses = batch[0]["skip_body"]
     assert losses[1] != losses[1] and losses[0] == losses[0] and losses[2] == losses[2]
+
+
+def test_run_skip_nonfinite_and_a_second_run_into_one_folder(batch: list[dict[str, Any]]) -> None:
+    """pipe.run --skip-nonfinite drops the NaN step and finishes; the same command again is refused
+    before it runs (its folder holds the first run's outputs), naming the flag that would replace them."""
+    import json
+    skip, again = batch[0]["skip"], batch[0]["again"]
+    assert skip["code"] == 0, skip["output"][-3000:]
+    steps = [line for line in skip["output"].splitlines() if line.startswith("step ")]
+    assert len(steps) == 3 and "(skipped: not finite)" in steps[1] and "skipped" not in steps[0] + steps[2], steps
+    summary = json.loads((batch[0]["out"] / "skip" / "summary.json").read_text())
+    assert summary["skipped_steps"] == 1 and summary["first_loss"] == summary["first_loss"], summary
+    for r, runs in enumerate(batch):
+        assert runs["again"]["code"] == 2, runs["again"]["output"]
+        line = runs["again"]["output"].strip().splitlines()[-1]
+        assert "--out" in line and "previous run's outputs (summary.json" in line and "--overwrite" in line, line
+        assert "Traceback" not in runs["again"]["output"]
+    assert again["s"] < 1
 
 
 def soak_body(rank: int, world: int, *, steps: int) -> list[int]:
@@ -196,3 +333,7 @@ def test_soak_500_steps_no_growth() -> None:
     for rss in run_ranks("tests.test_reliability:soak_body", 2, timeout=240, steps=500):
         # the peak resident size after warm-up may not grow by more than 2% over 450 steps
         assert rss[-1] <= rss[0] * 1.02, rss
+
+
+if __name__ == "__main__":
+    frozen_main(int(sys.argv[1]), sys.argv[2], sys.argv[3])

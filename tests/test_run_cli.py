@@ -1,6 +1,7 @@
 """python -m pipe.run under torchrun and mpiexec: plan, per-step lines, trace, PNG and bubble summary."""
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,94 @@ def test_the_readme_recipe_runs_as_written(tmp_path: Path) -> None:
     done = [float((tmp_path / f"done-{r}").read_text()) for r in range(2)]
     assert done[0] == done[1], out[-3000:]  # the mean loss, on every rank
     assert (tmp_path / "ckpt").is_dir()
+
+
+BAD_FLAGS = {
+    # flag: values each refused before anything runs, with the flag, the value and an example named
+    "--steps": ["0", "-3"],
+    "--memory-budget": ["1e999", "nan", "-1", "0"],
+    "--threads": ["0", "-1"],
+    "--batch-size": ["0", "-2"],
+    "--microbatches": ["0"],
+    "--stages-per-rank": ["0"],
+    "--lr": ["nan", "-1e-3"],
+    "--timeout": ["0", "-5", "inf", "nan", "soon"],
+}
+
+
+@pytest.mark.parametrize("flag,value", [(f, v) for f, vs in BAD_FLAGS.items() for v in vs])
+def test_a_bad_value_is_one_line_naming_the_flag_and_the_fix(flag: str, value: str, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from pipe.run import main
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as e:
+        main(["gpt", f"{flag}={value}", "--out", str(tmp_path)])
+    assert time.monotonic() - start < 1
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"python -m pipe.run: error: argument {flag}: ") and repr(value) in line, line
+    assert "e.g." in line, line  # the fix
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "inf", "later"])
+def test_a_bad_fxpipe_timeout_is_refused(value: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    import pipe.comm as comm
+    from pipe.run import main
+    monkeypatch.setenv("FXPIPE_TIMEOUT", value)
+    with pytest.raises(SystemExit):
+        main(["gpt", "--out", str(tmp_path)])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "FXPIPE_TIMEOUT must be a positive, finite number of seconds" in line and repr(value) in line, line
+    monkeypatch.setattr(comm, "_CONTEXT", None)  # as before the first init of a process
+    with pytest.raises(comm.TimeoutSettingError, match="FXPIPE_TIMEOUT"):
+        comm.init()
+    monkeypatch.delenv("FXPIPE_TIMEOUT")
+    with pytest.raises(comm.TimeoutSettingError, match=r"timeout_s must be .* got 0; give e.g. 60"):
+        comm.init(timeout_s=0)
+    with pytest.raises(ValueError, match="got True"):
+        comm.timeout_setting(True)
+
+
+def test_timeout_reaches_init_from_the_flag_before_the_environment(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    import torch
+
+    import pipe
+    from pipe.run import main
+
+    def init(*, timeout_s: float | None = None) -> None:
+        raise RuntimeError(f"init got {timeout_s}")
+    monkeypatch.setattr(pipe, "init", init)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # this process's own stays
+    monkeypatch.setenv("FXPIPE_TIMEOUT", "40")
+    with pytest.raises(RuntimeError, match="init got 40.0"):
+        main(["gpt", "--out", str(tmp_path)])
+    with pytest.raises(RuntimeError, match="init got 7.5"):
+        main(["gpt", "--timeout", "7.5", "--out", str(tmp_path)])
+    monkeypatch.delenv("FXPIPE_TIMEOUT")
+    with pytest.raises(RuntimeError, match="init got None"):  # init's own default: 300 s
+        main(["gpt", "--out", str(tmp_path)])
+
+
+def test_a_folder_with_a_previous_run_is_refused_unless_overwrite(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from pipe.run import parse_args
+    assert parse_args(["gpt", "--out", str(tmp_path / "new")]).overwrite is False  # a new folder: fine
+    (tmp_path / "trace.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        parse_args(["gpt", "--out", str(tmp_path)])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"--out {tmp_path} already holds a previous run's outputs (trace.json)" in line and "--overwrite" in line
+    assert parse_args(["gpt", "--out", str(tmp_path), "--overwrite"]).overwrite
+
+
+def test_help_says_what_out_and_timeout_do(capsys: pytest.CaptureFixture[str]) -> None:
+    from pipe.run import parse_args
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "previous run's outputs" in text and "--overwrite" in text and "--skip-nonfinite" in text
+    assert "FXPIPE_TIMEOUT" in text and "300" in text
