@@ -92,14 +92,14 @@ def resume_body(rank: int, world: int, *, root: str, corrupt: dict[str, str]) ->
         out[case] = {"done": done, "moments": _moments(pp, opt), "drawn": drawn, "extra": pp.loaded.extra,
                      "rest": _train(pp, opt, w, range(done, TOTAL)), "bounds": _bounds(pp)}
     # a full state dict of the unpartitioned model, each rank reading only its tensors
-    from pipe import checkpoint
+    from pipe import state_dicts
     read: list[str] = []
-    get = checkpoint._Source.get
+    get = state_dicts._Source.get
 
     def spy(self: Any, key: str) -> torch.Tensor:
         read.append(key)
         return get(self, key)
-    checkpoint._Source.get = spy  # type: ignore[method-assign]
+    state_dicts._Source.get = spy  # type: ignore[method-assign]
     for name in ("model.pt", "model.safetensors", "shards"):
         w = partition.load("gpt", seed=123, **KW)
         pp, opt = _pipeline(w, cost="flops")
@@ -108,7 +108,7 @@ def resume_body(rank: int, world: int, *, root: str, corrupt: dict[str, str]) ->
         mine = {n for n, _ in pp.named_parameters()} | set(pp.local_buffers())
         out[name] = {"state": {n: p.detach().clone() for n, p in pp.named_parameters()},
                      "read": sorted(read), "mine": sorted(k for k in mine if k in pp.state_key_names())}
-    checkpoint._Source.get = get  # type: ignore[method-assign]
+    state_dicts._Source.get = get  # type: ignore[method-assign]
     # the corruption table: the same CheckpointError on every rank, within seconds, and the group goes on
     errors = {}
     for case, path in corrupt.items():
@@ -228,6 +228,7 @@ def _close(a: list[float], b: list[float]) -> None:
 def test_resume_on_any_plan_and_refuse_damage_alike(tmp_path: Path) -> None:
     import partition
     from pipe import checkpoint
+    from pipe.ckpt_format import read_metadata
     saved = run_ranks("tests.test_checkpoint:save_body", 2, timeout=120, root=str(tmp_path))
     ref = saved[0]
     ckpt = tmp_path / "ckpt"
@@ -236,7 +237,7 @@ def test_resume_on_any_plan_and_refuse_damage_alike(tmp_path: Path) -> None:
     # the tied embedding/head (held by both ranks) is written once, aliases point at it
     m = json.loads((Path(ref["folder"]) / "fxpipe.json").read_text())
     assert m["state_keys"]["lm_head.weight"] == m["state_keys"]["tok_emb.weight"] == "tok_emb.weight"
-    md = checkpoint._metadata(Path(ref["folder"]))
+    md = read_metadata(Path(ref["folder"]))
     assert sum(k.startswith("model.") for k in md.state_dict_metadata) == len(set(m["state_keys"].values()))
 
     # one process, no pipeline: the unpartitioned model and its optimizer go on alike
@@ -358,8 +359,8 @@ def kill_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
     points = {  # where the save dies
         "while writing the data": (fs, "_write_item", 2),
         "before DCP's metadata rename": (fs.FileSystem, "rename", 1),
-        "before the manifest's rename": (checkpoint.os, "replace", 1),
-        "between the manifest's and LATEST's renames": (checkpoint.os, "replace", 2),
+        "before the manifest's rename": (os, "replace", 1),
+        "between the manifest's and LATEST's renames": (os, "replace", 2),
         "after LATEST, before the clean-up": (checkpoint, "_clean", 1),
     }
     out: dict[str, Any] = {"cont": cont, "points": {}}
