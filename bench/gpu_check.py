@@ -102,7 +102,7 @@ def schedules_check(base: dict[str, Any], M: int, say: Callable[..., None]) -> l
     and the device timeline (CUDA events on CUDA) against the wall time of the step."""
     import partition
     import pipe
-    from pipe.comm import context
+    from pipe.launch import context
     from pipe.runtime import split_microbatches
     dev = context().device
     rows = []

@@ -1,16 +1,10 @@
-"""Process start-up under torchrun or mpirun, and the point-to-point transport the runtime uses."""
+"""The point-to-point transport the runtime uses, and the failure protocol: a lost rank or a failed one
+named by every other rank (start-up and the end of a job are pipe.launch)."""
 from __future__ import annotations
 
-import atexit
 import contextlib
 import datetime
-import math
-import os
-import socket
-import statistics
-import sys
 import time
-from dataclasses import dataclass
 from typing import Any, Iterator, Protocol, Sequence
 
 import torch
@@ -19,9 +13,7 @@ import torch.distributed as dist
 from partition.errors import FxpipeError, first_line
 
 __all__ = ["PeerLost", "RemoteError", "guarded", "fail_everywhere", "first_failure", "report_lost", "follow_lost",
-           "Context", "init", "context", "finish", "timeout_setting", "TimeoutSettingError", "DEFAULT_TIMEOUT_S",
-           "Transport", "TorchTransport", "LaunchError", "Work", "alloc_layout", "to_layout", "is_dense",
-           "measure_link"]
+           "DEFAULT_TIMEOUT_S", "Transport", "TorchTransport", "Work", "alloc_layout", "to_layout", "is_dense"]
 
 
 class PeerLost(FxpipeError, RuntimeError):
@@ -33,16 +25,8 @@ class PeerLost(FxpipeError, RuntimeError):
         self.peer, self.early = peer, early
 
 
-class LaunchError(FxpipeError, RuntimeError):
-    """The process environment does not describe a usable launch."""
-
-
 class RemoteError(FxpipeError, RuntimeError):
     """Another rank failed with an error of its own, and this rank stopped with it."""
-
-
-class TimeoutSettingError(LaunchError, ValueError):
-    """The communication timeout given is not a positive, finite number of seconds."""
 
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -52,9 +36,7 @@ _DONE_KEY = "fxpipe/done/"  # + rank: that rank is leaving (finish), its failure
 _KEPT: list[Any] = []  # the store outlives the process group it served, for the failure protocol
 _TIMEOUT_S = [DEFAULT_TIMEOUT_S]  # the process group's timeout (init's timeout_s)
 _FAILED = [False]  # this rank saw the job fail: a lost rank, another rank's error, or its own
-_MPI: list[Any] = []  # (mpi4py.MPI, whether finish finalizes it) once the rendezvous used MPI
 _STORE_OP_S = 5.0  # the longest a store operation of the failure protocol waits
-_LINGER_S = 5.0    # how long finish waits at most for the ranks still naming a failure
 
 
 @contextlib.contextmanager
@@ -156,230 +138,6 @@ def _stop() -> None:
         dist.distributed_c10d._abort_process_group()
     else:
         dist.destroy_process_group()
-
-
-@dataclass(frozen=True)
-class Context:
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-    backend: str
-    launcher: str  # "torchrun", "mpi" or "single"
-
-
-_CONTEXT: Context | None = None
-
-
-def _int_env(*names: str) -> int | None:
-    for n in names:
-        v = os.environ.get(n)
-        if v is not None and v != "":
-            return int(v)
-    return None
-
-
-def _mpi_rendezvous(rank: int) -> tuple[str, int]:
-    """Rank 0 starts the store host (_store_host) and MPI broadcasts its address and port to every
-    rank. MPI stays initialized (a rank that exits without MPI_Finalize makes mpiexec end the job)
-    and `finish`, not mpi4py's exit hook, finalizes it: after a failure it does not."""
-    try:
-        import mpi4py
-    except ImportError as e:
-        raise LaunchError("started by mpirun (MPI environment variables found) but mpi4py is not "
-                          "installed; fix: pip install 'fxpipe[mpi]'") from e
-    addr_port: tuple[str, int] | None = None
-    if rank == 0:  # forked before MPI starts
-        addr = os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname())
-        addr_port = (addr, _store_host(addr))
-    ours = "mpi4py.MPI" not in sys.modules  # else its importer set the exit hook already
-    if ours:
-        mpi4py.rc.finalize = False
-    from mpi4py import MPI
-    _MPI[:] = [MPI, ours]
-    result: tuple[str, int] = MPI.COMM_WORLD.bcast(addr_port, root=0)
-    return result
-
-
-def _store_host(addr: str) -> int:
-    """Under mpirun: fork a process to host the rendezvous store, as torchrun's agent hosts it, so
-    that it answers while rank 0 is frozen (a stopped process's store blocks every rank that asks
-    it); it ends once rank 0 has ended. Returns the store's port."""
-    read, write = os.pipe()
-    if os.fork() == 0:  # the host: no MPI, no exit handlers, no output
-        code = 1
-        with contextlib.suppress(BaseException):
-            os.close(read)
-            null = os.open(os.devnull, os.O_RDWR)
-            for fd in (0, 1, 2):
-                os.dup2(null, fd)
-            parent = os.getppid()
-            store = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False)
-            os.write(write, str(store.port).encode())
-            os.close(write)
-            while os.getppid() == parent:
-                time.sleep(0.2)
-            code = 0
-        os._exit(code)
-    os.close(write)
-    with os.fdopen(read) as f:
-        port = f.read()
-    if not port.isdigit():
-        raise LaunchError(f"rank 0 could not start the rendezvous store on {addr}; set MASTER_ADDR to "
-                          "an address of this host the other ranks reach")
-    return int(port)
-
-
-def _detect() -> tuple[str, int, int, int]:
-    """(launcher, rank, world_size, local_rank) from torchrun or MPI variables."""
-    rank = _int_env("RANK")
-    world = _int_env("WORLD_SIZE")
-    if rank is not None and world is not None:
-        return "torchrun", rank, world, _int_env("LOCAL_RANK") or 0
-    rank = _int_env("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
-    world = _int_env("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
-    if rank is not None and world is not None:
-        local = _int_env("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK")
-        return "mpi", rank, world, local or 0
-    return "single", 0, 1, 0
-
-
-def timeout_setting(value: object, source: str = "timeout_s") -> float:
-    """`value` (a number, or its text from the command line or the environment) as the
-    communication timeout in seconds; `source` names where it came from, for the error."""
-    try:
-        seconds = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        seconds = math.nan
-    if isinstance(value, bool) or not (math.isfinite(seconds) and seconds > 0):
-        raise TimeoutSettingError(f"{source} must be a positive, finite number of seconds, got {value!r}; "
-                                  f"give e.g. 60, or leave it unset for the default {DEFAULT_TIMEOUT_S:g} s")
-    return seconds
-
-
-def init(*, backend: str | None = None, timeout_s: float | None = None) -> Context:
-    """Start torch.distributed from the launcher's environment; idempotent.
-
-    torchrun: RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT. mpirun/mpiexec (MPICH, Open MPI,
-    MVAPICH): rank and size from the MPI variables, rendezvous through mpi4py. Neither:
-    one process. Backend: NCCL when CUDA is available, else gloo. `timeout_s` bounds every
-    wait on another rank, so a lost rank ends the others with an error instead of a hang
-    (default: $FXPIPE_TIMEOUT, else 300 s). Every survivor of a lost rank exits within the
-    timeout + 30 s, under every launcher (see finish).
-    """
-    global _CONTEXT
-    if _CONTEXT is not None:
-        return _CONTEXT
-    env_timeout = os.environ.get("FXPIPE_TIMEOUT", "")
-    if timeout_s is not None:
-        timeout_s = timeout_setting(timeout_s)
-    elif env_timeout.strip():
-        timeout_s = timeout_setting(env_timeout, "FXPIPE_TIMEOUT")
-    else:
-        timeout_s = DEFAULT_TIMEOUT_S
-    launcher, rank, world, local_rank = _detect()
-    cuda = torch.cuda.is_available()
-    backend = backend or ("nccl" if cuda else "gloo")
-    if backend not in ("gloo", "nccl", "mpi"):
-        raise LaunchError(f"backend must be 'gloo', 'nccl' or 'mpi', got {backend!r}")
-    device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count())) if (
-        cuda and backend == "nccl") else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    _TIMEOUT_S[0] = timeout_s
-    if not dist.is_initialized():
-        if launcher == "torchrun":
-            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
-        elif launcher == "mpi":
-            addr, port = _mpi_rendezvous(rank)
-            store = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-        else:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                s.bind(("127.0.0.1", 0))
-                port = int(s.getsockname()[1])
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                    world_size=1, timeout=timeout)
-    atexit.register(finish)
-    _CONTEXT = Context(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
-                       device=device, backend=backend, launcher=launcher)
-    return _CONTEXT
-
-
-def finish() -> None:
-    """End this rank's part in the job; init registers it to run at exit, and a command line may
-    call it before os._exit. Normally: destroy the process group, finalize MPI. After a failure
-    (this rank's own, another's, a lost rank): wait while a rank still names it, 5 s at most (a
-    launcher ends every rank once one exits non-zero), and leave MPI unfinalized: MPI_Finalize
-    waits for every rank, a frozen one too, while a rank that exits without it makes mpiexec end
-    the job. Where mpi4py was imported before init (its exit hook finalizes), abort the job."""
-    if _FAILED[0]:
-        _linger()
-        if _MPI and not _MPI[1]:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            _MPI[0].COMM_WORLD.Abort(1)
-        return
-    if dist.is_initialized():  # left to C++ destructors, gloo's threads abort a finished process
-        dist.destroy_process_group()
-    if _MPI and _MPI[1] and not _MPI[0].Is_finalized():
-        _MPI[0].Finalize()
-
-
-def _linger() -> None:
-    """Mark this rank as leaving, then wait (_LINGER_S at most) while a rank that began naming the
-    failure (it reported what it could not reach) has not left yet."""
-    store = _KEPT[-1] if _KEPT else None
-    if store is None or _CONTEXT is None:
-        return
-    me, world = _CONTEXT.rank, _CONTEXT.world_size
-    deadline = time.monotonic() + _LINGER_S
-    with contextlib.suppress(Exception):  # the store may be gone with rank 0
-        store.set(f"{_DONE_KEY}{me}", "1")
-        while time.monotonic() < deadline:
-            if not any(store.check([f"{_LOST_KEY}{r}"]) and not store.check([f"{_DONE_KEY}{r}"])
-                       for r in range(world) if r != me):
-                return
-            time.sleep(0.05)
-
-
-def measure_link(device: torch.device, sizes: Sequence[int] = (1 << 14, 1 << 22), repeats: int = 5
-                 ) -> tuple[float, float] | None:
-    """(bytes per ms, latency ms) of the link between ranks 0 and 1, from ping-pongs of two sizes
-    (median of `repeats` each); a collective call, returning the figures on every rank, None
-    with one rank. The partitioner's communication cost is latency + bytes / bandwidth."""
-    if not dist.is_initialized() or dist.get_world_size() < 2:
-        return None
-    rank = dist.get_rank()
-    ms: list[float] = []
-    for n in sizes:
-        buf = torch.zeros(n // 4, device=device)
-        times = []
-        for _ in range(repeats + 1):  # the first round opens the connection
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            elif rank == 1:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-            times.append((time.perf_counter() - t0) / 2 * 1e3)
-        ms.append(statistics.median(times[1:]))
-    fit = torch.tensor([0.0, 0.0])
-    if rank == 0:
-        slope = max((ms[1] - ms[0]) / (sizes[1] - sizes[0]), 1e-12)  # ms per byte
-        fit = torch.tensor([1.0 / slope, max(ms[0] - sizes[0] * slope, 0.0)], dtype=torch.float64)
-    fit = fit.to(torch.float64).to(device)
-    dist.broadcast(fit, src=0)
-    return float(fit[0]), float(fit[1])
-
-
-def context() -> Context:
-    """The context `init()` made; calls `init()` when it has not run yet."""
-    return _CONTEXT or init()
 
 
 class Work(Protocol):

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from pipe.comm import DEFAULT_TIMEOUT_S, finish, timeout_setting
+from pipe.launch import DEFAULT_TIMEOUT_S, finish, timeout_setting
 from pipe.schedules import SCHEDULES
 
 __all__ = ["main", "parse_args", "error_line", "OUTPUTS"]

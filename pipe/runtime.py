@@ -22,7 +22,7 @@ from partition.loss import attach_loss
 from partition.trace import flatten_inputs, trace, unflatten_outputs
 import memory
 from memory import MemoryManager
-from pipe import comm
+from pipe import comm, launch
 from pipe.exchange import Exchange
 from pipe.lower import forward_only, fuse_backward, lower, validate, with_reloads
 from pipe.backward import Saved, backward_full, backward_input, backward_weight, with_param_outputs
@@ -130,7 +130,7 @@ class Pipeline:
         if interleaved and stages_per_rank < 2:
             raise PipelineError(f"schedule {schedule!r} interleaves several stages per rank, but stages_per_rank="
                                 f"{stages_per_rank}; pass stages_per_rank=2 (or more), or schedule='1f1b'")
-        self.ctx = comm.context()
+        self.ctx = launch.context()
         self.rank, self.world = self.ctx.rank, self.ctx.world_size
         self.leaf_modules = tuple(leaf_modules)
         self.progress = progress
@@ -212,7 +212,7 @@ class Pipeline:
         if plan is None:
             flights = [in_flight_limit(self.schedule_name, self.S, self.M, s, self.v) for s in range(self.S)]
             # measured costs: the link measured too (ranks 0 and 1), so cuts weigh real transfer times
-            link = comm.measure_link(self.ctx.device) if cost == "measured" else None
+            link = launch.measure_link(self.ctx.device) if cost == "measured" else None
             bytes_per_ms, latency_ms = link or (1e6, 0.05)
             d = _Broadcast.run(lambda: partition.plan(
                 model, args, self.S, example_kwargs=kwargs, cost=cost, schedule=self.schedule_name,

@@ -163,7 +163,7 @@ def test_every_error_is_an_fxpipe_error_of_its_builtin_kind() -> None:
     import partition
     import pipe
     from pipe.checkpoint import CheckpointError
-    from pipe.comm import LaunchError
+    from pipe.launch import LaunchError
     from pipe.runtime import NonFiniteLoss
     builtin = {partition.PlanError: ValueError, partition.TraceError: TypeError, partition.WorkloadError: ValueError,
                partition.PartitionError: ValueError, partition.InfeasibleBudget: ValueError,

@@ -14,8 +14,8 @@ BIN = Path(sys.executable).parent
 
 
 def allreduce_body(rank: int, world: int, *, scale: float) -> float:
-    import pipe.comm as comm
-    ctx = comm.init()
+    import pipe.launch as launch
+    ctx = launch.init()
     assert (ctx.rank, ctx.world_size, ctx.backend) == (rank, world, "gloo")
     t = torch.tensor([scale * (rank + 1)])
     dist.all_reduce(t)

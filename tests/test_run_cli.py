@@ -94,21 +94,21 @@ def test_a_bad_value_is_one_line_naming_the_flag_and_the_fix(flag: str, value: s
 @pytest.mark.parametrize("value", ["0", "-1", "inf", "later"])
 def test_a_bad_fxpipe_timeout_is_refused(value: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                          capsys: pytest.CaptureFixture[str]) -> None:
-    import pipe.comm as comm
+    import pipe.launch as launch
     from pipe.run import main
     monkeypatch.setenv("FXPIPE_TIMEOUT", value)
     with pytest.raises(SystemExit):
         main(["gpt", "--out", str(tmp_path)])
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "FXPIPE_TIMEOUT must be a positive, finite number of seconds" in line and repr(value) in line, line
-    monkeypatch.setattr(comm, "_CONTEXT", None)  # as before the first init of a process
-    with pytest.raises(comm.TimeoutSettingError, match="FXPIPE_TIMEOUT"):
-        comm.init()
+    monkeypatch.setattr(launch, "_CONTEXT", None)  # as before the first init of a process
+    with pytest.raises(launch.TimeoutSettingError, match="FXPIPE_TIMEOUT"):
+        launch.init()
     monkeypatch.delenv("FXPIPE_TIMEOUT")
-    with pytest.raises(comm.TimeoutSettingError, match=r"timeout_s must be .* got 0; give e.g. 60"):
-        comm.init(timeout_s=0)
+    with pytest.raises(launch.TimeoutSettingError, match=r"timeout_s must be .* got 0; give e.g. 60"):
+        launch.init(timeout_s=0)
     with pytest.raises(ValueError, match="got True"):
-        comm.timeout_setting(True)
+        launch.timeout_setting(True)
 
 
 def test_timeout_reaches_init_from_the_flag_before_the_environment(monkeypatch: pytest.MonkeyPatch,

@@ -226,7 +226,7 @@ def test_inference_forward_on_every_rank() -> None:
 def link_body(rank: int, world: int) -> list[float]:
     import partition
     import pipe
-    from pipe.comm import measure_link
+    from pipe.launch import measure_link
     ctx = pipe.init()
     link = measure_link(ctx.device)
     assert link is not None

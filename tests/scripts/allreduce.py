@@ -2,10 +2,10 @@
 import torch
 import torch.distributed as dist
 
-import pipe.comm as comm
+import pipe.launch as launch
 
-ctx = comm.init()
-assert comm.init() is ctx  # idempotent
+ctx = launch.init()
+assert launch.init() is ctx  # idempotent
 t = torch.tensor([float(ctx.rank + 1)])
 dist.all_reduce(t)
 print(f"rank {ctx.rank}/{ctx.world_size} launcher={ctx.launcher} backend={ctx.backend} sum={t.item():g}",
