@@ -23,6 +23,7 @@ objects in the data, so no pickled code ever runs; any failure is raised as the 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import shutil
@@ -35,11 +36,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from pipe.ckpt_format import (FORMAT, LATEST, MANIFEST, VERSION, CheckpointError, agree, apply_optimizer,
+from pipe.ckpt_format import (FORMAT, LATEST, MANIFEST, VERSION, CheckpointError, agree, dtype_named,
+                              optimizer_state_dict,
                               check_model, check_tensors, dcp_error, dcp_load, everywhere, in_group,
                               model_tensors, optimizer_names, optimizer_targets, param_ids, quiet, read_manifest,
-                              read_metadata, resolve, sha256, verify, write_atomic)
+                              read_metadata, resolve, resolve_everywhere, sha256, verify, write_atomic)
 from pipe.state_dicts import export, load_full_optimizer_state, load_full_state_dict, load_model_state
 
 if TYPE_CHECKING:
@@ -60,22 +63,34 @@ class Loaded:
 
 
 # ----- what is saved -----
-def _rng_state(rank: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def _rng_state(rank: int, device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """This rank's random state: torch's on the host and on its own CUDA device, and Python's."""
     version, state, gauss = random.getstate()
     tensors = {f"rng.{rank}.torch": torch.get_rng_state(), f"rng.{rank}.python": torch.tensor(state, dtype=torch.int64)}
-    if torch.cuda.is_available():
-        for i, t in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"rng.{rank}.cuda.{i}"] = t
+    if device.type == "cuda":
+        tensors[f"rng.{rank}.cuda"] = torch.cuda.get_rng_state(device)
     return tensors, {"python_version": version, "python_gauss": gauss}
 
 
-def _set_rng_state(tensors: dict[str, torch.Tensor], info: dict[str, Any], rank: int) -> None:
+def _rng_targets(md: Any, src: int, device: torch.device, folder: Path) -> dict[str, torch.Tensor]:
+    """Empty tensors for saved rank `src`'s random state (its CUDA state when both have a device)."""
+    want = {"torch": torch.uint8, "python": torch.int64} | ({"cuda": torch.uint8} if device.type == "cuda" else {})
+    out = {}
+    for k, dtype in want.items():
+        entry = md.state_dict_metadata.get(f"rng.{src}.{k}")
+        if isinstance(entry, TensorStorageMetadata):
+            out[f"rng.{src}.{k}"] = torch.empty(tuple(entry.size), dtype=dtype)
+        elif k != "cuda":  # a checkpoint saved on the host has none
+            raise CheckpointError(f"{folder} holds no random state for rank {src} ({k}); the checkpoint is damaged")
+    return out
+
+
+def _set_rng_state(tensors: dict[str, torch.Tensor], info: dict[str, Any], rank: int, device: torch.device) -> None:
     torch.set_rng_state(tensors[f"rng.{rank}.torch"])
     random.setstate((info["python_version"], tuple(int(x) for x in tensors[f"rng.{rank}.python"].tolist()),
                      info["python_gauss"]))
-    cuda = [tensors[k] for k in sorted(tensors) if k.startswith(f"rng.{rank}.cuda.")]
-    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(cuda)
+    if f"rng.{rank}.cuda" in tensors:
+        torch.cuda.set_rng_state(tensors[f"rng.{rank}.cuda"], device)
 
 
 def _json(x: Any, where: str) -> Any:
@@ -117,7 +132,8 @@ def _decode_extra(x: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 
 def _extra_tensors(manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
-    return {k: torch.empty(v["shape"], dtype=getattr(torch, v["dtype"])) for k, v in manifest["extra_tensors"].items()}
+    return {k: torch.empty(v["shape"], dtype=dtype_named(v["dtype"], Path("."))) for k, v in
+            manifest["extra_tensors"].items()}
 
 
 
@@ -128,7 +144,8 @@ def _optimizer_state(pp: "Pipeline", optimizer: torch.optim.Optimizer, tensors: 
     osd = optimizer.state_dict()
     out: dict[str, Any] = {}
     for group in osd["param_groups"]:
-        settings = _json({k: v for k, v in group.items() if k != "params"}, f"the optimizer's settings {group}")
+        settings = _json({k: v for k, v in group.items() if k not in ("params", "param_names")},
+                         f"the optimizer's settings {group}")
         for i in group["params"]:
             name = names[i]
             entry: dict[str, Any] = {"group": settings, "scalars": {}, "tensors": {}}
@@ -169,7 +186,7 @@ def save(pp: "Pipeline", path: str | Path, optimizer: torch.optim.Optimizer | No
             raise CheckpointError(f"{path} is a version folder of a checkpoint; save to the checkpoint's folder "
                                   f"({path.parent}) or to a new one")
         tensors.update(model_tensors(pp))
-        rng, rng_info = _rng_state(pp.rank)
+        rng, rng_info = _rng_state(pp.rank, pp.ctx.device)
         tensors.update(rng)
         info: dict[str, Any] = {"rng": rng_info, "optimizer": None, "extra": None}
         if optimizer is not None:
@@ -223,20 +240,23 @@ def save(pp: "Pipeline", path: str | Path, optimizer: torch.optim.Optimizer | No
 
 
 def _clean(path: Path, current: Path, keep: int) -> None:
-    """Remove leftovers of interrupted saves and all but the newest `keep` complete versions."""
-    complete = []
-    for entry in path.iterdir():
-        if entry == current or not VERSION.fullmatch(entry.name):
+    """Remove leftovers of interrupted saves and all but the newest `keep` complete versions; a
+    version's manifest goes first, so one whose removal is interrupted is never taken for complete.
+    Best effort: the save it follows has succeeded whatever happens here."""
+    with contextlib.suppress(OSError):
+        complete = []
+        for entry in path.iterdir():
             if entry.name == LATEST + ".tmp":
                 entry.unlink(missing_ok=True)
-            continue
-        if (entry / MANIFEST).is_file():
-            complete.append(entry)
-        else:
+            elif entry != current and VERSION.fullmatch(entry.name):
+                if (entry / MANIFEST).is_file():
+                    complete.append(entry)
+                else:
+                    shutil.rmtree(entry, ignore_errors=True)
+        complete.sort(key=lambda e: (int(e.name.split("-")[1]), (e / MANIFEST).stat().st_mtime_ns))
+        for entry in complete[:max(0, len(complete) - (keep - 1))]:
+            (entry / MANIFEST).unlink(missing_ok=True)
             shutil.rmtree(entry, ignore_errors=True)
-    complete.sort(key=lambda e: (int(e.name.split("-")[1]), (e / MANIFEST).stat().st_mtime_ns))
-    for entry in complete[:max(0, len(complete) - (keep - 1))]:
-        shutil.rmtree(entry, ignore_errors=True)
 
 
 # ----- load -----
@@ -248,11 +268,9 @@ def load(pp: "Pipeline", path: str | Path, optimizer: torch.optim.Optimizer | No
     stages hold; the random-number state is restored per rank when the world size is the one
     saved (a bitwise resume under the same plan), else each rank takes rank (r mod saved world)'s.
     """
-    folder_box: list[Path] = []
+    folder: Path = resolve_everywhere(path)
 
     def check() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        folder = resolve(path)
-        folder_box.append(folder)
         manifest = read_manifest(folder)
         check_model(pp, manifest, folder)
         verify(folder, manifest, (pp.rank, pp.world))
@@ -260,10 +278,11 @@ def load(pp: "Pipeline", path: str | Path, optimizer: torch.optim.Optimizer | No
         model = model_tensors(pp)
         check_tensors(md, model, folder)
         src = pp.rank % int(manifest["world_size"])
+        if not 0 <= src < len(manifest["rng"]):
+            raise CheckpointError(f"{folder / MANIFEST} lists the random state of {len(manifest['rng'])} ranks for "
+                                  f"{manifest['world_size']}; the manifest is damaged")
         targets = {k: torch.empty_like(t.detach(), device="cpu") for k, t in model.items()}
-        targets.update({f"rng.{src}.{k}": torch.empty(md.state_dict_metadata[f"rng.{src}.{k}"].size,  # type: ignore
-                                                      dtype=torch.int64 if k == "python" else torch.uint8)
-                        for k in ("torch", "python")})
+        targets.update(_rng_targets(md, src, pp.ctx.device, folder))
         targets.update(_extra_tensors(manifest))
         if optimizer is not None:
             targets.update(optimizer_targets(param_ids(pp), optimizer, manifest, folder))
@@ -271,19 +290,23 @@ def load(pp: "Pipeline", path: str | Path, optimizer: torch.optim.Optimizer | No
         return manifest, targets
 
     manifest, targets = everywhere(check)
-    folder = folder_box[0]
     dcp_load(targets, folder)
+
+    def prepare() -> tuple[dict[str, Any] | None, Any]:  # all that may fail, before anything changes
+        osd = None if optimizer is None else optimizer_state_dict(param_ids(pp), optimizer, manifest, targets)
+        return osd, _decode_extra(manifest["extra"], targets)
+    osd, extra = everywhere(prepare)
 
     def apply() -> Loaded:
         if optimizer is not None:
-            apply_optimizer(param_ids(pp), optimizer, manifest, targets)
+            optimizer.load_state_dict(osd)
         with torch.no_grad():
             for k, t in model_tensors(pp).items():
                 t.copy_(targets[k])
         src = pp.rank % int(manifest["world_size"])
-        _set_rng_state(targets, manifest["rng"][src], src)
+        _set_rng_state(targets, manifest["rng"][src], src, pp.ctx.device)
         pp.steps_done = int(manifest["step"])
-        return Loaded(pp.steps_done, _decode_extra(manifest["extra"], targets), str(folder))
+        return Loaded(pp.steps_done, extra, str(folder))
     return everywhere(apply)
 
 

@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CheckpointError", "FORMAT", "MANIFEST", "LATEST", "VERSION", "agree", "everywhere", "resolve",
            "read_manifest", "verify", "read_metadata", "dcp_load", "check_tensors", "check_model", "model_tensors",
-           "optimizer_targets", "apply_optimizer", "write_atomic", "sha256", "in_group", "quiet", "dcp_error"]
+           "optimizer_targets", "optimizer_state_dict", "dtype_named", "resolve_everywhere", "write_atomic",
+           "sha256", "in_group", "quiet", "dcp_error"]
 
 FORMAT = 2
 MANIFEST = "fxpipe.json"
@@ -68,7 +69,7 @@ def _collect(fn: Callable[[], Any]) -> tuple[Any, str | None]:
         return fn(), None
     except CheckpointError as e:
         return None, str(e)
-    except (OSError, ValueError, TypeError, KeyError, RuntimeError, pickle.UnpicklingError) as e:
+    except Exception as e:  # noqa: BLE001 - any failure on one rank must reach every rank, never hang them
         return None, f"{type(e).__name__}: {e}"
 
 
@@ -105,6 +106,24 @@ def write_atomic(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+def resolve_everywhere(path: str | Path, optional: bool = False) -> Any:
+    """`resolve` on rank 0, its answer (or its error) on every rank: all load one version, also
+    while another job replaces LATEST (a collective call). `optional`: None where `path` is not
+    an fxpipe checkpoint at all (a state dict file or a folder of shards)."""
+    def mine() -> str:
+        if in_group() and dist.get_rank() != 0:
+            return ""
+        p = Path(path)
+        if optional and not (p.is_dir() and ((p / MANIFEST).is_file() or (p / LATEST).is_file()
+                                             or (p / "manifest.json").is_file())):
+            return ""
+        return str(resolve(p))
+    box = [everywhere(mine)]
+    if in_group():
+        dist.broadcast_object_list(box, src=0)
+    return Path(box[0]) if box[0] else None
 
 
 def resolve(path: str | Path) -> Path:
@@ -167,6 +186,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
         ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+        ("pathlib._local", "PosixPath"), ("pathlib._local", "WindowsPath"),  # Python 3.13's
         ("collections", "OrderedDict")}
 
     def find_class(self, module: str, name: str) -> Any:
@@ -192,7 +212,9 @@ def read_metadata(folder: Path) -> Metadata:
 
 
 class _Reader(dcp.FileSystemReader):
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    # no **kwargs: DCP would otherwise fall back, on the one rank whose read failed, to reading a
+    # rank's own metadata without collectives, and the ranks' calls would no longer match
+    def read_metadata(self, *args: Any) -> Metadata:
         return read_metadata(Path(self.path))
 
 
@@ -292,6 +314,14 @@ def check_model(pp: "Pipeline", manifest: dict[str, Any], folder: Path) -> None:
 
 
 
+def dtype_named(name: str, folder: Path) -> torch.dtype:
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"{folder / MANIFEST} names dtype {name!r}, which this torch does not have; load the "
+                              "checkpoint with the torch version that saved it")
+    return dtype
+
+
 def optimizer_targets(named: dict[int, str], optimizer: torch.optim.Optimizer, manifest: dict[str, Any],
                        folder: Path) -> dict[str, torch.Tensor]:
     """Empty tensors for the optimizer's saved state, on its parameters' devices (`step` on the host)."""
@@ -309,14 +339,15 @@ def optimizer_targets(named: dict[int, str], optimizer: torch.optim.Optimizer, m
             raise CheckpointError(f"{folder} holds no optimizer state for {name}; the optimizer was built from "
                                   "other parameters than when saving: build it from pp.parameters()")
         for k, t in saved[name]["tensors"].items():
-            out[t["key"]] = torch.empty(t["shape"], dtype=getattr(torch, t["dtype"]),
+            out[t["key"]] = torch.empty(t["shape"], dtype=dtype_named(t["dtype"], folder),
                                         device=device[name] if k != "step" else "cpu")
     return out
 
 
-def apply_optimizer(named: dict[int, str], optimizer: torch.optim.Optimizer, manifest: dict[str, Any],
-                     loaded: dict[str, torch.Tensor]) -> None:
-    """optimizer.load_state_dict from the state saved by name; each group takes its parameters' settings."""
+def optimizer_state_dict(named: dict[int, str], optimizer: torch.optim.Optimizer, manifest: dict[str, Any],
+                         loaded: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The state dict for `optimizer.load_state_dict` from the state saved by parameter name; each of
+    its groups takes the settings its parameters were saved with (its own `param_names` kept)."""
     saved = manifest["optimizer"]
     names = optimizer_names(named, optimizer)
     state: dict[int, dict[str, Any]] = {}
@@ -335,6 +366,8 @@ def apply_optimizer(named: dict[int, str], optimizer: torch.optim.Optimizer, man
             if s:
                 state[index] = s
             index += 1
-        groups.append({**(settings or {k: v for k, v in group.items() if k != "params"}),
-                       "params": list(range(index - len(group["params"]), index))})
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+        mine = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        groups.append({**(settings if settings is not None else mine),
+                       "params": list(range(index - len(group["params"]), index)),
+                       **({"param_names": group["param_names"]} if "param_names" in group else {})})
+    return {"state": state, "param_groups": groups}

@@ -178,6 +178,12 @@ class Pipeline:
         self._example_target = example_target
         self._wants_target = example_target is not None
         costs = self._memory_costs(args, kwargs, recompute, offload, memory_budget)
+        # buffers by original name, read before the move: moving a module to a device replaces its
+        # buffers with new tensors (parameters keep their identity)
+        orig = {id(b): k for k, b in model.named_buffers()}
+        self._buffer_names = {s: {n: orig[id(b)] for n, b in stages[s].named_buffers() if id(b) in orig}
+                              for s in self.local}
+        self._placed = {id(b) for st in stages for b in st.buffers()}
         self.stages = {s: stages[s].to(self.ctx.device) for s in self.local}
         self.io: dict[int, StageIO] = {s: stages[s].io for s in self.local}  # type: ignore[misc]
         self.memory: MemoryManager = self._build_memory(model, costs, recompute, offload, memory_budget)
@@ -195,7 +201,6 @@ class Pipeline:
         self.program = with_reloads(mine, self.memory.reload_stages())[self.rank]
         self.memory.set_program(self.program)
         self._names = {id(p): n for n, p in model.named_parameters()}
-        self._placed = {id(b) for st in stages for b in st.buffers()}
         self._model = model
         self._tied_groups = self._make_tied_groups()
         self.transport: comm.Transport = transport or comm.TorchTransport()
@@ -337,12 +342,17 @@ class Pipeline:
         return out
 
     def local_buffers(self) -> dict[str, torch.Tensor]:
-        """Buffers of this rank's stages by original name; rank 0 also keeps those no stage reads."""
-        mine = {id(b) for s in self.local for b in self.stages[s].buffers()}
+        """Buffers of this rank's stages by original name (the stages' own tensors, on its device);
+        rank 0 also keeps those no stage reads."""
         out: dict[str, torch.Tensor] = {}
-        for k, b in self._model.named_buffers():
-            if id(b) in mine or (self.rank == 0 and id(b) not in self._placed):
-                out[k] = b
+        for s in self.local:
+            for n, b in self.stages[s].named_buffers():
+                if n in self._buffer_names[s]:
+                    out[self._buffer_names[s][n]] = b
+        if self.rank == 0:
+            for k, b in self._model.named_buffers():
+                if id(b) not in self._placed:
+                    out.setdefault(k, b)
         return out
 
     def save(self, path: str | Path, optimizer: torch.optim.Optimizer | None = None,
@@ -367,8 +377,9 @@ class Pipeline:
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """On rank 0: a state dict that loads into the unpartitioned model; None on other ranks."""
-        ids = {id(t): t for s in self.local for t in list(self.stages[s].parameters()) + list(self.stages[s].buffers())}
-        mine = {k: v.detach().cpu() for k, v in self._model.state_dict(keep_vars=True).items() if id(v) in ids}
+        held = {n: p.detach().cpu() for n, p in self.named_parameters()}
+        held.update({k: b.detach().cpu() for k, b in self.local_buffers().items()})
+        mine = {k: held[first] for k, first in self.state_key_names().items() if first in held}
         parts: list[Any] = [None] * self.world
         if self.world > 1:
             dist.all_gather_object(parts, mine)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pipe.ckpt_format import (LATEST, MANIFEST, CheckpointError, apply_optimizer, check_model, check_tensors,
+from pipe.ckpt_format import (CheckpointError, optimizer_state_dict, check_model, check_tensors, resolve_everywhere,
                               dcp_load, everywhere, key_difference, model_tensors, optimizer_targets,
                               read_manifest, read_metadata, resolve, verify)
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -61,13 +61,13 @@ def load_full_optimizer_state(path: str | Path, model: torch.nn.Module, optimize
     targets = optimizer_targets(named, optimizer, manifest, folder)
     check_tensors(read_metadata(folder), targets, folder)
     dcp_load(targets, folder, no_dist=True)
-    apply_optimizer(named, optimizer, manifest, targets)
+    optimizer.load_state_dict(optimizer_state_dict(named, optimizer, manifest, targets))
     return int(manifest["step"])
 
 
 # ----- a full state dict of the unpartitioned model, into a pipeline -----
 class _Source:
-    """Tensors by name from a .pt/.bin, a .safetensors, a folder of Hugging Face shards, or a checkpoint."""
+    """Tensors by name from a .pt/.bin, a .safetensors or a folder of Hugging Face shards."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -75,13 +75,6 @@ class _Source:
         self._open: dict[Path, Any] = {}
         p = self.path
         if p.is_dir():
-            if (p / MANIFEST).is_file() or (p / LATEST).is_file():
-                self.kind = "fxpipe"
-                self.folder = resolve(p)
-                manifest = read_manifest(self.folder)
-                self.manifest = manifest
-                self.keys = set(manifest["state_keys"])
-                return
             for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
                 if (p / index).is_file():
                     try:
@@ -101,7 +94,6 @@ class _Source:
             self.files = {k: p for k in self._keys_of(p)}
         else:
             raise CheckpointError(f"{p} does not exist; give a .pt, .safetensors, a folder of shards or a checkpoint")
-        self.kind = "files"
         self.keys = set(self.files)
 
     @staticmethod
@@ -159,46 +151,45 @@ def load_model_state(pp: "Pipeline", path: str | Path) -> None:
     for key, first in names.items():
         aliases.setdefault(first, []).append(key)
 
-    def check() -> tuple[_Source, dict[str, str]]:
+    folder = resolve_everywhere(path, optional=True)  # an fxpipe checkpoint: the version rank 0 resolved
+
+    def check() -> dict[str, torch.Tensor]:
+        """This rank's tensors, read and checked before anything changes."""
+        if folder is not None:
+            manifest = read_manifest(folder)
+            check_model(pp, manifest, folder)
+            verify(folder, manifest, (pp.rank, pp.world))
+            model = model_tensors(pp)
+            check_tensors(read_metadata(folder), model, folder)
+            return {k: torch.empty_like(t.detach(), device="cpu") for k, t in model.items()}
         src = _Source(path)
-        if src.kind == "fxpipe":
-            check_model(pp, src.manifest, src.folder)
-            return src, {}
         unexpected = sorted(src.keys - set(names))
         missing = sorted(first for first, keys in aliases.items() if not any(k in src.keys for k in keys))
         if unexpected or missing:
             raise CheckpointError(f"{path} does not match this model: it {key_difference(missing, unexpected)}; "
                                   "load a state dict of this model (strip or add a prefix to its keys if that "
                                   "is all that differs)")
-        plan = {}
+        loaded = {}
         for k, t in model_tensors(pp).items():
-            name = k.removeprefix("model.")
-            found = next(a for a in aliases[name] if a in src.keys)
-            if src.shape(found) != tuple(t.shape):
-                raise CheckpointError(f"{path}: {found} has shape {list(src.shape(found))}, this model's is "
-                                      f"{list(t.shape)}; load a state dict of this model")
-            plan[k] = found
-        return src, plan
+            present = [a for a in aliases[k.removeprefix("model.")] if a in src.keys]
+            if src.shape(present[0]) != tuple(t.shape):
+                raise CheckpointError(f"{path}: {present[0]} has shape {list(src.shape(present[0]))}, this model's "
+                                      f"is {list(t.shape)}; load a state dict of this model")
+            loaded[k] = src.get(present[0])
+            for other in present[1:]:  # names the model ties must hold one value
+                if not torch.equal(src.get(other), loaded[k]):
+                    raise CheckpointError(f"{path} holds different values for {present[0]} and {other}, which this "
+                                          "model ties (one tensor); load a state dict of a model with the same ties")
+        return loaded
 
-    src, plan = everywhere(check)
-    if src.kind == "fxpipe":
-        folder = src.folder
-        manifest = src.manifest
-
-        def read_files() -> dict[str, torch.Tensor]:
-            verify(folder, manifest, (pp.rank, pp.world))
-            model = model_tensors(pp)
-            check_tensors(read_metadata(folder), model, folder)
-            return {k: torch.empty_like(t.detach(), device="cpu") for k, t in model.items()}
-        targets = everywhere(read_files)
+    targets = everywhere(check)
+    if folder is not None:
         dcp_load(targets, folder)
-    else:
-        targets = None
 
     def apply() -> None:
         with torch.no_grad():
             for k, t in model_tensors(pp).items():
-                t.copy_(targets[k] if targets is not None else src.get(plan[k]))
+                t.copy_(targets[k])
     everywhere(apply)
 
 
