@@ -7,7 +7,8 @@ loop; (2) interleaved-1f1b and zbv (two stages per rank; NCCL messages between t
 there are two GPUs, hand-over in memory with one): loss and grads against the unpartitioned
 model, and the CUDA-event timeline (device time) against the host's wall time of the step;
 (3) per memory configuration, the ledger's peak against torch.cuda.max_memory_allocated;
-(4) step times of plain, auto at half the plain peak, selective and full recompute; (5) the
+(4) step times of plain, auto at half the plain peak, selective and full recompute; (5) a
+checkpoint saved on the device resumed bitwise (dropout: the device's random state); (6) the
 widest gpt that trains within a per-stage budget, plain against auto + offload of everything.
 Uses min(2, GPUs) ranks (one process per GPU); with one GPU the single stage runs GPipe so that
 several microbatches are in flight. Writes out/gpu_check/gpu_check.json.
@@ -173,6 +174,40 @@ def ledger_vs_allocator(base: dict[str, Any], M: int, schedule: str, say: Callab
     return rows
 
 
+def checkpoint_check(base: dict[str, Any], M: int, say: Callable[..., None]) -> dict[str, Any]:
+    """Save on the device and resume into a fresh pipeline of the same plan: with dropout, the next
+    step's loss is bitwise the uninterrupted one's only if the device's random state came back too,
+    and every parameter and buffer (the stages' own tensors on the device) equals."""
+    import partition
+    import pipe
+    base = {**base, "dropout": 0.1}
+    w = partition.load("gpt", **base)
+    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, cost="flops")
+    opt = torch.optim.AdamW(list(pp.parameters()), lr=1e-3)
+
+    def step(p: Any, o: Any, i: int) -> float:
+        args, _, target = w.batch(w.microbatch_size * M, i)
+        loss = p.step(*args, target=target)
+        o.step()
+        o.zero_grad(set_to_none=True)
+        return float(loss)
+    step(pp, opt, 0)
+    path = Path("out/gpu_check/ckpt")
+    pp.save(path, optimizer=opt)
+    straight = step(pp, opt, 1)
+    w2 = partition.load("gpt", **{**base, "seed": 1})
+    p2 = pipe.Pipeline(w2.model, w2.example_args, loss_fn=w2.loss_fn, microbatches=M, cost="flops", plan=path)
+    o2 = torch.optim.AdamW(list(p2.parameters()), lr=1e-3)
+    p2.load(path, optimizer=o2)
+    resumed = step(p2, o2, 1)
+    held = {**dict(pp.named_parameters()), **pp.local_buffers()}
+    same = all(torch.equal(t, held[n]) for n, t in {**dict(p2.named_parameters()), **p2.local_buffers()}.items())
+    row = {"bitwise_loss": resumed == straight, "state_equal": same, "device": str(next(pp.parameters()).device)}
+    say(f"    resumed loss {'bitwise equal' if row['bitwise_loss'] else f'{resumed} != {straight}'}, "
+        f"parameters and buffers {'equal' if same else 'DIFFER'} on {row['device']}")
+    return row
+
+
 def worker(dry: bool) -> int:
     import pipe
     ctx = pipe.init()
@@ -187,6 +222,7 @@ def worker(dry: bool) -> int:
     steps: list[tuple[str, Callable[[], Any]]] = [
         ("copies", lambda: copy_speeds(say) if (ctx.rank == 0 and not dry) else {}),
         ("schedules", lambda: schedules_check(cfg["timed"], 4, say)),
+        ("checkpoint", lambda: checkpoint_check(cfg["timed"], 4, say)),
         ("ledger", lambda: ledger_vs_allocator(cfg["timed"], M, schedule, say)),
         ("time", lambda: timed(3, M, say, base=cfg["timed"], schedule=schedule, v=1)),
         ("scan_plain", lambda: largest(cfg["budget"], {}, 4, say, base=cfg["scan"], widths=cfg["widths"],

@@ -73,12 +73,13 @@ def test_bench_partition(tmp_path: Path) -> None:
 def test_gpu_check_dry_run_on_cpu() -> None:
     """The one-script GPU check, exercised on CPU with small sizes so it cannot rot between GPU sessions."""
     out = run_command([sys.executable, "bench/gpu_check.py", "--dry-run"], timeout=240).output
-    for part in ("schedules", "ledger", "time", "scan_plain", "scan_memory"):
+    for part in ("schedules", "checkpoint", "ledger", "time", "scan_plain", "scan_memory"):
         assert f"] {part}" in out, out[-3000:]
     assert "largest within" in out and "done in" in out and "Traceback" not in out
     data = json.loads(Path(__file__).resolve().parent.parent.joinpath("out/gpu_check/gpu_check.json").read_text())
     assert data["device"] == "cpu" and data["time"]["ratio"]["none"] == 1.0
     assert [r["schedule"] for r in data["schedules"]] == ["interleaved-1f1b", "zbv"]
+    assert data["checkpoint"] == {"bitwise_loss": True, "state_equal": True, "device": "cpu"}, data["checkpoint"]
     for r in data["schedules"]:  # parity, and a timeline no longer than the step that contains it
         assert r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4, r
         assert all(0 < t <= wall for t, wall in zip(r["timeline_ms"], r["wall_ms"])), r
