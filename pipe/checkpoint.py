@@ -162,6 +162,11 @@ def _optimizer_state(pp: "Pipeline", optimizer: torch.optim.Optimizer, tensors: 
 
 
 # ----- save -----
+def _share() -> tuple[int, int]:
+    """This rank's part of the job's files to hash: (global rank, world size)."""
+    return (dist.get_rank(), dist.get_world_size()) if in_group() else (0, 1)
+
+
 def save(pp: "Pipeline", path: str | Path, optimizer: torch.optim.Optimizer | None = None,
          extra: dict[str, Any] | None = None, keep: int = 1) -> Path:
     """Write the pipeline's state to `path` (a collective call: every rank calls it alike).
@@ -179,6 +184,7 @@ def save(pp: "Pipeline", path: str | Path, optimizer: torch.optim.Optimizer | No
     if in_group():
         dist.broadcast_object_list(box, src=0)
     folder = path / f"step-{pp.steps_done:08d}-{box[0]}"
+    me = _share()[0]  # the job's rank: with data-parallel replicas, several ranks hold each pipeline rank
     tensors: dict[str, torch.Tensor] = {}
 
     def prepare() -> dict[str, Any]:
@@ -188,11 +194,11 @@ def save(pp: "Pipeline", path: str | Path, optimizer: torch.optim.Optimizer | No
         tensors.update(model_tensors(pp))
         rng, rng_info = _rng_state(pp.rank, pp.ctx.device)
         tensors.update(rng)
-        info: dict[str, Any] = {"rng": rng_info, "optimizer": None, "extra": None}
+        info: dict[str, Any] = {"rng": rng_info, "pp_rank": pp.rank, "optimizer": None, "extra": None}
         if optimizer is not None:
             info["optimizer"] = _optimizer_state(pp, optimizer, tensors)
             info["optimizer_class"] = type(optimizer).__name__
-        if pp.rank == 0:
+        if me == 0:
             extra_tensors: dict[str, torch.Tensor] = {}
             info["extra"] = _encode_extra(dict(extra or {}), extra_tensors)
             info["extra_tensors"] = {k: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
@@ -211,24 +217,25 @@ def save(pp: "Pipeline", path: str | Path, optimizer: torch.optim.Optimizer | No
     agree(error)
 
     def hashes() -> dict[str, Any]:
-        mine = sorted(folder.glob(f"__{pp.rank}_*.distcp")) + ([folder / ".metadata"] if pp.rank == 0 else [])
+        mine = sorted(folder.glob(f"__{me}_*.distcp")) + ([folder / ".metadata"] if me == 0 else [])
         return {f.name: {"bytes": f.stat().st_size, "sha256": sha256(f)} for f in mine}
     files = everywhere(hashes)
     everyone: list[Any] = [(files, info)]
     if in_group():
-        everyone = [None] * pp.world
+        everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, (files, info))
 
     def commit() -> None:
-        if pp.rank != 0:
+        if me != 0:
             return
         manifest: dict[str, Any] = {
             "format": FORMAT, "step": pp.steps_done, "world_size": pp.world, "schedule": pp.schedule_name,
             "microbatches": pp.M, "stages_per_rank": pp.v, "plan": pp.plan.to_dict(),
-            "state_keys": pp.state_key_names(), "files": {}, "rng": [i["rng"] for _, i in everyone],
+            "state_keys": pp.state_key_names(), "files": {}, "rng": [None] * pp.world,
             "optimizer": None, "optimizer_class": None, "extra": info["extra"], "extra_tensors": info["extra_tensors"]}
         for f, i in everyone:
             manifest["files"].update(f)
+            manifest["rng"][i["pp_rank"]] = manifest["rng"][i["pp_rank"]] or i["rng"]  # one replica's
             if i["optimizer"] is not None:
                 manifest["optimizer"] = {**(manifest["optimizer"] or {}), **i["optimizer"]}
                 manifest["optimizer_class"] = i["optimizer_class"]
@@ -273,7 +280,7 @@ def load(pp: "Pipeline", path: str | Path, optimizer: torch.optim.Optimizer | No
     def check() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         manifest = read_manifest(folder)
         check_model(pp, manifest, folder)
-        verify(folder, manifest, (pp.rank, pp.world))
+        verify(folder, manifest, _share())
         md = read_metadata(folder)
         model = model_tensors(pp)
         check_tensors(md, model, folder)

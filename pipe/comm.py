@@ -174,9 +174,15 @@ class _Guarded:
 
 class TorchTransport:
     """torch.distributed's batch_isend_irecv (gloo on CPU, NCCL on GPU), every tag 0; a failed
-    message is PeerLost naming its peer."""
+    message is PeerLost naming its peer. `ranks`: the global rank of each pipeline rank (its
+    pipeline's ranks when the pipeline is one dimension of a mesh); the identity by default."""
+
+    def __init__(self, ranks: Sequence[int] | None = None) -> None:
+        self.ranks = list(ranks) if ranks is not None else None
 
     def batch(self, ops: Sequence[tuple[str, torch.Tensor, int]]) -> list[Work]:
+        if self.ranks is not None:
+            ops = [(kind, t, self.ranks[peer]) for kind, t, peer in ops]
         p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer) for kind, t, peer in ops]
         with guarded("posting messages", ops[0][2] if ops else None):
             works = dist.batch_isend_irecv(p2p)

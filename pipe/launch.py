@@ -221,12 +221,13 @@ def _linger() -> None:
             time.sleep(0.05)
 
 
-def measure_link(device: torch.device, sizes: Sequence[int] = (1 << 14, 1 << 22), repeats: int = 5
-                 ) -> tuple[float, float] | None:
-    """(bytes per ms, latency ms) of the link between ranks 0 and 1, from ping-pongs of two sizes
-    (median of `repeats` each); a collective call, returning the figures on every rank, None
-    with one rank. The partitioner's communication cost is latency + bytes / bandwidth."""
-    if not dist.is_initialized() or dist.get_world_size() < 2:
+def measure_link(device: torch.device, sizes: Sequence[int] = (1 << 14, 1 << 22), repeats: int = 5,
+                 peer: int = 1) -> tuple[float, float] | None:
+    """(bytes per ms, latency ms) of the link between ranks 0 and `peer` (global ranks: rank 0's
+    pipeline neighbour), from ping-pongs of two sizes (median of `repeats` each); a collective
+    call, returning the figures on every rank, None with one rank. The partitioner's
+    communication cost is latency + bytes / bandwidth."""
+    if not dist.is_initialized() or dist.get_world_size() < 2 or peer == 0:
         return None
     rank = dist.get_rank()
     ms: list[float] = []
@@ -238,9 +239,9 @@ def measure_link(device: torch.device, sizes: Sequence[int] = (1 << 14, 1 << 22)
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
             if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            elif rank == 1:
+                dist.send(buf, peer)
+                dist.recv(buf, peer)
+            elif rank == peer:
                 dist.recv(buf, 0)
                 dist.send(buf, 0)
             times.append((time.perf_counter() - t0) / 2 * 1e3)

@@ -52,8 +52,9 @@ def split_microbatches(tree: Any, n: int, what: str = "batch") -> list[Any]:
     return [pytree.tree_unflatten([p[i] for p in parts], spec) for i in range(n)]
 
 
-def _agree(error: str | None, rank: int, world: int) -> None:
-    """Raise on every rank when any rank failed, naming the first failing rank and its error."""
+def _agree(error: str | None) -> None:
+    """Raise on every rank of the job when any rank failed, naming the first failing (global) rank."""
+    world = dist.get_world_size()
     errors: list[Any] = [None] * world
     if world > 1:
         dist.all_gather_object(errors, error)
@@ -62,6 +63,38 @@ def _agree(error: str | None, rank: int, world: int) -> None:
     for r, e in enumerate(errors):
         if e is not None:
             raise PipelineError(f"rank {r} failed while setting up the pipeline: {e}")
+
+
+def pipeline_groups(ctx: launch.Context, mesh: Any, data_parallel: int) -> tuple[Any, Any, Any, list[list[int]]]:
+    """(mesh, pp group, dp group, every pipeline's global ranks in pipeline order) for a Pipeline.
+
+    No mesh and data_parallel=1: the pipeline is the whole job (groups None). data_parallel=N:
+    a mesh (pipeline ranks, N) named ("pp", "dp"), the pipeline outermost as in torchtitan and
+    Megatron (init_device_mesh). A mesh of the user's: its "pp" dimension is the pipeline, "dp"
+    (if any) the replicas; other dimensions are left to the user."""
+    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
+        raise PipelineError(f"data_parallel must be a positive number of pipeline replicas, got {data_parallel!r}; "
+                            "pass e.g. data_parallel=2, or 1 for one pipeline over every rank")
+    world = ctx.world_size
+    if mesh is None and data_parallel == 1:
+        return None, None, None, [list(range(world))]
+    if mesh is None:
+        if world % data_parallel:
+            raise PipelineError(f"the world size {world} is not divisible into data_parallel={data_parallel} "
+                                f"replicas; launch a multiple of {data_parallel} processes, or another data_parallel=")
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh(ctx.device.type, (world // data_parallel, data_parallel), mesh_dim_names=("pp", "dp"))
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if "pp" not in names:
+        raise PipelineError(f"the mesh has dimensions {names or '(unnamed)'} but no 'pp' for the pipeline; build it "
+                            "with init_device_mesh(..., mesh_dim_names=('pp', 'dp')), or pass data_parallel= instead")
+    dp_size = mesh.size(names.index("dp")) if "dp" in names else 1
+    if data_parallel not in (1, dp_size):
+        raise PipelineError(f"data_parallel={data_parallel} but the mesh's 'dp' dimension has {dp_size} replicas; "
+                            "pass the mesh alone")
+    ranks = mesh.mesh.movedim(names.index("pp"), -1)
+    rows = ranks.reshape(-1, ranks.shape[-1]).tolist()
+    return mesh, mesh.get_group("pp"), mesh.get_group("dp") if dp_size > 1 else None, rows
 
 
 class NonFiniteLoss(FxpipeError, FloatingPointError):
@@ -111,7 +144,8 @@ class Pipeline:
                  recompute: str = "none", offload: str = "none", skip_nonfinite: bool = False,
                  example_target: Any = None, leaf_modules: Sequence[type[torch.nn.Module]] = (),
                  progress: Callable[[str], None] | None = None, transport: comm.Transport | None = None,
-                 optimizer: Callable[..., torch.optim.Optimizer] | None = None) -> None:
+                 optimizer: Callable[..., torch.optim.Optimizer] | None = None, mesh: Any = None,
+                 data_parallel: int = 1) -> None:
         if loss_fn is None or not callable(loss_fn):
             raise PipelineError(f"loss_fn must be a callable (output, target) -> scalar loss, got {loss_fn!r}; "
                                 "pass e.g. loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())")
@@ -131,7 +165,13 @@ class Pipeline:
             raise PipelineError(f"schedule {schedule!r} interleaves several stages per rank, but stages_per_rank="
                                 f"{stages_per_rank}; pass stages_per_rank=2 (or more), or schedule='1f1b'")
         self.ctx = launch.context()
-        self.rank, self.world = self.ctx.rank, self.ctx.world_size
+        # the pipeline is one dimension of a mesh ("pp"), replicated over "dp": rank and world are the
+        # pipeline's; _global maps its ranks to global ones; _rows: every pipeline's global ranks
+        self.mesh, self.pp_group, self.dp_group, self._rows = pipeline_groups(self.ctx, mesh, data_parallel)
+        self._global = self._rows[0] if self.pp_group is None else dist.get_process_group_ranks(self.pp_group)
+        self.rank, self.world = self._global.index(self.ctx.rank), len(self._global)
+        self.dp = 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
+        self.dp_rank = 0 if self.dp_group is None else dist.get_rank(self.dp_group)  # this rank's replica
         self.leaf_modules = tuple(leaf_modules)
         self.progress = progress
         self.M, self.v = microbatches, stages_per_rank
@@ -168,7 +208,7 @@ class Pipeline:
             error = None
         except (ValueError, TypeError) as e:
             error = f"{type(e).__name__}: {e}"
-        _agree(error, self.rank, self.world)
+        _agree(error)
         self._gm = gm
         self.local = [s for s in range(self.S) if self.place[s] == self.rank]
         if self.plan.loss and not isinstance(example_target, torch.Tensor):  # the shape the plan recorded
@@ -201,9 +241,11 @@ class Pipeline:
         self.program = with_reloads(mine, self.memory.reload_stages())[self.rank]
         self.memory.set_program(self.program)
         self._names = {id(p): n for n, p in model.named_parameters()}
+        self._order = {id(p): i for i, (_, p) in enumerate(model.named_parameters())}
         self._model = model
         self._tied_groups = self._make_tied_groups()
-        self.transport: comm.Transport = transport or comm.TorchTransport()
+        self.transport: comm.Transport = transport or comm.TorchTransport(
+            None if self.pp_group is None else self._global)
         self.timeline: list[Event] = []
 
     # ----- set-up -----
@@ -217,7 +259,8 @@ class Pipeline:
         if plan is None:
             flights = [in_flight_limit(self.schedule_name, self.S, self.M, s, self.v) for s in range(self.S)]
             # measured costs: the link measured too (ranks 0 and 1), so cuts weigh real transfer times
-            link = launch.measure_link(self.ctx.device) if cost == "measured" else None
+            neighbour = self._rows[0][1] if self.world > 1 else 0  # global rank 0's next pipeline rank
+            link = launch.measure_link(self.ctx.device, peer=neighbour) if cost == "measured" else None
             bytes_per_ms, latency_ms = link or (1e6, 0.05)
             d = _Broadcast.run(lambda: partition.plan(
                 model, args, self.S, example_kwargs=kwargs, cost=cost, schedule=self.schedule_name,
@@ -226,7 +269,7 @@ class Pipeline:
                 example_target=example_target, bytes_per_ms=bytes_per_ms, latency_ms=latency_ms,
                 leaf_modules=self.leaf_modules, progress=self.progress,
                 state_factor=4.0 if self._optim_factor is None else 2.0 + self._optim_factor).to_dict(),
-                self.rank,
+                self.ctx.rank,
                 everyone=cost == "measured" and self.ctx.device.type == "cpu")
             plan = Plan.from_dict(d)
         if sorted(plan.leaf_modules) != sorted(qualnames(self.leaf_modules)):
@@ -259,9 +302,9 @@ class Pipeline:
         from partition.plan import parse_bytes
         speeds: list[Any] = [(FLOP_PER_MS, 5e6)]
         if costs:  # what recomputing and copying cost on this device; rank 0's, so every rank plans alike
-            if self.rank == 0:
+            if self.ctx.rank == 0:
                 speeds[0] = memory.measure_speeds(self.ctx.device)
-            if self.world > 1:
+            if self.ctx.world_size > 1:
                 dist.broadcast_object_list(speeds, src=0)
         mm: MemoryManager | None = None
         error = None
@@ -282,7 +325,7 @@ class Pipeline:
                 self.plan.stages[c.stage].memory_peak = c.predicted_peak
         except ValueError as e:
             error = f"{type(e).__name__}: {e}"
-        _agree(error, self.rank, self.world)
+        _agree(error)
         assert mm is not None
         return mm
 
@@ -299,9 +342,11 @@ class Pipeline:
         out = []
         mine = {n: p for n, p in self.named_parameters()}
         for ranks, names in sorted(groups.items()):
-            g = dist.new_group(list(ranks)) if self.world > 1 else None
-            if self.rank in ranks:
-                out.append((g, [mine[n] for n in names]))
+            for row in self._rows:  # each replica's pipeline: every rank creates every group, in one order
+                glob = [row[r] for r in ranks]
+                g = dist.new_group(glob) if self.ctx.world_size > 1 else None
+                if self.ctx.rank in glob:
+                    out.append((g, [mine[n] for n in names]))
         return out
 
     # ----- parameters -----
@@ -382,7 +427,7 @@ class Pipeline:
         mine = {k: held[first] for k, first in self.state_key_names().items() if first in held}
         parts: list[Any] = [None] * self.world
         if self.world > 1:
-            dist.all_gather_object(parts, mine)
+            dist.all_gather_object(parts, mine, group=self.pp_group)
         else:
             parts = [mine]
         if self.rank != 0:
@@ -449,15 +494,51 @@ class Pipeline:
                             p.grad = torch.zeros_like(p)
                         dist.all_reduce(p.grad, group=group)
             loss = torch.as_tensor(run.loss_sum, dtype=torch.float64).reshape(1).to(dev)
+            last = self._global[self.place[self.S - 1]]
             if self.world > 1:
-                with comm.guarded("the loss broadcast", self.place[self.S - 1]):
-                    dist.broadcast(loss, src=self.place[self.S - 1])
+                with comm.guarded("the loss broadcast", last):
+                    dist.broadcast(loss, src=last, group=self.pp_group)
+            if self.dp_group is not None:
+                with comm.guarded("the data-parallel all-reduce of grads and loss"):
+                    self._average_replicas(loss)
         self.timeline = run.events()
         self.steps_done += 1
         value = float(loss.item())
         if not math.isfinite(value):
             self._non_finite(value, run)
         return value
+
+    def _average_replicas(self, loss: torch.Tensor) -> None:
+        """Average the grads and the loss over the data-parallel replicas, as DDP does: grads
+        flattened into buckets of about 25 MiB per dtype, one all-reduce each."""
+        n = self.dp
+        params = sorted({id(p): p for p in self.parameters()}.values(), key=lambda p: self._order[id(p)])
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        bucket: list[torch.Tensor] = []
+
+        def flush() -> None:
+            if bucket:
+                flat = torch.cat([g.reshape(-1) for g in bucket])
+                dist.all_reduce(flat, group=self.dp_group)
+                flat.div_(n)
+                offset = 0
+                for g in bucket:
+                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                    offset += g.numel()
+                bucket.clear()
+        size = 0
+        for p in params:
+            assert p.grad is not None
+            if bucket and (p.grad.dtype != bucket[0].dtype or size + p.grad.numel() * p.grad.element_size() > 25 << 20):
+                flush()
+                size = 0
+            bucket.append(p.grad)
+            size += p.grad.numel() * p.grad.element_size()
+        flush()
+        dist.all_reduce(loss, group=self.dp_group)
+        loss.div_(n)
 
     @contextlib.contextmanager
     def _failures(self, run: "_StepState", when: str) -> Iterator[None]:
@@ -467,24 +548,26 @@ class Pipeline:
         try:
             yield
         except comm.PeerLost as e:
-            waited = e.peer if e.peer is not None else run.ex.peer
+            waited = e.peer if e.peer is not None else (
+                None if run.ex.peer is None else self._global[run.ex.peer])  # global ranks
+            me = self.ctx.rank
             if waited is not None:
                 comm.report_lost(waited)  # first, so the ranks waiting on this one follow the chain
             first = comm.first_failure()
             if first is not None:
-                raise comm.RemoteError(f"rank {self.rank} stopped in {when} because {first}") from None
+                raise comm.RemoteError(f"rank {me} stopped in {when} because {first}") from None
             if waited is None:
-                raise comm.PeerLost(f"rank {self.rank} lost another rank during {when} ({first_line(e)}); that "
+                raise comm.PeerLost(f"rank {me} lost another rank during {when} ({first_line(e)}); that "
                                     "process died or stopped answering within the timeout; see its output") from e
-            lost, chain = comm.follow_lost(waited, e.early, self.rank)
-            via = "" if lost == waited else (f", which rank {self.rank} waited on through " +
+            lost, chain = comm.follow_lost(waited, e.early, me)
+            via = "" if lost == waited else (f", which rank {me} waited on through " +
                                              " -> ".join(f"rank {r}" for r in chain[:-1]))
-            raise comm.PeerLost(f"rank {self.rank} lost rank {lost} during {when}{via} ({first_line(e)}); that "
+            raise comm.PeerLost(f"rank {me} lost rank {lost} during {when}{via} ({first_line(e)}); that "
                                 "process died or stopped answering within the timeout; see its output",
                                 lost) from e
         except Exception as e:  # this rank's own error: the model's, the loss's, or a stage's
             a = run.current
-            where = f"rank {self.rank}" + (f", stage {a.stage}, microbatch {a.mb} ({a.kind})" if a else "")
+            where = f"rank {self.ctx.rank}" + (f", stage {a.stage}, microbatch {a.mb} ({a.kind})" if a else "")
             e.add_note(f"fxpipe: raised on {where} of {when}")
             comm.fail_everywhere(f"{where} failed in {when} with {type(e).__name__}: {first_line(e, 300)}")
             raise
@@ -494,7 +577,7 @@ class Pipeline:
         mine = min([s for s, ok in run.finite if not bool(ok)] + [self.S - 1])
         firsts: list[Any] = [None] * self.world
         if self.world > 1:
-            dist.all_gather_object(firsts, mine)
+            dist.all_gather_object(firsts, mine, group=self.pp_group)
         else:
             firsts = [mine]
         stage = min(firsts)
@@ -503,8 +586,8 @@ class Pipeline:
                 p.grad = None
             return
         raise NonFiniteLoss(f"the loss is {value} at step {self.steps_done - 1}; it first appeared on stage {stage} "
-                            f"(rank {self.place[stage]}); lower the learning rate, check the data, or pass "
-                            "skip_nonfinite=True to drop such steps (their grads are cleared)")
+                            f"(rank {self._global[self.place[stage]]}); lower the learning rate, check the data, or "
+                            "pass skip_nonfinite=True to drop such steps (their grads are cleared)")
 
     def forward(self, *batch_args: Any, **batch_kwargs: Any) -> Any:
         """Inference without grads: the model's output for the whole batch, on every rank.
@@ -537,14 +620,14 @@ class Pipeline:
             box: list[Any] = [_concat(run.outputs) if self.rank == last else None]
             if self.world > 1:
                 with comm.guarded("the broadcast of the output", last):
-                    dist.broadcast_object_list(box, src=last)
+                    dist.broadcast_object_list(box, src=self._global[last], group=self.pp_group)
         return box[0]
 
     def gather_timeline(self) -> Timeline | None:
         """The last step's measured timeline of every rank, on rank 0 (a collective call)."""
         parts: list[Any] = [None] * self.world
         if self.world > 1:
-            dist.all_gather_object(parts, self.timeline)
+            dist.all_gather_object(parts, self.timeline, group=self.pp_group)
         else:
             parts = [self.timeline]
         if self.rank != 0:
