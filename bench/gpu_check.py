@@ -40,10 +40,10 @@ GPU: dict[str, Any] = {
     "scan": {"n_layer": 4, "n_head": 16, "seq_len": 64, "vocab": 8192, "microbatch_size": 2, "tie": False},
     "widths": [1024, 1536, 2048, 3072, 4096, 6144], "budget": 1 << 30, "scan_s": 100.0}
 DRY: dict[str, Any] = {
-    "timed": {"n_layer": 4, "d_model": 64, "n_head": 4, "seq_len": 32, "vocab": 256, "microbatch_size": 2,
+    "timed": {"n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 32, "vocab": 256, "microbatch_size": 2,
               "tie": False},
     "scan": {"n_layer": 2, "n_head": 4, "seq_len": 16, "vocab": 128, "microbatch_size": 2, "tie": False},
-    "widths": [32, 64, 128, 256], "budget": 4 << 20, "scan_s": 30.0}
+    "widths": [32, 64, 128], "budget": 4 << 20, "scan_s": 30.0}
 
 
 def copy_speeds(say: Callable[..., None]) -> dict[str, float]:

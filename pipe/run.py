@@ -76,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-arg", action="append", default=[], metavar="K=V", help="factory keyword, repeatable")
     p.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES), help="the pipeline schedule")
     p.add_argument("--microbatches", type=_whole("--microbatches", 1, 8), default=8)
+    p.add_argument("--data-parallel", type=_whole("--data-parallel", 1, 2), default=1, metavar="N",
+                   help="replicas of the pipeline (a DeviceMesh (world / N, N) named pp, dp); each replica trains "
+                        "on its own batches and the grads are averaged")
     p.add_argument("--stages-per-rank", type=_whole("--stages-per-rank", 1, 2), default=None,
                    help="stages per rank (default: 2 for interleaved-1f1b and zbv, else 1)")
     p.add_argument("--steps", type=_whole("--steps", 1, 20), default=20)
@@ -114,12 +117,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _gather(pp: Any, mine: Any) -> list[Any]:
+    """`mine` from every rank of this rank's pipeline (its replica's, with --data-parallel)."""
+    if not dist.is_initialized() or pp.world == 1:
+        return [mine]
+    parts: list[Any] = [None] * pp.world
+    dist.all_gather_object(parts, mine, group=pp.pp_group)
+    return parts
+
+
 def _memory_lines(pp: Any) -> str:
     """Every stage's memory (policy, predicted and measured peak by kind), gathered to every rank."""
     mine = pp.memory.describe() if hasattr(pp.memory, "describe") else ""
-    parts: list[Any] = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
-    if dist.is_initialized():
-        dist.all_gather_object(parts, mine)
+    parts = _gather(pp, mine)
     lines = [line for p in parts for line in str(p).splitlines() if line]
     return "\n".join(sorted(lines, key=lambda line: int(line.split()[1].rstrip(":"))))
 
@@ -127,9 +137,7 @@ def _memory_lines(pp: Any) -> str:
 def _measured_peaks(pp: Any) -> dict[int, float]:
     """Every stage's peak bytes as its ledger measured them (last step), gathered to every rank."""
     mine = {s: r["peak_total"] for s, r in pp.memory_report().items() if "peak_total" in r}
-    parts: list[Any] = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
-    if dist.is_initialized():
-        dist.all_gather_object(parts, mine)
+    parts = _gather(pp, mine)
     return {s: v for p in parts for s, v in p.items()}
 
 
@@ -170,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                            stages_per_rank=args.stages_per_rank, cost=args.cost, memory_budget=args.memory_budget,
                            recompute=args.recompute, offload=args.offload, leaf_modules=w.leaf_modules,
                            example_target=None if args.loss_outside else w.example_target,
-                           skip_nonfinite=args.skip_nonfinite, progress=lambda line: say(f"[plan] {line}", flush=True))
+                           skip_nonfinite=args.skip_nonfinite, data_parallel=args.data_parallel,
+                           progress=lambda line: say(f"[plan] {line}", flush=True))
     except (ValueError, TypeError) as e:
         print(error_line(ctx.rank, e), file=sys.stderr)
         return 2
@@ -194,11 +203,11 @@ def _train(pp: Any, w: Any, args: argparse.Namespace, say: Callable[..., None]) 
     params = list(pp.parameters())  # a rank may hold none (a stage computing only the loss, say)
     opt = torch.optim.AdamW(params, lr=args.lr) if params else None
     batch_size = args.batch_size or w.microbatch_size * args.microbatches
-    tokens = batch_size * w.tokens_per_sample
+    tokens = batch_size * w.tokens_per_sample * pp.dp  # every replica's
     times: list[float] = []
     losses: list[float] = []
-    for step in range(args.steps):
-        b_args, b_kwargs, target = w.batch(batch_size, step)
+    for step in range(args.steps):  # replica r of N trains on batch step * N + r
+        b_args, b_kwargs, target = w.batch(batch_size, step * pp.dp + pp.dp_rank)
         t0 = time.perf_counter()
         loss = pp.step(*b_args, target=target, **b_kwargs)
         if opt is not None:
@@ -228,10 +237,11 @@ def _report(pp: Any, args: argparse.Namespace, ctx: Any, run: dict[str, Any], sa
     out.mkdir(parents=True, exist_ok=True)
     warm = run["times"][1:] or run["times"]
     first, last = (run["losses"][0], run["losses"][-1]) if run["losses"] else (math.nan, math.nan)
-    predicted = predicted_timeline(pp.plan, ctx.world_size)
+    predicted = predicted_timeline(pp.plan, pp.world)
     summary: dict[str, Any] = {
         "model": args.model, "schedule": args.schedule, "microbatches": args.microbatches,
-        "ranks": ctx.world_size, "launcher": ctx.launcher, "first_loss": first, "last_loss": last,
+        "ranks": ctx.world_size, "data_parallel": pp.dp, "launcher": ctx.launcher, "losses": run["losses"],
+        "first_loss": first, "last_loss": last,
         "skipped_steps": run["skipped"],
         "median_step_s": statistics.median(warm), "tokens_per_s": run["tokens"] / statistics.median(warm),
         "measured_bubble": measured.bubble, "predicted_bubble": predicted.bubble,

@@ -329,9 +329,9 @@ def soak_body(rank: int, world: int, *, steps: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_soak_500_steps_no_growth() -> None:
-    for rss in run_ranks("tests.test_reliability:soak_body", 2, timeout=240, steps=500):
-        # the peak resident size after warm-up may not grow by more than 2% over 450 steps
+def test_soak_200_steps_no_growth() -> None:
+    for rss in run_ranks("tests.test_reliability:soak_body", 2, timeout=240, steps=200):
+        # the peak resident size after warm-up may not grow by more than 2% over 150 steps
         assert rss[-1] <= rss[0] * 1.02, rss
 
 

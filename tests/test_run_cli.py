@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mp import ROOT, free_port, run_command
+from tests.mp import ROOT, free_port, launch, run_command
 
 BIN = Path(sys.executable).parent
 TINY = ["gpt", "--model-arg", "n_layer=2", "--model-arg", "d_model=32", "--model-arg", "n_head=2",
@@ -14,21 +14,34 @@ TINY = ["gpt", "--model-arg", "n_layer=2", "--model-arg", "d_model=32", "--model
         "--cost", "flops"]
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "mpiexec"])
+@pytest.mark.parametrize("launcher", ["torchrun, 2 nodes", "mpiexec"])
 def test_run_command(launcher: str, tmp_path: Path) -> None:
-    if launcher == "torchrun":
-        cmd = [str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "pipe.run"]
+    """pipe.run on 4 processes with --data-parallel 2 (two 2-rank pipelines): as two torchrun "nodes"
+    on this machine, or one mpiexec; the plan, the steps, the outputs, and losses that are the
+    unpartitioned model's over both replicas' batches."""
+    argv = ["-m", "pipe.run", *TINY, "--steps", "5", "--data-parallel", "2", "--out", str(tmp_path)]
+    if launcher == "mpiexec":
+        out = run_command([str(BIN / "mpiexec"), "-n", "4", sys.executable, *argv], timeout=180).output
     else:
-        cmd = [str(BIN / "mpiexec"), "-n", "2", sys.executable, "-m", "pipe.run"]
-    out = run_command(cmd + TINY + ["--out", str(tmp_path)], timeout=120).output
+        node = [str(BIN / "torchrun"), "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"127.0.0.1:{free_port()}", *argv]
+        with launch(node) as other:  # the second "node"; either may hold global rank 0, which prints
+            out = run_command(node, timeout=180).output
+            other.proc.wait(timeout=60)
+            assert other.proc.returncode == 0, other.output()[-3000:]
+            out += other.output()
     assert "bottleneck" in out and "stage" in out  # the plan table
     steps = [line for line in out.splitlines() if line.startswith("step ")]
-    assert len(steps) == 4 and all("tok/s" in s and "loss" in s for s in steps)
+    assert len(steps) == 5 and all("tok/s" in s and "loss" in s for s in steps)
     assert "bubble: measured" in out
     assert "the plan with each stage's peak as measured" in out and " measured " in out.split("as measured")[1]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["launcher"] == ("torchrun" if launcher == "torchrun" else "mpi")
+    assert summary["launcher"] == ("torchrun" if launcher.startswith("torchrun") else "mpi")
+    assert summary["ranks"] == 4 and summary["data_parallel"] == 2
     assert 0 <= summary["measured_bubble"] < 1 and 0 <= summary["predicted_bubble"] < 1
+    import torch
+    torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(_dp_reference(5)),
+                               rtol=1e-5, atol=1e-5)
     trace = json.loads((tmp_path / "trace.json").read_text())
     names = {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
     assert {"0F0", "1F0", "0B3", "1B3"} <= names
@@ -152,3 +165,21 @@ def test_help_says_what_out_and_timeout_do(capsys: pytest.CaptureFixture[str]) -
     text = " ".join(capsys.readouterr().out.split())
     assert "previous run's outputs" in text and "--overwrite" in text and "--skip-nonfinite" in text
     assert "FXPIPE_TIMEOUT" in text and "300" in text
+
+
+def _dp_reference(steps: int) -> list[float]:
+    """One process over both replicas' batches (replica r of 2 trains on batch step * 2 + r), AdamW as
+    pipe.run builds it."""
+    import torch
+    import partition
+    w = partition.load("gpt", n_layer=2, d_model=32, n_head=2, seq_len=16, vocab=64)
+    opt = torch.optim.AdamW(w.model.parameters(), lr=1e-3)
+    out = []
+    for step in range(steps):
+        parts = [w.batch(w.microbatch_size * 4, step * 2 + r) for r in range(2)]
+        loss = w.loss_fn(w.model(torch.cat([p[0][0] for p in parts])), torch.cat([p[2] for p in parts]))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.append(float(loss.detach()))
+    return out
