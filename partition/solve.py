@@ -116,8 +116,8 @@ class CostModel:
     # them, in regions finer than a block), so no split memory/ can fit is refused
     activation_floor: bool = False
     # measured costs are noisy: splits whose slowest stage is within this fraction of the fastest
-    # split's count as equal, and among them the most even by Chain.ref_ms is taken (0: the most
-    # even by the measured times), so a fresh measurement gives the same split
+    # split's count as equal, and among them the most even by Chain.ref_ms is taken (by the
+    # measured times where the chain has no ref_ms), so a fresh measurement gives the same split
     tolerance: float = 0.0
 
     def __post_init__(self) -> None:

@@ -42,7 +42,7 @@ from pipe.ckpt_format import (FORMAT, LATEST, MANIFEST, VERSION, CheckpointError
                               optimizer_state_dict,
                               check_model, check_tensors, dcp_error, dcp_load, everywhere, in_group,
                               model_tensors, optimizer_names, optimizer_targets, param_ids, quiet, read_manifest,
-                              read_metadata, resolve, resolve_everywhere, sha256, verify, write_atomic)
+                              read_metadata, resolve, resolve_everywhere, sha256, share, verify, write_atomic)
 from pipe.state_dicts import export, load_full_optimizer_state, load_full_state_dict, load_model_state
 
 if TYPE_CHECKING:
@@ -162,11 +162,6 @@ def _optimizer_state(pp: "Pipeline", optimizer: torch.optim.Optimizer, tensors: 
 
 
 # ----- save -----
-def _share() -> tuple[int, int]:
-    """This rank's part of the job's files to hash: (global rank, world size)."""
-    return (dist.get_rank(), dist.get_world_size()) if in_group() else (0, 1)
-
-
 def save(pp: "Pipeline", path: str | Path, optimizer: torch.optim.Optimizer | None = None,
          extra: dict[str, Any] | None = None, keep: int = 1) -> Path:
     """Write the pipeline's state to `path` (a collective call: every rank calls it alike).
@@ -184,7 +179,7 @@ def save(pp: "Pipeline", path: str | Path, optimizer: torch.optim.Optimizer | No
     if in_group():
         dist.broadcast_object_list(box, src=0)
     folder = path / f"step-{pp.steps_done:08d}-{box[0]}"
-    me = _share()[0]  # the job's rank: with data-parallel replicas, several ranks hold each pipeline rank
+    me = share()[0]
     tensors: dict[str, torch.Tensor] = {}
 
     def prepare() -> dict[str, Any]:
@@ -280,7 +275,7 @@ def load(pp: "Pipeline", path: str | Path, optimizer: torch.optim.Optimizer | No
     def check() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         manifest = read_manifest(folder)
         check_model(pp, manifest, folder)
-        verify(folder, manifest, _share())
+        verify(folder, manifest, share())
         md = read_metadata(folder)
         model = model_tensors(pp)
         check_tensors(md, model, folder)

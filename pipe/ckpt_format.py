@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 __all__ = ["CheckpointError", "FORMAT", "MANIFEST", "LATEST", "VERSION", "agree", "everywhere", "resolve",
            "read_manifest", "verify", "read_metadata", "dcp_load", "check_tensors", "check_model", "model_tensors",
            "optimizer_targets", "optimizer_state_dict", "dtype_named", "resolve_everywhere", "write_atomic",
-           "sha256", "in_group", "quiet", "dcp_error"]
+           "sha256", "in_group", "share", "quiet", "dcp_error"]
 
 FORMAT = 2
 MANIFEST = "fxpipe.json"
@@ -51,6 +51,12 @@ class CheckpointError(FxpipeError, ValueError):
 # ----- agreement: every rank raises the same error, or none does -----
 def in_group() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def share() -> tuple[int, int]:
+    """(global rank, world size): this rank's part of the job's files to write and to hash (with
+    data-parallel replicas several ranks hold each pipeline rank)."""
+    return (dist.get_rank(), dist.get_world_size()) if in_group() else (0, 1)
 
 
 def agree(error: str | None) -> None:

@@ -512,7 +512,7 @@ class Pipeline:
         """Average the grads and the loss over the data-parallel replicas, as DDP does: grads
         flattened into buckets of about 25 MiB per dtype, one all-reduce each."""
         n = self.dp
-        params = sorted({id(p): p for p in self.parameters()}.values(), key=lambda p: self._order[id(p)])
+        params = sorted(self.parameters(), key=lambda p: self._order[id(p)])  # one order on every replica
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -520,7 +520,8 @@ class Pipeline:
 
         def flush() -> None:
             if bucket:
-                flat = torch.cat([g.reshape(-1) for g in bucket])
+                # on the device: under chunked state offload grads are host views between steps
+                flat = torch.cat([g.reshape(-1) for g in bucket]).to(self.ctx.device)
                 dist.all_reduce(flat, group=self.dp_group)
                 flat.div_(n)
                 offset = 0

@@ -10,9 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
-from pipe.ckpt_format import (CheckpointError, check_model, check_tensors, dcp_load, in_group, optimizer_state_dict,
+from pipe.ckpt_format import (CheckpointError, check_model, check_tensors, dcp_load, optimizer_state_dict, share,
                               resolve_everywhere, everywhere, key_difference, model_tensors, optimizer_targets,
                               read_manifest, read_metadata, resolve, verify)
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -159,7 +158,7 @@ def load_model_state(pp: "Pipeline", path: str | Path) -> None:
         if folder is not None:
             manifest = read_manifest(folder)
             check_model(pp, manifest, folder)
-            verify(folder, manifest, (dist.get_rank(), dist.get_world_size()) if in_group() else (0, 1))
+            verify(folder, manifest, share())
             model = model_tensors(pp)
             check_tensors(read_metadata(folder), model, folder)
             return {k: torch.empty_like(t.detach(), device="cpu") for k, t in model.items()}
