@@ -2,8 +2,8 @@
 from memory.base import MemoryManager
 from memory.budget import OFFLOAD, RECOMPUTE, BudgetError, StageChoice, check_options
 from memory.build import NodeCost, build
-from memory.manager import PlannedMemory, factory_state_factor
+from memory.manager import PlannedMemory, factory_state_factor, local_optimizer
 from memory.streams import measure_speeds
 
 __all__ = ["MemoryManager", "PlannedMemory", "BudgetError", "StageChoice", "NodeCost", "build",
-           "check_options", "measure_speeds", "factory_state_factor", "RECOMPUTE", "OFFLOAD"]
+           "check_options", "measure_speeds", "factory_state_factor", "local_optimizer", "RECOMPUTE", "OFFLOAD"]

@@ -89,9 +89,21 @@ _STATE_TENSORS = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "A
                   "Adagrad": 1, "ASGD": 1, "RMSprop": 1, "SGD": 0}
 
 
+def local_optimizer(opt: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
+    """The local optimizer of torch's ZeroRedundancyOptimizer (it keeps this rank's shard's state);
+    None for any other optimizer."""
+    inner = getattr(opt, "optim", None)
+    return inner if type(opt).__name__ == "ZeroRedundancyOptimizer" and inner is not None else None
+
+
 def optimizer_state_factor(opt: torch.optim.Optimizer) -> float | None:
     """Bytes of state `opt` will keep per parameter byte, from its kind and options (None: a kind this
-    does not know; its first step tells)."""
+    does not know; its first step tells). ZeroRedundancyOptimizer: its local optimizer's over the
+    ranks that share the state."""
+    inner = local_optimizer(opt)
+    if inner is not None:
+        f = optimizer_state_factor(inner)
+        return None if f is None else f / max(1, int(getattr(opt, "world_size", 1)))
     n = _STATE_TENSORS.get(type(opt).__name__)
     if n is None:
         return None
@@ -426,7 +438,8 @@ class PlannedMemory(MemoryManager):
             mine = {id(p) for _, p in self.owned[s]}
             if not any(id(p) in mine for group in opt.param_groups for p in group["params"]):
                 continue  # another pipeline's optimizer
-            n = sum(v.numel() * v.element_size() for p, st in opt.state.items() if id(p) in mine
+            state = (local_optimizer(opt) or opt).state  # ZeRO: the shard's, kept by its local optimizer
+            n = sum(v.numel() * v.element_size() for p, st in state.items() if id(p) in mine
                     for v in st.values() if isinstance(v, torch.Tensor) and v.device.type == self.device.type
                     and v.dim() > 0)
             self.ledger.set(s, "optimizer", n)

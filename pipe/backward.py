@@ -1,6 +1,7 @@
 """Backward passes for one stage and microbatch: full, or split into input grads (B) and weight grads (W)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,8 +117,10 @@ def backward_input(saved: Saved, grads: list[torch.Tensor | None], multi: list[t
     return _leaf_grads(saved, got)
 
 
-def backward_weight(saved: Saved, extra: list[tuple[str, list[torch.nn.Parameter]]]) -> None:
-    """W of zero-bubble: each parameter-reading node's weight grads from its stored output grads."""
+def backward_weight(saved: Saved, extra: list[tuple[str, list[torch.nn.Parameter]]],
+                    ready: Callable[[list[torch.nn.Parameter]], None] | None = None) -> None:
+    """W of zero-bubble: each parameter-reading node's weight grads from its stored output grads;
+    `ready(params)` after each node's (data parallel: their grads may be final)."""
     for (_, params), pairs in zip(extra, saved.param_grads):
         pairs = [(t, g) for t, g in pairs if g is not None]
         if not pairs:
@@ -126,6 +129,8 @@ def backward_weight(saved: Saved, extra: list[tuple[str, list[torch.nn.Parameter
                                   allow_unused=True)
         for p, gp in zip(params, res):
             _accumulate(p, gp)
+        if ready is not None:
+            ready(params)
     saved.roots.clear()
     saved.param_outs.clear()
     saved.param_grads.clear()

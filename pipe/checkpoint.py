@@ -38,6 +38,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+import memory
 from pipe.ckpt_format import (FORMAT, LATEST, MANIFEST, VERSION, CheckpointError, agree, dtype_named,
                               optimizer_state_dict,
                               check_model, check_tensors, dcp_error, dcp_load, everywhere, in_group,
@@ -173,6 +174,8 @@ def save(pp: "Pipeline", path: str | Path, optimizer: torch.optim.Optimizer | No
     are removed). Returns the version folder.
     """
     path = Path(path)
+    if optimizer is not None:  # ZeRO (dp_shard="optimizer"): each replica saves its shard's state
+        optimizer = memory.local_optimizer(optimizer) or optimizer
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise CheckpointError(f"keep={keep!r} must be a positive number of versions to keep, e.g. keep=1")
     box = [uuid.uuid4().hex[:12]]
@@ -271,6 +274,9 @@ def load(pp: "Pipeline", path: str | Path, optimizer: torch.optim.Optimizer | No
     saved (a bitwise resume under the same plan), else each rank takes rank (r mod saved world)'s.
     """
     folder: Path = resolve_everywhere(path)
+    outer = optimizer
+    if optimizer is not None:  # ZeRO (dp_shard="optimizer"): each replica loads its shard's state
+        optimizer = memory.local_optimizer(optimizer) or optimizer
 
     def check() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         manifest = read_manifest(folder)
@@ -302,6 +308,9 @@ def load(pp: "Pipeline", path: str | Path, optimizer: torch.optim.Optimizer | No
     def apply() -> Loaded:
         if optimizer is not None:
             optimizer.load_state_dict(osd)
+            if outer is not None and outer is not optimizer:  # ZeRO copies its groups' settings into
+                sync = getattr(type(outer), "_sync_param_groups")  # its local optimizer's at each step
+                sync(optimizer.param_groups, outer.param_groups)
         with torch.no_grad():
             for k, t in model_tensors(pp).items():
                 t.copy_(targets[k])

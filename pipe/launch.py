@@ -21,7 +21,7 @@ from partition.errors import FxpipeError
 from pipe.comm import _DONE_KEY, _FAILED, _KEPT, _LOST_KEY, _TIMEOUT_S, DEFAULT_TIMEOUT_S
 
 __all__ = ["Context", "LaunchError", "TimeoutSettingError", "DEFAULT_TIMEOUT_S", "init", "context", "finish",
-           "timeout_setting", "measure_link"]
+           "timeout_setting", "measure_allreduce", "measure_link"]
 
 _MPI: list[Any] = []  # (mpi4py.MPI, whether finish finalizes it) once the rendezvous used MPI
 _LINGER_S = 5.0    # how long finish waits at most for the ranks still naming a failure
@@ -251,6 +251,35 @@ def measure_link(device: torch.device, sizes: Sequence[int] = (1 << 14, 1 << 22)
         slope = max((ms[1] - ms[0]) / (sizes[1] - sizes[0]), 1e-12)  # ms per byte
         fit = torch.tensor([1.0 / slope, max(ms[0] - sizes[0] * slope, 0.0)], dtype=torch.float64)
     fit = fit.to(torch.float64).to(device)
+    dist.broadcast(fit, src=0)
+    return float(fit[0]), float(fit[1])
+
+
+def measure_allreduce(device: torch.device, group: Any, sizes: Sequence[int] = (1 << 16, 1 << 23),
+                      repeats: int = 5) -> tuple[float, float]:
+    """(bytes per ms, latency ms) of an all-reduce over `group`, fitted to the ring formula
+    2(n-1)/n x bytes / bandwidth + 2(n-1) x latency (pipe.scale.ring_allreduce_ms) from the median
+    of `repeats` all-reduces of two sizes; every rank of the job calls it (each its own group, all
+    at once, as the replicas' grads are reduced); the figures of global rank 0's group, everywhere."""
+    n = dist.get_world_size(group)
+    ms: list[float] = []
+    for size in sizes:
+        buf = torch.zeros(size // 4, device=device)
+        times = []
+        for _ in range(repeats + 1):  # the first round opens the connections
+            dist.barrier()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            dist.all_reduce(buf, group=group)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append((time.perf_counter() - t0) * 1e3)
+        ms.append(statistics.median(times[1:]))
+    steps = 2 * (n - 1)
+    slope = max((ms[1] - ms[0]) / (sizes[1] - sizes[0]), 1e-12)  # ms per byte of the buffer
+    fit = torch.tensor([steps / n / slope, max(ms[0] - sizes[0] * slope, 0.0) / steps], dtype=torch.float64)
+    fit = fit.to(device)
     dist.broadcast(fit, src=0)
     return float(fit[0]), float(fit[1])
 

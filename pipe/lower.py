@@ -21,8 +21,8 @@ from typing import Callable, Sequence, Union
 from pipe.schedules import Action, Schedule, ScheduleError, lock_step, loop_placement, v_placement
 
 __all__ = ["Batch", "Item", "Program", "loop_placement", "v_placement", "lower", "validate",
-           "forward_only", "fuse_backward", "with_reloads", "compute_actions", "format_program", "parse_program",
-           "peer_of", "needs", "message", "walk"]
+           "forward_only", "fuse_backward", "with_reloads", "with_grad_reduction", "final_backward",
+           "compute_actions", "format_program", "parse_program", "peer_of", "needs", "message", "walk"]
 
 Batch = tuple[Action, ...]
 Item = Union[Action, Batch]
@@ -116,6 +116,34 @@ def with_reloads(program: Program, stages: Sequence[int]) -> Program:
         for i, x in enumerate(items):
             kept.append(x)
             kept += inserts.get(i, [])
+        out[r] = kept
+    return out
+
+
+def final_backward(items: Sequence[Item], stage: int) -> Action | None:
+    """The last backward (B, W or BW) of `stage` in one rank's program: its grads are final after it."""
+    last = None
+    for x in items:
+        if isinstance(x, Action) and x.stage == stage and x.kind in ("B", "W", "BW"):
+            last = x
+    return last
+
+
+def with_grad_reduction(program: Program, stages: Sequence[int]) -> Program:
+    """The data-parallel pass: before the final backward of each given stage (the last of its B, W
+    and BW, after which nothing writes its grads in the step) a REDUCE_GRAD of that (stage, mb). The
+    runtime then all-reduces the stage's grads bucket by bucket as that backward finishes them, so
+    the collectives overlap what follows; the step waits for them at its end."""
+    wanted = set(stages)
+    out: Program = {}
+    for r, items in program.items():
+        finals = {final_backward(items, s) for s in wanted} - {None}
+        kept: list[Item] = []
+        for x in items:
+            if x in finals:
+                assert isinstance(x, Action)
+                kept.append(Action(x.stage, "REDUCE_GRAD", x.mb))
+            kept.append(x)
         out[r] = kept
     return out
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 from partition.plan import Plan
 from pipe.lower import lower
 from pipe.schedules import build, placement
+from pipe.scale import LayoutCosts
 from pipe.simulate import Timeline, simulate_program
 
-__all__ = ["predicted_timeline", "stage_costs"]
+__all__ = ["layout_costs", "predicted_timeline", "stage_costs"]
 
 
 def stage_costs(plan: Plan, has_w: bool) -> tuple[list[float], list[float], list[float], list[float]]:
@@ -32,3 +33,13 @@ def predicted_timeline(plan: Plan, n_ranks: int, schedule: str | None = None,
     f, b, w, comm = stage_costs(plan, has_w)
     program = lower(sched, plan.n_stages, M, place)
     return simulate_program(program, plan.n_stages, f_ms=f, b_ms=b, w_ms=w, comm_ms=comm, place=place)
+
+
+def layout_costs(plan: Plan, has_w: bool, bytes_per_ms: float | None = None, latency_ms: float | None = None
+                 ) -> LayoutCosts:
+    """The plan's per-stage costs for pipe.scale, the link's (default: the plan's) pricing messages."""
+    f, b, w, comm = stage_costs(plan, has_w)
+    if bytes_per_ms is not None:
+        lat = plan.latency_ms if latency_ms is None else latency_ms
+        comm = [(lat + s.send_bytes / bytes_per_ms) if s.send_bytes else 0.0 for s in plan.stages[:-1]]
+    return LayoutCosts(f_ms=f, b_ms=b, w_ms=w, comm_ms=comm, grad_bytes=[float(s.param_bytes) for s in plan.stages])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -24,7 +25,8 @@ import memory
 from memory import MemoryManager
 from pipe import comm, launch
 from pipe.exchange import Exchange
-from pipe.lower import forward_only, fuse_backward, lower, validate, with_reloads
+from pipe.lower import forward_only, fuse_backward, lower, validate, with_grad_reduction, with_reloads
+from pipe.replicas import DP_SHARD, DataParallelError, GradReducer, pipeline_groups
 from pipe.backward import Saved, backward_full, backward_input, backward_weight, with_param_outputs
 from pipe.schedules import Action, ScheduleError, build, default_stages_per_rank, in_flight_limit, placement
 from pipe.simulate import Event, Timeline
@@ -63,38 +65,6 @@ def _agree(error: str | None) -> None:
     for r, e in enumerate(errors):
         if e is not None:
             raise PipelineError(f"rank {r} failed while setting up the pipeline: {e}")
-
-
-def pipeline_groups(ctx: launch.Context, mesh: Any, data_parallel: int) -> tuple[Any, Any, Any, list[list[int]]]:
-    """(mesh, pp group, dp group, every pipeline's global ranks in pipeline order) for a Pipeline.
-
-    No mesh and data_parallel=1: the pipeline is the whole job (groups None). data_parallel=N:
-    a mesh (pipeline ranks, N) named ("pp", "dp"), the pipeline outermost as in torchtitan and
-    Megatron (init_device_mesh). A mesh of the user's: its "pp" dimension is the pipeline, "dp"
-    (if any) the replicas; other dimensions are left to the user."""
-    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
-        raise PipelineError(f"data_parallel must be a positive number of pipeline replicas, got {data_parallel!r}; "
-                            "pass e.g. data_parallel=2, or 1 for one pipeline over every rank")
-    world = ctx.world_size
-    if mesh is None and data_parallel == 1:
-        return None, None, None, [list(range(world))]
-    if mesh is None:
-        if world % data_parallel:
-            raise PipelineError(f"the world size {world} is not divisible into data_parallel={data_parallel} "
-                                f"replicas; launch a multiple of {data_parallel} processes, or another data_parallel=")
-        from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh(ctx.device.type, (world // data_parallel, data_parallel), mesh_dim_names=("pp", "dp"))
-    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-    if "pp" not in names:
-        raise PipelineError(f"the mesh has dimensions {names or '(unnamed)'} but no 'pp' for the pipeline; build it "
-                            "with init_device_mesh(..., mesh_dim_names=('pp', 'dp')), or pass data_parallel= instead")
-    dp_size = mesh.size(names.index("dp")) if "dp" in names else 1
-    if data_parallel not in (1, dp_size):
-        raise PipelineError(f"data_parallel={data_parallel} but the mesh's 'dp' dimension has {dp_size} replicas; "
-                            "pass the mesh alone")
-    ranks = mesh.mesh.movedim(names.index("pp"), -1)
-    rows = ranks.reshape(-1, ranks.shape[-1]).tolist()
-    return mesh, mesh.get_group("pp"), mesh.get_group("dp") if dp_size > 1 else None, rows
 
 
 class NonFiniteLoss(FxpipeError, FloatingPointError):
@@ -145,7 +115,7 @@ class Pipeline:
                  example_target: Any = None, leaf_modules: Sequence[type[torch.nn.Module]] = (),
                  progress: Callable[[str], None] | None = None, transport: comm.Transport | None = None,
                  optimizer: Callable[..., torch.optim.Optimizer] | None = None, mesh: Any = None,
-                 data_parallel: int = 1) -> None:
+                 data_parallel: int = 1, dp_shard: str = "none", dp_bucket_mb: float | None = None) -> None:
         if loss_fn is None or not callable(loss_fn):
             raise PipelineError(f"loss_fn must be a callable (output, target) -> scalar loss, got {loss_fn!r}; "
                                 "pass e.g. loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())")
@@ -153,6 +123,7 @@ class Pipeline:
             memory.check_options(recompute, offload)
             # optimizer state per parameter byte the plans count: the optimizer's to come, else Adam's two copies
             self._optim_factor = None if optimizer is None else memory.factory_state_factor(optimizer)
+            self._optimizer = optimizer
         except ValueError as e:
             raise PipelineError(str(e)) from None
         interleaved = schedule.startswith("interleaved")
@@ -167,11 +138,20 @@ class Pipeline:
         self.ctx = launch.context()
         # the pipeline is one dimension of a mesh ("pp"), replicated over "dp": rank and world are the
         # pipeline's; _global maps its ranks to global ones; _rows: every pipeline's global ranks
-        self.mesh, self.pp_group, self.dp_group, self._rows = pipeline_groups(self.ctx, mesh, data_parallel)
+        if dp_shard not in DP_SHARD:
+            raise PipelineError(f"dp_shard must be one of {', '.join(DP_SHARD)}, got {dp_shard!r}")
+        if dp_bucket_mb is not None and not (isinstance(dp_bucket_mb, (int, float)) and 0 < dp_bucket_mb < 1e6):
+            raise PipelineError(f"dp_bucket_mb must be a positive number of MiB per gradient bucket, got "
+                                f"{dp_bucket_mb!r}; leave it None for an eighth of a stage's grads in [1, 25] MiB")
+        try:
+            self.mesh, self.pp_group, self.dp_group, self._rows = pipeline_groups(self.ctx, mesh, data_parallel)
+        except DataParallelError as e:
+            raise PipelineError(str(e)) from None
         self._global = self._rows[0] if self.pp_group is None else dist.get_process_group_ranks(self.pp_group)
         self.rank, self.world = self._global.index(self.ctx.rank), len(self._global)
         self.dp = 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
         self.dp_rank = 0 if self.dp_group is None else dist.get_rank(self.dp_group)  # this rank's replica
+        self.dp_shard = dp_shard if self.dp > 1 else "none"
         self.leaf_modules = tuple(leaf_modules)
         self.progress = progress
         self.M, self.v = microbatches, stages_per_rank
@@ -239,14 +219,15 @@ class Pipeline:
         fused = [s for s in self.local if self.memory.fused_backward(s)]
         mine = fuse_backward({self.rank: self.program}, fused)
         self.program = with_reloads(mine, self.memory.reload_stages())[self.rank]
+        self.reducer = self._make_reducer(dp_bucket_mb)
         self.memory.set_program(self.program)
         self._names = {id(p): n for n, p in model.named_parameters()}
-        self._order = {id(p): i for i, (_, p) in enumerate(model.named_parameters())}
         self._model = model
         self._tied_groups = self._make_tied_groups()
         self.transport: comm.Transport = transport or comm.TorchTransport(
             None if self.pp_group is None else self._global)
         self.timeline: list[Event] = []
+        self.collectives: list[Event] = []  # the last step's grad all-reduces (REDUCE_GRAD, mb = bucket)
 
     # ----- set-up -----
     def _agree_on_plan(self, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -268,7 +249,7 @@ class Pipeline:
                 in_flight_counts=flights, recompute=features[0], offload=features[1], loss_fn=self.loss_fn,
                 example_target=example_target, bytes_per_ms=bytes_per_ms, latency_ms=latency_ms,
                 leaf_modules=self.leaf_modules, progress=self.progress,
-                state_factor=4.0 if self._optim_factor is None else 2.0 + self._optim_factor).to_dict(),
+                state_factor=2.0 + self._state_factor()).to_dict(),
                 self.ctx.rank,
                 everyone=cost == "measured" and self.ctx.device.type == "cpu")
             plan = Plan.from_dict(d)
@@ -317,7 +298,7 @@ class Pipeline:
                 actions=[(a.stage, a.kind, a.mb) for a in self.actions], programs=self._programs, place=self.place,
                 microbatches=self.M, device=self.ctx.device,
                 optim_factor=max(self.plan.state_factor - 2.0, 0.0) if self._optim_factor is None
-                else self._optim_factor,
+                else self._state_factor(),
                 time_scale=FLOP_PER_MS / speeds[0][0], copy_bytes_per_ms=speeds[0][1],
                 output_bytes=self.plan.output_bytes)
             for c in choices:
@@ -328,6 +309,37 @@ class Pipeline:
         _agree(error)
         assert mm is not None
         return mm
+
+    def _state_factor(self) -> float:
+        """Optimizer state bytes per parameter byte on this rank: the optimizer's (Adam's two copies
+        unless optimizer= says), a dp-th of it when the replicas shard it (dp_shard)."""
+        f = 2.0 if self._optim_factor is None else self._optim_factor
+        return f / self.dp if self.dp_shard != "none" else f
+
+    def _make_reducer(self, bucket_mb: float | None) -> GradReducer | None:
+        """The data-parallel grad reduction: the pass that arms each stage before its final backward
+        (overlapped), unless grads stream in chunks (then after the step, and the plan says so)."""
+        if self.dp_group is None:
+            return None
+        overlap = getattr(self.memory, "store", None) is None
+        if overlap:
+            self.program = with_grad_reduction({self.rank: self.program}, self.local)[self.rank]
+        else:
+            self.plan.notes.append("data parallel: grads are averaged after the step, not overlapped with the "
+                                   "backward, on ranks whose states stream in chunks (offload of states)")
+        params: dict[int, list[torch.nn.Parameter]] = {}
+        late: dict[int, set[int] | None] = {}
+        for s in self.local:
+            st = self.stages[s]
+            used = [st.get_parameter(n) for names in self.io[s].param_nodes.values() for n in names]
+            order = list({id(p): p for p in reversed(used)}.values())  # the backward finishes the last first
+            order += [p for p in st.parameters() if all(p is not q for q in order)]
+            params[s] = order
+            fused = any(isinstance(x, Action) and x.kind == "BW" and x.stage == s for x in self.program)
+            late[s] = {id(p) for _, ps in self._zb[s][1] for p in ps} if self.has_w and not fused else None
+        return GradReducer(group=self.dp_group, size=self.dp, device=self.ctx.device, program=self.program,
+                           stages=params, late=late, overlap=overlap,
+                           bucket_bytes=None if bucket_mb is None else int(bucket_mb * (1 << 20)))
 
     def _make_tied_groups(self) -> list[tuple[Any, list[torch.nn.Parameter]]]:
         """Process groups for parameters held on several ranks; every rank creates them in one order."""
@@ -362,6 +374,34 @@ class Pipeline:
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         for _, p in self.named_parameters():
             yield p
+
+    def build_optimizer(self, factory: Callable[..., torch.optim.Optimizer] | None = None,
+                        **kwargs: Any) -> torch.optim.Optimizer:
+        """The optimizer of this rank's parameters, `factory(params, **kwargs)` (default: the
+        pipeline's optimizer=, else torch.optim.AdamW), attached for the memory plan. With
+        dp_shard="optimizer" it is torch's ZeroRedundancyOptimizer over the "dp" group (ZeRO-1: each
+        replica keeps and updates a dp-th of the state, then the updated parameters are broadcast)."""
+        factory = factory or self._optimizer or torch.optim.AdamW
+        params = list(self.parameters())
+        if not params:
+            raise PipelineError(f"rank {self.ctx.rank} holds no parameter (its stages {self.local} have none), so "
+                                "it has nothing to optimize; re-plan so every stage holds a parameter, or skip "
+                                "the optimizer on this rank")
+        if self.dp_shard == "optimizer":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+            cls, kw = factory, kwargs
+            if isinstance(factory, functools.partial) and not factory.args:  # partial(SGD, lr=0.1)
+                cls, kw = factory.func, {**factory.keywords, **kwargs}
+            if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+                raise PipelineError(f"dp_shard='optimizer' builds torch's ZeroRedundancyOptimizer, which needs a "
+                                    f"torch.optim class (or functools.partial of one with keywords), got "
+                                    f"{factory!r}; pass e.g. pp.build_optimizer(torch.optim.AdamW, lr=3e-4)")
+            opt: torch.optim.Optimizer = ZeroRedundancyOptimizer(params, optimizer_class=cls,
+                                                                 process_group=self.dp_group, **kw)
+        else:
+            opt = factory(params, **kwargs)
+        self.attach_optimizer(opt)
+        return opt
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Predict memory with the state this optimizer keeps (its kind; measured after its first step,
@@ -485,8 +525,13 @@ class Pipeline:
             if over is not None:  # the optimizer's first step measured more state than the budget allows
                 raise over
             self.memory.step_begin()
+            if self.reducer is not None:
+                self.reducer.step_begin()
             run.execute(self.program)
             self.memory.step_end()
+            if self.reducer is not None:  # before the tied sums: they add into the averaged grads
+                with comm.guarded("the data-parallel all-reduce of grads"):
+                    run.collectives = self.reducer.finish(self.rank)
             with comm.guarded("the all-reduce of tied parameters' grads"):
                 for group, params in self._tied_groups:
                     for p in params:
@@ -499,47 +544,15 @@ class Pipeline:
                 with comm.guarded("the loss broadcast", last):
                     dist.broadcast(loss, src=last, group=self.pp_group)
             if self.dp_group is not None:
-                with comm.guarded("the data-parallel all-reduce of grads and loss"):
-                    self._average_replicas(loss)
-        self.timeline = run.events()
+                with comm.guarded("the data-parallel all-reduce of the loss"):
+                    dist.all_reduce(loss, group=self.dp_group)
+                    loss.div_(self.dp)
+        self.timeline, self.collectives = run.events(), run.collectives
         self.steps_done += 1
         value = float(loss.item())
         if not math.isfinite(value):
             self._non_finite(value, run)
         return value
-
-    def _average_replicas(self, loss: torch.Tensor) -> None:
-        """Average the grads and the loss over the data-parallel replicas, as DDP does: grads
-        flattened into buckets of about 25 MiB per dtype, one all-reduce each."""
-        n = self.dp
-        params = sorted(self.parameters(), key=lambda p: self._order[id(p)])  # one order on every replica
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        bucket: list[torch.Tensor] = []
-
-        def flush() -> None:
-            if bucket:
-                # on the device: under chunked state offload grads are host views between steps
-                flat = torch.cat([g.reshape(-1) for g in bucket]).to(self.ctx.device)
-                dist.all_reduce(flat, group=self.dp_group)
-                flat.div_(n)
-                offset = 0
-                for g in bucket:
-                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                    offset += g.numel()
-                bucket.clear()
-        size = 0
-        for p in params:
-            assert p.grad is not None
-            if bucket and (p.grad.dtype != bucket[0].dtype or size + p.grad.numel() * p.grad.element_size() > 25 << 20):
-                flush()
-                size = 0
-            bucket.append(p.grad)
-            size += p.grad.numel() * p.grad.element_size()
-        flush()
-        dist.all_reduce(loss, group=self.dp_group)
-        loss.div_(n)
 
     @contextlib.contextmanager
     def _failures(self, run: "_StepState", when: str) -> Iterator[None]:
@@ -628,14 +641,16 @@ class Pipeline:
         """The last step's measured timeline of every rank, on rank 0 (a collective call)."""
         parts: list[Any] = [None] * self.world
         if self.world > 1:
-            dist.all_gather_object(parts, self.timeline, group=self.pp_group)
+            dist.all_gather_object(parts, (self.timeline, self.collectives), group=self.pp_group)
         else:
-            parts = [self.timeline]
+            parts = [(self.timeline, self.collectives)]
         if self.rank != 0:
             return None
-        events = [e for p in parts for e in p]
-        t0 = min((e.start for e in events), default=0.0)
-        return Timeline([Event(e.rank, e.action, e.start - t0, e.end - t0) for e in events], self.world)
+        events = [e for p in parts for e in p[0]]
+        collectives = [e for p in parts for e in p[1]]
+        t0 = min((e.start for e in events + collectives), default=0.0)
+        return Timeline([Event(e.rank, e.action, e.start - t0, e.end - t0) for e in events], self.world,
+                        [Event(e.rank, e.action, e.start - t0, e.end - t0) for e in collectives])
 
 
 def _concat(outputs: list[Any]) -> Any:
@@ -666,7 +681,12 @@ class _StepState:
         self.clock = clock_for(pp.ctx.device)  # device time: CUDA events on CUDA, read after the step
         self.clock.begin()
         self.handlers = {"F": self.forward, "B": self.backward, "W": self.weight, "BW": self.backward}
-        self.memory_handlers = {"RELOAD": pp.memory.reload}
+        self.reducer = pp.reducer
+        # actions that compute nothing: memory (RELOAD) and data-parallel (REDUCE_GRAD, arming the reducer)
+        self.side_handlers: dict[str, Callable[[int, int], None]] = {"RELOAD": pp.memory.reload}
+        if self.reducer is not None:
+            self.side_handlers["REDUCE_GRAD"] = self.reducer.arm
+        self.collectives: list[Event] = []
         self.current: Action | None = None  # the action running, named when it fails
 
     def execute(self, program: list[Any]) -> None:
@@ -678,13 +698,17 @@ class _StepState:
                 self.ex.issue(x)
                 mem.posted(x)
                 continue
-            if x.kind in self.memory_handlers:
-                self.memory_handlers[x.kind](x.stage, x.mb)
+            if x.kind in self.side_handlers:
+                self.side_handlers[x.kind](x.stage, x.mb)
                 continue
             self.current = x
             mem.before(x)
+            if self.reducer is not None:
+                self.reducer.before(x)
             self.handlers[x.kind](x)
             mem.after(x)
+            if self.reducer is not None:
+                self.reducer.after(x)
         self.current = None
         self.ex.finish()
 
@@ -763,5 +787,5 @@ class _StepState:
     def weight(self, a: Action) -> None:
         start = self.clock.mark()
         saved = self.saved.pop((a.stage, a.mb))
-        backward_weight(saved, self.pp._zb[a.stage][1])
+        backward_weight(saved, self.pp._zb[a.stage][1], None if self.reducer is None else self.reducer.ready)
         self._record(a, start)

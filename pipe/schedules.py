@@ -34,14 +34,16 @@ __all__ = [
     "zbv",
 ]
 
-_ACTION_RE = re.compile(r"(\d+)(F|BW|B|W|SEND_F|RECV_F|SEND_B|RECV_B|RELOAD)(\d+)")
+_ACTION_RE = re.compile(r"(\d+)(F|BW|B|W|SEND_F|RECV_F|SEND_B|RECV_B|RELOAD|REDUCE_GRAD)(\d+)")
 
 
 class Action(NamedTuple):
     """One unit of work on one stage: F forward, B backward, W weight gradient; prints "2F0".
     Lowered programs (pipe.lower) add messages: SEND_F, RECV_F, SEND_B, RECV_B ("1RECV_F3"),
-    memory actions: RELOAD (offloaded activations back on the device, "1RELOAD3"), and BW (a B
-    that computes the weight grads too, for a stage whose W it replaces: "1BW3")."""
+    memory actions: RELOAD (offloaded activations back on the device, "1RELOAD3"), BW (a B
+    that computes the weight grads too, for a stage whose W it replaces: "1BW3"), and REDUCE_GRAD
+    (the stage's grads become final in its next backward, mb m's: reduce them over the data-parallel
+    replicas as they do, "0REDUCE_GRAD7")."""
 
     stage: int
     kind: str
@@ -57,8 +59,8 @@ class Action(NamedTuple):
         if match is None:
             raise ValueError(
                 f"cannot parse action {text!r}: expected '{{stage}}{{kind}}{{mb}}' with kind "
-                "F, B, W (or BW, SEND_F, RECV_F, SEND_B, RECV_B, RELOAD) and non-negative integers, e.g. '2F0' or "
-                "'12B3'"
+                "F, B, W (or BW, SEND_F, RECV_F, SEND_B, RECV_B, RELOAD, REDUCE_GRAD) and non-negative "
+                "integers, e.g. '2F0' or '12B3'"
             )
         return cls(int(match[1]), match[2], int(match[3]))
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pipe.lower import Program, walk
@@ -16,10 +16,12 @@ from pipe.schedules import (
     loop_placement,
 )
 
-__all__ = ["Event", "Timeline", "simulate", "simulate_program", "textbook_bubble"]
+__all__ = ["COLLECTIVE_TID", "Event", "Timeline", "simulate", "simulate_program", "textbook_bubble"]
 
-_COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868", "BW": "#c44e52"}
-_NAMES = {"F": "forward", "B": "backward", "W": "weight grad", "BW": "backward with weight grads"}
+_COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868", "BW": "#c44e52", "REDUCE_GRAD": "#8172b3"}
+_NAMES = {"F": "forward", "B": "backward", "W": "weight grad", "BW": "backward with weight grads",
+          "REDUCE_GRAD": "grad all-reduce (data parallel)"}
+COLLECTIVE_TID = 1000  # Chrome trace: rank r's grad collectives on this tid + r
 
 
 @dataclass(frozen=True)
@@ -34,17 +36,21 @@ class Event:
 
 @dataclass
 class Timeline:
-    """Events of one pipeline step on `n_ranks` ranks, simulated or measured."""
+    """Events of one pipeline step on `n_ranks` ranks, simulated or measured. `collectives`: the
+    data-parallel grad reductions (REDUCE_GRAD, mb = bucket), each from its launch to its end, in a
+    lane of their own beside each rank's compute; the step ends with the last of either."""
 
     events: list[Event]
     n_ranks: int
+    collectives: list[Event] = field(default_factory=list)
 
     @property
     def makespan(self) -> float:
-        """Time from the first start to the last end, in ms."""
-        if not self.events:
+        """Time from the first start to the last end (collectives included), in ms."""
+        every = self.events + self.collectives
+        if not every:
             return 0.0
-        return max(e.end for e in self.events) - min(e.start for e in self.events)
+        return max(e.end for e in every) - min(e.start for e in every)
 
     def busy(self, rank: int) -> float:
         """Time `rank` spends running actions, in ms."""
@@ -62,63 +68,90 @@ class Timeline:
             return 0.0
         return sum(self.idle(r) for r in range(self.n_ranks)) / (self.n_ranks * span)
 
+    def collective_time(self, rank: int) -> float:
+        """How long `rank` had a grad collective in flight (the union of their spans), in ms."""
+        spans = sorted((e.start, e.end) for e in self.collectives if e.rank == rank)
+        total, reach = 0.0, float("-inf")
+        for lo, hi in spans:
+            if hi > reach:
+                total += hi - max(lo, reach)
+                reach = hi
+        return total
+
+    def exposed(self, rank: int) -> float:
+        """The grad collectives' time on `rank` not hidden behind its compute: from its last compute
+        action's end to its last collective's end (0 when they end first), in ms."""
+        mine = [e.end for e in self.collectives if e.rank == rank]
+        last = max((e.end for e in self.events if e.rank == rank), default=0.0)
+        return max(0.0, max(mine) - last) if mine else 0.0
+
     def to_json(self) -> dict[str, Any]:
         """Plain dict (json.dumps-able); Timeline.from_json reads it back."""
-        events = [
-            {"rank": e.rank, "action": str(e.action), "start": e.start, "end": e.end}
-            for e in self.events
-        ]
-        return {"n_ranks": self.n_ranks, "events": events}
+        def rows(events: list[Event]) -> list[dict[str, Any]]:
+            return [{"rank": e.rank, "action": str(e.action), "start": e.start, "end": e.end} for e in events]
+        return {"n_ranks": self.n_ranks, "events": rows(self.events), "collectives": rows(self.collectives)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Timeline:
         """Inverse of to_json."""
-        events = [
-            Event(int(e["rank"]), Action.from_str(e["action"]), float(e["start"]), float(e["end"]))
-            for e in data["events"]
-        ]
-        return cls(events, int(data["n_ranks"]))
+        def events(rows: list[dict[str, Any]]) -> list[Event]:
+            return [Event(int(e["rank"]), Action.from_str(e["action"]), float(e["start"]), float(e["end"]))
+                    for e in rows]
+        return cls(events(data["events"]), int(data["n_ranks"]), events(data.get("collectives", [])))
 
     def to_chrome_trace(self) -> dict[str, Any]:
-        """Chrome/Perfetto trace-event JSON: one complete ("X") event per action, tid = rank."""
-        names = [
-            {"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
-            for r in range(self.n_ranks)
-        ]
+        """Chrome/Perfetto trace-event JSON: one complete ("X") event per action, tid = rank; the
+        grad collectives of rank r on tid COLLECTIVE_TID + r ("rank r grad all-reduce")."""
+        lanes = [(r, f"rank {r}") for r in range(self.n_ranks)]
+        lanes += [(COLLECTIVE_TID + r, f"rank {r} grad all-reduce")
+                  for r in sorted({e.rank for e in self.collectives})]
+        names = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": t, "args": {"name": n}} for t, n in lanes]
         events = [
             {
                 "name": str(e.action),
                 "cat": e.action.kind,
                 "ph": "X",
                 "pid": 0,
-                "tid": e.rank,
+                "tid": e.rank + (COLLECTIVE_TID if lane else 0),
                 "ts": e.start * 1000.0,
                 "dur": (e.end - e.start) * 1000.0,
-                "args": {"stage": e.action.stage, "mb": e.action.mb},
+                "args": {"stage": e.action.stage, ("bucket" if lane else "mb"): e.action.mb},
             }
-            for e in self.events
+            for lane, group in ((False, self.events), (True, self.collectives)) for e in group
         ]
         return {"traceEvents": names + events, "displayTimeUnit": "ms"}
 
+    def lanes(self) -> list[tuple[str, list[Event]]]:
+        """The rows of a picture: each rank's compute, then its grad collectives when it has any."""
+        out = []
+        for r in range(self.n_ranks):
+            out.append((f"rank {r}", [e for e in self.events if e.rank == r]))
+            coll = [e for e in self.collectives if e.rank == r]
+            if coll:
+                out.append((f"rank {r} all-reduce", coll))
+        return out
+
     def to_text(self, width: int = 100) -> str:
-        """One row per rank, one column per makespan/width slice: F, B, W or '.' idle."""
+        """One row per lane, one column per makespan/width slice: F, B, W, R (grad all-reduce) or '.' idle."""
         if width < 1:
             raise ValueError(f"width must be >= 1 (got {width})")
-        t0 = min((e.start for e in self.events), default=0.0)
+        t0 = min((e.start for e in self.events + self.collectives), default=0.0)
         step = self.makespan / width
+        lanes = self.lanes()
+        pad = max((len(name) for name, _ in lanes), default=0)
         rows = []
-        for r in range(self.n_ranks):
-            mine = [e for e in self.events if e.rank == r]
+        for name, mine in lanes:
             row = (_slice_char(mine, t0 + i * step, t0 + (i + 1) * step) for i in range(width))
-            rows.append(f"rank {r} |{''.join(row)}|")
+            rows.append(f"{name:<{pad}} |{''.join(row)}|")
         rows.append(
-            "legend: F forward, B backward, W weight grad, . idle; "
+            "legend: F forward, B backward, W weight grad, R grad all-reduce, . idle; "
             f"one column = {step:.3g} ms, makespan {self.makespan:.3g} ms"
         )
         return "\n".join(rows)
 
     def to_png(self, path: str, title: str = "") -> None:
-        """Draw the timeline (ranks as rows, F/B/W coloured, idle grey) into a PNG file."""
+        """Draw the timeline (a row per rank, F/B/W coloured, idle grey; a rank's grad collectives in
+        a row of their own below it) into a PNG file."""
         try:
             from matplotlib.backends.backend_agg import FigureCanvasAgg
             from matplotlib.figure import Figure
@@ -127,27 +160,27 @@ class Timeline:
             raise RuntimeError(
                 "Timeline.to_png needs matplotlib; install it with `pip install fxpipe[plot]`"
             ) from err
-        t0 = min((e.start for e in self.events), default=0.0)
+        t0 = min((e.start for e in self.events + self.collectives), default=0.0)
         span = self.makespan or 1.0
-        fig = Figure(figsize=(12, 0.6 * self.n_ranks + 1.4))
+        lanes = self.lanes()
+        fig = Figure(figsize=(12, 0.6 * len(lanes) + 1.4))
         FigureCanvasAgg(fig)
         ax = fig.add_subplot()
-        for r in range(self.n_ranks):
-            ax.barh(r, span, left=0.0, height=0.8, color="#e6e6e6", hatch="//", edgecolor="#c8c8c8")
-        for e in self.events:
-            left, dur = e.start - t0, e.end - e.start
-            ax.barh(e.rank, dur, left=left, height=0.8, color=_COLOURS.get(e.action.kind, "grey"),
-                    edgecolor="white", linewidth=0.5)
-            label = str(e.action)
-            if dur >= span * (len(label) + 1) / 180:  # about the label's width at 7 pt
-                ax.text(left + dur / 2, e.rank, label, ha="center", va="center", fontsize=7,
-                        color="white")
-        ax.set_yticks(range(self.n_ranks), [f"rank {r}" for r in range(self.n_ranks)])
+        for row, (_, mine) in enumerate(lanes):
+            ax.barh(row, span, left=0.0, height=0.8, color="#e6e6e6", hatch="//", edgecolor="#c8c8c8")
+            for e in mine:
+                left, dur = e.start - t0, e.end - e.start
+                ax.barh(row, dur, left=left, height=0.8, color=_COLOURS.get(e.action.kind, "grey"),
+                        edgecolor="white", linewidth=0.5)
+                label = str(e.action) if e.action.kind != "REDUCE_GRAD" else f"s{e.action.stage}b{e.action.mb}"
+                if dur >= span * (len(label) + 1) / 180:  # about the label's width at 7 pt
+                    ax.text(left + dur / 2, row, label, ha="center", va="center", fontsize=7, color="white")
+        ax.set_yticks(range(len(lanes)), [name for name, _ in lanes])
         ax.invert_yaxis()
         ax.set_xlim(0, span)
         ax.set_xlabel("time (ms)")
         ax.set_title(title or f"makespan {self.makespan:.3g} ms, bubble {self.bubble:.1%}")
-        kinds = {e.action.kind for e in self.events}
+        kinds = {e.action.kind for e in self.events + self.collectives}
         handles = [Patch(color=c, label=_NAMES[k]) for k, c in _COLOURS.items() if k in kinds]
         handles.append(Patch(facecolor="#e6e6e6", hatch="//", edgecolor="#c8c8c8", label="idle"))
         ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4,
@@ -164,7 +197,7 @@ def _slice_char(events: list[Event], lo: float, hi: float) -> str:
         if overlap > 0:
             covered += overlap
             if overlap > best_overlap:
-                best, best_overlap = e.action.kind, overlap
+                best, best_overlap = "R" if e.action.kind == "REDUCE_GRAD" else e.action.kind, overlap
     return best if covered * 2 >= hi - lo else "."
 
 
@@ -236,6 +269,8 @@ def simulate_program(
     comm_ms: Sequence[float] | None = None,
     place: Sequence[int] | None = None,
     reload_ms: Sequence[float] | None = None,
+    reduce_ms: Sequence[float] | None = None,
+    buckets: Sequence[int] | None = None,
 ) -> Timeline:
     """Run the lowered programs (pipe.lower) the runtime runs, with per-stage costs.
 
@@ -262,6 +297,11 @@ def simulate_program(
     arrived: dict[tuple[int, Action], float] = {}  # (rank, receive) -> when it completed
     events: list[Event] = []
     reload = list(reload_ms) if reload_ms is not None else [0.0] * n_stages
+    reduce = list(reduce_ms) if reduce_ms is not None else [0.0] * n_stages
+    n_buckets = list(buckets) if buckets is not None else [1] * n_stages
+    armed: dict[tuple[int, int], int] = {}  # (rank, stage) -> buckets its next backward finishes
+    lane_free = dict.fromkeys(program, 0.0)
+    collectives: list[Event] = []
 
     def cost(a: Action) -> float:
         if a.kind == "RELOAD":
@@ -278,10 +318,18 @@ def simulate_program(
         return sum(comm[a.stage if a.kind == "SEND_F" else a.stage - 1] for a in group if a.kind.startswith("SEND"))
 
     def run(r: int, x: Action, need: Action | None) -> None:
+        if x.kind == "REDUCE_GRAD":
+            armed[(r, x.stage)] = max(1, n_buckets[x.stage])
+            return
         start = max(free[r], arrived[(r, need)] if need is not None else 0.0)
         free[r] = start + cost(x)
         if x.kind in _COLOURS:
             events.append(Event(r, x, start, free[r]))
+        n = armed.pop((r, x.stage), 0) if x.kind in ("B", "W", "BW") else 0
+        for k in range(n):
+            launch = max(start + (k + 1) / n * (free[r] - start), lane_free[r])
+            lane_free[r] = launch + reduce[x.stage] / n
+            collectives.append(Event(r, Action(x.stage, "REDUCE_GRAD", k), launch, lane_free[r]))
 
     def complete(a: int, b: int, t_a: object, mine: list[Action], t_b: object, theirs: list[Action],
                  _pos: dict[int, int]) -> None:
@@ -295,7 +343,7 @@ def simulate_program(
     if any(pos[r] < len(program[r]) for r in program):
         stuck = {r: str(program[r][pos[r]]) for r in program if pos[r] < len(program[r])}
         raise ScheduleError(f"the program deadlocks: ranks wait at {stuck}; run pipe.lower.validate on it for the grid")
-    return Timeline(events, n_ranks)
+    return Timeline(events, n_ranks, collectives)
 
 
 def textbook_bubble(

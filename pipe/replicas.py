@@ -1,0 +1,259 @@
+"""Data-parallel replicas of a pipeline: the mesh's groups, and grads averaged over "dp" in buckets.
+
+Legend: s stage, dp the number of replicas. Each replica runs the same program, so the buckets
+(a stage's grads, in the order its backward finishes them, cut at `bucket_bytes`) and the order
+they are launched in are the same on every replica, as collectives need. A bucket is one flat
+tensor and the parameters' grads are views into it (DDP's gradient_as_bucket_view), made before
+the stage's first backward of the step: its all-reduce needs no copy. The program's REDUCE_GRAD
+(pipe.lower.with_grad_reduction) arms a stage before its final backward; while that runs, each
+bucket is launched (async) as soon as its grads are final, in bucket order, so the collectives
+overlap the rest of the backward; `finish` waits for them and divides by dp.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from partition.errors import FxpipeError
+from pipe import launch
+from pipe.lower import Item, final_backward
+from pipe.scale import bucket_cap
+from pipe.schedules import Action
+from pipe.simulate import Event
+
+__all__ = ["DataParallelError", "GradReducer", "pipeline_groups", "DP_SHARD"]
+
+DP_SHARD = ("none", "optimizer", "full")
+
+
+class DataParallelError(FxpipeError, ValueError):
+    """A data-parallel layout the pipeline cannot run; the message names the values and the fix."""
+
+
+def pipeline_groups(ctx: launch.Context, mesh: Any, data_parallel: int) -> tuple[Any, Any, Any, list[list[int]]]:
+    """(mesh, pp group, dp group, every pipeline's global ranks in pipeline order) for a Pipeline.
+
+    No mesh and data_parallel=1: the pipeline is the whole job (groups None). data_parallel=N:
+    a mesh (pipeline ranks, N) named ("pp", "dp"), the pipeline outermost as in torchtitan and
+    Megatron (init_device_mesh). A mesh of the user's: its "pp" dimension is the pipeline, "dp"
+    (if any) the replicas; other dimensions are left to the user."""
+    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
+        raise DataParallelError(f"data_parallel must be a positive number of pipeline replicas, got "
+                                f"{data_parallel!r}; pass e.g. data_parallel=2, or 1 for one pipeline over every rank")
+    world = ctx.world_size
+    if mesh is None and data_parallel == 1:
+        return None, None, None, [list(range(world))]
+    if mesh is None:
+        if world % data_parallel:
+            raise DataParallelError(f"the world size {world} is not divisible into data_parallel={data_parallel} "
+                                    f"replicas; launch a multiple of {data_parallel} processes, or another "
+                                    "data_parallel=")
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh(ctx.device.type, (world // data_parallel, data_parallel), mesh_dim_names=("pp", "dp"))
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if "pp" not in names:
+        raise DataParallelError(f"the mesh has dimensions {names or '(unnamed)'} but no 'pp' for the pipeline; build "
+                                "it with init_device_mesh(..., mesh_dim_names=('pp', 'dp')), or pass data_parallel= "
+                                "instead")
+    dp_size = mesh.size(names.index("dp")) if "dp" in names else 1
+    if data_parallel not in (1, dp_size):
+        raise DataParallelError(f"data_parallel={data_parallel} but the mesh's 'dp' dimension has {dp_size} "
+                                "replicas; pass the mesh alone")
+    ranks = mesh.mesh.movedim(names.index("pp"), -1)
+    rows = ranks.reshape(-1, ranks.shape[-1]).tolist()
+    return mesh, mesh.get_group("pp"), mesh.get_group("dp") if dp_size > 1 else None, rows
+
+
+class _Bucket:
+    """Grads of some parameters of one stage, one dtype: a flat tensor they are views into."""
+
+    def __init__(self, stage: int, index: int, params: list[torch.nn.Parameter]) -> None:
+        self.stage, self.index, self.params = stage, index, params
+        self.numel = sum(p.numel() for p in params)
+        self.flat: torch.Tensor | None = None
+        self.views: list[torch.Tensor] = []
+        self.work: Any = None
+        self.ready: set[int] = set()
+        self.span: list[float] = []  # [launch ms, end ms], host clock
+
+    def bind(self, device: torch.device) -> None:
+        """Make every grad a view of the flat tensor (a new one unless they all are already),
+        keeping what a grad held (accumulation across steps, or a stage's earlier backward)."""
+        if self.flat is not None and all(p.grad is v for p, v in zip(self.params, self.views)):
+            return
+        p0 = self.params[0]
+        flat = torch.zeros(self.numel, dtype=p0.dtype, device=device)
+        views, offset = [], 0
+        for p in self.params:
+            v = flat[offset:offset + p.numel()].view_as(p)
+            if p.grad is not None:
+                v.copy_(p.grad)
+            p.grad = v
+            views.append(v)
+            offset += p.numel()
+        self.flat, self.views = flat, views
+
+
+def _cut(params: list[torch.nn.Parameter], cap: int) -> list[list[torch.nn.Parameter]]:
+    """Consecutive runs of one dtype, each at most `cap` bytes (or one parameter)."""
+    out: list[list[torch.nn.Parameter]] = []
+    size = 0
+    for p in params:
+        n = p.numel() * p.element_size()
+        if not out or p.dtype != out[-1][0].dtype or size + n > cap:
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += n
+    return out
+
+
+class GradReducer:
+    """Average this rank's grads over the data-parallel group, bucket by bucket, as they become final.
+
+    `stages[s]`: the trainable parameters of local stage s in the order its backward finishes
+    their grads (the reverse of the forward's); a parameter two local stages share is reduced with
+    the one whose final backward comes last in `program`. `late[s]`: the parameters whose grads
+    the final backward of s writes (None: all); the others are final when it is armed (zero-
+    bubble: B wrote them, W writes the rest). `overlap=False` (grads are not the stages' own
+    tensors, e.g. streamed in chunks): every bucket is reduced from a copy in `finish`.
+    """
+
+    def __init__(self, *, group: Any, size: int, device: torch.device, program: Sequence[Item],
+                 stages: dict[int, list[torch.nn.Parameter]], late: dict[int, set[int] | None],
+                 bucket_bytes: int | None = None, overlap: bool = True) -> None:
+        self.group, self.size, self.device, self.overlap = group, size, device, overlap
+        finals = {s: final_backward(program, s) for s in stages}
+        order = sorted((s for s in stages if finals[s] is not None), key=lambda s: program.index(finals[s]))
+        owner: dict[int, int] = {}
+        for s in order:  # the later final backward wins
+            for p in stages[s]:
+                owner[id(p)] = s
+        self.buckets: list[_Bucket] = []
+        self.of_stage: dict[int, list[_Bucket]] = {}
+        for s in order:
+            mine = [p for p in stages[s] if owner[id(p)] == s and p.requires_grad]
+            cap = bucket_cap(sum(p.numel() * p.element_size() for p in mine), bucket_bytes)
+            self.of_stage[s] = []
+            for part in _cut(mine, cap):
+                self.of_stage[s].append(_Bucket(s, len(self.of_stage[s]), part))
+            self.buckets += self.of_stage[s]
+        self.final = {s: finals[s] for s in order}
+        self.late = late
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._started: set[int] = set()  # stages whose grads were bound this step
+        self._armed: int | None = None
+        self._hooks: list[Any] = []
+        self._next = 0  # buckets launch in list order, the same on every replica
+
+    # ----- the step -----
+    def step_begin(self) -> None:
+        self._started.clear()
+        self._next = 0
+        for b in self.buckets:
+            b.work, b.span = None, []
+            b.ready.clear()
+
+    def before(self, a: Action) -> None:
+        """Before a compute action: the first backward of a stage this step binds its grads."""
+        if self.overlap and a.kind in ("B", "W", "BW") and a.stage in self.of_stage and a.stage not in self._started:
+            self._started.add(a.stage)
+            for b in self.of_stage[a.stage]:
+                b.bind(self.device)
+
+    def arm(self, stage: int, mb: int) -> None:
+        """The program's REDUCE_GRAD: the next backward of `stage` finishes its grads; launch each
+        bucket as they are."""
+        if stage not in self.of_stage:
+            return
+        if stage not in self._started:  # a stage whose only backward is this one
+            self._started.add(stage)
+            for b in self.of_stage[stage]:
+                b.bind(self.device)
+        self._armed = stage
+        late = self.late.get(stage)
+        for b in self.of_stage[stage]:
+            for p in b.params:
+                if late is not None and id(p) not in late:
+                    b.ready.add(id(p))
+                else:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._accumulated))
+        self._launch_ready()
+
+    def _accumulated(self, p: torch.Tensor) -> None:
+        self.ready([p])
+
+    def ready(self, params: Sequence[torch.Tensor]) -> None:
+        """These parameters' grads are final (a hook, or zero-bubble's W after a node)."""
+        if self._armed is None:
+            return
+        for p in params:
+            b = self._bucket_of.get(id(p))
+            if b is not None and b.stage == self._armed:
+                b.ready.add(id(p))
+        self._launch_ready()
+
+    def after(self, a: Action) -> None:
+        """After a compute action: the armed stage's final backward leaves every grad of it final."""
+        if self._armed is None or a != self.final[self._armed]:
+            return
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        for b in self.of_stage[self._armed]:
+            b.ready.update(id(p) for p in b.params)
+        self._launch_ready()
+        self._armed = None
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets):
+            b = self.buckets[self._next]
+            if len(b.ready) < len(b.params):
+                return
+            self._launch(b, b.flat)
+            self._next += 1
+
+    def _launch(self, b: _Bucket, flat: torch.Tensor | None) -> None:
+        assert flat is not None
+        b.span = [time.perf_counter() * 1e3]
+        b.work = dist.all_reduce(flat, group=self.group, async_op=True)
+
+        def done(_: Any, span: list[float] = b.span) -> None:  # on the communication thread
+            span.append(time.perf_counter() * 1e3)
+        b.work.get_future().then(done)
+
+    def finish(self, rank: int) -> list[Event]:
+        """Wait for every bucket (launching them now without overlap) and divide by dp; the
+        collectives' spans as events of `rank` (REDUCE_GRAD, mb = the bucket's index in its stage)."""
+        copies: list[torch.Tensor | None] = [None] * len(self.buckets)
+        if not self.overlap:
+            for i, b in enumerate(self.buckets):
+                copies[i] = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                                       for p in b.params]).to(self.device)
+                self._launch(b, copies[i])
+        for i, b in enumerate(self.buckets):
+            assert b.work is not None, f"bucket {b.index} of stage {b.stage} was never launched"
+            b.work.wait()
+            flat = copies[i] if copies[i] is not None else b.flat
+            assert flat is not None
+            flat.div_(self.size)
+            if copies[i] is not None:
+                offset = 0
+                for p in b.params:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
+        now = time.perf_counter() * 1e3
+        return [Event(rank, Action(b.stage, "REDUCE_GRAD", b.index), b.span[0], b.span[1] if len(b.span) > 1 else now)
+                for b in self.buckets]
+
+    def fail(self) -> None:
+        """A step that failed half-way: drop the hooks (the works end with the group)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self._armed = None
