@@ -12,7 +12,7 @@ overlap the rest of the backward; `finish` waits for them and divides by dp.
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,7 @@ from pipe.scale import bucket_cap
 from pipe.schedules import Action
 from pipe.simulate import Event
 
-__all__ = ["DataParallelError", "GradReducer", "pipeline_groups", "DP_SHARD"]
+__all__ = ["DataParallelError", "GradReducer", "ShardedStages", "pipeline_groups", "DP_SHARD"]
 
 DP_SHARD = ("none", "optimizer", "full")
 
@@ -111,6 +111,45 @@ def _cut(params: list[torch.nn.Parameter], cap: int) -> list[list[torch.nn.Param
     return out
 
 
+class ShardedStages:
+    """dp_shard="full": each local stage's module (the one the runtime calls) sharded over "dp" with
+    torch's fully_shard (FSDP2), composed with the pipeline as torch.distributed.pipelining and
+    torchtitan do: the parameters are gathered at the stage's first forward of a step and kept for
+    its other microbatches (reshard_after_forward=False), grads accumulate unsharded, and after the
+    stage's final backward (`reduce`) they are reduce-scattered, averaged over dp, into the sharded
+    parameters' grads, and the gathered copy is freed."""
+
+    def __init__(self, modules: Mapping[int, torch.nn.Module], mesh: Any) -> None:
+        from torch.distributed.fsdp import fully_shard
+        self.modules = modules
+        for m in modules.values():
+            fully_shard(m, mesh=mesh, reshard_after_forward=False)
+        for s in modules:
+            self._accumulate(s)
+
+    def _accumulate(self, stage: int) -> None:
+        m: Any = self.modules[stage]
+        m.set_is_last_backward(False)
+        m.set_requires_gradient_sync(False)
+        m.set_reshard_after_backward(False)
+
+    def reduce(self, stage: int) -> None:
+        """The stage's grads are final: reduce-scatter them and free the gathered parameters (what
+        FSDP's post-backward does when a backward is the last; the pipeline's backward passes are
+        several autograd calls per step, so it is called here)."""
+        from torch.distributed.fsdp import fully_shard
+        m: Any = self.modules[stage]
+        m.set_is_last_backward(True)
+        m.set_requires_gradient_sync(True)
+        m.set_reshard_after_backward(True)
+        state = fully_shard.state(m)  # type: ignore[attr-defined]
+        for st in state._state_ctx.all_states:
+            for group in st._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()
+        self._accumulate(stage)
+
+
 class GradReducer:
     """Average this rank's grads over the data-parallel group, bucket by bucket, as they become final.
 
@@ -124,8 +163,10 @@ class GradReducer:
 
     def __init__(self, *, group: Any, size: int, device: torch.device, program: Sequence[Item],
                  stages: dict[int, list[torch.nn.Parameter]], late: dict[int, set[int] | None],
-                 bucket_bytes: int | None = None, overlap: bool = True) -> None:
+                 bucket_bytes: int | None = None, overlap: bool = True,
+                 sharded: ShardedStages | None = None) -> None:
         self.group, self.size, self.device, self.overlap = group, size, device, overlap
+        self.sharded = sharded  # dp_shard="full": FSDP reduces each stage after its final backward
         finals = {s: final_backward(program, s) for s in stages}
         order = sorted((s for s in stages if finals[s] is not None), key=lambda s: program.index(finals[s]))
         owner: dict[int, int] = {}
@@ -134,7 +175,7 @@ class GradReducer:
                 owner[id(p)] = s
         self.buckets: list[_Bucket] = []
         self.of_stage: dict[int, list[_Bucket]] = {}
-        for s in order:
+        for s in order if sharded is None else []:
             mine = [p for p in stages[s] if owner[id(p)] == s and p.requires_grad]
             cap = bucket_cap(sum(p.numel() * p.element_size() for p in mine), bucket_bytes)
             self.of_stage[s] = []
@@ -148,9 +189,12 @@ class GradReducer:
         self._armed: int | None = None
         self._hooks: list[Any] = []
         self._next = 0  # buckets launch in list order, the same on every replica
+        self._spans: list[Event] = []  # dp_shard="full": each stage's reduce-scatter, timed on the host
 
     # ----- the step -----
     def step_begin(self) -> None:
+        self.fail()
+        self._spans = []
         self._started.clear()
         self._next = 0
         for b in self.buckets:
@@ -167,6 +211,9 @@ class GradReducer:
     def arm(self, stage: int, mb: int) -> None:
         """The program's REDUCE_GRAD: the next backward of `stage` finishes its grads; launch each
         bucket as they are."""
+        if self.sharded is not None:
+            self._armed = stage
+            return
         if stage not in self.of_stage:
             return
         if stage not in self._started:  # a stage whose only backward is this one
@@ -199,6 +246,12 @@ class GradReducer:
     def after(self, a: Action) -> None:
         """After a compute action: the armed stage's final backward leaves every grad of it final."""
         if self._armed is None or a != self.final[self._armed]:
+            return
+        if self.sharded is not None:
+            start = time.perf_counter() * 1e3
+            self.sharded.reduce(self._armed)
+            self._spans.append(Event(-1, Action(self._armed, "REDUCE_GRAD", 0), start, time.perf_counter() * 1e3))
+            self._armed = None
             return
         for h in self._hooks:
             h.remove()
@@ -248,8 +301,9 @@ class GradReducer:
                     p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
                     offset += p.numel()
         now = time.perf_counter() * 1e3
-        return [Event(rank, Action(b.stage, "REDUCE_GRAD", b.index), b.span[0], b.span[1] if len(b.span) > 1 else now)
-                for b in self.buckets]
+        return [Event(rank, e.action, e.start, e.end) for e in self._spans] + [
+            Event(rank, Action(b.stage, "REDUCE_GRAD", b.index), b.span[0], b.span[1] if len(b.span) > 1 else now)
+            for b in self.buckets]
 
     def fail(self) -> None:
         """A step that failed half-way: drop the hooks (the works end with the group)."""

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.fx
 import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor
 
 from partition.errors import FxpipeError, first_line
 import partition
@@ -26,7 +27,7 @@ from memory import MemoryManager
 from pipe import comm, launch
 from pipe.exchange import Exchange
 from pipe.lower import forward_only, fuse_backward, lower, validate, with_grad_reduction, with_reloads
-from pipe.replicas import DP_SHARD, DataParallelError, GradReducer, pipeline_groups
+from pipe.replicas import DP_SHARD, DataParallelError, GradReducer, ShardedStages, pipeline_groups
 from pipe.backward import Saved, backward_full, backward_input, backward_weight, with_param_outputs
 from pipe.schedules import Action, ScheduleError, build, default_stages_per_rank, in_flight_limit, placement
 from pipe.simulate import Event, Timeline
@@ -213,15 +214,17 @@ class Pipeline:
             for s in self.local:
                 self._zb[s] = with_param_outputs(self.stages[s], self.io[s].param_nodes)
                 self.memory.set_weight_order(s, [n for n, _ in self._zb[s][1]], self._zb[s][2])
-        self._call = {s: self.memory.wrap_stage(s, self._zb[s][0] if self.has_w else self.stages[s])
-                      for s in self.local}
+        self._names = {id(p): n for n, p in model.named_parameters()}
+        # the module each stage calls; dp_shard="full" shards it (FSDP) and trains its parameters
+        self._trained = {s: self._zb[s][0] if self.has_w else self.stages[s] for s in self.local}
+        self.sharded = self._shard(offload) if self.dp_shard == "full" else None
+        self._call = {s: self.memory.wrap_stage(s, self._trained[s]) for s in self.local}
         # the memory passes: fused backward for stages that recompute under zero-bubble, then reloads
         fused = [s for s in self.local if self.memory.fused_backward(s)]
         mine = fuse_backward({self.rank: self.program}, fused)
         self.program = with_reloads(mine, self.memory.reload_stages())[self.rank]
         self.reducer = self._make_reducer(dp_bucket_mb)
         self.memory.set_program(self.program)
-        self._names = {id(p): n for n, p in model.named_parameters()}
         self._model = model
         self._tied_groups = self._make_tied_groups()
         self.transport: comm.Transport = transport or comm.TorchTransport(
@@ -314,7 +317,47 @@ class Pipeline:
         """Optimizer state bytes per parameter byte on this rank: the optimizer's (Adam's two copies
         unless optimizer= says), a dp-th of it when the replicas shard it (dp_shard)."""
         f = 2.0 if self._optim_factor is None else self._optim_factor
-        return f / self.dp if self.dp_shard != "none" else f
+        if self.dp_shard == "full":  # the gathered parameters and their grads in a step, a dp-th kept
+            return 1.0 + f / self.dp
+        return f / self.dp if self.dp_shard == "optimizer" else f
+
+    def _shard(self, offload: str) -> ShardedStages:
+        """dp_shard="full": shard each local stage's called module with fully_shard over "dp"; the
+        original names and zero-bubble's parameter lists follow the sharded modules by name."""
+        if offload in ("states", "all"):
+            raise PipelineError(f"dp_shard='full' shards the stages' parameters over the replicas, which offload="
+                                f"{offload!r} would stream in chunks too; use offload='none' or 'activations', or "
+                                "dp_shard='optimizer'")
+        holder: dict[tuple[str, int], int] = {}  # (parameter, rank) -> stage; from the plan, alike everywhere
+        for st in self.plan.stages:
+            for n in st.params:
+                r = self.place[st.index]
+                if holder.setdefault((n, r), st.index) != st.index:
+                    raise PipelineError(f"dp_shard='full' shards each stage's parameters on their own, but {n} is held "
+                                        f"by stages {holder[(n, r)]} and {st.index}, both on pipeline rank {r}; use a "
+                                        "schedule that places them on different ranks (not zbv), or "
+                                        "dp_shard='optimizer'")
+        local = {s: {id(p): n for n, p in self._trained[s].named_parameters()} for s in self.local}
+        before = {s: {n: self._names.get(id(p), n) for n, p in self._trained[s].named_parameters()}
+                  for s in self.local}
+        if self.has_w:  # W resolves its parameters by name at each call: FSDP swaps in gathered ones
+            self._zb_names = {s: ([(node, [local[s][id(p)] for p in ps]) for node, ps in self._zb[s][1]],
+                                  [local[s][id(p)] for p in self._zb[s][2]]) for s in self.local}
+        mesh = self.mesh["dp"]
+        sharded = ShardedStages(self._trained, mesh)
+        for s in self.local:
+            for n, p in self._trained[s].named_parameters():
+                self._names[id(p)] = before[s][n]
+        return sharded
+
+    def _zb_params(self, s: int) -> tuple[list[tuple[str, list[torch.nn.Parameter]]], list[torch.nn.Parameter]]:
+        """Zero-bubble's (nodes with their parameters, parameters read by several nodes) of stage s;
+        under dp_shard="full" the gathered parameters FSDP put in place."""
+        if self.sharded is None:
+            return self._zb[s][1], self._zb[s][2]
+        m = self._trained[s]
+        nodes, multi = self._zb_names[s]
+        return [(node, [m.get_parameter(n) for n in ns]) for node, ns in nodes], [m.get_parameter(n) for n in multi]
 
     def _make_reducer(self, bucket_mb: float | None) -> GradReducer | None:
         """The data-parallel grad reduction: the pass that arms each stage before its final backward
@@ -338,7 +381,7 @@ class Pipeline:
             fused = any(isinstance(x, Action) and x.kind == "BW" and x.stage == s for x in self.program)
             late[s] = {id(p) for _, ps in self._zb[s][1] for p in ps} if self.has_w and not fused else None
         return GradReducer(group=self.dp_group, size=self.dp, device=self.ctx.device, program=self.program,
-                           stages=params, late=late, overlap=overlap,
+                           stages=params, late=late, overlap=overlap, sharded=self.sharded,
                            bucket_bytes=None if bucket_mb is None else int(bucket_mb * (1 << 20)))
 
     def _make_tied_groups(self) -> list[tuple[Any, list[torch.nn.Parameter]]]:
@@ -366,7 +409,7 @@ class Pipeline:
         """This rank's parameters under their original (first) names, each once."""
         seen: set[int] = set()
         for s in self.local:
-            for p in self.stages[s].parameters():
+            for p in (self.stages if self.sharded is None else self._trained)[s].parameters():
                 if id(p) not in seen:
                     seen.add(id(p))
                     yield self._names.get(id(p), f"stage{s}.unnamed{len(seen)}"), p
@@ -395,7 +438,8 @@ class Pipeline:
             if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
                 raise PipelineError(f"dp_shard='optimizer' builds torch's ZeroRedundancyOptimizer, which needs a "
                                     f"torch.optim class (or functools.partial of one with keywords), got "
-                                    f"{factory!r}; pass e.g. pp.build_optimizer(torch.optim.AdamW, lr=3e-4)")
+                                    f"{getattr(factory, '__qualname__', type(factory).__name__)}; pass e.g. "
+                                    "pp.build_optimizer(torch.optim.AdamW, lr=3e-4)")
             opt: torch.optim.Optimizer = ZeroRedundancyOptimizer(params, optimizer_class=cls,
                                                                  process_group=self.dp_group, **kw)
         else:
@@ -462,7 +506,8 @@ class Pipeline:
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """On rank 0: a state dict that loads into the unpartitioned model; None on other ranks."""
-        held = {n: p.detach().cpu() for n, p in self.named_parameters()}
+        held = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
+                for n, p in self.named_parameters()}
         held.update({k: b.detach().cpu() for k, b in self.local_buffers().items()})
         mine = {k: held[first] for k, first in self.state_key_names().items() if first in held}
         parts: list[Any] = [None] * self.world
@@ -537,7 +582,8 @@ class Pipeline:
                     for p in params:
                         if p.grad is None:
                             p.grad = torch.zeros_like(p)
-                        dist.all_reduce(p.grad, group=group)
+                        g = p.grad  # dp_shard="full": every holder keeps the same shard of it
+                        dist.all_reduce(g.to_local() if isinstance(g, DTensor) else g, group=group)
             loss = torch.as_tensor(run.loss_sum, dtype=torch.float64).reshape(1).to(dev)
             last = self._global[self.place[self.S - 1]]
             if self.world > 1:
@@ -775,7 +821,7 @@ class _StepState:
         grads: list[torch.Tensor | None] = self.ex.recv_grads(s, mb, saved.roots) if s < pp.S - 1 else [None]
         start = self.clock.mark()
         if a.kind == "B" and pp.has_w:  # input grads; W computes the weight grads
-            leaf_grads = backward_input(saved, grads, pp._zb[s][2])
+            leaf_grads = backward_input(saved, grads, pp._zb_params(s)[1])
         else:  # B without W, or BW (a stage recomputing under zero-bubble): the whole backward
             leaf_grads = backward_full(saved, grads)
             saved.param_outs.clear()
@@ -787,5 +833,5 @@ class _StepState:
     def weight(self, a: Action) -> None:
         start = self.clock.mark()
         saved = self.saved.pop((a.stage, a.mb))
-        backward_weight(saved, self.pp._zb[a.stage][1], None if self.reducer is None else self.reducer.ready)
+        backward_weight(saved, self.pp._zb_params(a.stage)[0], None if self.reducer is None else self.reducer.ready)
         self._record(a, start)

@@ -1,7 +1,9 @@
 """Pipeline x data parallel on a DeviceMesh: (pp=2, dp=2) on 4 ranks gives the unpartitioned model's
 loss and grads over the concatenation of the replicas' batches, and its parameters after AdamW
-steps; a user's mesh with a dimension the pipeline ignores; bad layouts refused on every rank; a
-checkpoint saved by two replicas resumed by one. One 4-rank launch and one 2-rank launch."""
+steps, for 1f1b, interleaved-1f1b and zb-h1 on the tied GPT and the U-Net, with unsharded, ZeRO-1
+(dp_shard="optimizer") and FSDP (dp_shard="full") state; a user's mesh with a dimension the pipeline
+ignores; bad layouts refused on every rank; checkpoints saved by two replicas (each sharding) resumed
+by one. One 4-rank launch and one 2-rank launch."""
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,10 @@ from tests.mp import run_ranks
 GPT = dict(n_layer=2, d_model=32, n_head=2, seq_len=16, vocab=64)
 UNET = dict(depth=2, channels=4)
 M, STEPS = 4, 3
+SCHEDULES = {"1f1b": {}, "interleaved": dict(schedule="interleaved-1f1b", stages_per_rank=2),
+             "zb-h1": dict(schedule="zb-h1")}
+SHARDS = ("none", "optimizer", "full")
+SAVED = ("none", "optimizer", "full")  # the gpt 1f1b case of each is checkpointed and resumed by one replica
 
 
 def _batch(w: Any, step: int, replica: int) -> tuple[tuple[Any, ...], Any]:
@@ -19,8 +25,27 @@ def _batch(w: Any, step: int, replica: int) -> tuple[tuple[Any, ...], Any]:
     return args, target
 
 
+def _full(t: Any) -> torch.Tensor:
+    """The whole tensor of a dp_shard='full' (DTensor) parameter or grad."""
+    from torch.distributed.tensor import DTensor
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def _named(name: str) -> Any:
     return lambda m: f"{name}: {m}"
+
+
+def _sharding(pp: Any, opt: Any) -> dict[str, Any]:
+    """What this rank keeps: its optimizer's kind, state elements, and its parameters' local elements."""
+    from torch.distributed.tensor import DTensor
+    def local(t: torch.Tensor) -> int:
+        return (t.to_local() if isinstance(t, DTensor) else t).numel()
+    inner = getattr(opt, "optim", opt)
+    return {"optimizer": type(opt).__name__,
+            "state": sum(local(v) for st in inner.state.values() for v in st.values()
+                         if isinstance(v, torch.Tensor) and v.dim() > 0),
+            "local": sum(local(p) for p in pp.parameters()),
+            "whole": sum(p.numel() for p in pp.parameters())}
 
 
 def _case(name: str, kw: dict[str, Any], **pipe_kw: Any) -> dict[str, Any]:
@@ -32,7 +57,7 @@ def _case(name: str, kw: dict[str, Any], **pipe_kw: Any) -> dict[str, Any]:
     pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, cost="flops", **pipe_kw)
     # eps 1e-4: the U-Net's conv biases feed GroupNorm, so their grads are zero up to rounding, which
     # Adam's default eps (1e-8) would blow up to full-size steps of either sign
-    opt = torch.optim.AdamW(list(pp.parameters()), lr=1e-2, eps=1e-4)
+    opt = pp.build_optimizer(torch.optim.AdamW, lr=1e-2, eps=1e-4)
     ref_opt = torch.optim.AdamW(ref.model.parameters(), lr=1e-2, eps=1e-4)
     ref_params = dict(ref.model.named_parameters())
     out: dict[str, Any] = {"losses": [], "ref": [], "dp": pp.dp, "world": pp.world}
@@ -46,15 +71,38 @@ def _case(name: str, kw: dict[str, Any], **pipe_kw: Any) -> dict[str, Any]:
         out["ref"].append(float(loss.detach()))
         if step == 0:  # every grad, by name
             for n, p in pp.named_parameters():
-                torch.testing.assert_close(p.grad, ref_params[n].grad, rtol=1e-4, atol=1e-5, msg=_named(n))
+                torch.testing.assert_close(_full(p.grad), ref_params[n].grad, rtol=1e-4, atol=1e-5, msg=_named(n))
         opt.step()
         opt.zero_grad(set_to_none=True)
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
     for n, p in pp.named_parameters():
-        torch.testing.assert_close(p.detach(), ref_params[n].detach(), rtol=1e-4, atol=1e-5, msg=_named(n))
+        torch.testing.assert_close(_full(p.detach()), ref_params[n].detach(), rtol=1e-4, atol=1e-5, msg=_named(n))
+    out["sharding"] = _sharding(pp, opt)
     out["pp"], out["opt"] = pp, opt
     return out
+
+
+def _errors() -> dict[str, str]:
+    """Bad layouts and options, each refused (the message kept, compared across ranks)."""
+    import partition
+    import pipe
+    from torch.distributed.device_mesh import init_device_mesh
+    errors = {}
+    for case, kw in [("data_parallel=0", dict(data_parallel=0)), ("not divisible", dict(data_parallel=3)),
+                     ("no pp dimension", dict(mesh=init_device_mesh("cpu", (4,), mesh_dim_names=("dp",)))),
+                     ("dp_shard", dict(data_parallel=2, dp_shard="zero3")),
+                     ("full with streamed states", dict(data_parallel=2, dp_shard="full", offload="states")),
+                     ("full with a weight shared on a rank", dict(data_parallel=2, dp_shard="full", schedule="zbv")),
+                     ("zero with a factory", dict(data_parallel=2, dp_shard="optimizer"))]:
+        w = partition.load("gpt", **GPT)
+        try:
+            pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, cost="flops", **kw)
+            pp.build_optimizer(lambda params: torch.optim.SGD(params, lr=0.1))
+            errors[case] = "no error"
+        except pipe.PipelineError as e:
+            errors[case] = str(e)
+    return errors
 
 
 def four_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
@@ -62,57 +110,65 @@ def four_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     pipe.init()
     res: dict[str, Any] = {}
+    cases = [(f"{name} {sched} {shard}", name, GPT if name == "gpt" else UNET,
+              dict(data_parallel=2, dp_shard=shard, **SCHEDULES[sched]))
+             for shard in SHARDS for sched in SCHEDULES for name in ("gpt", "unet")]
     user_mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "dp", "tp"))  # "tp": left to the user
-    for case, name, kw, pipe_kw in [
-            ("gpt 1f1b", "gpt", GPT, dict(data_parallel=2)),
-            ("gpt interleaved", "gpt", GPT, dict(data_parallel=2, schedule="interleaved-1f1b", stages_per_rank=2)),
-            ("gpt zb-h1", "gpt", GPT, dict(data_parallel=2, schedule="zb-h1")),
-            ("unet 1f1b", "unet", UNET, dict(data_parallel=2)),
-            ("user mesh", "gpt", GPT, dict(mesh=user_mesh))]:
+    cases.append(("user mesh", "gpt", GPT, dict(mesh=user_mesh)))
+    for case, name, kw, pipe_kw in cases:
         got = _case(name, kw, **pipe_kw)
         pp, opt = got.pop("pp"), got.pop("opt")
-        if case == "gpt 1f1b":  # saved by two replicas, to be resumed by one
-            gpt_w = _gpt()
-            pp.save(f"{root}/ckpt", optimizer=opt)
+        shard = pipe_kw.get("dp_shard")
+        if name == "gpt" and "schedule" not in pipe_kw and shard in SAVED:  # to be resumed by one replica
+            pp.save(f"{root}/ckpt-{shard}", optimizer=opt)
             got["after"] = []
             for step in range(STEPS, STEPS + 2):
-                args, target = _batch(gpt_w, step, pp.dp_rank)
+                args, target = _batch(_gpt(), step, pp.dp_rank)
                 got["after"].append(pp.step(*args, target=target))
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         res[case] = got
-    errors = {}
-    for case, kw in [("data_parallel=0", dict(data_parallel=0)), ("not divisible", dict(data_parallel=3)),
-                     ("no pp dimension", dict(mesh=init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))))]:
-        import partition
-        w = partition.load("gpt", **GPT)
-        try:
-            pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, cost="flops", **kw)
-            errors[case] = "no error"
-        except pipe.PipelineError as e:
-            errors[case] = str(e)
-    res["errors"] = errors
+    res["errors"] = _errors()
     return res
 
 
 def test_pipeline_times_data_parallel_on_4_ranks(tmp_path: Path) -> None:
-    res = run_ranks("tests.test_data_parallel:four_body", 4, timeout=240, root=str(tmp_path))
+    res = run_ranks("tests.test_data_parallel:four_body", 4, timeout=400, root=str(tmp_path))
     resumed = run_ranks("tests.test_data_parallel:one_replica_body", 2, timeout=120, root=str(tmp_path))
-    torch.testing.assert_close(torch.tensor(resumed[0]), torch.tensor(res[0]["gpt 1f1b"]["after"]),
-                               rtol=1e-5, atol=1e-5)
-    for case in ("gpt 1f1b", "gpt interleaved", "gpt zb-h1", "unet 1f1b", "user mesh"):
+    for shard in SAVED:  # dp=2 (sharded as saved) resumed by dp=1 with a plain AdamW: the losses go on
+        torch.testing.assert_close(torch.tensor(resumed[0][shard]), torch.tensor(res[0][f"gpt 1f1b {shard}"]["after"]),
+                                   rtol=1e-5, atol=1e-5, msg=_named(shard))
+    cases = [k for k in res[0] if k != "errors"]
+    assert len(cases) == 2 * len(SCHEDULES) * len(SHARDS) + 1
+    for case in cases:
         for r in res:
             got = r[case]
             assert got["dp"] == 2 and got["world"] == 2, case
-            torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(got["ref"]), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(got["ref"]), rtol=1e-5, atol=1e-5,
+                                       msg=_named(case))
+            held = got["sharding"]
+            if case.endswith("optimizer"):  # ZeRO-1: the two replicas split the state; parameters whole
+                assert held["optimizer"] == "ZeroRedundancyOptimizer" and held["local"] == held["whole"], case
+            if case.endswith("full"):  # FSDP: each replica holds about half of every parameter and its state
+                assert held["local"] <= held["whole"] // 2 + 64 and held["state"] == 2 * held["local"], (case, held)
+            if case.endswith("none"):
+                assert held["state"] == 2 * held["whole"] and held["local"] == held["whole"], (case, held)
+        if case.endswith("optimizer"):  # the state of the two replicas of a pipeline rank adds up to Adam's
+            for r in (0, 2):  # mesh (pp, dp), the pipeline outermost: global ranks r and r + 1 hold one stage
+                parts = [res[q][case]["sharding"] for q in (r, r + 1)]
+                assert sum(p["state"] for p in parts) == 2 * parts[0]["whole"], (case, parts)
+                assert all(0 < p["state"] < 2 * p["whole"] for p in parts), (case, parts)
     words = {"data_parallel=0": ["data_parallel must be a positive", "got 0"],
              "not divisible": ["world size 4 is not divisible", "data_parallel=3"],
-             "no pp dimension": ["no 'pp'", "mesh_dim_names=('pp', 'dp')"]}
+             "no pp dimension": ["no 'pp'", "mesh_dim_names=('pp', 'dp')"],
+             "dp_shard": ["dp_shard must be one of none, optimizer, full", "'zero3'"],
+             "full with streamed states": ["dp_shard='full'", "offload='states'", "dp_shard='optimizer'"],
+             "full with a weight shared on a rank": ["tok_emb.weight", "stages 0 and 3", "dp_shard='optimizer'"],
+             "zero with a factory": ["ZeroRedundancyOptimizer", "torch.optim class", "build_optimizer"]}
     for case, ws in words.items():
         assert len({r["errors"][case] for r in res}) == 1, case  # the same on every rank
         for word in ws:
             assert word in res[0]["errors"][case], (case, res[0]["errors"][case])
-
 
 
 def _gpt() -> Any:
@@ -120,19 +176,22 @@ def _gpt() -> Any:
     return partition.load("gpt", **GPT)
 
 
-def one_replica_body(rank: int, world: int, *, root: str) -> list[float]:
-    """dp=1 on 2 ranks resumes what dp=2 saved; each step's batch is both replicas' batches, in
-    twice the microbatches."""
+def one_replica_body(rank: int, world: int, *, root: str) -> dict[str, list[float]]:
+    """dp=1 on 2 ranks resumes what dp=2 saved (unsharded, ZeRO-1, FSDP); each step's batch is both
+    replicas' batches, in twice the microbatches."""
     import pipe
     pipe.init()
-    w = _gpt()
-    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=2 * M, cost="flops")
-    opt = torch.optim.AdamW(list(pp.parameters()), lr=1e-2, eps=1e-4)
-    assert pp.load(f"{root}/ckpt", optimizer=opt) == STEPS
-    losses = []
-    for step in range(STEPS, STEPS + 2):
-        parts = [_batch(w, step, j) for j in range(2)]
-        losses.append(pp.step(torch.cat([p[0][0] for p in parts]), target=torch.cat([p[1] for p in parts])))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return losses
+    out = {}
+    for shard in SAVED:
+        w = _gpt()
+        pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=2 * M, cost="flops")
+        opt = torch.optim.AdamW(list(pp.parameters()), lr=1e-2, eps=1e-4)
+        assert pp.load(f"{root}/ckpt-{shard}", optimizer=opt) == STEPS
+        losses = []
+        for step in range(STEPS, STEPS + 2):
+            parts = [_batch(w, step, j) for j in range(2)]
+            losses.append(pp.step(torch.cat([p[0][0] for p in parts]), target=torch.cat([p[1] for p in parts])))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        out[shard] = losses
+    return out
