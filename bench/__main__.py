@@ -1,9 +1,12 @@
-"""python -m bench {schedules,vs-torch,partition} MODEL ...: benchmark schedules, fxpipe against
-torch.distributed.pipelining, and partition quality; each prints a table and writes JSON and pictures.
+"""python -m bench {schedules,vs-torch,partition,data-parallel,scale} MODEL ...: benchmark schedules, fxpipe
+against torch.distributed.pipelining, partition quality, replicated pipelines' grad all-reduce, and the
+predicted step of (pp, dp) layouts at scale; each prints a table and writes JSON (and pictures).
 
   python -m bench schedules gpt --ranks 2 --microbatches 4,8,16 --schedules gpipe,1f1b,interleaved-1f1b,zb-h1
   python -m bench vs-torch gpt --ranks 2
-  python -m bench partition gpt_wide_vocab --stages 2,4"""
+  python -m bench partition gpt_wide_vocab --stages 2,4
+  python -m bench data-parallel gpt --ranks 4 --data-parallel 2 --model-arg n_layer=8
+  python -m bench scale gpt --layers-per-stage 8 --pp 8,16 --ranks 64,128,256,512,1024 --global-batch 4096"""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +17,8 @@ import sys
 from pathlib import Path
 
 __all__ = ["main", "launch"]
+
+_LAUNCHED = {"schedules": "bench.schedules", "vs-torch": "bench.vs_torch", "data-parallel": "bench.data_parallel"}
 
 
 def launch(module: str, ranks: int, argv: list[str], launcher: str = "torchrun", threads: int = 1) -> int:
@@ -40,13 +45,19 @@ def launch(module: str, ranks: int, argv: list[str], launcher: str = "torchrun",
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench import schedules, vs_torch
+    from bench import data_parallel, scale, schedules, vs_torch
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("schedules", parents=[schedules.parser(add_help=False)], help="schedules side by side")
     sub.add_parser("vs-torch", parents=[vs_torch.parser(add_help=False)],
                    help="fxpipe against torch.distributed.pipelining")
+    raw = argparse.RawDescriptionHelpFormatter
+    sub.add_parser("data-parallel", parents=[data_parallel.parser(add_help=False)], formatter_class=raw,
+                   description=data_parallel.__doc__,
+                   help="replicated pipelines: the grad all-reduce's exposure, measured and predicted")
+    sub.add_parser("scale", parents=[scale.parser(add_help=False)], formatter_class=raw, description=scale.__doc__,
+                   help="predicted step of (pp, dp) layouts from a plan's costs (one process)")
     sp = sub.add_parser("partition", help="partition quality against the usual baselines")
     sp.add_argument("model")
     sp.add_argument("--stages", default="2,4")
@@ -55,9 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--out", default="out/bench")
     argv = sys.argv[1:] if argv is None else list(argv)
     args, rest = p.parse_known_args(argv)
-    if args.cmd in ("schedules", "vs-torch"):  # parsed above to check and for --help; the ranks parse again
-        module = "bench.schedules" if args.cmd == "schedules" else "bench.vs_torch"
-        return launch(module, args.ranks, argv[argv.index(args.cmd) + 1:], args.launcher, args.threads)
+    if args.cmd in _LAUNCHED:  # parsed above to check and for --help; the ranks parse again
+        return launch(_LAUNCHED[args.cmd], args.ranks, argv[argv.index(args.cmd) + 1:], args.launcher, args.threads)
+    if args.cmd == "scale":  # one process: parsed again by bench.scale
+        return scale.main(argv[argv.index(args.cmd) + 1:])
     if rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
     from bench.quality import main as quality_main

@@ -39,7 +39,8 @@ def layout_costs(plan: Plan, has_w: bool, bytes_per_ms: float | None = None, lat
                  ) -> LayoutCosts:
     """The plan's per-stage costs for pipe.scale, the link's (default: the plan's) pricing messages."""
     f, b, w, comm = stage_costs(plan, has_w)
-    if bytes_per_ms is not None:
+    if bytes_per_ms is not None or latency_ms is not None:
+        bw = plan.bytes_per_ms if bytes_per_ms is None else bytes_per_ms
         lat = plan.latency_ms if latency_ms is None else latency_ms
-        comm = [(lat + s.send_bytes / bytes_per_ms) if s.send_bytes else 0.0 for s in plan.stages[:-1]]
+        comm = [(lat + s.send_bytes / bw) if s.send_bytes else 0.0 for s in plan.stages[:-1]]
     return LayoutCosts(f_ms=f, b_ms=b, w_ms=w, comm_ms=comm, grad_bytes=[float(s.param_bytes) for s in plan.stages])

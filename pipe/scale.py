@@ -28,7 +28,10 @@ def bucket_cap(stage_bytes: int, cap: int | None = None) -> int:
     [1, 25] MiB (25 MiB is DDP's default; with eight buckets the final backward hides all but
     about the last one)."""
     if cap is not None:
-        return max(1, int(cap))
+        if cap < 1:
+            raise ValueError(f"a gradient bucket must hold at least one byte, got {cap!r} bytes; give a bucket "
+                             "size in MiB such as 25, or none for the default")
+        return int(cap)
     return int(min(25 * MIB, max(MIB, stage_bytes // 8)))
 
 

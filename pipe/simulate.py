@@ -299,6 +299,9 @@ def simulate_program(
     reload = list(reload_ms) if reload_ms is not None else [0.0] * n_stages
     reduce = list(reduce_ms) if reduce_ms is not None else [0.0] * n_stages
     n_buckets = list(buckets) if buckets is not None else [1] * n_stages
+    _check_len("reload_ms", reload, n_stages, "one per stage, like f_ms")
+    _check_len("reduce_ms", reduce, n_stages, "one per stage, like f_ms")
+    _check_len("buckets", n_buckets, n_stages, "one per stage, like f_ms")
     armed: dict[tuple[int, int], int] = {}  # (rank, stage) -> buckets its next backward finishes
     lane_free = dict.fromkeys(program, 0.0)
     collectives: list[Event] = []

@@ -144,3 +144,51 @@ def test_receives_are_posted_ahead_by_a_bounded_number_of_buffers() -> None:
                         peak = max(peak, alive)
                     assert alive >= 0
                 assert alive == 0 and peak <= 2 * v, (name, R, M, r, peak)
+
+
+def test_the_data_parallel_pass_reduces_each_stages_grads_before_its_final_backward() -> None:
+    """with_grad_reduction puts sREDUCE_GRADm right before the last B/W/BW of each stage (after it
+    nothing writes the stage's grads in the step): B for 1f1b and interleaved-1f1b, the last W for
+    zero-bubble schedules, BW where fuse_backward made one; messages untouched, programs still valid."""
+    from pipe.lower import final_backward, fuse_backward, with_grad_reduction
+    program = with_grad_reduction(lower(build("1f1b", 2, 4), 2, 4), [0, 1])
+    assert format_program(program) == "\n".join([
+        'rank 0: 0F0 [0SEND_F0] 0F1 [0SEND_F1] [0RECV_B0] 0B0 0F2 [0RECV_B1 0SEND_F2] 0B1 0F3'
+        ' [0RECV_B2 0SEND_F3] 0B2 [0RECV_B3] 0REDUCE_GRAD3 0B3',
+        'rank 1: [1RECV_F0] 1F0 [1RECV_F1] 1B0 [1SEND_B0] 1F1 1B1 [1SEND_B1 1RECV_F2] 1F2 1B2'
+        ' [1SEND_B2 1RECV_F3] 1F3 1REDUCE_GRAD3 1B3 [1SEND_B3]',
+    ])
+    assert parse_program(format_program(program)) == program
+    validate(program, 2)
+    finals = {"1f1b": "B", "zb-h1": "W", "interleaved-1f1b": "B", "zbv": "W"}
+    for name, kind in finals.items():
+        for R, M in ((2, 4), (3, 6), (4, 8)):
+            v = 2 if name in ("interleaved-1f1b", "zbv") else 1
+            S, place = R * v, placement(name, R * v, R)
+            base = lower(build(name, R, M, v), S, M, place)
+            for fused in ([], [0]):
+                plain = fuse_backward(base, fused)
+                reduced = with_grad_reduction(plain, range(S))
+                validate(reduced, S, place)
+                for r, items in reduced.items():
+                    marks = {i: x for i, x in enumerate(items) if isinstance(x, Action) and x.kind == "REDUCE_GRAD"}
+                    mine = sorted(s for s in range(S) if place[s] == r)
+                    assert sorted(a.stage for a in marks.values()) == mine, (name, R, M, r)
+                    for i, a in marks.items():
+                        last = final_backward(plain[r], a.stage)
+                        assert last is not None
+                        assert items[i + 1] == last and a == Action(last.stage, "REDUCE_GRAD", last.mb)
+                        assert last.kind == ("BW" if last.stage in fused else kind), (name, last)
+                    assert [x for i, x in enumerate(items) if i not in marks] == plain[r]
+    assert with_grad_reduction(base, []) == base
+
+
+def test_final_backward_is_the_last_backward_of_the_stage() -> None:
+    from pipe.lower import final_backward
+    program = lower(build("zb-h1", 2, 3), 2, 3)
+    assert final_backward(program[0], 0) == Action(0, "W", 2)
+    assert final_backward(program[1], 1) == Action(1, "W", 2)
+    assert final_backward(lower(build("1f1b", 2, 3), 2, 3)[0], 0) == Action(0, "B", 2)
+    assert final_backward(program[0], 1) is None  # stage 1 lives on rank 1
+    assert Action.from_str("0REDUCE_GRAD7") == Action(0, "REDUCE_GRAD", 7)
+    assert str(Action.from_str("0REDUCE_GRAD7")) == "0REDUCE_GRAD7"

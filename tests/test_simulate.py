@@ -206,3 +206,101 @@ def test_a_fused_backward_costs_b_and_w_and_a_reload_its_copy() -> None:
     assert [str(x) for x in program[0]] == ["0F0", "0RELOAD0", "0BW0"]
     tl = simulate_program(program, 1, f_ms=[1.0], b_ms=[2.0], w_ms=[0.5], reload_ms=[0.25])
     assert {str(e.action): (e.start, e.end) for e in tl.events} == {"0F0": (0.0, 1.0), "0BW0": (1.25, 3.75)}
+
+
+def reduced_1f1b_2x2() -> Timeline:
+    """1F1B, 2 ranks, 2 mbs, F=1, B=2, free messages; stage 0's grads in 4 buckets reduced in 2 ms, stage
+    1's in 2 buckets in 4 ms (so 0.5 and 2 ms a bucket)."""
+    from pipe.lower import lower, with_grad_reduction
+    from pipe.simulate import simulate_program
+    program = with_grad_reduction(lower(build("1f1b", 2, 2), 2, 2), [0, 1])
+    return simulate_program(program, 2, f_ms=[1, 1], b_ms=[2, 2], reduce_ms=[2, 4], buckets=[4, 2])
+
+
+def test_buckets_launch_as_the_final_backward_finishes_them() -> None:
+    """Bucket k of n launches at start + (k+1)/n of its stage's final backward, when the rank's lane
+    is free: 1B1 [5, 7] launches stage 1's buckets at 6 and 7, the second waits for the first until 8;
+    0B1 [7, 9] launches stage 0's at 7.5, 8, 8.5 and 9. The step ends with the last collective, at 10."""
+    tl = reduced_1f1b_2x2()
+    assert {str(e.action): (e.start, e.end) for e in tl.events} == {
+        "0F0": (0, 1), "0F1": (1, 2), "0B0": (4, 6), "0B1": (7, 9),
+        "1F0": (1, 2), "1B0": (2, 4), "1F1": (4, 5), "1B1": (5, 7)}
+    assert [(e.rank, str(e.action), e.start, e.end) for e in tl.collectives] == [
+        (1, "1REDUCE_GRAD0", 6, 8), (1, "1REDUCE_GRAD1", 8, 10),
+        (0, "0REDUCE_GRAD0", 7.5, 8), (0, "0REDUCE_GRAD1", 8, 8.5), (0, "0REDUCE_GRAD2", 8.5, 9),
+        (0, "0REDUCE_GRAD3", 9, 9.5)]
+    assert tl.makespan == 10  # 9 without the collectives
+    assert (tl.collective_time(0), tl.collective_time(1)) == (2, 4)
+    assert (tl.exposed(0), tl.exposed(1)) == (0.5, 3)
+    assert tl.busy(0) == 6 and tl.bubble == pytest.approx(8 / 20)
+
+
+def test_the_collectives_of_a_rank_run_one_at_a_time_in_launch_order() -> None:
+    """Two stages per rank (interleaved and V) and several buckets: each rank's collectives form one
+    lane, launched in program order, never overlapping; each starts no earlier than its backward
+    finishes its share; every stage has its buckets."""
+    from pipe.lower import final_backward, lower, with_grad_reduction
+    from pipe.schedules import placement
+    from pipe.simulate import simulate_program
+    for name in ("interleaved-1f1b", "zbv", "zb-h1"):
+        v = 1 if name == "zb-h1" else 2
+        R, M = 3, 6
+        S, place = R * v, placement(name, R * v, R)
+        program = with_grad_reduction(lower(build(name, R, M, v), S, M, place), range(S))
+        tl = simulate_program(program, S, f_ms=[1.0] * S, b_ms=[1.5] * S, w_ms=[0.5] * S, comm_ms=[0.1] * (S - 1),
+                              place=place, reduce_ms=[7.0] * S, buckets=[3] * S)
+        assert sorted((e.action.stage, e.action.mb) for e in tl.collectives) == [
+            (s, k) for s in range(S) for k in range(3)]
+        by_action = {e.action: e for e in tl.events}
+        final = {s: by_action[a] for s in range(S) if (a := final_backward(program[place[s]], s)) is not None}
+        assert sorted(final) == list(range(S))
+        for r in range(R):
+            lane = [e for e in tl.collectives if e.rank == r]
+            assert all(a.end <= b.start + 1e-12 for a, b in zip(lane, lane[1:])), (name, r)
+            assert all(e.end - e.start == pytest.approx(7.0 / 3) for e in lane)
+            for e in lane:
+                f = final[e.action.stage]
+                assert e.rank == place[e.action.stage] == f.rank
+                assert e.start >= f.start + (e.action.mb + 1) / 3 * (f.end - f.start) - 1e-12
+        assert tl.makespan == max(e.end for e in tl.events + tl.collectives)
+
+
+def test_exposed_and_collective_time_on_a_hand_made_timeline() -> None:
+    """Rank 0 computes until 5; its collectives [2, 4], [3, 6] and [7, 8] overlap in part: 5 ms in flight,
+    exposed from 5 to 8. Rank 1 computes until 9, its collective [1, 2] is hidden. Rank 2 has none."""
+    ev = [Event(0, Action(0, "B", 0), 0.0, 5.0), Event(1, Action(1, "B", 0), 0.0, 9.0)]
+    coll = [Event(0, Action(0, "REDUCE_GRAD", k), lo, hi) for k, (lo, hi) in enumerate([(2, 4), (3, 6), (7, 8)])]
+    coll.append(Event(1, Action(1, "REDUCE_GRAD", 0), 1.0, 2.0))
+    tl = Timeline(ev, 3, coll)
+    assert [tl.collective_time(r) for r in range(3)] == [5.0, 1.0, 0.0]
+    assert [tl.exposed(r) for r in range(3)] == [3.0, 0.0, 0.0]
+    assert tl.makespan == 9.0
+    late = Timeline(ev, 2, [Event(1, Action(1, "REDUCE_GRAD", 0), 8.0, 12.0)])
+    assert (late.makespan, late.exposed(1), late.idle(0), late.idle(1)) == (12.0, 3.0, 7.0, 3.0)
+
+
+def test_the_collectives_lane_in_json_trace_text_and_png(tmp_path: Path) -> None:
+    tl = reduced_1f1b_2x2()
+    again = Timeline.from_json(json.loads(json.dumps(tl.to_json())))
+    assert again == tl and len(again.collectives) == 6
+    assert Timeline.from_json({"n_ranks": 1, "events": []}).collectives == []  # files from before the lane
+    trace = json.loads(json.dumps(tl.to_chrome_trace()))
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    assert names == {0: "rank 0", 1: "rank 1", 1000: "rank 0 grad all-reduce", 1001: "rank 1 grad all-reduce"}
+    lane = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "REDUCE_GRAD"]
+    assert sorted((e["tid"], e["name"]) for e in lane) == [
+        (1000, "0REDUCE_GRAD0"), (1000, "0REDUCE_GRAD1"), (1000, "0REDUCE_GRAD2"), (1000, "0REDUCE_GRAD3"),
+        (1001, "1REDUCE_GRAD0"), (1001, "1REDUCE_GRAD1")]
+    first = next(e for e in lane if e["name"] == "1REDUCE_GRAD0")
+    assert (first["ts"], first["dur"], first["args"]) == (6000.0, 2000.0, {"stage": 1, "bucket": 0})
+    assert [name for name, _ in tl.lanes()] == ["rank 0", "rank 0 all-reduce", "rank 1", "rank 1 all-reduce"]
+    assert tl.to_text(width=20).splitlines()[:4] == [
+        "rank 0            |FFFF....BBBB..BBBB..|",
+        "rank 0 all-reduce |...............RRRR.|",
+        "rank 1            |..FFBBBBFFBBBB......|",
+        "rank 1 all-reduce |............RRRRRRRR|"]
+    assert "R grad all-reduce" in tl.to_text(width=20).splitlines()[-1]
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "dp.png"
+    tl.to_png(str(path), title="1f1b, 2 ranks, dp collectives")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
