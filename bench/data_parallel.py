@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 from pipe.schedules import SCHEDULES, default_stages_per_rank
+from pipe.simulate import Event, Timeline
 
-__all__ = ["main", "parser", "shares"]
+__all__ = ["main", "parser", "shares", "exposure"]
 
 
 def parser(add_help: bool = True) -> argparse.ArgumentParser:
@@ -56,6 +57,28 @@ def shares(tl: Any) -> dict[str, float]:
     return out
 
 
+def exposure(parts: list[tuple[int, int, list[Any], list[Any]]]) -> dict[int, dict[str, float]]:
+    """Per global rank, from every rank's events of one step ((global rank, replica's pipeline rank,
+    compute events, collective events), host clock, one machine): its grad collectives' time (the
+    union of their spans), the exposed share of it (after its own last compute action), and the share
+    exposed after the later of its data-parallel peers' last compute actions (what is left once the
+    wait for a slower replica is taken out)."""
+    last = {g: max((e.end for e in ev), default=0.0) for g, _, ev, _ in parts}
+    peers: dict[int, list[int]] = {}
+    for g, r, _, _ in parts:
+        peers.setdefault(r, []).append(g)
+    out = {}
+    for g, r, _, coll in parts:
+        if not coll:
+            continue
+        total = Timeline([], 1, [Event(0, e.action, e.start, e.end) for e in coll]).collective_time(0)
+        end = max(e.end for e in coll)
+        slowest = max(last[p] for p in peers[r])
+        out[g] = {"collective_ms": total, "exposed": max(0.0, end - last[g]) / total,
+                  "exposed_after_slowest_peer": max(0.0, end - slowest) / total}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -79,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     opt = pp.build_optimizer(torch.optim.AdamW, lr=1e-4)
     walls: list[float] = []
     timelines: list[Any] = []
+    exposures: list[dict[int, dict[str, float]]] = []
     for step in range(args.warmup + args.steps):
         b_args, b_kwargs, target = w.batch(w.microbatch_size * args.microbatches, step * pp.dp + pp.dp_rank)
         dist.barrier()
@@ -89,9 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         dt = torch.tensor([time.perf_counter() - t0])
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         tl = pp.gather_timeline()
+        parts: list[Any] = [None] * ctx.world_size
+        dist.all_gather_object(parts, (ctx.rank, pp.rank, pp.timeline, pp.collectives))
         if step >= args.warmup:
             walls.append(float(dt))
             timelines.append(tl)
+            exposures.append(exposure(parts))
         say(f"step {step + 1}/{args.warmup + args.steps}{' (warm-up)' if step < args.warmup else ''}: "
             f"{float(dt) * 1e3:.0f} ms", flush=True)
     if ctx.rank == 0:
@@ -101,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
                               allreduce_latency_ms=ar_latency,
                               bucket_bytes=None if args.bucket_mb is None else int(args.bucket_mb * (1 << 20)))
         per_step = [shares(tl) for tl in timelines]
-        median_share = {k: statistics.median(s[k] for s in per_step) for k in per_step[0]}
+        median_share = {f"global rank {g} {k}": statistics.median(e[g][k] for e in exposures)
+                        for g in sorted(exposures[0]) for k in ("exposed", "exposed_after_slowest_peer")}
         makespans = [tl.makespan for tl in timelines]
         mid = sorted(range(len(timelines)), key=lambda i: makespans[i])[len(timelines) // 2]
         out = Path(args.out)
@@ -119,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             "median_wall_step_ms": statistics.median(walls) * 1e3,
             "median_measured_step_ms": statistics.median(makespans), "predicted_step_ms": pred.step_ms,
             "predicted_over_measured": pred.step_ms / statistics.median(makespans),
-            "exposed_share_median": median_share, "exposed_share_per_step": per_step,
+            "exposed_share_median": median_share, "exposed_share_per_step": per_step, "exposure_per_step": exposures,
             "predicted_exposed_ms": pred.exposed_ms, "predicted_allreduce_ms": pred.allreduce_ms}
         (out / f"data-parallel-{tag}.json").write_text(json.dumps(result, indent=1))
         print(timelines[mid].to_text(100))

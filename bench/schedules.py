@@ -1,7 +1,8 @@
 """Schedules side by side in one launch, alternating step by step (run through `python -m bench schedules`);
 per schedule the step the simulator predicts for the lowered program (pipe.predict) against the
 measured one (the span of the timed actions, device time), and their ratio:
-torchrun --nproc-per-node 2 -m bench.schedules gpt --microbatches 4,8 --schedules gpipe,1f1b --out out/bench"""
+torchrun --nproc-per-node 2 -m bench.schedules gpt --microbatches 4,8 --schedules gpipe,1f1b --out out/bench
+(with --data-parallel N, N replicas of a pipeline over --ranks / N ranks, each on its own batches)"""
 from __future__ import annotations
 
 import argparse
@@ -37,6 +38,9 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--loss-outside", action="store_true",
                    help="keep the loss out of the graph (by default it is traced into the last stage)")
     p.add_argument("--ranks", type=int, default=2, help="processes to launch")
+    p.add_argument("--data-parallel", type=int, default=1, metavar="N",
+                   help="replicas of the pipeline (each of --ranks / N ranks); the prediction adds the grad "
+                        "all-reduce, measured on this machine")
     p.add_argument("--launcher", default="torchrun", choices=["torchrun", "mpirun"])
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--out", default="out/bench")
@@ -58,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     import partition
     import pipe
     from partition.workload import parse_overrides
-    from pipe.predict import predicted_timeline
+    from pipe.launch import measure_allreduce
+    from pipe.predict import layout_costs, predicted_timeline
+    from pipe.scale import predict_layout
     from pipe.simulate import textbook_bubble
 
     ctx = pipe.init()
@@ -69,25 +75,30 @@ def main(argv: list[str] | None = None) -> int:
     for M in [int(x) for x in args.microbatches.split(",")]:
         for name in args.schedules.split(","):
             v = args.stages_per_rank if name.startswith("interleaved") else default_stages_per_rank(name)
-            if name.startswith("interleaved") and M % world:
-                say(f"skip {name} M={M}: needs M divisible by {world}")
+            if name.startswith("interleaved") and M % (world // args.data_parallel):
+                say(f"skip {name} M={M}: needs M divisible by {world // args.data_parallel}")
                 continue
             w = partition.load(args.model, **overrides)
             pp = pipe.Pipeline(w.model, w.example_args, example_kwargs=w.example_kwargs, loss_fn=w.loss_fn,
                                microbatches=M, schedule=name, stages_per_rank=v, cost=args.cost,
-                               leaf_modules=w.leaf_modules,
+                               leaf_modules=w.leaf_modules, data_parallel=args.data_parallel,
                                example_target=None if args.loss_outside else w.example_target)
             params = list(pp.parameters())
             cands.append({"schedule": name, "M": M, "v": v, "w": w, "pp": pp,
-                          "opt": torch.optim.AdamW(params, lr=1e-4) if params else None, "times": [],
+                          "opt": pp.build_optimizer(torch.optim.AdamW, lr=1e-4) if params else None, "times": [],
                           "bubbles": [], "makespans": [], "last_timeline": None})
             say(f"built {name} M={M} v={v}", flush=True)
+    allreduce = (1.0, 0.0)
+    if args.data_parallel > 1 and cands:
+        allreduce = measure_allreduce(ctx.device, cands[0]["pp"].dp_group)
+        say(f"grad all-reduce over {args.data_parallel} replicas: {allreduce[0] / 1e3:.0f} MB/s, "
+            f"latency {allreduce[1] * 1e3:.0f} us", flush=True)
     total = args.warmup + args.steps
     for step in range(total):
         for k in range(len(cands)):  # rotate the order each round so drift hits all alike
             c = cands[(k + step) % len(cands)]
             w, pp = c["w"], c["pp"]
-            b_args, b_kwargs, target = w.batch(w.microbatch_size * c["M"], step)
+            b_args, b_kwargs, target = w.batch(w.microbatch_size * c["M"], step * pp.dp + pp.dp_rank)
             dist.barrier()
             t0 = time.perf_counter()
             pp.step(*b_args, target=target, **b_kwargs)
@@ -110,7 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for c in cands:
             pp, w = c["pp"], c["w"]
-            pred = predicted_timeline(pp.plan, world)
+            if pp.dp > 1:  # the pipeline and its grad all-reduce (pipe.scale)
+                has_w = any(a.kind == "W" for a in pp.actions)
+                pred = predict_layout(layout_costs(pp.plan, has_w), pp=pp.world, dp=pp.dp, schedule=c["schedule"],
+                                      microbatches=c["M"], v=c["v"], allreduce_bytes_per_ms=allreduce[0],
+                                      allreduce_latency_ms=allreduce[1]).timeline
+            else:
+                pred = predicted_timeline(pp.plan, pp.world)
             med = statistics.median(c["times"])
             tag = f"{c['schedule']}-M{c['M']}"
             tl = c["last_timeline"]
@@ -120,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({
                 "schedule": c["schedule"], "microbatches": c["M"], "stages_per_rank": c["v"],
                 "median_step_s": med, "samples_s": c["times"],
-                "tokens_per_s": w.microbatch_size * c["M"] * w.tokens_per_sample / med,
+                "tokens_per_s": w.microbatch_size * c["M"] * w.tokens_per_sample * pp.dp / med,
                 "measured_bubble": statistics.median(c["bubbles"]), "predicted_bubble": pred.bubble,
                 "textbook_bubble": textbook_bubble(c["schedule"], pp.S, c["M"], c["v"]),
                 "measured_step_ms": statistics.median(c["makespans"]), "predicted_step_ms": pred.makespan,
@@ -130,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                 "predicted_peak_bytes_by_stage": {str(s.index): s.peak_bytes for s in pp.plan.stages},
             })
         result = {"command": " ".join(["python -m bench schedules"] + (argv or sys.argv[1:])),
-                  "model": args.model, "model_args": overrides, "ranks": world, "launcher": ctx.launcher,
+                  "model": args.model, "model_args": overrides, "ranks": world, "data_parallel": args.data_parallel,
+                  "launcher": ctx.launcher,
                   "threads_per_rank": args.threads, "versions": _versions(), "results": rows}
         (out / "schedules.json").write_text(json.dumps(result, indent=1))
         table = markdown_table(rows)

@@ -2,8 +2,9 @@
 from memory.base import MemoryManager
 from memory.budget import OFFLOAD, RECOMPUTE, BudgetError, StageChoice, check_options
 from memory.build import NodeCost, build
-from memory.manager import PlannedMemory, factory_state_factor, local_optimizer
+from memory.manager import PlannedMemory, factory_state_factor, local_optimizer, optimizer_state_factor
 from memory.streams import measure_speeds
 
 __all__ = ["MemoryManager", "PlannedMemory", "BudgetError", "StageChoice", "NodeCost", "build",
-           "check_options", "measure_speeds", "factory_state_factor", "local_optimizer", "RECOMPUTE", "OFFLOAD"]
+           "check_options", "measure_speeds", "factory_state_factor", "local_optimizer",
+           "optimizer_state_factor", "RECOMPUTE", "OFFLOAD"]

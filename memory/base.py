@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -36,6 +36,10 @@ class MemoryManager:
 
     def before(self, action: Any) -> None:
         pass
+
+    def count_state_with(self, held: Callable[[int], tuple[int, int]],
+                         params: dict[int, list[tuple[str, torch.nn.Parameter]]], extra: float) -> None:
+        """Stages whose parameters and grads something else holds (FSDP): held(stage) -> their bytes now."""
 
     def after(self, action: Any) -> None:
         pass

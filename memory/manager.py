@@ -5,7 +5,7 @@ import contextlib
 import functools
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence, cast
+from typing import Any, Callable, Iterator, Sequence, cast
 
 import torch
 import torch.fx
@@ -89,6 +89,12 @@ _STATE_TENSORS = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "A
                   "Adagrad": 1, "ASGD": 1, "RMSprop": 1, "SGD": 0}
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's part on this rank (a DTensor's local shard)."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
 def local_optimizer(opt: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
     """The local optimizer of torch's ZeroRedundancyOptimizer (it keeps this rank's shard's state);
     None for any other optimizer."""
@@ -167,6 +173,8 @@ class PlannedMemory(MemoryManager):
         self._param_bytes: dict[int, int] = {}  # per local stage, its resident parameters' bytes (step_begin)
         self._factor: dict[int, float] = {}  # stage -> the optimizer factor its prediction counts now
         self.over_budget: BudgetError | None = None  # the optimizer measured at its first step puts a stage over
+        self._held_state: Callable[[int], tuple[int, int]] | None = None  # count_state_with
+        self._state_extra = 0.0  # state bytes per parameter byte besides the optimizer's (count_state_with)
         self.local = sorted(modules)
         # where each stage runs (pipe.schedules.placement); without it: the local stages here, the others elsewhere
         self.place = list(place) if place is not None else [0 if s in modules else -1 for s in range(len(recv_bytes))]
@@ -394,18 +402,36 @@ class PlannedMemory(MemoryManager):
     def _bundle_bytes(self, stage: int, delta: int) -> None:
         self.ledger.add(stage, "activations", delta)
 
+    def count_state_with(self, held: Callable[[int], tuple[int, int]],
+                         params: dict[int, list[tuple[str, torch.nn.Parameter]]], extra: float) -> None:
+        """Stages whose parameters and grads something else holds (FSDP under dp_shard="full": a shard
+        of each, and the gathered copy and its grads during a step): `held(stage)` -> (parameter
+        bytes, grad bytes) on the device now, which the ledger then counts after every action;
+        `params[s]`: the parameters an optimizer steps (the shards); `extra`: state bytes per
+        parameter byte kept besides the optimizer's (the shard of the parameters)."""
+        self._held_state = held
+        self._state_extra = extra
+        self.owned.update(params)
+        for s in self.local:
+            self._count_grads(s)
+
     def _count_grads(self, s: int) -> None:
-        if s not in self.offloaded:
+        if self._held_state is not None:
+            params, grads = self._held_state(s)
+            self.ledger.set(s, "params", params)
+            self.ledger.set(s, "grads", grads)
+        elif s not in self.offloaded:
             self.ledger.set(s, "grads", sum(p.grad.numel() * p.grad.element_size()
                                             for _, p in self.owned[s] if p.grad is not None))
 
-    def attach_optimizer(self, opt: torch.optim.Optimizer) -> None:
+    def attach_optimizer(self, opt: torch.optim.Optimizer, factor: float | None = None) -> None:
         """The optimizer that will step this rank's parameters: the predicted peaks count the state it
-        keeps (by its kind now, measured after its first step) instead of the planned Adam's two
-        copies; BudgetError when the budget is then not met (the plan is not made again)."""
+        keeps (`factor` bytes per parameter byte, else by its kind now; measured after its first step)
+        instead of the planned Adam's two copies; BudgetError when the budget is then not met (the
+        plan is not made again)."""
         self.optim_known.clear()  # its first step measures it again
         self.over_budget = None  # what an earlier optimizer's first step found is not this one's
-        f = optimizer_state_factor(opt)
+        f = optimizer_state_factor(opt) if factor is None else factor
         if f is not None:
             self._repredict({s: f for s in self.choices})
 
@@ -416,6 +442,7 @@ class PlannedMemory(MemoryManager):
             c = self.choices[s]
             if c.offload_states:
                 continue
+            f += self._state_extra
             delta = c.param_bytes * (f - self._factor.get(s, self.optim_factor))
             c.predicted_peak += delta
             c.peak_if_grads_kept += delta
@@ -439,7 +466,7 @@ class PlannedMemory(MemoryManager):
             if not any(id(p) in mine for group in opt.param_groups for p in group["params"]):
                 continue  # another pipeline's optimizer
             state = (local_optimizer(opt) or opt).state  # ZeRO: the shard's, kept by its local optimizer
-            n = sum(v.numel() * v.element_size() for p, st in state.items() if id(p) in mine
+            n = sum(_local(v).numel() * v.element_size() for p, st in state.items() if id(p) in mine
                     for v in st.values() if isinstance(v, torch.Tensor) and v.device.type == self.device.type
                     and v.dim() > 0)
             self.ledger.set(s, "optimizer", n)
@@ -502,7 +529,7 @@ class PlannedMemory(MemoryManager):
             if not self._windows:
                 self._sequence()
             self.store.step_begin()
-        self.param_ptrs = {p.untyped_storage().data_ptr() for s in self.local if s not in self.offloaded
+        self.param_ptrs = {_local(p).untyped_storage().data_ptr() for s in self.local if s not in self.offloaded
                            for _, p in self.owned[s]}
         self._param_bytes = {s: sum(p.numel() * p.element_size() for _, p in self.owned[s]) for s in self.local}
         self._comm = CommBuffers(self.place, self.place[self.local[0]], self.recv, self.send, self.zero_bubble)
@@ -548,6 +575,8 @@ class PlannedMemory(MemoryManager):
         self._count_comm(self._comm.after(s, kind, mb))
         if kind in ("B", "W", "BW") and self._ring:
             self._drop_ring(len(self._ring))
+        if self._held_state is not None and kind == "F":  # the parameters gathered for the forward
+            self._count_grads(s)
         if h is not None and kind in ("B", "W", "BW"):
             self.ledger.add(s, "recompute", -h.recompute)
             h.recompute = 0
@@ -589,6 +618,9 @@ class PlannedMemory(MemoryManager):
         if self.store is not None:
             self.store.step_end()
         self._count_comm(self._comm.end())
+        if self._held_state is not None:
+            for s in self.local:
+                self._count_grads(s)
 
     # ----- what it did -----
     def report(self) -> dict[int, dict[str, int]]:

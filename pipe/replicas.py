@@ -12,6 +12,7 @@ overlap the rest of the backward; `finish` waits for them and divides by dp.
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -111,6 +112,10 @@ def _cut(params: list[torch.nn.Parameter], cap: int) -> list[list[torch.nn.Param
     return out
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 class ShardedStages:
     """dp_shard="full": each local stage's module (the one the runtime calls) sharded over "dp" with
     torch's fully_shard (FSDP2), composed with the pipeline as torch.distributed.pipelining and
@@ -121,6 +126,10 @@ class ShardedStages:
 
     def __init__(self, modules: Mapping[int, torch.nn.Module], mesh: Any) -> None:
         from torch.distributed.fsdp import fully_shard
+        # a stage returns views (reshapes); FSDP warns that an in-place op on one would skip its
+        # pre-backward hook. The runtime never changes a stage's outputs in place (it sends them and
+        # differentiates them), so the warning says nothing here
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
         self.modules = modules
         for m in modules.values():
             fully_shard(m, mesh=mesh, reshard_after_forward=False)
@@ -132,6 +141,26 @@ class ShardedStages:
         m.set_is_last_backward(False)
         m.set_requires_gradient_sync(False)
         m.set_reshard_after_backward(False)
+
+    def held(self, stage: int) -> tuple[int, int]:
+        """(parameter bytes, grad bytes) of the stage on this rank now: its shards, and the gathered
+        parameters and their unsharded grads while a step has them."""
+        from torch.distributed.fsdp import fully_shard
+        params = grads = 0
+        state = fully_shard.state(self.modules[stage])  # type: ignore[attr-defined]
+        for st in state._state_ctx.all_states:
+            for group in st._fsdp_param_groups:
+                for fp in group.fsdp_params:
+                    shard = fp.sharded_param
+                    params += _nbytes(shard.to_local())
+                    if shard.grad is not None:
+                        grads += _nbytes(shard.grad.to_local())
+                    whole = getattr(fp, "_unsharded_param", None)
+                    if whole is not None and whole.untyped_storage().nbytes() > 0:
+                        params += _nbytes(whole)
+                        if whole.grad is not None:
+                            grads += _nbytes(whole.grad)
+        return params, grads
 
     def reduce(self, stage: int) -> None:
         """The stage's grads are final: reduce-scatter them and free the gathered parameters (what

@@ -79,6 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-parallel", type=_whole("--data-parallel", 1, 2), default=1, metavar="N",
                    help="replicas of the pipeline (a DeviceMesh (world / N, N) named pp, dp); each replica trains "
                         "on its own batches and the grads are averaged")
+    p.add_argument("--dp-shard", default="none", choices=["none", "optimizer", "full"],
+                   help="with --data-parallel: shard the optimizer state (ZeRO-1) or the parameters too (FSDP) "
+                        "over the replicas")
     p.add_argument("--stages-per-rank", type=_whole("--stages-per-rank", 1, 2), default=None,
                    help="stages per rank (default: 2 for interleaved-1f1b and zbv, else 1)")
     p.add_argument("--steps", type=_whole("--steps", 1, 20), default=20)
@@ -179,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                            recompute=args.recompute, offload=args.offload, leaf_modules=w.leaf_modules,
                            example_target=None if args.loss_outside else w.example_target,
                            skip_nonfinite=args.skip_nonfinite, data_parallel=args.data_parallel,
+                           dp_shard=args.dp_shard,
                            progress=lambda line: say(f"[plan] {line}", flush=True))
     except (ValueError, TypeError) as e:
         print(error_line(ctx.rank, e), file=sys.stderr)
@@ -201,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
 def _train(pp: Any, w: Any, args: argparse.Namespace, say: Callable[..., None]) -> dict[str, Any]:
     """The training loop: per-step line, losses (a step dropped by --skip-nonfinite: skipped) and times."""
     params = list(pp.parameters())  # a rank may hold none (a stage computing only the loss, say)
-    opt = torch.optim.AdamW(params, lr=args.lr) if params else None
+    opt = pp.build_optimizer(torch.optim.AdamW, lr=args.lr) if params else None
     batch_size = args.batch_size or w.microbatch_size * args.microbatches
     tokens = batch_size * w.tokens_per_sample * pp.dp  # every replica's
     times: list[float] = []
@@ -240,7 +244,8 @@ def _report(pp: Any, args: argparse.Namespace, ctx: Any, run: dict[str, Any], sa
     predicted = predicted_timeline(pp.plan, pp.world)
     summary: dict[str, Any] = {
         "model": args.model, "schedule": args.schedule, "microbatches": args.microbatches,
-        "ranks": ctx.world_size, "data_parallel": pp.dp, "launcher": ctx.launcher, "losses": run["losses"],
+        "ranks": ctx.world_size, "data_parallel": pp.dp, "dp_shard": pp.dp_shard, "launcher": ctx.launcher,
+        "losses": run["losses"],
         "first_loss": first, "last_loss": last,
         "skipped_steps": run["skipped"],
         "median_step_s": statistics.median(warm), "tokens_per_s": run["tokens"] / statistics.median(warm),

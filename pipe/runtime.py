@@ -317,8 +317,8 @@ class Pipeline:
         """Optimizer state bytes per parameter byte on this rank: the optimizer's (Adam's two copies
         unless optimizer= says), a dp-th of it when the replicas shard it (dp_shard)."""
         f = 2.0 if self._optim_factor is None else self._optim_factor
-        if self.dp_shard == "full":  # the gathered parameters and their grads in a step, a dp-th kept
-            return 1.0 + f / self.dp
+        if self.dp_shard == "full":  # a dp-th of the parameters and the state kept; the gathered parameters
+            return (1.0 + f) / self.dp  # and their grads in a step are the 2 every plan counts
         return f / self.dp if self.dp_shard == "optimizer" else f
 
     def _shard(self, offload: str) -> ShardedStages:
@@ -343,8 +343,9 @@ class Pipeline:
         if self.has_w:  # W resolves its parameters by name at each call: FSDP swaps in gathered ones
             self._zb_names = {s: ([(node, [local[s][id(p)] for p in ps]) for node, ps in self._zb[s][1]],
                                   [local[s][id(p)] for p in self._zb[s][2]]) for s in self.local}
-        mesh = self.mesh["dp"]
-        sharded = ShardedStages(self._trained, mesh)
+        sharded = ShardedStages(self._trained, self.mesh["dp"])
+        self.memory.count_state_with(sharded.held, {s: list(self._trained[s].named_parameters()) for s in self.local},
+                                     1.0 / self.dp)
         for s in self.local:
             for n, p in self._trained[s].named_parameters():
                 self._names[id(p)] = before[s][n]
@@ -364,6 +365,13 @@ class Pipeline:
         (overlapped), unless grads stream in chunks (then after the step, and the plan says so)."""
         if self.dp_group is None:
             return None
+        self.plan.notes.append({
+            "none": f"data parallel: {self.dp} replicas, each rank holds its stages' parameters and optimizer state",
+            "optimizer": f"data parallel: {self.dp} replicas share each stage's optimizer state (ZeRO-1: a "
+                         f"{self.dp}-th per rank, counted in the peaks)",
+            "full": f"data parallel: {self.dp} replicas shard each stage's parameters and optimizer state (FSDP: a "
+                    f"{self.dp}-th per rank, plus the gathered parameters and their grads during a step, counted "
+                    "in the peaks)"}[self.dp_shard])
         overlap = getattr(self.memory, "store", None) is None
         if overlap:
             self.program = with_grad_reduction({self.rank: self.program}, self.local)[self.rank]
@@ -374,15 +382,22 @@ class Pipeline:
         late: dict[int, set[int] | None] = {}
         for s in self.local:
             st = self.stages[s]
-            used = [st.get_parameter(n) for names in self.io[s].param_nodes.values() for n in names]
-            order = list({id(p): p for p in reversed(used)}.values())  # the backward finishes the last first
-            order += [p for p in st.parameters() if all(p is not q for q in order)]
-            params[s] = order
             fused = any(isinstance(x, Action) and x.kind == "BW" and x.stage == s for x in self.program)
-            late[s] = {id(p) for _, ps in self._zb[s][1] for p in ps} if self.has_w and not fused else None
+            if self.has_w and not fused:  # W finishes its nodes' grads in forward order, after B's others
+                w_params = [p for _, ps in self._zb[s][1] for p in ps]
+                written = {id(p) for p in w_params}
+                order = [p for p in st.parameters() if id(p) not in written] + w_params
+                late[s] = written
+            else:  # a backward finishes the last node's grads first
+                used = [st.get_parameter(n) for names in self.io[s].param_nodes.values() for n in names]
+                order = list({id(p): p for p in reversed(used)}.values())
+                seen = {id(p) for p in order}
+                order += [p for p in st.parameters() if id(p) not in seen]
+                late[s] = None
+            params[s] = order
         return GradReducer(group=self.dp_group, size=self.dp, device=self.ctx.device, program=self.program,
                            stages=params, late=late, overlap=overlap, sharded=self.sharded,
-                           bucket_bytes=None if bucket_mb is None else int(bucket_mb * (1 << 20)))
+                           bucket_bytes=None if bucket_mb is None else max(1, int(bucket_mb * (1 << 20))))
 
     def _make_tied_groups(self) -> list[tuple[Any, list[torch.nn.Parameter]]]:
         """Process groups for parameters held on several ranks; every rank creates them in one order."""
@@ -453,13 +468,23 @@ class Pipeline:
         every rank, as each computes it alike) when the budget is then not met."""
         attach = getattr(self.memory, "attach_optimizer", None)
         if attach is not None:
-            attach(optimizer)
+            f = memory.optimizer_state_factor(optimizer)  # ZeRO: a dp-th of its local optimizer's
+            if f is not None and self.dp_shard == "full":  # FSDP: the state of the shards (their own counted apart)
+                f /= self.dp
+            attach(optimizer, f)
             for s, c in getattr(self.memory, "choices", {}).items():
                 self.plan.stages[s].memory_peak = c.predicted_peak
 
     def memory_report(self) -> dict[int, dict[str, int]]:
-        """Per local stage: bytes held by kind, current and peak ('peak' in the key names)."""
-        return self.memory.report()
+        """Per local stage: bytes held by kind, current and peak ('peak' in the key names); with data
+        parallel replicas, how many ways its parameters (dp_shard_params) and its optimizer state
+        (dp_shard_optimizer) are split among them (the bytes are this rank's)."""
+        report = self.memory.report()
+        for row in report.values():
+            row["dp_replicas"] = self.dp
+            row["dp_shard_params"] = self.dp if self.dp_shard == "full" else 1
+            row["dp_shard_optimizer"] = self.dp if self.dp_shard != "none" else 1
+        return report
 
     def state_key_names(self) -> dict[str, str]:
         """Every key of the model's state dict -> the name its tensor is saved under (tied aliases

@@ -79,6 +79,8 @@ def _case(name: str, kw: dict[str, Any], **pipe_kw: Any) -> dict[str, Any]:
     for n, p in pp.named_parameters():
         torch.testing.assert_close(_full(p.detach()), ref_params[n].detach(), rtol=1e-4, atol=1e-5, msg=_named(n))
     out["sharding"] = _sharding(pp, opt)
+    out["memory"] = {s: {k: r[k] for k in ("peak_total", "predicted_peak", "dp_shard_params", "dp_shard_optimizer")}
+                     for s, r in pp.memory_report().items()}
     out["pp"], out["opt"] = pp, opt
     return out
 
@@ -146,6 +148,10 @@ def test_pipeline_times_data_parallel_on_4_ranks(tmp_path: Path) -> None:
             assert got["dp"] == 2 and got["world"] == 2, case
             torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(got["ref"]), rtol=1e-5, atol=1e-5,
                                        msg=_named(case))
+            for s, mem in got["memory"].items():  # the prediction counts what each rank keeps (the last step's peak)
+                assert mem["peak_total"] <= mem["predicted_peak"] <= 1.05 * mem["peak_total"], (case, s, mem)
+                assert mem["dp_shard_params"] == (2 if case.endswith("full") else 1), (case, mem)
+                assert mem["dp_shard_optimizer"] == (1 if case.endswith("none") or case == "user mesh" else 2), mem
             held = got["sharding"]
             if case.endswith("optimizer"):  # ZeRO-1: the two replicas split the state; parameters whole
                 assert held["optimizer"] == "ZeroRedundancyOptimizer" and held["local"] == held["whole"], case

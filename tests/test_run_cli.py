@@ -17,9 +17,12 @@ TINY = ["gpt", "--model-arg", "n_layer=2", "--model-arg", "d_model=32", "--model
 @pytest.mark.parametrize("launcher", ["torchrun, 2 nodes", "mpiexec"])
 def test_run_command(launcher: str, tmp_path: Path) -> None:
     """pipe.run on 4 processes with --data-parallel 2 (two 2-rank pipelines): as two torchrun "nodes"
-    on this machine, or one mpiexec; the plan, the steps, the outputs, and losses that are the
-    unpartitioned model's over both replicas' batches."""
-    argv = ["-m", "pipe.run", *TINY, "--steps", "5", "--data-parallel", "2", "--out", str(tmp_path)]
+    on this machine (the parameters sharded, FSDP), or one mpiexec (the optimizer state sharded,
+    ZeRO-1); the plan, the steps, the outputs with the grad all-reduce's lane, and losses that are
+    the unpartitioned model's over both replicas' batches."""
+    shard = "optimizer" if launcher == "mpiexec" else "full"
+    argv = ["-m", "pipe.run", *TINY, "--steps", "5", "--data-parallel", "2", "--dp-shard", shard,
+            "--out", str(tmp_path)]
     if launcher == "mpiexec":
         out = run_command([str(BIN / "mpiexec"), "-n", "4", sys.executable, *argv], timeout=180).output
     else:
@@ -37,7 +40,7 @@ def test_run_command(launcher: str, tmp_path: Path) -> None:
     assert "the plan with each stage's peak as measured" in out and " measured " in out.split("as measured")[1]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["launcher"] == ("torchrun" if launcher.startswith("torchrun") else "mpi")
-    assert summary["ranks"] == 4 and summary["data_parallel"] == 2
+    assert summary["ranks"] == 4 and summary["data_parallel"] == 2 and summary["dp_shard"] == shard
     assert 0 <= summary["measured_bubble"] < 1 and 0 <= summary["predicted_bubble"] < 1
     import torch
     torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(_dp_reference(5)),
@@ -45,6 +48,8 @@ def test_run_command(launcher: str, tmp_path: Path) -> None:
     trace = json.loads((tmp_path / "trace.json").read_text())
     names = {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
     assert {"0F0", "1F0", "0B3", "1B3"} <= names
+    lanes = {e["tid"] for e in trace["traceEvents"] if e.get("ph") == "X" and e["cat"] == "REDUCE_GRAD"}
+    assert lanes == {1000, 1001}  # each pipeline rank's grad reduction, in a lane of its own
     assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
