@@ -83,3 +83,38 @@ def test_gpu_check_dry_run_on_cpu() -> None:
     for r in data["schedules"]:  # parity, and a timeline no longer than the step that contains it
         assert r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4, r
         assert all(0 < t <= wall for t, wall in zip(r["timeline_ms"], r["wall_ms"])), r
+
+
+def test_bench_data_parallel(tmp_path: Path) -> None:
+    """Two replicas of a 2-rank pipeline: the measured timeline with each rank's grad all-reduce in a
+    lane of its own, the exposure per global rank, and pipe.scale's prediction beside the measurement."""
+    out = run_command([sys.executable, "-m", "bench", "data-parallel", "gpt", *TINY, "--ranks", "4",
+                       "--data-parallel", "2", "--schedule", "zb-h1", "--microbatches", "4", "--steps", "2",
+                       "--warmup", "1", "--cost", "flops", "--out", str(tmp_path)], timeout=180).output
+    assert "predicted / measured" in out and "exposed share of the grad collectives, global rank 3" in out
+    data = json.loads((tmp_path / "data-parallel-zb-h1-pp2-dp2.json").read_text())
+    assert data["ranks"] == 4 and data["pp"] == 2 and data["dp"] == 2 and data["allreduce_bytes_per_ms"] > 0
+    assert data["predicted_step_ms"] > 0 and data["median_measured_step_ms"] > 0
+    assert len(data["exposure_per_step"]) == 2
+    for step in data["exposure_per_step"]:
+        assert set(step) == {"0", "1", "2", "3"}  # JSON keys: global ranks
+        for e in step.values():
+            assert e["collective_ms"] > 0 and 0 <= e["exposed_after_slowest_peer"] <= e["exposed"]
+    for name in ("timeline-zb-h1-pp2-dp2.png", "timeline-zb-h1-pp2-dp2-predicted.png"):
+        assert (tmp_path / name).read_bytes()[:8] == PNG
+    trace = json.loads((tmp_path / "trace-zb-h1-pp2-dp2.json").read_text())["traceEvents"]
+    lanes = {e["args"]["name"] for e in trace if e.get("ph") == "M"}
+    assert {"rank 0", "rank 1", "rank 0 grad all-reduce", "rank 1 grad all-reduce"} <= lanes
+    assert {e["tid"] for e in trace if e.get("ph") == "X" and e["cat"] == "REDUCE_GRAD"} == {1000, 1001}
+
+
+def test_bench_schedules_with_data_parallel(tmp_path: Path) -> None:
+    out = run_command([sys.executable, "-m", "bench", "schedules", "gpt", *TINY, "--ranks", "4",
+                       "--data-parallel", "2", "--microbatches", "4", "--schedules", "1f1b,interleaved-1f1b",
+                       "--steps", "1", "--warmup", "1", "--cost", "flops", "--out", str(tmp_path)], timeout=180).output
+    assert "grad all-reduce over 2 replicas" in out and "| interleaved-1f1b | 4 |" in out
+    data = json.loads((tmp_path / "schedules.json").read_text())
+    assert data["ranks"] == 4 and data["data_parallel"] == 2
+    for r in data["results"]:  # a step trains both replicas' batches: 2 x M=4 microbatches of 4 x 16 tokens
+        assert r["predicted_step_ms"] > 0 and r["tokens_per_s"] == pytest.approx(2 * 4 * 4 * 16 / r["median_step_s"])
+        _valid_trace(tmp_path / f"trace-{r['schedule']}-M4.json")

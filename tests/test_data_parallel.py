@@ -79,6 +79,8 @@ def _case(name: str, kw: dict[str, Any], **pipe_kw: Any) -> dict[str, Any]:
     for n, p in pp.named_parameters():
         torch.testing.assert_close(_full(p.detach()), ref_params[n].detach(), rtol=1e-4, atol=1e-5, msg=_named(n))
     out["sharding"] = _sharding(pp, opt)
+    last = max(e.end for e in pp.timeline)  # the last step's: when the buckets were launched, and how many
+    out["launched"] = [(e.start < last, e.start <= e.end) for e in pp.collectives]
     out["memory"] = {s: {k: r[k] for k in ("peak_total", "predicted_peak", "dp_shard_params", "dp_shard_optimizer")}
                      for s, r in pp.memory_report().items()}
     out["pp"], out["opt"] = pp, opt
@@ -115,6 +117,9 @@ def four_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
     cases = [(f"{name} {sched} {shard}", name, GPT if name == "gpt" else UNET,
               dict(data_parallel=2, dp_shard=shard, **SCHEDULES[sched]))
              for shard in SHARDS for sched in SCHEDULES for name in ("gpt", "unet")]
+    for _, name, _, kw in cases:  # small buckets, so that the tiny models' grads make several
+        if kw["dp_shard"] == "none":
+            kw["dp_bucket_mb"] = 0.01
     user_mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "dp", "tp"))  # "tp": left to the user
     cases.append(("user mesh", "gpt", GPT, dict(mesh=user_mesh)))
     for case, name, kw, pipe_kw in cases:
@@ -152,6 +157,9 @@ def test_pipeline_times_data_parallel_on_4_ranks(tmp_path: Path) -> None:
                 assert mem["peak_total"] <= mem["predicted_peak"] <= 1.05 * mem["peak_total"], (case, s, mem)
                 assert mem["dp_shard_params"] == (2 if case.endswith("full") else 1), (case, mem)
                 assert mem["dp_shard_optimizer"] == (1 if case.endswith("none") or case == "user mesh" else 2), mem
+            if case.startswith("gpt") and case.endswith("none"):  # grads reduced while the final backward runs
+                assert len(got["launched"]) >= 3 and all(ok for _, ok in got["launched"]), (case, got["launched"])
+                assert sum(early for early, _ in got["launched"]) >= 2, (case, got["launched"])
             held = got["sharding"]
             if case.endswith("optimizer"):  # ZeRO-1: the two replicas split the state; parameters whole
                 assert held["optimizer"] == "ZeroRedundancyOptimizer" and held["local"] == held["whole"], case
