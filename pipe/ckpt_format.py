@@ -26,6 +26,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import empty as dtensor_empty
 
 from partition.errors import FxpipeError
 
@@ -338,15 +340,20 @@ def optimizer_targets(named: dict[int, str], optimizer: torch.optim.Optimizer, m
     if manifest.get("optimizer_class") != type(optimizer).__name__:
         raise CheckpointError(f"{folder} holds the state of a {manifest.get('optimizer_class')} optimizer, not of "
                               f"this {type(optimizer).__name__}; build the same optimizer class as when saving")
-    device = {n: p.device for group in optimizer.param_groups for p in group["params"] for n in [named.get(id(p))]}
-    out = {}
+    param = {n: p for group in optimizer.param_groups for p in group["params"] for n in [named.get(id(p))]}
+    out: dict[str, torch.Tensor] = {}
     for name in optimizer_names(named, optimizer):
         if name not in saved:
             raise CheckpointError(f"{folder} holds no optimizer state for {name}; the optimizer was built from "
                                   "other parameters than when saving: build it from pp.parameters()")
+        p = param[name]
         for k, t in saved[name]["tensors"].items():
-            out[t["key"]] = torch.empty(t["shape"], dtype=dtype_named(t["dtype"], folder),
-                                        device=device[name] if k != "step" else "cpu")
+            dtype = dtype_named(t["dtype"], folder)
+            if isinstance(p, DTensor) and list(t["shape"]) == list(p.shape):  # sharded like its parameter
+                out[t["key"]] = dtensor_empty(t["shape"], dtype=dtype, device_mesh=p.device_mesh,
+                                              placements=p.placements)
+            else:
+                out[t["key"]] = torch.empty(t["shape"], dtype=dtype, device=p.device if k != "step" else "cpu")
     return out
 
 

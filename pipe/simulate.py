@@ -170,8 +170,9 @@ class Timeline:
             ax.barh(row, span, left=0.0, height=0.8, color="#e6e6e6", hatch="//", edgecolor="#c8c8c8")
             for e in mine:
                 left, dur = e.start - t0, e.end - e.start
+                thin = e.action.kind == "REDUCE_GRAD"  # short and many: no white edge to hide them
                 ax.barh(row, dur, left=left, height=0.8, color=_COLOURS.get(e.action.kind, "grey"),
-                        edgecolor="white", linewidth=0.5)
+                        edgecolor="white", linewidth=0.0 if thin else 0.5)
                 label = str(e.action) if e.action.kind != "REDUCE_GRAD" else f"s{e.action.stage}b{e.action.mb}"
                 if dur >= span * (len(label) + 1) / 180:  # about the label's width at 7 pt
                     ax.text(left + dur / 2, row, label, ha="center", va="center", fontsize=7, color="white")

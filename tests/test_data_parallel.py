@@ -135,6 +135,18 @@ def four_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         res[case] = got
+    for shard in ("optimizer", "full"):  # the unsharded replicas' checkpoint loaded into sharded ones
+        w = _gpt()
+        pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, cost="flops",
+                           data_parallel=2, dp_shard=shard)
+        opt = pp.build_optimizer(torch.optim.AdamW, lr=1e-2, eps=1e-4)
+        assert pp.load(f"{root}/ckpt-none", optimizer=opt) == STEPS
+        res[f"loaded into {shard}"] = []
+        for step in range(STEPS, STEPS + 2):
+            args, target = _batch(w, step, pp.dp_rank)
+            res[f"loaded into {shard}"].append(pp.step(*args, target=target))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
     res["errors"] = _errors()
     return res
 
@@ -145,7 +157,10 @@ def test_pipeline_times_data_parallel_on_4_ranks(tmp_path: Path) -> None:
     for shard in SAVED:  # dp=2 (sharded as saved) resumed by dp=1 with a plain AdamW: the losses go on
         torch.testing.assert_close(torch.tensor(resumed[0][shard]), torch.tensor(res[0][f"gpt 1f1b {shard}"]["after"]),
                                    rtol=1e-5, atol=1e-5, msg=_named(shard))
-    cases = [k for k in res[0] if k != "errors"]
+    for shard in ("optimizer", "full"):  # and what the unsharded replicas saved, resumed sharded
+        torch.testing.assert_close(torch.tensor(res[0][f"loaded into {shard}"]),
+                                   torch.tensor(res[0]["gpt 1f1b none"]["after"]), rtol=1e-5, atol=1e-5)
+    cases = [k for k in res[0] if k != "errors" and not k.startswith("loaded into")]
     assert len(cases) == 2 * len(SCHEDULES) * len(SHARDS) + 1
     for case in cases:
         for r in res:
