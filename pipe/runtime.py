@@ -104,6 +104,10 @@ class Pipeline:
     V of zbv); `step` runs one schedule and returns the mean loss on every rank. `optimizer`: the
     torch.optim class or factory (called with the parameters) the training loop will step them with,
     so memory is planned for the state it keeps (by default Adam's two copies of the parameters).
+    `data_parallel=N` or `mesh=` (a DeviceMesh with "pp" and optionally "dp"): N replicas of the
+    pipeline whose grads are averaged in buckets of `dp_bucket_mb` as the backward finishes them
+    (pipe.replicas); `dp_shard`: "optimizer" (ZeRO-1) or "full" (FSDP) shards the state over them,
+    and `build_optimizer` makes the optimizer that goes with it.
     """
 
     def __init__(self, model: torch.nn.Module, example_args: Sequence[Any], *,
