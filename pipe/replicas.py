@@ -11,8 +11,8 @@ overlap the rest of the backward; `finish` waits for them and divides by dp.
 """
 from __future__ import annotations
 
-import time
 import warnings
+import weakref
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -23,7 +23,7 @@ from pipe import launch
 from pipe.lower import Item, final_backward
 from pipe.scale import bucket_cap
 from pipe.schedules import Action
-from pipe.simulate import Event
+from pipe.timing import Clock, HostClock
 
 __all__ = ["DataParallelError", "GradReducer", "ShardedStages", "pipeline_groups", "DP_SHARD"]
 
@@ -69,33 +69,37 @@ def pipeline_groups(ctx: launch.Context, mesh: Any, data_parallel: int) -> tuple
 
 
 class _Bucket:
-    """Grads of some parameters of one stage, one dtype: a flat tensor they are views into."""
+    """Grads of some parameters of one stage, one dtype: a flat tensor they are views into. Between
+    steps the bucket keeps only weak references: the grads (while the user keeps them) keep it."""
 
     def __init__(self, stage: int, index: int, params: list[torch.nn.Parameter]) -> None:
         self.stage, self.index, self.params = stage, index, params
         self.numel = sum(p.numel() for p in params)
-        self.flat: torch.Tensor | None = None
-        self.views: list[torch.Tensor] = []
+        self.flat: torch.Tensor | None = None  # during a step only
+        self.views: list[weakref.ref[torch.Tensor]] = []
         self.work: Any = None
+        self.done: Any = None  # the future of the all-reduce's completion callback
         self.ready: set[int] = set()
-        self.span: list[float] = []  # [launch ms, end ms], host clock
+        self.marks: list[Any] = []  # [launch, end]: the step clock's marks
 
     def bind(self, device: torch.device) -> None:
         """Make every grad a view of the flat tensor (a new one unless they all are already),
         keeping what a grad held (accumulation across steps, or a stage's earlier backward)."""
-        if self.flat is not None and all(p.grad is v for p, v in zip(self.params, self.views)):
+        views = [r() for r in self.views]
+        if views and all(v is not None and p.grad is v for p, v in zip(self.params, views)):
+            base = views[0]._base  # type: ignore[union-attr]
+            self.flat = base if base is not None else views[0]
             return
-        p0 = self.params[0]
-        flat = torch.zeros(self.numel, dtype=p0.dtype, device=device)
-        views, offset = [], 0
+        flat = torch.zeros(self.numel, dtype=self.params[0].dtype, device=device)
+        self.views, offset = [], 0
         for p in self.params:
             v = flat[offset:offset + p.numel()].view_as(p)
             if p.grad is not None:
                 v.copy_(p.grad)
             p.grad = v
-            views.append(v)
+            self.views.append(weakref.ref(v))
             offset += p.numel()
-        self.flat, self.views = flat, views
+        self.flat = flat
 
 
 def _cut(params: list[torch.nn.Parameter], cap: int) -> list[list[torch.nn.Parameter]]:
@@ -129,7 +133,7 @@ class ShardedStages:
         # a stage returns views (reshapes); FSDP warns that an in-place op on one would skip its
         # pre-backward hook. The runtime never changes a stage's outputs in place (it sends them and
         # differentiates them), so the warning says nothing here
-        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPStage\d+(ZB)?\) returned a view tensor")
         self.modules = modules
         for m in modules.values():
             fully_shard(m, mesh=mesh, reshard_after_forward=False)
@@ -162,6 +166,11 @@ class ShardedStages:
                             grads += _nbytes(whole.grad)
         return params, grads
 
+    def reshard(self) -> None:
+        """Free the gathered parameters (after inference, which has no backward to do it)."""
+        for m in self.modules.values():
+            m.reshard()  # type: ignore[operator]
+
     def reduce(self, stage: int) -> None:
         """The stage's grads are final: reduce-scatter them and free the gathered parameters (what
         FSDP's post-backward does when a backward is the last; the pipeline's backward passes are
@@ -182,12 +191,15 @@ class ShardedStages:
 class GradReducer:
     """Average this rank's grads over the data-parallel group, bucket by bucket, as they become final.
 
-    `stages[s]`: the trainable parameters of local stage s in the order its backward finishes
-    their grads (the reverse of the forward's); a parameter two local stages share is reduced with
-    the one whose final backward comes last in `program`. `late[s]`: the parameters whose grads
-    the final backward of s writes (None: all); the others are final when it is armed (zero-
-    bubble: B wrote them, W writes the rest). `overlap=False` (grads are not the stages' own
-    tensors, e.g. streamed in chunks): every bucket is reduced from a copy in `finish`.
+    `stages[s]`: the parameters of local stage s in the order its backward finishes their grads
+    (the reverse of the forward's); a parameter two local stages share is reduced with the one
+    whose final backward comes last in `program`; those that do not require grad are left out (the
+    buckets are made again at a step that finds another set, alike on every replica). `late[s]`:
+    the parameters whose grads the final backward of s writes (None: all); the others are final
+    when it is armed (zero-bubble: B wrote them, W writes the rest). `overlap=False` (grads are not
+    the stages' own tensors, e.g. streamed in chunks): the buckets are reduced from copies in
+    `finish`, one at a time. Collectives are timed with the step's clock (pipe.timing): device
+    time on CUDA (an event recorded where the collective's completion is waited for).
     """
 
     def __init__(self, *, group: Any, size: int, device: torch.device, program: Sequence[Item],
@@ -197,37 +209,50 @@ class GradReducer:
         self.group, self.size, self.device, self.overlap = group, size, device, overlap
         self.sharded = sharded  # dp_shard="full": FSDP reduces each stage after its final backward
         finals = {s: final_backward(program, s) for s in stages}
-        order = sorted((s for s in stages if finals[s] is not None), key=lambda s: program.index(finals[s]))
+        self.order = sorted((s for s in stages if finals[s] is not None), key=lambda s: program.index(finals[s]))
         owner: dict[int, int] = {}
-        for s in order:  # the later final backward wins
+        for s in self.order:  # the later final backward wins
             for p in stages[s]:
                 owner[id(p)] = s
+        self.mine = {s: [p for p in stages[s] if owner[id(p)] == s] for s in self.order}
+        self.final = {s: finals[s] for s in self.order}
+        self.late, self.bucket_bytes = late, bucket_bytes
         self.buckets: list[_Bucket] = []
         self.of_stage: dict[int, list[_Bucket]] = {}
-        for s in order if sharded is None else []:
-            mine = [p for p in stages[s] if owner[id(p)] == s and p.requires_grad]
-            cap = bucket_cap(sum(p.numel() * p.element_size() for p in mine), bucket_bytes)
-            self.of_stage[s] = []
-            for part in _cut(mine, cap):
-                self.of_stage[s].append(_Bucket(s, len(self.of_stage[s]), part))
-            self.buckets += self.of_stage[s]
-        self.final = {s: finals[s] for s in order}
-        self.late = late
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._trainable: tuple[bool, ...] = ()
+        self._build()
         self._started: set[int] = set()  # stages whose grads were bound this step
         self._armed: int | None = None
         self._hooks: list[Any] = []
         self._next = 0  # buckets launch in list order, the same on every replica
-        self._spans: list[Event] = []  # dp_shard="full": each stage's reduce-scatter, timed on the host
+        self._clock: Clock = HostClock()
+        self._spans: list[tuple[Action, Any, Any]] = []  # dp_shard="full": each stage's reduce-scatter
+
+    def _build(self) -> None:
+        """The buckets of the parameters that require grad now."""
+        self._trainable = tuple(p.requires_grad for s in self.order for p in self.mine[s])
+        self.buckets, self.of_stage = [], {}
+        for s in self.order if self.sharded is None else []:
+            params = [p for p in self.mine[s] if p.requires_grad]
+            cap = bucket_cap(sum(p.numel() * p.element_size() for p in params), self.bucket_bytes)
+            self.of_stage[s] = [_Bucket(s, i, part) for i, part in enumerate(_cut(params, cap))]
+            self.buckets += self.of_stage[s]
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
 
     # ----- the step -----
-    def step_begin(self) -> None:
+    def step_begin(self, clock: Clock) -> None:
+        """A new step, timed by `clock`; a parameter frozen or unfrozen since the last makes the
+        buckets again."""
         self.fail()
+        if tuple(p.requires_grad for s in self.order for p in self.mine[s]) != self._trainable:
+            self._build()
+        self._clock = clock
         self._spans = []
         self._started.clear()
         self._next = 0
         for b in self.buckets:
-            b.work, b.span = None, []
+            b.work = b.done = b.flat = None
+            b.marks = []
             b.ready.clear()
 
     def before(self, a: Action) -> None:
@@ -277,9 +302,9 @@ class GradReducer:
         if self._armed is None or a != self.final[self._armed]:
             return
         if self.sharded is not None:
-            start = time.perf_counter() * 1e3
+            start = self._clock.mark()
             self.sharded.reduce(self._armed)
-            self._spans.append(Event(-1, Action(self._armed, "REDUCE_GRAD", 0), start, time.perf_counter() * 1e3))
+            self._spans.append((Action(self._armed, "REDUCE_GRAD", 0), start, self._clock.mark()))
             self._armed = None
             return
         for h in self._hooks:
@@ -295,44 +320,44 @@ class GradReducer:
             b = self.buckets[self._next]
             if len(b.ready) < len(b.params):
                 return
+            assert b.flat is not None
             self._launch(b, b.flat)
             self._next += 1
 
-    def _launch(self, b: _Bucket, flat: torch.Tensor | None) -> None:
-        assert flat is not None
-        b.span = [time.perf_counter() * 1e3]
+    def _launch(self, b: _Bucket, flat: torch.Tensor) -> None:
+        b.marks = [self._clock.mark()]
         b.work = dist.all_reduce(flat, group=self.group, async_op=True)
+        clock = self._clock
 
-        def done(_: Any, span: list[float] = b.span) -> None:  # on the communication thread
-            span.append(time.perf_counter() * 1e3)
-        b.work.get_future().then(done)
+        def done(fut: Any, marks: list[Any] = b.marks) -> None:
+            # where the completion is waited for: on CUDA this callback's stream follows the collective
+            marks.append(clock.mark())
+        b.done = b.work.get_future().then(done)
 
-    def finish(self, rank: int) -> list[Event]:
-        """Wait for every bucket (launching them now without overlap) and divide by dp; the
-        collectives' spans as events of `rank` (REDUCE_GRAD, mb = the bucket's index in its stage)."""
-        copies: list[torch.Tensor | None] = [None] * len(self.buckets)
-        if not self.overlap:
-            for i, b in enumerate(self.buckets):
-                copies[i] = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                                       for p in b.params]).to(self.device)
-                self._launch(b, copies[i])
-        for i, b in enumerate(self.buckets):
-            assert b.work is not None, f"bucket {b.index} of stage {b.stage} was never launched"
+    def finish(self) -> None:
+        """Wait for every bucket (reduce them now, one at a time, without overlap) and divide by
+        dp; the collectives' spans go to the step's clock (REDUCE_GRAD, mb = the bucket's index in
+        its stage)."""
+        for b in self.buckets:
+            if not self.overlap:  # from a copy on the device: grads may be host views between steps
+                b.flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                                    for p in b.params]).to(self.device)
+                self._launch(b, b.flat)
+            assert b.work is not None and b.flat is not None, f"bucket {b.index} of stage {b.stage} was never launched"
             b.work.wait()
-            flat = copies[i] if copies[i] is not None else b.flat
-            assert flat is not None
-            flat.div_(self.size)
-            if copies[i] is not None:
+            b.done.wait()
+            b.flat.div_(self.size)
+            if not self.overlap:
                 offset = 0
                 for p in b.params:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
-                    p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+                    p.grad.copy_(b.flat[offset:offset + p.numel()].view_as(p))
                     offset += p.numel()
-        now = time.perf_counter() * 1e3
-        return [Event(rank, e.action, e.start, e.end) for e in self._spans] + [
-            Event(rank, Action(b.stage, "REDUCE_GRAD", b.index), b.span[0], b.span[1] if len(b.span) > 1 else now)
-            for b in self.buckets]
+            self._clock.span(Action(b.stage, "REDUCE_GRAD", b.index), b.marks[0], b.marks[-1])
+            b.flat = None  # the grads hold it from now on
+        for a, start, end in self._spans:
+            self._clock.span(a, start, end)
 
     def fail(self) -> None:
         """A step that failed half-way: drop the hooks (the works end with the group)."""

@@ -145,9 +145,11 @@ class Pipeline:
         # pipeline's; _global maps its ranks to global ones; _rows: every pipeline's global ranks
         if dp_shard not in DP_SHARD:
             raise PipelineError(f"dp_shard must be one of {', '.join(DP_SHARD)}, got {dp_shard!r}")
-        if dp_bucket_mb is not None and not (isinstance(dp_bucket_mb, (int, float)) and 0 < dp_bucket_mb < 1e6):
-            raise PipelineError(f"dp_bucket_mb must be a positive number of MiB per gradient bucket, got "
-                                f"{dp_bucket_mb!r}; leave it None for an eighth of a stage's grads in [1, 25] MiB")
+        if dp_bucket_mb is not None and (isinstance(dp_bucket_mb, bool) or not isinstance(dp_bucket_mb, (int, float))
+                                         or not 0 < dp_bucket_mb < 1e6):
+            raise PipelineError(f"dp_bucket_mb must be a number of MiB per gradient bucket in (0, 1e6), got "
+                                f"{dp_bucket_mb!r}; pass e.g. 25, or None for an eighth of a stage's grads in [1, 25] "
+                                "MiB")
         try:
             self.mesh, self.pp_group, self.dp_group, self._rows = pipeline_groups(self.ctx, mesh, data_parallel)
         except DataParallelError as e:
@@ -157,6 +159,7 @@ class Pipeline:
         self.dp = 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
         self.dp_rank = 0 if self.dp_group is None else dist.get_rank(self.dp_group)  # this rank's replica
         self.dp_shard = dp_shard if self.dp > 1 else "none"
+        self._state_split = 1 if self.dp_shard == "none" else self.dp  # ways the optimizer state is split
         self.leaf_modules = tuple(leaf_modules)
         self.progress = progress
         self.M, self.v = microbatches, stages_per_rank
@@ -470,6 +473,8 @@ class Pipeline:
         """Predict memory with the state this optimizer keeps (its kind; measured after its first step,
         which happens anyway when it is not attached) rather than the planned Adam's; BudgetError (on
         every rank, as each computes it alike) when the budget is then not met."""
+        if self.dp_shard == "optimizer":  # split only by torch's ZeroRedundancyOptimizer
+            self._state_split = self.dp if memory.local_optimizer(optimizer) is not None else 1
         attach = getattr(self.memory, "attach_optimizer", None)
         if attach is not None:
             f = memory.optimizer_state_factor(optimizer)  # ZeRO: a dp-th of its local optimizer's
@@ -487,7 +492,7 @@ class Pipeline:
         for row in report.values():
             row["dp_replicas"] = self.dp
             row["dp_shard_params"] = self.dp if self.dp_shard == "full" else 1
-            row["dp_shard_optimizer"] = self.dp if self.dp_shard != "none" else 1
+            row["dp_shard_optimizer"] = self._state_split
         return report
 
     def state_key_names(self) -> dict[str, str]:
@@ -598,21 +603,28 @@ class Pipeline:
             over = getattr(self.memory, "over_budget", None)
             if over is not None:  # the optimizer's first step measured more state than the budget allows
                 raise over
+            # what tied grads held before the step (accumulated over steps): only this step's part is summed;
+            # read before the memory manager's step begins (streamed grads are host views between steps)
+            held = {id(p): p.grad.detach().clone() for _, ps in self._tied_groups for p in ps if p.grad is not None}
             self.memory.step_begin()
             if self.reducer is not None:
-                self.reducer.step_begin()
+                self.reducer.step_begin(run.clock)
             run.execute(self.program)
             self.memory.step_end()
             if self.reducer is not None:  # before the tied sums: they add into the averaged grads
                 with comm.guarded("the data-parallel all-reduce of grads"):
-                    run.collectives = self.reducer.finish(self.rank)
+                    self.reducer.finish()
             with comm.guarded("the all-reduce of tied parameters' grads"):
                 for group, params in self._tied_groups:
                     for p in params:
                         if p.grad is None:
                             p.grad = torch.zeros_like(p)
                         g = p.grad  # dp_shard="full": every holder keeps the same shard of it
+                        if id(p) in held:
+                            g.sub_(held[id(p)])
                         dist.all_reduce(g.to_local() if isinstance(g, DTensor) else g, group=group)
+                        if id(p) in held:
+                            g.add_(held[id(p)])
             loss = torch.as_tensor(run.loss_sum, dtype=torch.float64).reshape(1).to(dev)
             last = self._global[self.place[self.S - 1]]
             if self.world > 1:
@@ -622,7 +634,7 @@ class Pipeline:
                 with comm.guarded("the data-parallel all-reduce of the loss"):
                     dist.all_reduce(loss, group=self.dp_group)
                     loss.div_(self.dp)
-        self.timeline, self.collectives = run.events(), run.collectives
+        self.timeline, self.collectives = run.events()
         self.steps_done += 1
         value = float(loss.item())
         if not math.isfinite(value):
@@ -637,6 +649,8 @@ class Pipeline:
         try:
             yield
         except comm.PeerLost as e:
+            if self.reducer is not None:  # no hook of the step left on the parameters
+                self.reducer.fail()
             waited = e.peer if e.peer is not None else (
                 None if run.ex.peer is None else self._global[run.ex.peer])  # global ranks
             me = self.ctx.rank
@@ -655,6 +669,8 @@ class Pipeline:
                                 "process died or stopped answering within the timeout; see its output",
                                 lost) from e
         except Exception as e:  # this rank's own error: the model's, the loss's, or a stage's
+            if self.reducer is not None:
+                self.reducer.fail()
             a = run.current
             where = f"rank {self.ctx.rank}" + (f", stage {a.stage}, microbatch {a.mb} ({a.kind})" if a else "")
             e.add_note(f"fxpipe: raised on {where} of {when}")
@@ -706,6 +722,8 @@ class Pipeline:
                     exchange.issue(x)
             run.current = None
             exchange.finish()
+            if self.sharded is not None:  # inference has no backward to free the gathered parameters
+                self.sharded.reshard()
             box: list[Any] = [_concat(run.outputs) if self.rank == last else None]
             if self.world > 1:
                 with comm.guarded("the broadcast of the output", last):
@@ -761,7 +779,6 @@ class _StepState:
         self.side_handlers: dict[str, Callable[[int, int], None]] = {"RELOAD": pp.memory.reload}
         if self.reducer is not None:
             self.side_handlers["REDUCE_GRAD"] = self.reducer.arm
-        self.collectives: list[Event] = []
         self.current: Action | None = None  # the action running, named when it fails
 
     def execute(self, program: list[Any]) -> None:
@@ -790,9 +807,12 @@ class _StepState:
     def _record(self, a: Action, start: object) -> None:
         self.clock.span(a, start, self.clock.mark())
 
-    def events(self) -> list[Event]:
-        """This step's timed actions (ms); on CUDA this waits for the device once."""
-        return [Event(self.pp.rank, a, start, end) for a, start, end in self.clock.resolve()]
+    def events(self) -> tuple[list[Event], list[Event]]:
+        """This step's timed compute actions and grad collectives (ms); on CUDA this waits for the
+        device once."""
+        every = [Event(self.pp.rank, a, start, end) for a, start, end in self.clock.resolve()]
+        return ([e for e in every if e.action.kind != "REDUCE_GRAD"],
+                [e for e in every if e.action.kind == "REDUCE_GRAD"])
 
     def forward(self, a: Action) -> None:
         pp, s, mb = self.pp, a.stage, a.mb

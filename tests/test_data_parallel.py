@@ -78,6 +78,8 @@ def _case(name: str, kw: dict[str, Any], **pipe_kw: Any) -> dict[str, Any]:
         ref_opt.zero_grad(set_to_none=True)
     for n, p in pp.named_parameters():
         torch.testing.assert_close(_full(p.detach()), ref_params[n].detach(), rtol=1e-4, atol=1e-5, msg=_named(n))
+    if pp.reducer is not None:  # grads set to None free the buckets: the reducer holds none between steps
+        assert all(b.flat is None and all(r() is None for r in b.views) for b in pp.reducer.buckets)
     out["sharding"] = _sharding(pp, opt)
     last = max(e.end for e in pp.timeline)  # the last step's: when the buckets were launched, and how many
     out["launched"] = [(e.start < last, e.start <= e.end) for e in pp.collectives]
@@ -107,6 +109,28 @@ def _errors() -> dict[str, str]:
         except pipe.PipelineError as e:
             errors[case] = str(e)
     return errors
+
+
+def _grads_after_two_steps(**pipe_kw: Any) -> dict[str, Any]:
+    """Two steps without zero_grad (grads accumulate; the tied embedding's too) against one process
+    over each step's replicas' batches; before them pos_emb, frozen when the pipeline was built, is
+    unfrozen (the replicas must then average it too). Returns the largest difference per parameter."""
+    import pipe
+    w, ref = _gpt(), _gpt()
+    w.model.pos_emb.weight.requires_grad_(False)
+    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, cost="flops", **pipe_kw)
+    for _, p in pp.named_parameters():
+        p.requires_grad_(True)
+    for step in range(2):
+        args, target = _batch(w, step, pp.dp_rank)
+        pp.step(*args, target=target)
+        parts = [_batch(ref, step, j) for j in range(pp.dp)]
+        ref.loss_fn(ref.model(torch.cat([p[0][0] for p in parts])), torch.cat([p[1] for p in parts])).backward()
+    if pp.dp_shard == "full":  # inference in between leaves the parameters sharded, as the optimizer holds them
+        pp.forward(*_batch(w, 0, pp.dp_rank)[0])
+        assert all(isinstance(p, torch.distributed.tensor.DTensor) for p in pp.parameters())
+    refs = dict(ref.model.named_parameters())
+    return {n: float((_full(p.grad) - refs[n].grad).abs().max()) for n, p in pp.named_parameters()}
 
 
 def four_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
@@ -147,6 +171,12 @@ def four_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
             res[f"loaded into {shard}"].append(pp.step(*args, target=target))
             opt.step()
             opt.zero_grad(set_to_none=True)
+    for shard in SHARDS:
+        res[f"two steps {shard}"] = _grads_after_two_steps(data_parallel=2, dp_shard=shard)
+    # states streamed in chunks: grads averaged after the step (said in the plan's notes), one bucket at a time
+    res["streamed states"] = _case("gpt", GPT, data_parallel=2, offload="states", dp_bucket_mb=0.01)
+    res["streamed states"]["notes"] = res["streamed states"].pop("pp").plan.notes
+    res["streamed states"].pop("opt")
     res["errors"] = _errors()
     return res
 
@@ -154,13 +184,24 @@ def four_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
 def test_pipeline_times_data_parallel_on_4_ranks(tmp_path: Path) -> None:
     res = run_ranks("tests.test_data_parallel:four_body", 4, timeout=400, root=str(tmp_path))
     resumed = run_ranks("tests.test_data_parallel:one_replica_body", 2, timeout=120, root=str(tmp_path))
+    for r in resumed:
+        for name, err in r["two steps"].items():
+            assert err < 1e-5, (name, err)
     for shard in SAVED:  # dp=2 (sharded as saved) resumed by dp=1 with a plain AdamW: the losses go on
         torch.testing.assert_close(torch.tensor(resumed[0][shard]), torch.tensor(res[0][f"gpt 1f1b {shard}"]["after"]),
                                    rtol=1e-5, atol=1e-5, msg=_named(shard))
     for shard in ("optimizer", "full"):  # and what the unsharded replicas saved, resumed sharded
         torch.testing.assert_close(torch.tensor(res[0][f"loaded into {shard}"]),
                                    torch.tensor(res[0]["gpt 1f1b none"]["after"]), rtol=1e-5, atol=1e-5)
-    cases = [k for k in res[0] if k != "errors" and not k.startswith("loaded into")]
+    for r in res:
+        for shard in SHARDS:
+            for name, err in r[f"two steps {shard}"].items():
+                assert err < 1e-5, (shard, name, err)
+        assert any("averaged after the step" in n for n in r["streamed states"]["notes"])
+        streamed = r["streamed states"]
+        torch.testing.assert_close(torch.tensor(streamed["losses"]), torch.tensor(streamed["ref"]), rtol=1e-5, atol=1e-5)
+    cases = [k for k in res[0] if k not in ("errors", "streamed states")
+             and not k.startswith(("loaded into", "two steps"))]
     assert len(cases) == 2 * len(SCHEDULES) * len(SHARDS) + 1
     for case in cases:
         for r in res:
@@ -205,7 +246,7 @@ def _gpt() -> Any:
     return partition.load("gpt", **GPT)
 
 
-def one_replica_body(rank: int, world: int, *, root: str) -> dict[str, list[float]]:
+def one_replica_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
     """dp=1 on 2 ranks resumes what dp=2 saved (unsharded, ZeRO-1, FSDP); each step's batch is both
     replicas' batches, in twice the microbatches."""
     import pipe
@@ -223,4 +264,5 @@ def one_replica_body(rank: int, world: int, *, root: str) -> dict[str, list[floa
             opt.step()
             opt.zero_grad(set_to_none=True)
         out[shard] = losses
+    out["two steps"] = _grads_after_two_steps()  # one replica: the tied embedding's sum of two steps
     return out
