@@ -199,7 +199,8 @@ def test_pipeline_times_data_parallel_on_4_ranks(tmp_path: Path) -> None:
                 assert err < 1e-5, (shard, name, err)
         assert any("averaged after the step" in n for n in r["streamed states"]["notes"])
         streamed = r["streamed states"]
-        torch.testing.assert_close(torch.tensor(streamed["losses"]), torch.tensor(streamed["ref"]), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(streamed["losses"]), torch.tensor(streamed["ref"]),
+                                   rtol=1e-5, atol=1e-5)
     cases = [k for k in res[0] if k not in ("errors", "streamed states")
              and not k.startswith(("loaded into", "two steps"))]
     assert len(cases) == 2 * len(SCHEDULES) * len(SHARDS) + 1
