@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import gc
 import math
 import os
 import socket
@@ -200,6 +201,8 @@ def finish() -> None:
         return
     if dist.is_initialized():  # left to C++ destructors, gloo's threads abort a finished process
         dist.destroy_process_group()
+    _KEPT.clear()  # the store too: its threads are joined now, not in the interpreter's teardown
+    gc.collect()
     if _MPI and _MPI[1] and not _MPI[0].Is_finalized():
         _MPI[0].Finalize()
 
