@@ -389,9 +389,8 @@ class Pipeline:
         late: dict[int, set[int] | None] = {}
         for s in self.local:
             st = self.stages[s]
-            fused = any(isinstance(x, Action) and x.kind == "BW" and x.stage == s for x in self.program)
-            if self.has_w and not fused:  # W finishes its nodes' grads in forward order, after B's others
-                w_params = [p for _, ps in self._zb[s][1] for p in ps]
+            if self.has_w and not self.memory.fused_backward(s):  # W finishes its nodes' grads in forward
+                w_params = [p for _, ps in self._zb[s][1] for p in ps]  # order, after what B finished
                 written = {id(p) for p in w_params}
                 order = [p for p in st.parameters() if id(p) not in written] + w_params
                 late[s] = written

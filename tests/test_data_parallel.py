@@ -100,7 +100,8 @@ def _errors() -> dict[str, str]:
                      ("dp_shard", dict(data_parallel=2, dp_shard="zero3")),
                      ("full with streamed states", dict(data_parallel=2, dp_shard="full", offload="states")),
                      ("full with a weight shared on a rank", dict(data_parallel=2, dp_shard="full", schedule="zbv")),
-                     ("zero with a factory", dict(data_parallel=2, dp_shard="optimizer"))]:
+                     ("zero with a factory", dict(data_parallel=2, dp_shard="optimizer")),
+                     ("bucket size", dict(data_parallel=2, dp_bucket_mb=True))]:
         w = partition.load("gpt", **GPT)
         try:
             pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, cost="flops", **kw)
@@ -235,7 +236,8 @@ def test_pipeline_times_data_parallel_on_4_ranks(tmp_path: Path) -> None:
              "dp_shard": ["dp_shard must be one of none, optimizer, full", "'zero3'"],
              "full with streamed states": ["dp_shard='full'", "offload='states'", "dp_shard='optimizer'"],
              "full with a weight shared on a rank": ["tok_emb.weight", "stages 0 and 3", "dp_shard='optimizer'"],
-             "zero with a factory": ["ZeroRedundancyOptimizer", "torch.optim class", "build_optimizer"]}
+             "zero with a factory": ["ZeroRedundancyOptimizer", "torch.optim class", "build_optimizer"],
+             "bucket size": ["dp_bucket_mb must be a number of MiB", "got True", "pass e.g. 25"]}
     for case, ws in words.items():
         assert len({r["errors"][case] for r in res}) == 1, case  # the same on every rank
         for word in ws:
