@@ -116,6 +116,13 @@ class GPT(nn.Module):
         if cfg.tie:
             self.lm_head.weight = self.tok_emb.weight
 
+    def _init_weights(self, module: nn.Module) -> None:
+        """GPT-2's init of one module, as Hugging Face's `_init_weights` (pipe.weights' default init of a
+        model built on the meta device calls it on each module after reset_parameters)."""
+        _init_gpt_weights(module)
+        if isinstance(module, (_CausalSelfAttention, _GPTMLP)):  # the residual projections, scaled
+            nn.init.normal_(module.proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * self.cfg.n_layer))
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:  # (B, T) int64
         pos = torch.arange(idx.size(1), device=idx.device)  # (T,)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)

@@ -17,6 +17,7 @@ import torch
 import torch.fx
 
 import partition
+from partition.meta import meta_copy
 from partition.costs import preserve_state
 from partition.plan import in_flight
 from partition.planner import Analysis, plan_from_bounds, split_heavy_ops
@@ -141,30 +142,35 @@ def steady_malloc() -> bool:
 
 
 def quality(model_spec: str | Workload, stages: list[int], *, cost: str = "measured", repeats: int = 20,
-            methods: Sequence[str] = METHODS, **model_args: Any) -> list[dict[str, Any]]:
+            methods: Sequence[str] = METHODS, meta: bool = False, **model_args: Any) -> list[dict[str, Any]]:
     """One row per (stage count, method): predicted and measured fwd+bwd ms of every stage.
 
     The model is costed once (`cost`); every method's bounds become a Plan and stage modules
     (plan_from_bounds + split_graph), and each stage's forward and backward on one microbatch
-    is timed on one thread, median of `repeats`, with glibc told to keep freed memory.
+    is timed on one thread, median of `repeats`, with glibc told to keep freed memory. `meta`: the
+    plans are made for a copy of the model on the meta device (costs measured block by block with
+    random weights, partition.measure) and their stages timed with the model's own weights.
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     steady_malloc()
     try:
-        return _quality(model_spec, stages, cost=cost, repeats=repeats, methods=methods, **model_args)
+        return _quality(model_spec, stages, cost=cost, repeats=repeats, methods=methods, meta=meta, **model_args)
     finally:
         torch.set_num_threads(threads)
 
 
 def _quality(model_spec: str | Workload, stages: list[int], *, cost: str, repeats: int, methods: Sequence[str],
-             **model_args: Any) -> list[dict[str, Any]]:
+             meta: bool = False, **model_args: Any) -> list[dict[str, Any]]:
     w = partition.load(model_spec, **model_args) if isinstance(model_spec, str) else model_spec
     if not w.layer_prefixes:
         raise ValueError(f"workload {w.name!r} names no layer_prefixes; the layer baselines need them")
     # the loss is in the graph (partition.loss), so every method's last stage computes it, as in training
-    a = Analysis(w.model, w.example_args, w.example_kwargs, cost=cost, repeats=max(5, repeats // 2),
-                 loss_fn=w.loss_fn, example_target=w.example_target)
+    model = meta_copy(w.model) if meta else w.model
+    a = Analysis(model, w.example_args, w.example_kwargs, cost=cost, repeats=max(5, repeats // 2),
+                 loss_fn=w.loss_fn, example_target=w.example_target, device="cpu")
+    real = a if not meta else Analysis(w.model, w.example_args, w.example_kwargs, cost="flops",
+                                       loss_fn=w.loss_fn, example_target=w.example_target)
     rows: list[dict[str, Any]] = []
     runs: dict[tuple[int, int], Callable[[], tuple[float, float]]] = {}
     with preserve_state(w.model):
@@ -179,8 +185,9 @@ def _quality(model_spec: str | Workload, stages: list[int], *, cost: str, repeat
                     bounds = sol.bounds
                 p = plan_from_bounds(aa, bounds, cm, schedule="1f1b", microbatches=S, stages_per_rank=1,
                                      memory_budget=None)
-                mods = split_graph(aa.gm, p)
-                for st, args in zip(mods, _stage_inputs(mods, aa.flat)):
+                timed = aa if not meta else real.with_rewrites(aa.rewrites) if aa.rewrites else real
+                mods = split_graph(timed.gm, p)  # a meta plan cuts the real model's graph: the same graph
+                for st, args in zip(mods, _stage_inputs(mods, timed.flat)):
                     runs[(len(rows), stage_io(st).index)] = _fwd_bwd(st, args)
                 rows.append(dict(model=w.name, stages=S, method=method, bounds=list(bounds), rewrites=p.rewrites,
                                  predicted_fwd=[sp.fwd_ms for sp in p.stages],
@@ -269,6 +276,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "(fxpipe's plan only); --model's own fxpipe rows are always in it")
     ap.add_argument("--cost", choices=("measured", "flops"), default="measured")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--meta", action="store_true", help="plan a copy of each model on the meta device (costs "
+                    "measured block by block, partition.measure) and time its stages with the model's weights")
     ap.add_argument("--model-arg", action="append", default=[], metavar="K=V",
                     help="keyword argument for every model factory (repeatable)")
     ap.add_argument("--out", default=None, help="folder for partition.json, partition.md and partition.png")
@@ -276,11 +285,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     stages = [int(s) for s in args.stages.split(",")]
     overrides = parse_overrides(args.model_arg)
     rows = [r for m in args.model.split(",") if m
-            for r in quality(m, stages, cost=args.cost, repeats=args.repeats, **overrides)]
+            for r in quality(m, stages, cost=args.cost, repeats=args.repeats, meta=args.meta, **overrides)]
     print_quality(rows)
     acc = [r for r in rows if r["method"] == "fxpipe"]
     acc += [r for m in args.accuracy.split(",") if m
-            for r in quality(m, stages, cost=args.cost, repeats=args.repeats, methods=("fxpipe",), **overrides)]
+            for r in quality(m, stages, cost=args.cost, repeats=args.repeats, methods=("fxpipe",), meta=args.meta,
+                             **overrides)]
     print()
     print_accuracy(acc)
     if args.out:

@@ -146,11 +146,17 @@ class _Pass:
     outputs: list[torch.Tensor]               # model outputs that backward starts from
 
 
+def storage_key(t: torch.Tensor) -> int:
+    """The identity of a tensor's storage, shared by its views; also on the meta device, where
+    every storage's data pointer is 0."""
+    return int(t.untyped_storage()._cdata)
+
+
 class _Storages:
     """Names every storage a pass allocates after the node that allocated it."""
 
     def __init__(self, gm: torch.fx.GraphModule) -> None:
-        self.skip = {t.untyped_storage().data_ptr() for t in [*gm.parameters(), *gm.buffers()]}
+        self.skip = {storage_key(t) for t in [*gm.parameters(), *gm.buffers()]}
         self.owner: dict[int, str] = {}
         self.size: dict[str, int] = {}
         self.count: dict[tuple[str, bool], int] = {}
@@ -159,7 +165,7 @@ class _Storages:
         ids = []
         for t in _tensors(value):
             st = t.untyped_storage()
-            ptr = st.data_ptr()
+            ptr = storage_key(t)
             if ptr in self.skip or st.nbytes() == 0:
                 continue
             if ptr not in self.owner:
@@ -205,7 +211,10 @@ def _forward(gm: torch.fx.GraphModule, flat_inputs: list[Any], *, observe_saved:
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         packed.append(t)
-        return t
+        # an alias without autograd history: the node's own output saved as itself would close a
+        # reference cycle through autograd's C++ graph (output -> grad_fn -> saved output), which
+        # Python's collector cannot free, and every activation and parameter of the pass would leak
+        return t.detach()
 
     hooks = (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if observe_saved
              else contextlib.nullcontext())
@@ -218,7 +227,7 @@ def _forward(gm: torch.fx.GraphModule, flat_inputs: list[Any], *, observe_saved:
                 storages.add(node.name, env[node.name])
             elif node.op == "get_attr":
                 env[node.name] = _fetch(gm, str(node.target))
-                storages.skip |= {t.untyped_storage().data_ptr() for t in _tensors(env[node.name])}
+                storages.skip |= {storage_key(t) for t in _tensors(env[node.name])}
             elif node.op == "output":
                 p.outputs = _grad_outputs(torch.fx.node.map_arg(node.args[0], lambda n: env[n.name]))
             else:
@@ -233,6 +242,7 @@ def _forward(gm: torch.fx.GraphModule, flat_inputs: list[Any], *, observe_saved:
                 if observe_saved:
                     p.storage[node.name] = next(iter(storages.add(node.name, value)), "")
                     ids = storages.add(node.name, packed, temporary=True)
+                    packed.clear()  # autograd keeps the hooks, so a tensor left here would keep its graph
                     p.saved[node.name] = {sid: storages.size[sid] for sid in ids}
     return p
 
@@ -367,7 +377,7 @@ def _count_flops(gm: torch.fx.GraphModule, node: torch.fx.Node, env: dict[str, A
 
 
 def node_costs(gm: torch.fx.GraphModule, flat_inputs: list[Any], *, cost: str = "measured",
-               names: dict[int, str] | None = None, repeats: int = 5) -> dict[str, NodeCost]:
+               names: dict[int, str] | None = None, repeats: int = 5, reference: bool = True) -> dict[str, NodeCost]:
     """Cost of every call node of `gm` on one example microbatch.
 
     Bytes saved for backward come from one forward pass of the whole graph under
@@ -376,7 +386,8 @@ def node_costs(gm: torch.fx.GraphModule, flat_inputs: list[Any], *, cost: str = 
     warm-up), times each node's forward, gives each node the backward time of the autograd
     nodes its forward created, and fits both to a clean timing of the whole graph.
     cost="flops" counts FLOPs and bytes moved per node in isolation (deterministic); both give
-    that count as `ref_ms`, which measured plans break near-ties with (stable across launches).
+    that count as `ref_ms`, which measured plans break near-ties with (stable across launches);
+    `reference=False` skips that count for measured costs (a caller that has it already).
     """
     if cost not in ("measured", "flops"):
         raise ValueError(f"cost must be 'measured' or 'flops', got {cost!r}")
@@ -406,7 +417,7 @@ def node_costs(gm: torch.fx.GraphModule, flat_inputs: list[Any], *, cost: str = 
                     c.saved_inputs.add(storage_owner(sid))
             out[node.name] = c
         for node in gm.graph.nodes:
-            if _is_call(node):
+            if _is_call(node) and (reference or cost == "flops"):
                 c = out[node.name]
                 fwd_ms, bwd_ms = _count_flops(gm, node, p.env, c)
                 c.ref_ms = fwd_ms + bwd_ms

@@ -81,6 +81,8 @@ class Plan:
     notes: list[str] = field(default_factory=list)  # faster paths not taken, and why
     leaf_modules: list[str] = field(default_factory=list)  # module types traced whole ("pkg.mod.Class")
     state_factor: float = 4.0
+    cost_device: str = ""            # where measured costs were taken ("" for FLOP counts)
+    cost_method: str = ""            # how: the whole graph op by op, block by block, or a FLOP count
     bytes_per_ms: float = 1e6
     latency_ms: float = 0.05
     format: int = FORMAT
@@ -154,8 +156,10 @@ class Plan:
                 r.insert(7, s.memory or "-")
         widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
         fmt = "  ".join("{:>%d}" % w for w in widths)
+        on = f" on {self.cost_device}" if self.cost_device else ""
+        how = f" ({self.cost_method}{on})" if self.cost_method else ""
         lines = [f"{self.model}: {self.n_stages} stages, schedule {self.schedule}, "
-                 f"{self.microbatches} microbatches, cost {self.cost}, traced by {self.tracer}",
+                 f"{self.microbatches} microbatches, cost {self.cost}{how}, traced by {self.tracer}",
                  fmt.format(*head)] + [fmt.format(*r) for r in rows]
         lines.append(f"bottleneck {self.bottleneck_ms:.2f} ms per microbatch (fwd+bwd+comm), "
                      f"imbalance {self.imbalance:.3f} (slowest / mean)")

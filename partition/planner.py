@@ -15,6 +15,8 @@ from partition.costs import NodeCost, node_costs, param_names, preserve_state, s
 from partition.errors import first_line
 from partition.graph import build_graph, coarsen
 from partition.loss import attach_loss, has_loss
+from partition.measure import Share, measure_blocks
+from partition.meta import on_meta, to_meta
 from partition.rewrite import apply_rewrites, splittable_linear, vocab_parallel_why
 from partition.plan import Plan, PlanError, StagePlan, Value, fingerprint, human_bytes, in_flight, parse_bytes
 from partition.solve import Chain, CostModel, InfeasibleBudget, Solution, solve
@@ -32,8 +34,10 @@ class Analysis:
                  leaf_modules: Sequence[type[torch.nn.Module]] = (), max_blocks: int = 2000,
                  repeats: int = 5, rewrites: Sequence[Sequence[Any]] = (),
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, example_target: Any = None,
-                 progress: Callable[[str], None] | None = None) -> None:
+                 progress: Callable[[str], None] | None = None, device: torch.device | str | None = None,
+                 share: Share | None = None) -> None:
         say = progress or (lambda _: None)
+        self.device, self.share = device, share
         self.progress = progress
         self.model = model
         self.args = tuple(example_args)
@@ -48,17 +52,37 @@ class Analysis:
         say(f"traced by {gm.meta['fxpipe_tracer']}: {len(gm.graph.nodes)} nodes ({time.perf_counter() - start:.1f} s)")
         # with the loss in the graph the last stage returns the loss and the head can be cut
         # without moving logits; loss_note says why the loss stays outside ("" when it is in)
+        self.meta = on_meta(model)  # shapes only: the analysis runs on meta copies of the inputs
+        given = (self.args, self.kwargs, example_target)
+        if self.meta:
+            self.args, self.kwargs, example_target = to_meta(given)
         self.loss_note = loss_placement(gm, model, self.args, self.kwargs, loss_fn, example_target)
         self.notes: list[str] = []  # faster paths not taken, and why (shown in the plan table)
         self.gm = apply_rewrites(gm, self.rewrites)
         self.flat = flatten_inputs(self.gm, self.args, self.kwargs, example_target)
         self.names = param_names(model)
         start = time.perf_counter()
-        say(f"costing {len(self.gm.graph.nodes)} nodes ({cost}{', timing each op' if cost == 'measured' else ''}) ...")
-        self.costs = node_costs(self.gm, self.flat, cost=cost, names=self.names, repeats=repeats)
+        # measured on the target device block by block when the model cannot run there whole: on the
+        # meta device, or with its weights on another device (partition.measure)
+        here = next((t.device for t in (*model.parameters(), *model.buffers())), torch.device("cpu"))
+        target = torch.device(device) if device is not None else here
+        blockwise = cost == "measured" and (self.meta or target != here)
+        self.cost_device = str(target if cost == "measured" else "")
+        self.cost_method = ("FLOP count" + (" (meta tensors)" if self.meta else "") if cost == "flops" else
+                            "block by block, one block's weights at a time" if blockwise else "whole graph, op by op")
+        say(f"costing {len(self.gm.graph.nodes)} nodes ({cost}{', timing each op' if cost == 'measured' else ''}"
+            f"{' block by block on ' + str(target) if blockwise else ''}) ...")
+        self.costs = node_costs(self.gm, self.flat, cost="flops" if blockwise else cost, names=self.names,
+                                repeats=repeats)
+        pbytes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
+        if blockwise:
+            members = coarsen(build_graph(self.gm, self.costs), pbytes, max_blocks=max_blocks).members
+            if self.share is not None and self.share.world > 1:
+                self.cost_method += f", shared by {self.share.world} ranks"
+            measure_blocks(self.gm, self.costs, members, flatten_inputs(self.gm, *given), target, pbytes,
+                           repeats=repeats, share=share)
         say(f"costed in {time.perf_counter() - start:.1f} s")
         self.graph = build_graph(self.gm, self.costs)
-        pbytes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
         self.blocks = coarsen(self.graph, pbytes, max_blocks=max_blocks)
 
     @property
@@ -74,7 +98,8 @@ class Analysis:
         """The same model and example analysed again with `rewrites` applied."""
         return Analysis(self.model, self.args, self.kwargs, cost=self.cost, leaf_modules=self.leaf_modules,
                         max_blocks=self.max_blocks, repeats=self.repeats, rewrites=rewrites,
-                        loss_fn=self.loss_fn, example_target=self.target, progress=self.progress)
+                        loss_fn=self.loss_fn, example_target=self.target, progress=self.progress,
+                        device=self.device, share=self.share)
 
 
 def loss_placement(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple[Any, ...],
@@ -91,7 +116,10 @@ def loss_placement(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple
         return "no example_target given"
     with torch.no_grad(), preserve_state(model):
         torch.manual_seed(0)  # the seed trace checks its graph with: dropout draws the same masks
-        output = model(*args, **kwargs)
+        if on_meta(model):  # the traced graph, whose output trace checked: an eager call may need values
+            output = pytree.tree_unflatten(pytree.tree_leaves(gm(*args, **kwargs)), gm.meta["fxpipe_out_spec"])
+        else:
+            output = model(*args, **kwargs)
         try:
             expected = loss_fn(output, target)
         except Exception as e:  # whatever the user's loss raises
@@ -221,7 +249,7 @@ def plan_from_bounds(a: Analysis, bounds: Sequence[int], cost_model: CostModel, 
                 loss_note=a.loss_note, output_bytes=_output_bytes(a.gm, a.costs), notes=notes,
                 leaf_modules=qualnames(a.leaf_modules),
                 input_spec=pytree.treespec_dumps(spec), input_constants=_constants(flat_leaves),
-                state_factor=cost_model.state_factor,
+                state_factor=cost_model.state_factor, cost_device=a.cost_device, cost_method=a.cost_method,
                 bytes_per_ms=cost_model.bytes_per_ms, latency_ms=cost_model.latency_ms)
 
 
@@ -234,7 +262,7 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
          max_blocks: int = 2000, analysis: Analysis | None = None, recompute: str = "none",
          offload: str = "none", loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
          example_target: Any = None, progress: Callable[[str], None] | None = None,
-         stable_within: float = 0.1) -> Plan:
+         stable_within: float = 0.1, device: torch.device | str | None = None, share: Share | None = None) -> Plan:
     """Balanced stages for `model`, found by the exact solver under a per-stage memory budget.
 
     `example_args`/`example_kwargs` are one microbatch. Memory per stage counts parameters
@@ -257,6 +285,11 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
     even among them by FLOP count is taken: a fresh launch gets the same cuts unless its
     measurements move a stage by more than that (the plan's notes say when this choice is not
     the fastest measured split, and by how much).
+    A model on the meta device (built under `with torch.device("meta"):`) is planned from shapes: its
+    trace, FLOP costs and memory figures come from meta tensors; cost="measured" then times each
+    block on `device` (default: where the model's weights are; pipe passes its own device), one
+    block's weights at a time (partition.measure), and so does a model whose weights are on another
+    device than `device`; `share` splits that work between ranks. The plan records how and where.
     """
     if isinstance(n_stages, bool) or not isinstance(n_stages, int) or n_stages < 1:
         raise PlanError(f"n_stages must be a positive integer (one per pipeline stage), got {n_stages!r}; "
@@ -268,7 +301,7 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
     budget = parse_bytes(memory_budget)
     a = analysis or Analysis(model, example_args, example_kwargs, cost=cost, leaf_modules=leaf_modules,
                              max_blocks=max_blocks, loss_fn=loss_fn, example_target=example_target,
-                             progress=progress)
+                             progress=progress, device=device, share=share)
     n = len(a.blocks.members)
     if n_stages > n:
         raise PlanError(f"cannot cut {type(model).__name__} into {n_stages} stages: its traced graph has "

@@ -85,6 +85,39 @@ def _attr(gm: torch.nn.Module, target: str) -> Any:
     return obj
 
 
+def subgraph(gm: torch.fx.GraphModule, own: set[str], stage_of: dict[str, int], recv: list[str],
+             outputs: list[Any], name: str) -> tuple[torch.fx.GraphModule, list[int], dict[str, list[str]]]:
+    """The nodes `own` of `gm` as a GraphModule of their own, called with the values `recv` (made
+    elsewhere; each placeholder is named after the node that makes it) and then the model inputs
+    it reads, and returning `outputs` (nodes, or constants) as a tuple. Nodes on no stage (inputs,
+    attributes, ops replicated from the inputs) are copied in where needed. Also returned: the
+    positions of the model inputs it reads, and the parameters each own node reads.
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    roots = [x for x in outputs if isinstance(x, torch.fx.Node) and x.name not in stage_of]
+    need = _needed(gm, own, stage_of, roots)
+    g = torch.fx.Graph()
+    env: dict[str, torch.fx.Node] = {}
+    for r in recv:
+        env[r] = g.placeholder(r)
+    inputs = []
+    for i, p in enumerate(placeholders):
+        if p.name in need:
+            env[p.name] = g.placeholder(p.name)
+            inputs.append(i)
+    param_nodes: dict[str, list[str]] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output") or node.name not in need:
+            continue
+        env[node.name] = g.node_copy(node, lambda n: env[n.name])
+        if node.name in own:
+            pn = _param_names(gm, node)
+            if pn:
+                param_nodes[node.name] = pn
+    g.output(tuple(env[x.name] if isinstance(x, torch.fx.Node) else x for x in outputs))
+    return torch.fx.GraphModule(gm, g, name), inputs, param_nodes
+
+
 def split_graph(gm: torch.fx.GraphModule, plan: Plan) -> list[torch.fx.GraphModule]:
     """One GraphModule per stage of `plan`; each has `.io` (a StageIO).
 
@@ -113,40 +146,13 @@ def split_graph(gm: torch.fx.GraphModule, plan: Plan) -> list[torch.fx.GraphModu
     if missing:
         raise PlanError(f"plan nodes {missing[:5]} are not in the traced graph; re-create the plan")
     recv = live_values(gm, stage_of, S)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     leaves, out_spec = flatten_outputs(gm)
     stages = []
     for s in range(S):
-        own = set(plan.stages[s].nodes)
         last = s == S - 1
-        roots = [x for x in leaves if isinstance(x, torch.fx.Node) and x.name not in stage_of] if last else []
-        need = _needed(gm, own, stage_of, roots)
-        g = torch.fx.Graph()
-        env: dict[str, torch.fx.Node] = {}
-        for r in recv[s]:
-            env[r] = g.placeholder(r)
-        inputs = []
-        for i, p in enumerate(placeholders):
-            if p.name in need:
-                env[p.name] = g.placeholder(p.name)
-                inputs.append(i)
-        param_nodes: dict[str, list[str]] = {}
-        for node in gm.graph.nodes:
-            if node.op in ("placeholder", "output") or node.name not in need:
-                continue
-            env[node.name] = g.node_copy(node, lambda n: env[n.name])
-            if node.name in own:
-                pn = _param_names(gm, node)
-                if pn:
-                    param_nodes[node.name] = pn
-        if last:
-            result = [env[x.name] if isinstance(x, torch.fx.Node) else x for x in leaves]
-            send: list[str] = [x.name if isinstance(x, torch.fx.Node) else "" for x in leaves]
-        else:
-            send = list(recv[s + 1])
-            result = [env[r] for r in send]
-        g.output(tuple(result))
-        stage = torch.fx.GraphModule(gm, g, f"Stage{s}")
+        send = [x.name if isinstance(x, torch.fx.Node) else "" for x in leaves] if last else list(recv[s + 1])
+        stage, inputs, param_nodes = subgraph(gm, set(plan.stages[s].nodes), stage_of, recv[s],
+                                              leaves if last else [names[r] for r in send], f"Stage{s}")
         stage.io = StageIO(index=s, recv=list(recv[s]), inputs=inputs, send=send, last=last,  # type: ignore[assignment]
                            out_spec=out_spec if last else None, param_nodes=param_nodes)
         stages.append(stage)

@@ -16,6 +16,7 @@ from torch.fx._pytree import tree_flatten_spec
 from partition.errors import FxpipeError, first_line
 from partition.costs import preserve_state
 from partition.loss import TARGET, has_loss
+from partition.meta import on_meta, to_meta
 
 __all__ = ["trace", "TraceError", "flatten_inputs", "flatten_outputs", "unflatten_outputs", "register_dataclasses"]
 
@@ -45,8 +46,8 @@ def _same(a: Any, b: Any) -> str | None:
             return "a tensor of its output is not a tensor in the model's"
         if isinstance(x, torch.Tensor):
             assert isinstance(y, torch.Tensor)
-            if x.shape != y.shape or x.dtype != y.dtype or not torch.allclose(x, y, rtol=1e-4, atol=1e-5,
-                                                                              equal_nan=True):
+            if x.shape != y.shape or x.dtype != y.dtype or not (x.is_meta or y.is_meta) and not torch.allclose(
+                    x, y, rtol=1e-4, atol=1e-5, equal_nan=True):  # on the meta device: shapes and dtypes only
                 return "its output differs from the model's on the example inputs"
         elif x != y:
             return f"its output holds {x!r} where the model's holds {y!r}"
@@ -159,29 +160,46 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
     (tuple, dict, dataclass, ModelOutput, ...) is recorded in `gm.meta["fxpipe_out_spec"]`
     (see flatten_outputs). The model is left as it was: buffers, grads, training modes,
     attributes and the RNG state.
+
+    A model on the meta device (partition.meta) is traced on meta copies of the inputs and checked by
+    its output's structure, shapes and dtypes. Where its eager call cannot run on meta tensors (control
+    flow on values, as in Hugging Face's mask helpers), torch.export traces it alone: export runs the
+    model's own Python code, and its graph returns the model's output structure.
     """
     args = tuple(example_args)
     kwargs = dict(example_kwargs or {})
     leaves = tuple(leaf_modules)
     name = type(model).__name__
+    meta = on_meta(model)
+    if meta:
+        args, kwargs = to_meta((args, kwargs))
+    tracers = [("torch.fx.symbolic_trace", lambda: _symbolic(model, leaves)),
+               ("torch.export.export", lambda: _export(model, args, kwargs))]
     with preserve_state(model):
+        expected: Any = None
+        eager = ""
         try:
             expected = _run(model, args, kwargs)
         except Exception as e:
-            raise TraceError(f"cannot trace {name}: calling it on the example inputs fails "
-                             f"({type(e).__name__}: {first_line(e, 300)}); pass one microbatch the model "
-                             "accepts as example_args (positional) and example_kwargs (keywords)") from e
+            if not meta:
+                raise TraceError(f"cannot trace {name}: calling it on the example inputs fails "
+                                 f"({type(e).__name__}: {first_line(e, 300)}); pass one microbatch the model "
+                                 "accepts as example_args (positional) and example_kwargs (keywords)") from e
+            tracers = tracers[1:]
+            eager = f"{type(e).__name__}: {first_line(e, 200)}"
         register_dataclasses(expected)
         register_dataclasses((args, kwargs))
         reasons: list[str] = []
-        for tracer, fn in (("torch.fx.symbolic_trace", lambda: _symbolic(model, leaves)),
-                           ("torch.export.export", lambda: _export(model, args, kwargs))):
+        for tracer, fn in tracers:
             try:
                 gm = fn()
                 got = _run(gm, args, kwargs)
             except Exception as e:  # both tracers raise many kinds of errors
                 reasons.append(f"{tracer} failed with {type(e).__name__}: {first_line(e, 300)}")
                 continue
+            if len(tracers) == 1 and meta:  # export alone: its graph is the model's code on these shapes
+                expected = got
+                gm.meta["fxpipe_unchecked"] = f"not run eagerly on the meta device ({eager})"
             why = _same(got, expected)
             spec = pytree.tree_flatten(expected)[1]
             if why is None and len(flatten_outputs(gm, check=False)[0]) != spec.num_leaves:

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from partition.errors import FxpipeError, first_line
 import partition
-from partition.plan import Plan
+from partition.plan import Plan, human_bytes
 from partition.planner import check_scalar_loss, qualnames
 from partition.signature import check_call
 from partition.split import StageIO
@@ -32,6 +32,9 @@ from pipe.backward import Saved, backward_full, backward_input, backward_weight,
 from pipe.schedules import Action, ScheduleError, build, default_stages_per_rank, in_flight_limit, placement
 from pipe.simulate import Event, Timeline
 from pipe.timing import clock_for
+from pipe.weights import Init, allocate, default_init, empty_like, init_stages, unset
+from partition.meta import on_meta, to_meta
+from partition.measure import Share, release_memory
 
 __all__ = ["NonFiniteLoss", "Pipeline", "PipelineError", "split_microbatches"]
 
@@ -66,6 +69,13 @@ def _agree(error: str | None) -> None:
     for r, e in enumerate(errors):
         if e is not None:
             raise PipelineError(f"rank {r} failed while setting up the pipeline: {e}")
+
+
+def _gather(obj: Any) -> list[Any]:
+    """Every rank's `obj`, on every rank (all ranks of the job)."""
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 class NonFiniteLoss(FxpipeError, FloatingPointError):
@@ -120,7 +130,8 @@ class Pipeline:
                  example_target: Any = None, leaf_modules: Sequence[type[torch.nn.Module]] = (),
                  progress: Callable[[str], None] | None = None, transport: comm.Transport | None = None,
                  optimizer: Callable[..., torch.optim.Optimizer] | None = None, mesh: Any = None,
-                 data_parallel: int = 1, dp_shard: str = "none", dp_bucket_mb: float | None = None) -> None:
+                 data_parallel: int = 1, dp_shard: str = "none", dp_bucket_mb: float | None = None,
+                 weights: Any = None) -> None:
         if loss_fn is None or not callable(loss_fn):
             raise PipelineError(f"loss_fn must be a callable (output, target) -> scalar loss, got {loss_fn!r}; "
                                 "pass e.g. loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())")
@@ -131,6 +142,8 @@ class Pipeline:
             self._optimizer = optimizer
         except ValueError as e:
             raise PipelineError(str(e)) from None
+        self.meta = on_meta(model)
+        self._weights = self._check_weights(model, weights)
         interleaved = schedule.startswith("interleaved")
         if stages_per_rank is None:
             try:
@@ -186,6 +199,10 @@ class Pipeline:
         args, kwargs = tuple(example_args), dict(example_kwargs or {})
         self.plan = self._agree_on_plan(model, args, kwargs, plan, cost, memory_budget, (recompute, offload),
                                         example_target)
+        if self.meta:
+            release_memory()  # what planning held (fx graphs in reference cycles, the heap it grew)
+        if progress is not None:
+            progress(f"building this rank's stages{' (materialized from the meta device)' if self.meta else ''} ...")
         try:
             gm = trace(model, args, kwargs, leaf_modules=self.leaf_modules)
             why = attach_loss(gm, loss_fn) if self.plan.loss else None
@@ -212,8 +229,18 @@ class Pipeline:
         self._buffer_names = {s: {n: orig[id(b)] for n, b in stages[s].named_buffers() if id(b) in orig}
                               for s in self.local}
         self._placed = {id(b) for st in stages for b in st.buffers()}
-        self.stages = {s: stages[s].to(self.ctx.device) for s in self.local}
+        self._names = {id(p): n for n, p in model.named_parameters()}
+        self._model = model
+        self.sharded: ShardedStages | None = None
+        self._unplaced: dict[str, torch.Tensor] = {}  # a meta model's buffers no stage reads (rank 0's)
+        if self.meta:
+            self.stages = self._materialize(model, stages)
+        else:
+            self.stages = {s: stages[s].to(self.ctx.device) for s in self.local}
         self.io: dict[int, StageIO] = {s: stages[s].io for s in self.local}  # type: ignore[misc]
+        self._fill(model)
+        if self.meta:
+            release_memory()  # the reads of the weights
         self.memory: MemoryManager = self._build_memory(model, costs, recompute, offload, memory_budget)
         self._zb: dict[int, tuple[torch.fx.GraphModule, list[tuple[str, list[torch.nn.Parameter]]],
                                   list[torch.nn.Parameter]]] = {}
@@ -221,7 +248,6 @@ class Pipeline:
             for s in self.local:
                 self._zb[s] = with_param_outputs(self.stages[s], self.io[s].param_nodes)
                 self.memory.set_weight_order(s, [n for n, _ in self._zb[s][1]], self._zb[s][2])
-        self._names = {id(p): n for n, p in model.named_parameters()}
         # the module each stage calls; dp_shard="full" shards it (FSDP) and trains its parameters
         self._trained = {s: self._zb[s][0] if self.has_w else self.stages[s] for s in self.local}
         self.sharded = self._shard(offload) if self.dp_shard == "full" else None
@@ -232,7 +258,7 @@ class Pipeline:
         self.program = with_reloads(mine, self.memory.reload_stages())[self.rank]
         self.reducer = self._make_reducer(dp_bucket_mb)
         self.memory.set_program(self.program)
-        self._model = model
+        self._note_param_placement(model)
         self._tied_groups = self._make_tied_groups()
         self.transport: comm.Transport = transport or comm.TorchTransport(
             None if self.pp_group is None else self._global)
@@ -240,6 +266,105 @@ class Pipeline:
         self.collectives: list[Event] = []  # the last step's grad all-reduces (REDUCE_GRAD, mb = bucket)
 
     # ----- set-up -----
+    def _check_weights(self, model: torch.nn.Module, weights: Any) -> Any:
+        """weights= as pipe.weights takes it (an Init, a source of a state dict, or None), refused
+        alike on every rank before anything runs."""
+        name = type(model).__name__
+        if isinstance(weights, (str, Path, dict)) or weights is None:
+            if weights is None and self.meta:
+                fn = default_init(model)
+                if fn is None:
+                    raise PipelineError(
+                        f"{name} is on the meta device, so its weights have no values, and neither weights= nor an "
+                        "init is there to give them: no module has reset_parameters() and the model has no "
+                        "_init_weights; pass weights= a state dict of the model (a .safetensors, .pt, a folder of "
+                        "Hugging Face shards, a checkpoint or a dict) or an init function fn(module)")
+                return Init(fn)
+            if weights is not None and not isinstance(weights, dict) and not Path(weights).exists():
+                raise PipelineError(f"weights={str(weights)!r} does not exist; give a .safetensors, .pt or .bin file, "
+                                    "a folder of Hugging Face shards, an fxpipe or torch.distributed.checkpoint folder")
+            return weights
+        if isinstance(weights, Init) or callable(weights):
+            if not self.meta:
+                raise PipelineError(f"weights= is an init function but {name} is not on the meta device: its weights "
+                                    "have values already; build the model under `with torch.device('meta'):` to have "
+                                    "each rank initialise only its stages, or leave weights= out")
+            init = weights if isinstance(weights, Init) else Init(weights)
+            return init if init.fn is not None else Init(default_init(model), init.seed)
+        raise PipelineError(f"weights= takes a state dict (a dict, or the path of a .safetensors, .pt, a folder of "
+                            f"Hugging Face shards or a checkpoint) or an init function fn(module), got "
+                            f"{type(weights).__name__}")
+
+    def _materialize(self, model: torch.nn.Module, stages: list[torch.fx.GraphModule]
+                     ) -> dict[int, torch.fx.GraphModule]:
+        """This rank's stages of a meta model as new modules with storage on this rank's device (one
+        tensor per tied weight on the rank); rank 0 also holds the buffers no stage reads."""
+        device = self.ctx.device
+        error: str | None = None
+        copies: list[Any] = []
+        made: dict[int, torch.Tensor] = {}
+        try:
+            copies, made = allocate([stages[s] for s in self.local], device)
+        except ValueError as e:
+            error = f"{type(e).__name__}: {e}"
+        _agree(error)
+        if self.rank == 0:
+            for k, b in model.named_buffers():
+                if id(b) not in self._placed:
+                    self._unplaced[k] = made.setdefault(id(b), empty_like(b, device) if b.is_meta else b.to(device))
+        self._names = {id(made[i]): n for i, n in self._names.items() if i in made}
+        self._made = made
+        for s, c in zip(self.local, copies):
+            c.io = stages[s].io
+        return dict(zip(self.local, copies))
+
+    def _note_param_placement(self, model: torch.nn.Module) -> None:
+        """A plan note: the parameter bytes each pipeline rank holds, where, and what the model built on
+        each rank holds besides (the whole model, unless it was built on the meta device)."""
+        per = [0] * self.world
+        for st in self.plan.stages:
+            per[self.place[st.index]] += st.param_bytes
+        whole = sum(p.numel() * p.element_size() for p in model.parameters())
+        where = "the host" if self.ctx.device.type == "cpu" else f"{self.ctx.device.type} (each rank's own)"
+        self.plan.notes.append(
+            f"parameters per rank, on {where}: " + ", ".join(f"rank {r} {human_bytes(b)}" for r, b in enumerate(per))
+            + (f"; built on the meta device, no rank holds more (the model: {human_bytes(whole)})" if self.meta else
+               f"; every rank also built the whole model ({human_bytes(whole)}) on "
+               f"{next((p.device for p in model.parameters()), 'the host')}: build it under "
+               "`with torch.device('meta'):` and pass weights= to hold only the stages"))
+
+    def _fill(self, model: torch.nn.Module) -> None:
+        """Give a meta model's local stages their values (weights=), or load a state dict into a real
+        model's; every rank fails alike, naming the tensors no source gave a value."""
+        w = self._weights
+        if w is None:
+            return
+        if not isinstance(w, Init):
+            self.load_model_state(w)
+            what = "the state dict given" if isinstance(w, dict) else str(w)
+        else:
+            assert w.fn is not None
+            error = None
+            try:
+                init_stages(model, self._made, w.fn, w.seed)
+            except Exception as e:  # the user's init function
+                error = f"the init function failed on this rank's stages ({type(e).__name__}: {first_line(e)})"
+            _agree(error)
+            what = "the init function"
+        if not self.meta:
+            return
+        named: dict[str, torch.Tensor] = dict(self.named_parameters())
+        named.update(self.local_buffers())
+        missing = unset(named)
+        _agree(None if not missing else
+               f"{', '.join(missing[:6])}{' and more' if len(missing) > 6 else ''} of {type(model).__name__} (on the "
+               f"meta device) got no value from {what}: a state dict does not hold non-persistent buffers, and an "
+               "init must write every parameter and buffer; give an init function that writes them, or build these "
+               "tensors outside `with torch.device('meta')`")
+        self.plan.notes.append(f"built on the meta device: each rank allocated only its stages, on {self.ctx.device}, "
+                               f"and took their values from {what}" + (
+                                   f" (seeded per module from seed {w.seed})" if isinstance(w, Init) else ""))
+
     def _agree_on_plan(self, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                        plan: Plan | str | Path | None, cost: str, budget: float | str | None,
                        features: tuple[str, str] = ("none", "none"), example_target: Any = None) -> Plan:
@@ -253,15 +378,23 @@ class Pipeline:
             neighbour = self._rows[0][1] if self.world > 1 else 0  # global rank 0's next pipeline rank
             link = launch.measure_link(self.ctx.device, peer=neighbour) if cost == "measured" else None
             bytes_per_ms, latency_ms = link or (1e6, 0.05)
+            # a model that cannot run whole on this device (on the meta device, or its weights elsewhere)
+            # is timed block by block here (partition.measure); ranks with devices of their own measure a
+            # share each, gathered; ranks sharing the host's cores all measure every block at once, as
+            # they will run (a rank that finished its share early would leave the others a faster machine)
+            here = next((t.device for t in (*model.parameters(), *model.buffers())), self.ctx.device)
+            blockwise = cost == "measured" and (self.meta or here != self.ctx.device)
+            own_device = self.ctx.device.type != "cpu"
+            share = Share(self.ctx.rank, self.ctx.world_size, _gather) if blockwise and own_device else None
             d = _Broadcast.run(lambda: partition.plan(
                 model, args, self.S, example_kwargs=kwargs, cost=cost, schedule=self.schedule_name,
                 microbatches=self.M, memory_budget=budget, stages_per_rank=self.v,
                 in_flight_counts=flights, recompute=features[0], offload=features[1], loss_fn=self.loss_fn,
                 example_target=example_target, bytes_per_ms=bytes_per_ms, latency_ms=latency_ms,
                 leaf_modules=self.leaf_modules, progress=self.progress,
-                state_factor=2.0 + self._state_factor()).to_dict(),
+                state_factor=2.0 + self._state_factor(), device=self.ctx.device, share=share).to_dict(),
                 self.ctx.rank,
-                everyone=cost == "measured" and self.ctx.device.type == "cpu")
+                everyone=cost == "measured" and (self.ctx.device.type == "cpu" or blockwise))
             plan = Plan.from_dict(d)
         if sorted(plan.leaf_modules) != sorted(qualnames(self.leaf_modules)):
             raise PipelineError(f"the plan was made with leaf_modules={plan.leaf_modules} but this pipeline traces "
@@ -280,7 +413,8 @@ class Pipeline:
         if recompute == "none" and offload == "none" and budget is None:
             return {}
         from partition.costs import node_costs
-        found = node_costs(self._gm, flatten_inputs(self._gm, args, kwargs, self._example_target), cost="flops")
+        flat = flatten_inputs(self._gm, args, kwargs, self._example_target)
+        found = node_costs(self._gm, to_meta(flat) if self.meta else flat, cost="flops")
         return {n: memory.NodeCost(c.fwd_ms, c.out_bytes, c.saved_bytes, tuple(c.params), tuple(c.saved.items()),
                                   c.storage)
                 for n, c in found.items()}
@@ -488,11 +622,31 @@ class Pipeline:
         parallel replicas, how many ways its parameters (dp_shard_params) and its optimizer state
         (dp_shard_optimizer) are split among them (the bytes are this rank's)."""
         report = self.memory.report()
-        for row in report.values():
+        for s, row in report.items():
+            row["params_host"], row["params_device"] = self._param_bytes(s)
             row["dp_replicas"] = self.dp
             row["dp_shard_params"] = self.dp if self.dp_shard == "full" else 1
             row["dp_shard_optimizer"] = self._state_split
         return report
+
+    def _param_bytes(self, s: int) -> tuple[int, int]:
+        """Bytes of stage s's parameters (this rank's share of them) in host memory and on the device:
+        the tensors the stage holds, by where they are, and the chunks streamed state keeps on the host."""
+        host = device = 0
+        seen: set[int] = set()
+        for p in (self.stages if self.sharded is None else self._trained)[s].parameters():
+            t = p.to_local() if isinstance(p, DTensor) else p
+            if id(t) in seen or t.untyped_storage().nbytes() == 0:  # streamed out: counted by its chunk
+                continue
+            seen.add(id(t))
+            if t.device.type == "cpu":
+                host += t.numel() * t.element_size()
+            else:
+                device += t.numel() * t.element_size()
+        store = getattr(self.memory, "store", None)
+        if store is not None:
+            host += sum(ch.nbytes for ch in store.chunks if ch.owner == s)
+        return host, device
 
     def state_key_names(self) -> dict[str, str]:
         """Every key of the model's state dict -> the name its tensor is saved under (tied aliases
@@ -514,7 +668,7 @@ class Pipeline:
         if self.rank == 0:
             for k, b in self._model.named_buffers():
                 if id(b) not in self._placed:
-                    out.setdefault(k, b)
+                    out.setdefault(k, self._unplaced.get(k, b))
         return out
 
     def save(self, path: str | Path, optimizer: torch.optim.Optimizer | None = None,
@@ -550,7 +704,7 @@ class Pipeline:
             parts = [mine]
         if self.rank != 0:
             return None
-        full = {k: v.detach().cpu().clone() for k, v in self._model.state_dict().items()}
+        full = {k: v.detach().cpu().clone() for k, v in self._model.state_dict().items() if not v.is_meta}
         for part in parts:
             full.update(part)
         return full

@@ -7,7 +7,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
@@ -66,14 +66,87 @@ def load_full_optimizer_state(path: str | Path, model: torch.nn.Module, optimize
 
 
 # ----- a full state dict of the unpartitioned model, into a pipeline -----
-class _Source:
-    """Tensors by name from a .pt/.bin, a .safetensors or a folder of Hugging Face shards."""
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+                       "F8_E5M2": torch.float8_e5m2}
 
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
+
+class _Safetensors:
+    """One .safetensors file, read tensor by tensor with plain reads (the format: an 8-byte little-endian
+    header size, a JSON header of dtype, shape and byte offsets per tensor, then the data). Not mapped:
+    a mapped file's pages count in the reader's resident set as long as the mapping lives, so reading a
+    rank's share through a mapping would hold it twice."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 0 < size < 1 << 30:
+                raise ValueError(f"a header of {size} bytes")
+            header = json.loads(f.read(size))
+        self.start = 8 + size
+        self.entries = {k: v for k, v in header.items() if k != "__metadata__"}
+        for k, v in self.entries.items():
+            if v.get("dtype") not in _SAFETENSORS_DTYPES:
+                raise ValueError(f"{k} has dtype {v.get('dtype')!r}, which fxpipe does not read")
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.entries[key]["shape"])
+
+    def read_into(self, key: str, dst: torch.Tensor) -> bool:
+        """Read `key` straight into `dst` when `dst` can take its bytes as they are (a contiguous host
+        tensor of its dtype and shape); False when it cannot (read with get_tensor and copy then)."""
+        e = self.entries[key]
+        if (dst.device.type != "cpu" or not dst.is_contiguous() or dst.dtype != _SAFETENSORS_DTYPES[e["dtype"]]
+                or list(dst.shape) != list(e["shape"]) or dst.numel() == 0):
+            return False
+        lo, hi = e["data_offsets"]
+        with torch.no_grad(), open(self.path, "rb") as f:
+            f.seek(self.start + lo)
+            if f.readinto(dst.detach().reshape(-1).view(torch.uint8).numpy().data) != hi - lo:
+                raise CheckpointError(f"{self.path} ends inside {key}; the file is damaged")
+        return True
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        e = self.entries[key]
+        lo, hi = e["data_offsets"]
+        buf = bytearray(hi - lo)
+        with open(self.path, "rb") as f:
+            f.seek(self.start + lo)
+            if f.readinto(buf) != hi - lo:
+                raise CheckpointError(f"{self.path} ends inside {key}; the file is damaged")
+        dtype = _SAFETENSORS_DTYPES[e["dtype"]]
+        flat = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
+        return flat.reshape(e["shape"])
+
+
+class _Source:
+    """Tensors by name from a dict, a .pt/.bin, a .safetensors, a folder of Hugging Face shards or a
+    torch.distributed.checkpoint folder (not fxpipe's: those go through the manifest)."""
+
+    def __init__(self, path: str | Path | Mapping[str, torch.Tensor]) -> None:
         self.files: dict[str, Path] = {}   # key -> file holding it
         self._open: dict[Path, Any] = {}
+        self._dict: Mapping[str, torch.Tensor] | None = None
+        self._dcp: Any = None  # the DCP folder's metadata
+        if isinstance(path, Mapping):
+            bad = [k for k, v in path.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+            if bad:
+                raise CheckpointError(f"the state dict given maps {bad[:4]} to something other than a tensor; give "
+                                      "a dict of parameter and buffer names to tensors (model.state_dict())")
+            self._dict, self.path, self.keys = path, Path("the state dict given"), set(path)
+            return
+        self.path = Path(path)
         p = self.path
+        if p.is_dir() and (p / ".metadata").is_file() and not any((p / n).exists() for n in (
+                "model.safetensors.index.json", "pytorch_model.bin.index.json")):
+            self._dcp = read_metadata(p)
+            self.keys = {k for k, v in self._dcp.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+            return
         if p.is_dir():
             for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
                 if (p / index).is_file():
@@ -106,8 +179,7 @@ class _Source:
                 raise CheckpointError(f"{f} is missing (named by the shard index of {self.path})")
             try:
                 if self._safetensors(f):
-                    from safetensors import safe_open
-                    self._open[f] = safe_open(str(f), framework="pt")
+                    self._open[f] = _Safetensors(f)
                 else:
                     try:  # mapped, so a rank reads only the tensors it asks for
                         self._open[f] = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
@@ -126,34 +198,65 @@ class _Source:
         return list(self._handle(f).keys())
 
     def shape(self, key: str) -> tuple[int, ...]:
+        if self._dict is not None:
+            return tuple(self._dict[key].shape)
+        if self._dcp is not None:
+            return tuple(self._dcp.state_dict_metadata[key].size)
         h = self._handle(self.files[key])
         if self._safetensors(self.files[key]):
-            return tuple(h.get_slice(key).get_shape())
+            return h.shape(key)
         t = h[key]
         if not isinstance(t, torch.Tensor):
             raise CheckpointError(f"{self.files[key]}: {key} is a {type(t).__name__}, not a tensor")
         return tuple(t.shape)
 
     def get(self, key: str) -> torch.Tensor:
+        if self._dict is not None:
+            return self._dict[key]
+        if self._dcp is not None:
+            return self.read([key])[key]
         h = self._handle(self.files[key])
         return h.get_tensor(key) if self._safetensors(self.files[key]) else h[key]
 
+    def copy_into(self, key: str, dst: torch.Tensor) -> None:
+        """dst <- the tensor `key`; a .safetensors file is read straight into a host tensor."""
+        if not (self._dict is None and self._dcp is None and self._safetensors(self.files[key])
+                and self._handle(self.files[key]).read_into(key, dst)):
+            dst.copy_(self.get(key))
 
-def load_model_state(pp: "Pipeline", path: str | Path) -> None:
+    @property
+    def batched(self) -> bool:
+        """Whether tensors are best read together (a DCP folder) rather than one at a time."""
+        return self._dcp is not None
+
+    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        """The tensors of `keys` (a DCP folder reads them in one pass, only those)."""
+        if self._dcp is None:
+            return {k: self.get(k) for k in keys}
+        entries = self._dcp.state_dict_metadata
+        out = {k: torch.empty(tuple(entries[k].size), dtype=entries[k].properties.dtype) for k in keys}
+        dcp_load(out, self.path, no_dist=True)
+        return out
+
+
+def load_model_state(pp: "Pipeline", path: str | Path | Mapping[str, torch.Tensor]) -> None:
     """Load a state dict of the unpartitioned model into the pipeline (a collective call), strictly:
     every key of the model (a tied weight under any of its names), no key it lacks, the same
     shapes. `path`: a .pt/.bin (read with weights_only and mmap), a .safetensors, a folder of
     Hugging Face shards (model.safetensors.index.json or pytorch_model.bin.index.json, or one
-    model.safetensors / pytorch_model.bin), or an fxpipe checkpoint. Each rank reads only the
-    tensors its stages hold."""
+    model.safetensors / pytorch_model.bin), an fxpipe checkpoint or another torch.distributed.checkpoint
+    folder, or a dict. Each rank reads only the tensors its stages hold; every key and shape is
+    checked before any tensor changes, then a file's tensors are read and copied one at a time."""
     names = pp.state_key_names()
     aliases: dict[str, list[str]] = {}
     for key, first in names.items():
         aliases.setdefault(first, []).append(key)
 
-    folder = resolve_everywhere(path, optional=True)  # an fxpipe checkpoint: the version rank 0 resolved
+    # an fxpipe checkpoint: the version rank 0 resolved
+    folder = None if isinstance(path, Mapping) else resolve_everywhere(path, optional=True)
+    where = "the state dict given" if isinstance(path, Mapping) else str(path)
 
-    def check() -> dict[str, torch.Tensor]:
+    def check() -> dict[str, Any]:
         """This rank's tensors, read and checked before anything changes."""
         if folder is not None:
             manifest = read_manifest(folder)
@@ -166,30 +269,43 @@ def load_model_state(pp: "Pipeline", path: str | Path) -> None:
         unexpected = sorted(src.keys - set(names))
         missing = sorted(first for first, keys in aliases.items() if not any(k in src.keys for k in keys))
         if unexpected or missing:
-            raise CheckpointError(f"{path} does not match this model: it {key_difference(missing, unexpected)}; "
+            raise CheckpointError(f"{where} does not match this model: it {key_difference(missing, unexpected)}; "
                                   "load a state dict of this model (strip or add a prefix to its keys if that "
                                   "is all that differs)")
-        loaded = {}
+        first = {}
+        wrong = []
         for k, t in model_tensors(pp).items():
             present = [a for a in aliases[k.removeprefix("model.")] if a in src.keys]
             if src.shape(present[0]) != tuple(t.shape):
-                raise CheckpointError(f"{path}: {present[0]} has shape {list(src.shape(present[0]))}, this model's "
-                                      f"is {list(t.shape)}; load a state dict of this model")
-            loaded[k] = src.get(present[0])
-            for other in present[1:]:  # names the model ties must hold one value
-                if not torch.equal(src.get(other), loaded[k]):
-                    raise CheckpointError(f"{path} holds different values for {present[0]} and {other}, which this "
+                wrong.append(f"{present[0]} has shape {list(src.shape(present[0]))}, this model's {list(t.shape)}")
+            first[k] = present
+        if wrong:
+            raise CheckpointError(f"{where} does not match this model's shapes: {'; '.join(wrong[:4])}"
+                                  f"{' (and more)' if len(wrong) > 4 else ''}; load a state dict of this model")
+        for present in first.values():  # names the model ties must hold one value
+            for other in present[1:]:
+                if not torch.equal(src.get(other), src.get(present[0])):
+                    raise CheckpointError(f"{where} holds different values for {present[0]} and {other}, which this "
                                           "model ties (one tensor); load a state dict of a model with the same ties")
-        return loaded
+        if src.batched:  # a DCP folder: this rank's tensors in one read
+            values = src.read([present[0] for present in first.values()])
+            return {k: values[present[0]] for k, present in first.items()}
+        # each read when copied, straight into its tensor where it can be
+        return {k: lambda dst, key=present[0]: src.copy_into(key, dst) for k, present in first.items()}
 
     targets = everywhere(check)
     if folder is not None:
         dcp_load(targets, folder)
 
     def apply() -> None:
+        """Copy in, one tensor at a time (a file's tensor is read, copied and dropped in turn)."""
         with torch.no_grad():
             for k, t in model_tensors(pp).items():
-                t.copy_(targets[k])
+                value = targets[k]
+                if callable(value):
+                    value(t)
+                else:
+                    t.copy_(value)
     everywhere(apply)
 
 

@@ -1,0 +1,183 @@
+"""Measured costs block by block on the target device, one block's weights at a time.
+
+For a model on the meta device (or one whose weights sit elsewhere than where the pipeline will
+run) the whole graph cannot be run to time it. Each coarsened block (partition.graph) is cut out
+as a GraphModule of its own (partition.split.subgraph), its parameters and buffers are allocated
+on the target device (random values where the model has none: timing does not depend on them;
+the model's own values otherwise), its inputs are made from the shapes the analysis recorded
+(the example's own tensors where it reads a model input; random floats and zero integers where
+it reads another block's output), and node_costs times it as it times a whole graph: node by
+node, fitted to clean runs of the block, with the bytes saved for backward observed there. The
+block is then freed, so the peak is one block's weights plus one microbatch's activations of it.
+
+Several ranks share the work: rank r measures the blocks b with b % world == r, and the results
+are gathered, so every rank holds the same costs; the caller's rank 0 still decides the plan
+(pipe broadcasts it), so noise between ranks cannot make two plans.
+"""
+from __future__ import annotations
+
+import copy
+import ctypes
+import gc
+import statistics
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx
+
+from partition.costs import NodeCost, node_costs, storage_owner
+from partition.split import subgraph
+
+__all__ = ["Share", "measure_blocks", "materialize", "segments", "release_memory"]
+
+
+@dataclass
+class Share:
+    """How the ranks split the measurement: this rank, how many, and a gather of one object per
+    rank (every rank gets the list); the defaults measure everything here."""
+    rank: int = 0
+    world: int = 1
+    gather: Callable[[Any], list[Any]] | None = None
+
+
+def release_memory(generation: int = 2) -> None:
+    """Collect garbage up to `generation` (1 frees what was made since the last collections, fast;
+    2 walks every object, slow on a large heap) and hand the C heap's free pages back to the system
+    (glibc's malloc_trim), so a freed block's weights leave the resident set instead of staying in
+    the process's heap."""
+    gc.collect(generation)
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # another C library: its own policy holds
+        pass
+
+
+def materialize(module: torch.nn.Module, device: torch.device) -> None:
+    """Give every meta parameter and buffer of `module` (in place; a tensor tied between
+    submodules stays one) storage on `device`: small random values for floating point, zeros
+    otherwise; real ones are moved to `device`."""
+    made: dict[int, torch.Tensor] = {}
+    for m in module.modules():
+        for table in (m._parameters, m._buffers):
+            for k, t in table.items():
+                if t is None:
+                    continue
+                if id(t) not in made:
+                    with torch.no_grad():
+                        if not t.is_meta:
+                            new = t.detach().to(device)
+                        elif t.is_floating_point():
+                            new = torch.randn(t.shape, dtype=t.dtype, device=device).mul_(0.02)
+                        else:
+                            new = torch.zeros(t.shape, dtype=t.dtype, device=device)
+                    made[id(t)] = torch.nn.Parameter(new, t.requires_grad) if isinstance(
+                        t, torch.nn.Parameter) else new
+                table[k] = made[id(t)]  # type: ignore[assignment]
+    for m in module.modules():  # tensor constants torch.export keeps as plain attributes
+        for name, value in list(vars(m).items()):
+            if isinstance(value, torch.Tensor):
+                setattr(m, name, torch.zeros(value.shape, dtype=value.dtype, device=device) if value.is_meta
+                        else value.to(device))
+
+
+def _input(cost: NodeCost, device: torch.device) -> torch.Tensor:
+    """A stand-in for another block's output: its shape, stride and dtype on `device`."""
+    dtype = getattr(torch, cost.dtype)
+    t = torch.empty_strided(cost.shape, cost.stride or _contiguous(cost.shape), dtype=dtype, device=device)
+    if t.is_floating_point():
+        t.normal_()
+        t.requires_grad_(cost.requires_grad)
+    else:
+        t.zero_()
+    return t
+
+
+def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(stride))
+
+
+def _example(x: Any, device: torch.device) -> Any:
+    """A model input for the block: the example's tensor on `device` (zeros for a meta one)."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    if x.is_meta:
+        return torch.zeros(x.shape, dtype=x.dtype, device=device)
+    return x.detach().to(device).requires_grad_(x.requires_grad)
+
+
+def segments(members: list[list[str]], costs: dict[str, NodeCost], param_bytes: dict[str, int],
+             parts: int = 64, least: int = 4 << 20) -> list[list[int]]:
+    """Consecutive blocks grouped into units measured together: each holds at most a `parts`-th of
+    the model's parameter bytes (but `least` bytes may always go together, so a small model is not
+    timed in dozens of tiny pieces), or one block where a block alone holds more."""
+    held = [sum(param_bytes.get(p, 0) for p in {p for u in block for p in costs[u].params}) for block in members]
+    cap = max(max(held, default=0), sum(param_bytes.values()) / parts, least)
+    out: list[list[int]] = [[]]
+    total = 0
+    for b, nb in enumerate(held):
+        if out[-1] and total + nb > cap:
+            out.append([])
+            total = 0
+        out[-1].append(b)
+        total += nb
+    return out
+
+
+def measure_blocks(gm: torch.fx.GraphModule, costs: dict[str, NodeCost], members: list[list[str]],
+                   flat_inputs: list[Any], device: torch.device, param_bytes: dict[str, int], *,
+                   repeats: int = 5, sweeps: int = 3, share: Share | None = None) -> None:
+    """Time the blocks of `members` on `device`, in units of consecutive blocks (`segments`: at most a
+    64th of the parameters or 4 MiB each, or one block), this rank's share of the units (the rest
+    gathered through `share`), and write each node's measured times and saved bytes into `costs`,
+    in place. The units are swept `sweeps` times, each time materialized, timed (a warm-up round,
+    then `repeats // sweeps` rounds, at least one) and freed, and each node takes the median over the
+    sweeps: a burst of load on the machine then hits one sample of a unit, not all of them. A storage
+    made outside the unit it is measured in keeps the size and identity the whole-graph analysis
+    found (a view across a unit boundary is one storage, not two)."""
+    share = share or Share()
+    stage_of = {n: b for b, block in enumerate(members) for n in block}
+    users: dict[str, set[str]] = {n.name: {u.name for u in n.users} for n in gm.graph.nodes}
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    by_name = {n.name: n for n in gm.graph.nodes}
+    order = {name: i for i, name in enumerate(by_name)}
+    units = segments(members, costs, param_bytes)
+    mine: dict[str, dict[str, Any]] = {}
+    times: dict[str, list[tuple[float, float]]] = {}
+    for sweep in range(sweeps):
+        for k in range(share.rank, len(units), share.world):
+            nodes = [u for b in units[k] for u in members[b]]
+            own = set(nodes)
+            recv = sorted({a.name for u in nodes for a in by_name[u].all_input_nodes
+                           if a.name in stage_of and a.name not in own}, key=order.__getitem__)
+            sends = [by_name[u] for u in nodes if users[u] - own or output.name in users[u]]
+            unit, inputs, _ = subgraph(gm, own, stage_of, recv, sends, f"Unit{k}")
+            unit = copy.deepcopy(unit)  # the model's modules stay as they are (meta, or on their device)
+            materialize(unit, device)
+            flat = [_input(costs[r], device) for r in recv] + [_example(flat_inputs[i], device) for i in inputs]
+            found = node_costs(unit, flat, cost="measured", repeats=max(1, repeats // sweeps), reference=False)
+            for u in nodes:
+                times.setdefault(u, []).append((found[u].fwd_ms, found[u].bwd_ms))
+            if sweep == 0:
+                made_here = own | {n.name for n in unit.graph.nodes if n.name not in stage_of and n.op != "placeholder"}
+                for u in nodes:
+                    c, was = found[u], costs[u]
+                    saved = {sid: nb for sid, nb in c.saved.items() if storage_owner(sid) in made_here}
+                    saved.update({sid: nb for sid, nb in was.saved.items() if storage_owner(sid) not in made_here})
+                    mine[u] = dict(saved=saved, saved_bytes=sum(nb for sid, nb in saved.items() if "@" in sid),
+                                   saves_output=u in {storage_owner(sid) for sid in saved if "@" not in sid},
+                                   saved_inputs={storage_owner(sid) for sid in saved if "@" not in sid} - {u})
+            del unit, flat, found
+            release_memory(1)  # the unit's modules: young objects in reference cycles (fx's per-module classes)
+    for u, got in times.items():
+        mine[u]["fwd_ms"] = statistics.median(f for f, _ in got)
+        mine[u]["bwd_ms"] = statistics.median(b for _, b in got)
+    parts = [mine] if share.gather is None else share.gather(mine)
+    for part in parts:
+        for u, fields in part.items():
+            for key, v in fields.items():
+                setattr(costs[u], key, v)
