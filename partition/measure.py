@@ -27,6 +27,7 @@ import torch
 import torch.fx
 
 from partition.costs import NodeCost, node_costs, storage_owner
+from partition.meta import retarget
 from partition.split import subgraph
 
 __all__ = ["Share", "measure_blocks", "materialize", "segments", "release_memory"]
@@ -158,6 +159,7 @@ def measure_blocks(gm: torch.fx.GraphModule, costs: dict[str, NodeCost], members
             unit, inputs, _ = subgraph(gm, own, stage_of, recv, sends, f"Unit{k}")
             unit = copy.deepcopy(unit)  # the model's modules stay as they are (meta, or on their device)
             materialize(unit, device)
+            retarget(unit, device)
             flat = [_input(costs[r], device) for r in recv] + [_example(flat_inputs[i], device) for i in inputs]
             found = node_costs(unit, flat, cost="measured", repeats=max(1, repeats // sweeps), reference=False)
             for u in nodes:

@@ -12,9 +12,10 @@ import copy
 from typing import Any
 
 import torch
+import torch.fx
 import torch.utils._pytree as pytree
 
-__all__ = ["on_meta", "to_meta", "is_meta", "meta_copy"]
+__all__ = ["on_meta", "to_meta", "is_meta", "meta_copy", "retarget"]
 
 
 def on_meta(model: torch.nn.Module) -> bool:
@@ -45,3 +46,20 @@ def meta_copy(model: torch.nn.Module) -> torch.nn.Module:
             m = torch.empty_like(t, device="meta")
             memo[id(t)] = torch.nn.Parameter(m, t.requires_grad) if isinstance(t, torch.nn.Parameter) else m
     return copy.deepcopy(model, memo)
+
+
+def retarget(gm: torch.fx.GraphModule, device: torch.device) -> None:
+    """Make `gm` (a graph traced on the meta device) create its tensors on `device`: torch.export
+    writes the device it traced on into factory calls (`arange(16, device=meta)`), which on a real
+    device would make meta tensors. In place, recompiled when anything changed."""
+    meta = torch.device("meta")
+    changed = False
+    for node in gm.graph.nodes:
+        if node.kwargs.get("device") == meta:
+            node.kwargs = {**node.kwargs, "device": device}
+            changed = True
+        if any(a == meta for a in node.args if isinstance(a, torch.device)):
+            node.args = tuple(device if isinstance(a, torch.device) and a == meta else a for a in node.args)
+            changed = True
+    if changed:
+        gm.recompile()

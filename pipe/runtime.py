@@ -33,7 +33,7 @@ from pipe.schedules import Action, ScheduleError, build, default_stages_per_rank
 from pipe.simulate import Event, Timeline
 from pipe.timing import clock_for
 from pipe.weights import Init, allocate, default_init, empty_like, init_stages, unset
-from partition.meta import on_meta, to_meta
+from partition.meta import on_meta, retarget, to_meta
 from partition.measure import Share, release_memory
 
 __all__ = ["NonFiniteLoss", "Pipeline", "PipelineError", "split_microbatches"]
@@ -316,6 +316,7 @@ class Pipeline:
         self._made = made
         for s, c in zip(self.local, copies):
             c.io = stages[s].io
+            retarget(c, device)
         return dict(zip(self.local, copies))
 
     def _note_param_placement(self, model: torch.nn.Module) -> None:
@@ -340,7 +341,11 @@ class Pipeline:
         if w is None:
             return
         if not isinstance(w, Init):
-            self.load_model_state(w)
+            from pipe.ckpt_format import CheckpointError
+            try:
+                self.load_model_state(w)
+            except CheckpointError as e:  # raised alike on every rank
+                raise PipelineError(f"weights= cannot give {type(model).__name__}'s stages their values: {e}") from None
             what = "the state dict given" if isinstance(w, dict) else str(w)
         else:
             assert w.fn is not None
@@ -355,12 +360,13 @@ class Pipeline:
             return
         named: dict[str, torch.Tensor] = dict(self.named_parameters())
         named.update(self.local_buffers())
-        missing = unset(named)
-        _agree(None if not missing else
-               f"{', '.join(missing[:6])}{' and more' if len(missing) > 6 else ''} of {type(model).__name__} (on the "
-               f"meta device) got no value from {what}: a state dict does not hold non-persistent buffers, and an "
-               "init must write every parameter and buffer; give an init function that writes them, or build these "
-               "tensors outside `with torch.device('meta')`")
+        missing = sorted(set().union(*_gather(unset(named)))) if self.ctx.world_size > 1 else unset(named)
+        if missing:  # every rank's, named on every rank
+            raise PipelineError(
+                f"{', '.join(missing[:8])}{' and more' if len(missing) > 8 else ''} of {type(model).__name__} (on the "
+                f"meta device) got no value from {what}: a state dict does not hold non-persistent buffers, and an "
+                "init must write every parameter and buffer; give an init function that writes them, or build these "
+                "tensors outside `with torch.device('meta')`")
         self.plan.notes.append(f"built on the meta device: each rank allocated only its stages, on {self.ctx.device}, "
                                f"and took their values from {what}" + (
                                    f" (seeded per module from seed {w.seed})" if isinstance(w, Init) else ""))

@@ -94,12 +94,17 @@ def resume_body(rank: int, world: int, *, root: str, corrupt: dict[str, str]) ->
     # a full state dict of the unpartitioned model, each rank reading only its tensors
     from pipe import state_dicts
     read: list[str] = []
-    get = state_dicts._Source.get
+    get, copy_into = state_dicts._Source.get, state_dicts._Source.copy_into
 
     def spy(self: Any, key: str) -> torch.Tensor:
         read.append(key)
         return get(self, key)
+
+    def spy_into(self: Any, key: str, dst: torch.Tensor) -> None:  # a .safetensors: read into the tensor
+        read.append(key)
+        copy_into(self, key, dst)
     state_dicts._Source.get = spy  # type: ignore[method-assign]
+    state_dicts._Source.copy_into = spy_into  # type: ignore[method-assign]
     for name in ("model.pt", "model.safetensors", "shards"):
         w = partition.load("gpt", seed=123, **KW)
         pp, opt = _pipeline(w, cost="flops")
@@ -108,7 +113,7 @@ def resume_body(rank: int, world: int, *, root: str, corrupt: dict[str, str]) ->
         mine = {n for n, _ in pp.named_parameters()} | set(pp.local_buffers())
         out[name] = {"state": {n: p.detach().clone() for n, p in pp.named_parameters()},
                      "read": sorted(read), "mine": sorted(k for k in mine if k in pp.state_key_names())}
-    state_dicts._Source.get = get  # type: ignore[method-assign]
+    state_dicts._Source.get, state_dicts._Source.copy_into = get, copy_into  # type: ignore[method-assign]
     # the corruption table: the same CheckpointError on every rank, within seconds, and the group goes on
     errors = {}
     for case, path in corrupt.items():

@@ -1,0 +1,344 @@
+"""Models larger than one process: built on the meta device, planned from shapes, each rank
+materializing only its stages from a state dict (.safetensors, .pt, Hugging Face shards, a DCP
+folder, a dict) or a per-module seeded init; parity of loss and every grad with the unpartitioned
+model loaded with the same state dict, on 2 and 4 ranks (the bundled GPT with its tied head, a
+Hugging Face GPT-2, the U-Net); bad weights refused alike on every rank. Pure tests for the pieces
+(tracing and planning on meta tensors, block-by-block measurement, the init's seeding, the
+safetensors reader, the costs pass holding nothing). One 2-rank and one 4-rank launch."""
+from __future__ import annotations
+
+import gc
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from tests.mp import run_ranks
+
+GPT = dict(n_layer=4, d_model=32, n_head=2, seq_len=16, vocab=64)
+UNET = dict(depth=2, channels=4)
+HF = dict(n_layer=4, n_embd=32, n_head=2, vocab=64, seq_len=16)
+M = 4
+
+
+# ----- pure: no processes -----
+def _meta_gpt(**kw: Any) -> Any:
+    import partition
+    from partition.meta import meta_copy
+    w = partition.load("gpt", **{**GPT, **kw})
+    return w, meta_copy(w.model)
+
+
+def test_plan_a_meta_model_from_shapes() -> None:
+    """partition.plan on a meta GPT (ties kept) gives the real model's cuts' structure, allocates no
+    weights, and leaves the model on the meta device; a Hugging Face GPT-2 on meta is traced by
+    torch.export alone (its eager call needs values), recording why."""
+    import partition
+    from partition.meta import on_meta
+    w, meta = _meta_gpt()
+    assert on_meta(meta) and meta.lm_head.weight is meta.tok_emb.weight
+    p = partition.plan(meta, w.example_args, 2, cost="flops", loss_fn=w.loss_fn, example_target=w.example_target)
+    real = partition.plan(w.model, w.example_args, 2, cost="flops", loss_fn=w.loss_fn,
+                          example_target=w.example_target)
+    assert p.fingerprint == real.fingerprint and p.loss and p.cost_method == "FLOP count (meta tensors)"
+    assert [s.param_bytes for s in p.stages] == [s.param_bytes for s in real.stages]
+    assert [len(s.nodes) for s in p.stages] == [len(s.nodes) for s in real.stages]
+    assert "cost flops (FLOP count (meta tensors))" in p.table()
+    assert all(t.is_meta for t in meta.parameters())
+    h = partition.load("bench.hf_models:gpt2", **HF)
+    from partition.meta import meta_copy
+    from partition.trace import trace
+    gm = trace(meta_copy(h.model), h.example_args, h.example_kwargs)
+    assert gm.meta["fxpipe_tracer"] == "torch.export.export" and "meta device" in gm.meta["fxpipe_unchecked"]
+
+
+def test_measured_block_by_block_and_shared() -> None:
+    """cost='measured' on a meta model times units of blocks on the CPU with random weights; two
+    ranks' shares, gathered, cover every node and equal one rank's work in kind (saved bytes)."""
+    import partition
+    from partition.graph import build_graph, coarsen
+    from partition.measure import Share, measure_blocks, segments
+    from partition.planner import Analysis
+    w, meta = _meta_gpt(d_model=64)
+    a = Analysis(meta, w.example_args, cost="flops", loss_fn=w.loss_fn, example_target=w.example_target)
+    pbytes = {n: p.numel() * p.element_size() for n, p in meta.named_parameters()}
+    members = coarsen(build_graph(a.gm, a.costs), pbytes).members
+    units = segments(members, a.costs, pbytes, parts=8, least=0)
+    assert len(units) > 2 and sorted(b for u in units for b in u) == list(range(len(members)))
+    flat = partition.trace and a.flat
+    whole = {n: c for n, c in a.costs.items()}
+    import copy
+    alone = copy.deepcopy(whole)
+    measure_blocks(a.gm, alone, members, flat, torch.device("cpu"), pbytes, repeats=1, sweeps=1)
+    first: dict[str, Any] = {}
+    shared = copy.deepcopy(whole)
+    measure_blocks(a.gm, shared, members, flat, torch.device("cpu"), pbytes, repeats=1, sweeps=1,
+                   share=Share(1, 2, lambda mine: first.update(mine) or [mine]))
+    measure_blocks(a.gm, shared, members, flat, torch.device("cpu"), pbytes, repeats=1, sweeps=1,
+                   share=Share(0, 2, lambda mine: [mine, first]))
+    block_nodes = {u for b in members for u in b}
+    for u in block_nodes:
+        assert shared[u].fwd_ms > 0 and alone[u].saved == shared[u].saved, u
+    p = partition.plan(meta, w.example_args, 2, cost="measured", loss_fn=w.loss_fn, example_target=w.example_target,
+                       device="cpu")
+    assert p.cost_method == "block by block, one block's weights at a time" and p.cost_device == "cpu"
+    assert all(s.fwd_ms > 0 and s.bwd_ms > 0 for s in p.stages)
+    assert all(t.is_meta for t in meta.parameters())
+
+
+def _live_bytes() -> int:
+    gc.collect()
+    return sum(o.numel() * o.element_size() for o in gc.get_objects()
+               if isinstance(o, torch.Tensor) and not o.is_meta)
+
+
+def test_costs_pass_holds_nothing() -> None:
+    """node_costs (both kinds) frees every tensor it made: the saved-tensor hooks used to close a
+    reference cycle through autograd's graph that kept the whole pass alive."""
+    from partition.costs import node_costs
+    model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256))
+    gm = torch.fx.symbolic_trace(model)
+    x = torch.randn(8, 256, requires_grad=True)
+    node_costs(gm, [x], cost="flops")  # warm
+    before = _live_bytes()
+    for cost in ("flops", "measured"):
+        node_costs(gm, [x], cost=cost, repeats=1)
+    assert _live_bytes() == before
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_init_is_seeded_per_module_and_equal_on_any_split() -> None:
+    """pipe.weights: tensors allocated for any subset of modules and initialised by init_stages equal
+    initialize() of the whole model, tied weights included; the default init is each module's
+    reset_parameters and the model's _init_weights; a tensor no init writes stays NaN and is named."""
+    from pipe.weights import allocate, default_init, init_stages, initialize, module_seed, unset
+    w, meta = _meta_gpt()
+    fn = default_init(meta)
+    assert fn is not None and module_seed(0, "a") != module_seed(0, "b") and module_seed(1, "a") != module_seed(0, "a")
+    whole = initialize(meta, fn, seed=7)
+    want = dict(whole.named_parameters(remove_duplicate=False))
+    assert whole.lm_head.weight is whole.tok_emb.weight and not unset(want)
+    assert whole.blocks[0].mlp.proj.weight.std() < whole.blocks[0].mlp.fc.weight.std()  # GPT-2's scaled projection
+    for part in (["blocks.1", "lm_head"], ["tok_emb", "blocks.0.attn"], ["blocks.3.mlp.proj"]):
+        mods = [meta.get_submodule(n) for n in part]
+        copies, made = allocate(mods, torch.device("cpu"))
+        init_stages(meta, made, fn, seed=7)
+        for name, mod in zip(part, copies):
+            for k, t in mod.named_parameters():
+                torch.testing.assert_close(t, want[f"{name}.{k}"], rtol=0, atol=0)
+    with torch.device("meta"):
+        odd = nn.Sequential(nn.Linear(4, 4), _Scale(4))
+    copies, made = allocate([odd], torch.device("cpu"))
+    init_stages(odd, made, default_init(odd) or (lambda m: None), seed=0)
+    assert unset(dict(copies[0].named_parameters())) == ["1.w"]
+    assert all(t.is_meta for t in meta.parameters())
+
+
+class _Scale(nn.Module):
+    """A parameter no init knows (no reset_parameters)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+
+def test_safetensors_read_without_mapping(tmp_path: Path) -> None:
+    """The .safetensors reader gives what the safetensors library does, and reads into a host tensor."""
+    from safetensors.torch import save_file
+    from pipe.state_dicts import _Safetensors
+    tensors = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int64), "c": torch.randn(4).bfloat16(),
+               "d": torch.tensor(2.5), "e": torch.ones(2, 3, dtype=torch.bool), "f": torch.randn(0, 3)}
+    save_file(tensors, str(tmp_path / "t.safetensors"))
+    f = _Safetensors(tmp_path / "t.safetensors")
+    assert sorted(f.keys()) == sorted(tensors)
+    for k, t in tensors.items():
+        assert f.shape(k) == tuple(t.shape)
+        torch.testing.assert_close(f.get_tensor(k), t, rtol=0, atol=0)
+    dst = torch.empty(3, 5)
+    assert f.read_into("a", dst) and torch.equal(dst, tensors["a"])
+    assert not f.read_into("a", torch.empty(3, 5, dtype=torch.float64))
+
+
+# ----- multi-process -----
+def _write_sources(root: Path) -> None:
+    """The unpartitioned models' state dicts, as the launches read them."""
+    import partition
+    from safetensors.torch import save_file
+    import torch.distributed.checkpoint as dcp
+    for name, kw in (("gpt", GPT), ("unet", UNET)):
+        sd = {k: v.detach().clone().contiguous() for k, v in partition.load(name, **kw).model.state_dict().items()}
+        save_file(sd, str(root / f"{name}.safetensors"))
+        torch.save(sd, root / f"{name}.pt")
+    dcp.save({k: v for k, v in torch.load(root / "gpt.pt").items()}, checkpoint_id=str(root / "gpt-dcp"),
+             no_dist=True)
+    h = partition.load("bench.hf_models:gpt2", **HF)
+    h.model.save_pretrained(str(root / "gpt2"), max_shard_size="100KB")
+
+
+def _reference(name: str, kw: dict[str, Any], state: dict[str, torch.Tensor] | None) -> Any:
+    import partition
+    w = partition.load(name, **kw)
+    if state is not None:
+        w.model.load_state_dict(state)
+    return w
+
+
+def _parity(pp: Any, ref: Any, step: int = 0) -> float:
+    """One step of the pipeline and of the unpartitioned model: the same loss and every grad by name."""
+    args, kwargs, target = ref.batch(ref.microbatch_size * M, step)
+    loss = pp.step(*args, target=target, **kwargs)
+    out = ref.model(*args, **kwargs)
+    want = ref.loss_fn(out, target)
+    want.backward()
+    torch.testing.assert_close(torch.tensor(loss), want.detach(), rtol=1e-5, atol=1e-6)
+    named = dict(ref.model.named_parameters())
+    for n, p in pp.named_parameters():
+        torch.testing.assert_close(p.grad, named[n].grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+    return float(loss)
+
+
+def _meta_pipeline(name: str, kw: dict[str, Any], **pipe_kw: Any) -> Any:
+    import partition
+    import pipe
+    from partition.meta import meta_copy
+    w = partition.load(name, **kw)
+    meta = meta_copy(w.model)
+    del w.model
+    return pipe.Pipeline(meta, w.example_args, example_kwargs=w.example_kwargs, loss_fn=w.loss_fn,
+                         microbatches=M, example_target=w.example_target, **{"cost": "flops", **pipe_kw})
+
+
+def _bad(world: int, root: str) -> dict[str, str]:
+    """Bad weights, each refused with one message on every rank (kept to compare)."""
+    import partition
+    import pipe
+    out = {}
+    good = torch.load(Path(root) / "gpt.pt")
+    missing = {k: v for k, v in good.items() if k != "blocks.1.ln2.bias"}
+    wrong = dict(good, **{"blocks.0.attn.proj.weight": torch.zeros(3, 3)})
+    for case, make in [
+            ("no init to find", lambda: pipe.Pipeline(
+                _odd_meta(with_linear=False), (torch.zeros(2, 4),), loss_fn=_mse, microbatches=2, cost="flops")),
+            ("init leaves a parameter", lambda: pipe.Pipeline(
+                _odd_meta(with_linear=True), (torch.zeros(2, 4),), loss_fn=_mse, microbatches=2, cost="flops")),
+            ("missing tensor", lambda: _meta_pipeline("gpt", GPT, weights=missing)),
+            ("wrong shape", lambda: _meta_pipeline("gpt", GPT, weights=wrong)),
+            ("no such file", lambda: _meta_pipeline("gpt", GPT, weights=str(Path(root) / "nothing.pt"))),
+            ("init for a real model", lambda: pipe.Pipeline(
+                partition.load("gpt", **GPT).model, partition.load("gpt", **GPT).example_args,
+                loss_fn=_mse, microbatches=M, cost="flops", weights=lambda m: None))]:
+        try:
+            make()
+            out[case] = "no error"
+        except pipe.PipelineError as e:
+            out[case] = str(e)
+    return out
+
+
+def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).mean()
+
+
+def _odd_meta(with_linear: bool) -> nn.Module:
+    with torch.device("meta"):
+        layers: list[nn.Module] = [_Scale(4) for _ in range(4)]
+        if with_linear:
+            layers = [nn.Linear(4, 4), *layers, nn.Linear(4, 4)]
+        return nn.Sequential(*layers)
+
+
+def two_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
+    import pipe
+    from pipe.weights import Init, initialize
+    from safetensors.torch import load_file
+    pipe.init()
+    r = Path(root)
+    res: dict[str, Any] = {}
+    sd = {name: load_file(str(r / f"{name}.safetensors")) for name in ("gpt", "unet")}
+    for case, name, kw, pipe_kw in [
+            ("gpt safetensors 1f1b", "gpt", GPT, dict(weights=str(r / "gpt.safetensors"))),
+            ("gpt pt zb-h1", "gpt", GPT, dict(weights=str(r / "gpt.pt"), schedule="zb-h1")),
+            ("gpt dict measured", "gpt", GPT, dict(weights=sd["gpt"], cost="measured")),
+            ("gpt dcp interleaved", "gpt", GPT, dict(weights=str(r / "gpt-dcp"), schedule="interleaved-1f1b")),
+            ("unet safetensors", "unet", UNET, dict(weights=str(r / "unet.safetensors"))),
+            ("gpt2 shards", "bench.hf_models:gpt2", HF, dict(weights=str(r / "gpt2")))]:
+        pp = _meta_pipeline(name, kw, **pipe_kw)
+        state = sd.get(name) if name != "bench.hf_models:gpt2" else None  # gpt2: the model that was saved
+        res[case] = {"loss": _parity(pp, _reference(name, kw, state)), "notes": pp.plan.notes,
+                     "cost": pp.plan.cost_method, "report": pp.memory_report()}
+    # an init: each stage's weights those initialize() gives the whole model; then it trains
+    import partition
+    from partition.meta import meta_copy
+    meta = meta_copy(partition.load("gpt", **GPT).model)
+    pp = _meta_pipeline("gpt", GPT, weights=Init(seed=5))
+    want = dict(initialize(meta, seed=5).named_parameters())
+    for n, p in pp.named_parameters():
+        torch.testing.assert_close(p.detach(), want[n], rtol=0, atol=0, msg=lambda m, n=n: f"{n}: {m}")
+    w = partition.load("gpt", **GPT)
+    opt = torch.optim.AdamW(pp.parameters(), lr=1e-2)
+    losses = []
+    for step in range(10):
+        args, target = w.make_batch(w.microbatch_size * M, 0)  # one batch, learnt
+        losses.append(pp.step(*args, target=target))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    res["init"] = {"losses": losses, "notes": pp.plan.notes}
+    res["errors"] = _bad(world, root)
+    return res
+
+
+def four_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
+    import pipe
+    from safetensors.torch import load_file
+    pipe.init()
+    r = Path(root)
+    res: dict[str, Any] = {}
+    for case, name, kw, pipe_kw in [
+            ("gpt safetensors", "gpt", GPT, dict(weights=str(r / "gpt.safetensors"))),
+            ("gpt pt", "gpt", GPT, dict(weights=str(r / "gpt.pt"), schedule="zb-h1")),
+            ("unet safetensors", "unet", UNET, dict(weights=str(r / "unet.safetensors"))),
+            ("gpt2 shards", "bench.hf_models:gpt2", HF, dict(weights=str(r / "gpt2")))]:
+        pp = _meta_pipeline(name, kw, **pipe_kw)
+        state = load_file(str(r / f"{name}.safetensors")) if name in ("gpt", "unet") else None
+        res[case] = {"loss": _parity(pp, _reference(name, kw, state)), "report": pp.memory_report()}
+    return res
+
+
+def _check_common(res: list[dict[str, Any]], cases: list[str]) -> None:
+    for case in cases:
+        losses = {round(r[case]["loss"], 6) for r in res}
+        assert len(losses) == 1, (case, losses)
+        for rank, r in enumerate(res):  # every rank holds its stages' parameters, none more
+            assert all(row["params_host"] > 0 and row["params_device"] == 0 for row in r[case]["report"].values())
+
+
+def test_meta_models_on_2_and_4_ranks(tmp_path: Path) -> None:
+    _write_sources(tmp_path)
+    index = json.loads((tmp_path / "gpt2" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1 and "lm_head.weight" not in index["weight_map"]
+    two = run_ranks("tests.test_meta:two_body", 2, timeout=400, root=str(tmp_path))
+    _check_common(two, ["gpt safetensors 1f1b", "gpt pt zb-h1", "gpt dict measured", "gpt dcp interleaved",
+                        "unet safetensors", "gpt2 shards"])
+    for r in two:
+        notes = r["gpt safetensors 1f1b"]["notes"]
+        assert any("built on the meta device" in n and "gpt.safetensors" in n for n in notes), notes
+        assert any(n.startswith("parameters per rank, on the host") for n in r["gpt pt zb-h1"]["notes"])
+        assert r["gpt dict measured"]["cost"] == "block by block, one block's weights at a time"
+        assert r["init"]["losses"][-1] < r["init"]["losses"][0] - 0.3, r["init"]["losses"]
+        assert any("seeded per module from seed 5" in n for n in r["init"]["notes"])
+    errors = [r["errors"] for r in two]
+    assert errors[0] == errors[1]  # the same message on every rank
+    e = errors[0]
+    assert "on the meta device" in e["no init to find"] and "reset_parameters" in e["no init to find"], e
+    assert "1.w, 2.w, 3.w, 4.w" in e["init leaves a parameter"] and "init function" in e["init leaves a parameter"], e
+    assert "blocks.1.ln2.bias" in e["missing tensor"] and "lacks 1" in e["missing tensor"], e
+    assert "blocks.0.attn.proj.weight has shape [3, 3]" in e["wrong shape"] and "[32, 32]" in e["wrong shape"], e
+    assert "nothing.pt" in e["no such file"] and "does not exist" in e["no such file"], e
+    assert "not on the meta device" in e["init for a real model"], e
+    four = run_ranks("tests.test_meta:four_body", 4, timeout=400, root=str(tmp_path))
+    _check_common(four, ["gpt safetensors", "gpt pt", "unet safetensors", "gpt2 shards"])
