@@ -1,12 +1,14 @@
-"""python -m bench {schedules,vs-torch,partition,data-parallel,scale} MODEL ...: benchmark schedules, fxpipe
-against torch.distributed.pipelining, partition quality, replicated pipelines' grad all-reduce, and the
-predicted step of (pp, dp) layouts at scale; each prints a table and writes JSON (and pictures).
+"""python -m bench {schedules,vs-torch,partition,data-parallel,scale,memory-scale} MODEL ...: benchmark
+schedules, fxpipe against torch.distributed.pipelining, partition quality, replicated pipelines' grad
+all-reduce, the predicted step of (pp, dp) layouts at scale, and each rank's host memory when the model is
+built whole or on the meta device; each prints a table and writes JSON (and pictures).
 
   python -m bench schedules gpt --ranks 2 --microbatches 4,8,16 --schedules gpipe,1f1b,interleaved-1f1b,zb-h1
   python -m bench vs-torch gpt --ranks 2
   python -m bench partition gpt_wide_vocab --stages 2,4
   python -m bench data-parallel gpt --ranks 4 --data-parallel 2 --model-arg n_layer=8
-  python -m bench scale gpt --layers-per-stage 8 --pp 8,16 --ranks 64,128,256,512,1024 --global-batch 4096"""
+  python -m bench scale gpt --layers-per-stage 8 --pp 8,16 --ranks 64,128,256,512,1024 --global-batch 4096
+  python -m bench memory-scale --sizes 8x256,16x512 --ranks 2,4"""
 from __future__ import annotations
 
 import argparse
@@ -45,7 +47,7 @@ def launch(module: str, ranks: int, argv: list[str], launcher: str = "torchrun",
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench import data_parallel, scale, schedules, vs_torch
+    from bench import data_parallel, memory_scale, scale, schedules, vs_torch
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -58,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="replicated pipelines: the grad all-reduce's exposure, measured and predicted")
     sub.add_parser("scale", parents=[scale.parser(add_help=False)], formatter_class=raw, description=scale.__doc__,
                    help="predicted step of (pp, dp) layouts from a plan's costs (one process)")
+    sub.add_parser("memory-scale", parents=[memory_scale.parser(add_help=False)], formatter_class=raw,
+                   description=memory_scale.__doc__,
+                   help="each rank's peak host memory: the model built whole, or on the meta device")
     sp = sub.add_parser("partition", help="partition quality against the usual baselines")
     sp.add_argument("model")
     sp.add_argument("--stages", default="2,4")
@@ -70,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         return launch(_LAUNCHED[args.cmd], args.ranks, argv[argv.index(args.cmd) + 1:], args.launcher, args.threads)
     if args.cmd == "scale":  # one process: parsed again by bench.scale
         return scale.main(argv[argv.index(args.cmd) + 1:])
+    if args.cmd == "memory-scale":  # launches its own runs, one per size, rank count and mode
+        return memory_scale.main(argv[argv.index(args.cmd) + 1:])
     if rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
     from bench.quality import main as quality_main

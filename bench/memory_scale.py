@@ -149,8 +149,6 @@ def worker(argv: list[str]) -> int:
     sampler.enter("plan")
 
     def progress(msg: str) -> None:
-        if os.environ.get("FXPIPE_MEMSCALE_DEBUG"):
-            print(f"rank {ctx.rank}: {(sampler.rss() - sampler.baseline) / 2**20:.1f} MiB: {msg}", flush=True)
         if msg.startswith("building this rank's stages"):
             sampler.enter("stages")
     example, target = _random_tokens(4, 0, vocab=a.vocab, seq_len=a.seq_len)

@@ -118,3 +118,18 @@ def test_bench_schedules_with_data_parallel(tmp_path: Path) -> None:
     for r in data["results"]:  # a step trains both replicas' batches: 2 x M=4 microbatches of 4 x 16 tokens
         assert r["predicted_step_ms"] > 0 and r["tokens_per_s"] == pytest.approx(2 * 4 * 4 * 16 / r["median_step_s"])
         _valid_trace(tmp_path / f"trace-{r['schedule']}-M4.json")
+
+
+def test_bench_memory_scale(tmp_path: Path) -> None:
+    """Each rank's peak memory by phase, the model built whole and on the meta device (from the same
+    weights, so the first losses agree), written as JSON and a table."""
+    out = run_command([sys.executable, "-m", "bench", "memory-scale", "--sizes", "2x64", "--ranks", "2", "--cold",
+                       "--cost", "flops", "--microbatches", "2", "--out", str(tmp_path)], timeout=240).output
+    assert "time to the first step" in out, out[-2000:]
+    rows = json.loads((tmp_path / "memory-scale.json").read_text())
+    assert sorted((r["mode"], r["rank"]) for r in rows) == [("eager", 0), ("eager", 1), ("meta", 0), ("meta", 1)]
+    for r in rows:
+        assert set(r["peaks"]) == {"build", "plan", "stages", "first step"} and r["stage_param_bytes"] > 0, r
+        assert r["params_host"] == r["stage_param_bytes"] and r["params_device"] == 0, r
+    assert len({round(r["loss"], 6) for r in rows}) == 1, rows
+    assert "| 2x64 | 2 | meta |" in (tmp_path / "memory-scale.md").read_text()

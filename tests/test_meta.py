@@ -19,7 +19,7 @@ from tests.mp import run_ranks
 
 GPT = dict(n_layer=4, d_model=32, n_head=2, seq_len=16, vocab=64)
 UNET = dict(depth=2, channels=4)
-HF = dict(n_layer=4, n_embd=32, n_head=2, vocab=64, seq_len=16)
+HF = dict(n_layer=2, n_embd=32, n_head=2, vocab=64, seq_len=16)
 M = 4
 
 
@@ -46,6 +46,10 @@ def test_plan_a_meta_model_from_shapes() -> None:
     assert [s.param_bytes for s in p.stages] == [s.param_bytes for s in real.stages]
     assert [len(s.nodes) for s in p.stages] == [len(s.nodes) for s in real.stages]
     assert "cost flops (FLOP count (meta tensors))" in p.table()
+    from partition.meta import to_meta
+    on_shapes = partition.plan(meta, to_meta(w.example_args), 2, cost="flops", loss_fn=w.loss_fn,
+                               example_target=to_meta(w.example_target))  # inputs as shapes too
+    assert [s.nodes for s in on_shapes.stages] == [s.nodes for s in p.stages] and on_shapes.inputs == p.inputs
     assert all(t.is_meta for t in meta.parameters())
     h = partition.load("bench.hf_models:gpt2", **HF)
     from partition.meta import meta_copy
