@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
-from partition.costs import NodeCost, node_costs, storage_owner
+from partition.costs import NodeCost, node_costs, preserve_state, storage_owner, time_nodes
 from partition.meta import retarget
 from partition.split import subgraph
 
@@ -68,8 +68,8 @@ def materialize(module: torch.nn.Module, device: torch.device) -> None:
                     with torch.no_grad():
                         if not t.is_meta:
                             new = t.detach().to(device)
-                        elif t.is_floating_point():
-                            new = torch.randn(t.shape, dtype=t.dtype, device=device).mul_(0.02)
+                        elif t.is_floating_point():  # a uniform draw: cheaper than normal, the same to time
+                            new = torch.empty(t.shape, dtype=t.dtype, device=device).uniform_(-0.05, 0.05)
                         else:
                             new = torch.zeros(t.shape, dtype=t.dtype, device=device)
                     made[id(t)] = torch.nn.Parameter(new, t.requires_grad) if isinstance(
@@ -131,7 +131,7 @@ def segments(members: list[list[str]], costs: dict[str, NodeCost], param_bytes: 
 
 def measure_blocks(gm: torch.fx.GraphModule, costs: dict[str, NodeCost], members: list[list[str]],
                    flat_inputs: list[Any], device: torch.device, param_bytes: dict[str, int], *,
-                   repeats: int = 5, sweeps: int = 3, share: Share | None = None) -> None:
+                   repeats: int = 5, sweeps: int = 2, share: Share | None = None) -> None:
     """Time the blocks of `members` on `device`, in units of consecutive blocks (`segments`: at most a
     64th of the parameters or 4 MiB each, or one block), this rank's share of the units (the rest
     gathered through `share`), and write each node's measured times and saved bytes into `costs`,
@@ -161,7 +161,13 @@ def measure_blocks(gm: torch.fx.GraphModule, costs: dict[str, NodeCost], members
             materialize(unit, device)
             retarget(unit, device)
             flat = [_input(costs[r], device) for r in recv] + [_example(flat_inputs[i], device) for i in inputs]
-            found = node_costs(unit, flat, cost="measured", repeats=max(1, repeats // sweeps), reference=False)
+            rounds = max(1, repeats // sweeps)
+            if sweep == 0:  # the bytes too (one observed pass); later sweeps only time
+                found = node_costs(unit, flat, cost="measured", repeats=rounds, reference=False)
+            else:
+                found = {n.name: NodeCost() for n in unit.graph.nodes if n.op.startswith("call")}
+                with preserve_state(unit):
+                    time_nodes(unit, flat, found, rounds)
             for u in nodes:
                 times.setdefault(u, []).append((found[u].fwd_ms, found[u].bwd_ms))
             if sweep == 0:
@@ -174,7 +180,8 @@ def measure_blocks(gm: torch.fx.GraphModule, costs: dict[str, NodeCost], members
                                    saves_output=u in {storage_owner(sid) for sid in saved if "@" not in sid},
                                    saved_inputs={storage_owner(sid) for sid in saved if "@" not in sid} - {u})
             del unit, flat, found
-            release_memory(1)  # the unit's modules: young objects in reference cycles (fx's per-module classes)
+            gc.collect(1)  # the unit's modules: young objects in reference cycles (fx's per-module classes)
+        release_memory(1)  # once a sweep: the next unit reuses the freed pages instead of faulting in new ones
     for u, got in times.items():
         mine[u]["fwd_ms"] = statistics.median(f for f, _ in got)
         mine[u]["bwd_ms"] = statistics.median(b for _, b in got)

@@ -92,6 +92,19 @@ def test_measured_block_by_block_and_shared() -> None:
     assert all(t.is_meta for t in meta.parameters())
 
 
+def test_measured_plan_of_a_meta_model_matches_its_stages() -> None:
+    """The partition quality benchmark's check on a plan made for a meta copy of the GPT: each stage's
+    predicted share of the step against its measured share (the stages run with the model's weights),
+    within 15%. Shares, not milliseconds: the machine's load moves every stage's time alike between the
+    planning and the timing here (the absolute ratios are in the benchmark's figures)."""
+    from bench.quality import quality
+    rows = quality("gpt", [2], repeats=10, methods=("fxpipe",), meta=True, **{**GPT, "d_model": 128, "n_head": 4})
+    for r in rows:
+        pred, meas = r["predicted"], r["measured"]
+        for p, m in zip(pred, meas):
+            assert abs((p / sum(pred)) / (m / sum(meas)) - 1) < 0.15, (pred, meas)
+
+
 def _live_bytes() -> int:
     gc.collect()
     return sum(o.numel() * o.element_size() for o in gc.get_objects()
@@ -292,6 +305,11 @@ def two_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
         opt.step()
         opt.zero_grad(set_to_none=True)
     res["init"] = {"losses": losses, "notes": pp.plan.notes}
+    pp.save(r / "ckpt")  # an fxpipe checkpoint as the weights of another meta pipeline
+    again = _meta_pipeline("gpt", GPT, weights=str(r / "ckpt"))
+    trained = dict(pp.named_parameters())
+    for n, p in again.named_parameters():
+        torch.testing.assert_close(p.detach(), trained[n].detach(), rtol=0, atol=0, msg=lambda m, n=n: f"{n}: {m}")
     res["errors"] = _bad(world, root)
     return res
 
