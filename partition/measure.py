@@ -131,7 +131,7 @@ def segments(members: list[list[str]], costs: dict[str, NodeCost], param_bytes: 
 
 def measure_blocks(gm: torch.fx.GraphModule, costs: dict[str, NodeCost], members: list[list[str]],
                    flat_inputs: list[Any], device: torch.device, param_bytes: dict[str, int], *,
-                   repeats: int = 5, sweeps: int = 2, share: Share | None = None) -> None:
+                   repeats: int = 5, sweeps: int = 3, share: Share | None = None) -> None:
     """Time the blocks of `members` on `device`, in units of consecutive blocks (`segments`: at most a
     64th of the parameters or 4 MiB each, or one block), this rank's share of the units (the rest
     gathered through `share`), and write each node's measured times and saved bytes into `costs`,
@@ -180,8 +180,7 @@ def measure_blocks(gm: torch.fx.GraphModule, costs: dict[str, NodeCost], members
                                    saves_output=u in {storage_owner(sid) for sid in saved if "@" not in sid},
                                    saved_inputs={storage_owner(sid) for sid in saved if "@" not in sid} - {u})
             del unit, flat, found
-            gc.collect(1)  # the unit's modules: young objects in reference cycles (fx's per-module classes)
-        release_memory(1)  # once a sweep: the next unit reuses the freed pages instead of faulting in new ones
+            release_memory(1)  # the unit's modules: young objects in reference cycles (fx's per-module classes)
     for u, got in times.items():
         mine[u]["fwd_ms"] = statistics.median(f for f, _ in got)
         mine[u]["bwd_ms"] = statistics.median(b for _, b in got)
