@@ -1,18 +1,22 @@
-"""Measured costs block by block on the target device, one block's weights at a time.
+"""Measured costs block by block on the target device, one unit's weights at a time.
 
 For a model on the meta device (or one whose weights sit elsewhere than where the pipeline will
-run) the whole graph cannot be run to time it. Each coarsened block (partition.graph) is cut out
-as a GraphModule of its own (partition.split.subgraph), its parameters and buffers are allocated
-on the target device (random values where the model has none: timing does not depend on them;
-the model's own values otherwise), its inputs are made from the shapes the analysis recorded
-(the example's own tensors where it reads a model input; random floats and zero integers where
-it reads another block's output), and node_costs times it as it times a whole graph: node by
-node, fitted to clean runs of the block, with the bytes saved for backward observed there. The
-block is then freed, so the peak is one block's weights plus one microbatch's activations of it.
+run) the whole graph cannot be run to time it. Consecutive coarsened blocks (partition.graph) are
+grouped into units (`segments`: at most a 64th of the parameters or 4 MiB, or one block); each
+unit is cut out as a GraphModule of its own (partition.split.subgraph), its parameters and
+buffers are allocated on the target device (random values where the model has none: timing does
+not depend on them; the model's own values otherwise), its inputs are made from the shapes the
+analysis recorded (the example's own tensors where it reads a model input; random floats and zero
+integers where it reads another block's output), and it is timed as node_costs times a whole
+graph: node by node, fitted to clean runs of the unit, with the bytes saved for backward observed
+there. The unit is then freed, so the peak is one unit's weights plus one microbatch's
+activations of it. The units are swept several times and each node takes the median.
 
-Several ranks share the work: rank r measures the blocks b with b % world == r, and the results
-are gathered, so every rank holds the same costs; the caller's rank 0 still decides the plan
-(pipe broadcasts it), so noise between ranks cannot make two plans.
+Ranks with devices of their own may share the work (`Share`): rank r measures the units k with
+k % world == r and the results are gathered, so every rank holds the same costs. pipe does so on
+accelerators; on the CPU, where ranks share the cores, every rank measures every unit at once, as
+the pipeline will load them. The caller's rank 0 decides the plan either way (pipe broadcasts it),
+so noise between ranks cannot make two plans.
 """
 from __future__ import annotations
 
