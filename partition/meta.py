@@ -15,17 +15,12 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-__all__ = ["on_meta", "to_meta", "is_meta", "meta_copy", "retarget"]
+__all__ = ["on_meta", "to_meta", "meta_copy", "retarget"]
 
 
 def on_meta(model: torch.nn.Module) -> bool:
     """Whether any of the model's parameters or buffers is on the meta device."""
     return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
-
-
-def is_meta(tree: Any) -> bool:
-    """Whether any tensor in `tree` is on the meta device."""
-    return any(isinstance(t, torch.Tensor) and t.is_meta for t in pytree.tree_leaves(tree))
 
 
 def to_meta(tree: Any) -> Any:
