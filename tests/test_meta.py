@@ -288,6 +288,13 @@ def two_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
         state = sd.get(name) if name != "bench.hf_models:gpt2" else None  # gpt2: the model that was saved
         res[case] = {"loss": _parity(pp, _reference(name, kw, state)), "notes": pp.plan.notes,
                      "cost": pp.plan.cost_method, "report": pp.memory_report()}
+    # a real model (another seed) takes the file's values too: weights= loads them after the split
+    import partition
+    other = partition.load("gpt", **{**GPT, "seed": 9})
+    pp = pipe.Pipeline(other.model, other.example_args, loss_fn=other.loss_fn, microbatches=M, cost="flops",
+                       example_target=other.example_target, weights=str(r / "gpt.safetensors"))
+    res["real model from a file"] = {"loss": _parity(pp, _reference("gpt", GPT, sd["gpt"])), "notes": pp.plan.notes,
+                                     "cost": pp.plan.cost_method, "report": pp.memory_report()}
     # an init: each stage's weights those initialize() gives the whole model; then it trains
     import partition
     from partition.meta import meta_copy
@@ -345,7 +352,7 @@ def test_meta_models_on_2_and_4_ranks(tmp_path: Path) -> None:
     assert len(set(index["weight_map"].values())) > 1 and "lm_head.weight" not in index["weight_map"]
     two = run_ranks("tests.test_meta:two_body", 2, timeout=400, root=str(tmp_path))
     _check_common(two, ["gpt safetensors 1f1b", "gpt pt zb-h1", "gpt dict measured", "gpt dcp interleaved",
-                        "unet safetensors", "gpt2 shards"])
+                        "unet safetensors", "gpt2 shards", "real model from a file"])
     for r in two:
         notes = r["gpt safetensors 1f1b"]["notes"]
         assert any("built on the meta device" in n and "gpt.safetensors" in n for n in notes), notes
