@@ -21,7 +21,7 @@ from partition.rewrite import apply_rewrites, splittable_linear, vocab_parallel_
 from partition.plan import Plan, PlanError, StagePlan, Value, fingerprint, human_bytes, in_flight, parse_bytes
 from partition.solve import Chain, CostModel, InfeasibleBudget, Solution, solve
 from partition.split import example_from_plan, live_values, split_graph
-from partition.trace import TraceError, flatten_inputs, trace
+from partition.trace import TraceError, flatten_inputs, graph_copy, trace
 
 __all__ = ["plan", "split", "Analysis", "plan_from_bounds", "split_heavy_ops"]
 
@@ -35,7 +35,7 @@ class Analysis:
                  repeats: int = 5, rewrites: Sequence[Sequence[Any]] = (),
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, example_target: Any = None,
                  progress: Callable[[str], None] | None = None, device: torch.device | str | None = None,
-                 share: Share | None = None) -> None:
+                 share: Share | None = None, _traced: tuple[torch.fx.GraphModule, str] | None = None) -> None:
         say = progress or (lambda _: None)
         self.device, self.share = device, share
         self.progress = progress
@@ -46,18 +46,23 @@ class Analysis:
         self.leaf_modules, self.max_blocks, self.repeats = tuple(leaf_modules), max_blocks, repeats
         self.rewrites = [tuple(r) for r in rewrites]
         self.loss_fn, self.target = loss_fn, example_target
-        start = time.perf_counter()
-        say(f"tracing {type(model).__name__} ...")
-        gm = trace(model, self.args, self.kwargs, leaf_modules=leaf_modules)
-        say(f"traced by {gm.meta['fxpipe_tracer']}: {len(gm.graph.nodes)} nodes ({time.perf_counter() - start:.1f} s)")
-        # with the loss in the graph the last stage returns the loss and the head can be cut
-        # without moving logits; loss_note says why the loss stays outside ("" when it is in)
         self.meta = on_meta(model)  # shapes only: the analysis runs on meta copies of the inputs
         given = (self.args, self.kwargs, example_target)
         if self.meta:
             self.args, self.kwargs, example_target = to_meta(given)
-        self.loss_note = loss_placement(gm, model, self.args, self.kwargs, loss_fn, example_target)
+        if _traced is None:
+            start = time.perf_counter()
+            say(f"tracing {type(model).__name__} ...")
+            gm = trace(model, given[0], given[1], leaf_modules=leaf_modules)
+            say(f"traced by {gm.meta['fxpipe_tracer']}: {len(gm.graph.nodes)} nodes "
+                f"({time.perf_counter() - start:.1f} s)")
+            # with the loss in the graph the last stage returns the loss and the head can be cut
+            # without moving logits; loss_note says why the loss stays outside ("" when it is in)
+            self.loss_note = loss_placement(gm, model, self.args, self.kwargs, loss_fn, example_target)
+        else:  # with_rewrites: this model's trace, the loss placed, before any rewrite (a copy of it)
+            gm, self.loss_note = _traced
         self.notes: list[str] = []  # faster paths not taken, and why (shown in the plan table)
+        self._pristine = graph_copy(gm) if self.rewrites else None  # what with_rewrites starts from
         self.gm = apply_rewrites(gm, self.rewrites)
         self.flat = flatten_inputs(self.gm, self.args, self.kwargs, example_target)
         self.names = param_names(model)
@@ -95,11 +100,13 @@ class Analysis:
         return has_loss(self.gm)
 
     def with_rewrites(self, rewrites: Sequence[Sequence[Any]]) -> "Analysis":
-        """The same model and example analysed again with `rewrites` applied."""
+        """The same model and example analysed again with `rewrites` applied: this analysis's trace
+        (a copy of its graph, sharing the model's tensors; tracing is deterministic) costed again."""
+        base = graph_copy(self._pristine if self._pristine is not None else self.gm)
         return Analysis(self.model, self.args, self.kwargs, cost=self.cost, leaf_modules=self.leaf_modules,
                         max_blocks=self.max_blocks, repeats=self.repeats, rewrites=rewrites,
                         loss_fn=self.loss_fn, example_target=self.target, progress=self.progress,
-                        device=self.device, share=self.share)
+                        device=self.device, share=self.share, _traced=(base, self.loss_note))
 
 
 def loss_placement(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple[Any, ...],

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import inspect
 import io
@@ -18,7 +19,8 @@ from partition.costs import preserve_state
 from partition.loss import TARGET, has_loss
 from partition.meta import on_meta, to_meta
 
-__all__ = ["trace", "TraceError", "flatten_inputs", "flatten_outputs", "unflatten_outputs", "register_dataclasses"]
+__all__ = ["trace", "TraceError", "flatten_inputs", "flatten_outputs", "unflatten_outputs", "register_dataclasses",
+           "graph_copy"]
 
 
 class TraceError(FxpipeError, TypeError):
@@ -147,6 +149,28 @@ def _run(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(0)
         return fn(*args, **kwargs)
+
+
+def graph_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of `gm` to rewrite without touching it: its graph, modules and meta copied, its parameters,
+    buffers and tensor constants shared (the same objects, under the same names and in the same order)."""
+    memo: dict[int, Any] = {}
+    for m in gm.modules():
+        for t in (*m._parameters.values(), *m._buffers.values(), *vars(m).values()):
+            if isinstance(t, torch.Tensor):
+                memo[id(t)] = t
+    for kept in gm.meta.values():  # what trace recorded: rewrites leave it as it is
+        memo[id(kept)] = kept
+    with warnings.catch_warnings():  # torch.fx's Graph copies its pytree calling convention, and copying
+        warnings.filterwarnings("ignore", ".*LeafSpec", FutureWarning)  # a TreeSpec warns in this torch
+        out = copy.deepcopy(gm, memo)
+    was = next(n.name for n in reversed(gm.graph.nodes) if n.op == "output")
+    next(n for n in reversed(out.graph.nodes) if n.op == "output")._rename(was)  # the copy names it "output" (the
+    out.recompile()  # name of the first one, which attach_loss replaced) and plans fingerprint node names
+    for k in ("_in_spec", "_out_spec"):  # torch.export's call structure (flatten_inputs), kept after attach_loss
+        if k in vars(gm):                # made the code flat, which GraphModule's copy would drop
+            setattr(out, k, getattr(gm, k))
+    return out
 
 
 def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: dict[str, Any] | None = None,

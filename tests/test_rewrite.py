@@ -59,3 +59,30 @@ def test_plan_splits_a_head_slower_than_a_fair_stage() -> None:
     torch.testing.assert_close(out, w.model(*w.example_args))
     again = partition.Plan.load(p.save("/tmp/fxpipe-rewrite-plan.json"))
     assert again.rewrites == p.rewrites
+
+
+def test_with_rewrites_reuses_the_trace_and_leaves_it_as_it_was() -> None:
+    """Analysis.with_rewrites costs a copy of the analysis's own trace (no new trace): the same graph as
+    tracing afresh with the rewrites, the model's own parameters, and the first analysis untouched;
+    also for torch.export's graphs with the loss attached (their flat call kept)."""
+    from partition.plan import fingerprint
+    from tests import zoo
+    w = models.gpt_wide_vocab(n_layer=1, vocab=1000)
+    cases = [(w.model, w.example_args, {}, w.loss_fn, w.example_target, [("lm_head", 3, "vocab")])]
+    z = zoo.workload("dict_input", "dataclass")  # traced by torch.export, its loss in the graph
+    cases.append((z.model, z.example_args, z.example_kwargs, z.loss_fn, z.example_target, None))
+    for model, args, kwargs, loss_fn, target, rewrites in cases:
+        a = partition.Analysis(model, args, kwargs, cost="flops", loss_fn=loss_fn, example_target=target)
+        before = fingerprint(a.gm)
+        if rewrites is None:  # the zoo's first linear, in row slices
+            rewrites = [(next(n.name for n in a.gm.graph.nodes if "linear" in n.name or n.target == "a"), 2)]
+        b = a.with_rewrites(rewrites)
+        fresh = partition.Analysis(model, args, kwargs, cost="flops", loss_fn=loss_fn, example_target=target,
+                                   rewrites=rewrites)
+        assert fingerprint(a.gm) == before and a.loss and b.loss  # the first analysis is as it was
+        assert fingerprint(b.gm) == fingerprint(fresh.gm) != before
+        assert {n.name for n in b.gm.graph.nodes} == {n.name for n in fresh.gm.graph.nodes}
+        params = dict(model.named_parameters())
+        assert all(p is params[n] for n, p in b.gm.named_parameters())
+        torch.testing.assert_close(b.gm(*b.flat), fresh.gm(*fresh.flat))
+        assert b.with_rewrites(rewrites).costs.keys() == b.costs.keys()  # from its own pristine copy
