@@ -23,9 +23,12 @@ from __future__ import annotations
 import copy
 import ctypes
 import gc
+import hashlib
 import statistics
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Hashable, Sequence
+
+import numpy as np
 
 import torch
 import torch.fx
@@ -34,7 +37,7 @@ from partition.costs import NodeCost, node_costs, preserve_state, storage_owner,
 from partition.meta import retarget
 from partition.split import subgraph
 
-__all__ = ["Share", "measure_blocks", "materialize", "segments", "release_memory"]
+__all__ = ["Share", "measure_blocks", "materialize", "segments", "signature", "release_memory"]
 
 
 @dataclass
@@ -116,45 +119,138 @@ def _example(x: Any, device: torch.device) -> Any:
 
 
 def segments(members: list[list[str]], costs: dict[str, NodeCost], param_bytes: dict[str, int],
-             parts: int = 64, least: int = 4 << 20) -> list[list[int]]:
+             parts: int = 64, least: int = 4 << 20, kinds: Sequence[Hashable] | None = None) -> list[list[int]]:
     """Consecutive blocks grouped into units measured together: each holds at most a `parts`-th of
     the model's parameter bytes (but `least` bytes may always go together, so a small model is not
-    timed in dozens of tiny pieces), or one block where a block alone holds more."""
+    timed in dozens of tiny pieces), or one block where a block alone holds more.
+
+    `kinds` (one per block; equal for blocks of the same structure, `signature`) align the units with
+    the model's repetition: where the kinds repeat with a period (a transformer's layers), the first
+    period is grouped and every later one is cut at the same places, so that their units are alike
+    and measured once (measure_blocks)."""
     held = [sum(param_bytes.get(p, 0) for p in {p for u in block for p in costs[u].params}) for block in members]
     cap = max(max(held, default=0), sum(param_bytes.values()) / parts, least)
-    out: list[list[int]] = [[]]
-    total = 0
-    for b, nb in enumerate(held):
-        if out[-1] and total + nb > cap:
-            out.append([])
-            total = 0
-        out[-1].append(b)
-        total += nb
-    return out
+
+    def greedy(lo: int, hi: int) -> list[list[int]]:
+        out: list[list[int]] = [[]]
+        total = 0
+        for b in range(lo, hi):
+            if out[-1] and total + held[b] > cap:
+                out.append([])
+                total = 0
+            out[-1].append(b)
+            total += held[b]
+        return out if out[-1] else []
+    start, period, count = _repetition(kinds) if kinds is not None else (0, 0, 0)
+    if count < 2:
+        return greedy(0, len(members))
+    first = greedy(start, start + period)
+    repeated = [[b + k * period for b in unit] for k in range(count) for unit in first]
+    return greedy(0, start) + repeated + greedy(start + count * period, len(members))
+
+
+def _repetition(kinds: Sequence[Hashable]) -> tuple[int, int, int]:
+    """(start, period, count): the longest stretch of `kinds` that is one period repeated `count` times,
+    the period the one that most positions agree with (the shortest among equals)."""
+    ids: dict[Hashable, int] = {}
+    a = np.array([ids.setdefault(k, len(ids)) for k in kinds])
+    n = len(a)
+    best = (0, 0)
+    for p in range(1, n // 2 + 1):
+        agree = int(np.count_nonzero(a[:-p] == a[p:]))
+        if agree > best[0]:
+            best = (agree, p)
+    agree, p = best
+    if p == 0 or agree < p:  # not one whole period repeated
+        return 0, 0, 0
+    same = np.concatenate([[False], a[:-p] == a[p:], [False]]).astype(np.int8)
+    edges = np.flatnonzero(np.diff(same))  # runs of agreement: [starts, ends) alternating
+    runs = list(zip(edges[::2], edges[1::2]))
+    lo, hi = max(runs, key=lambda r: r[1] - r[0])
+    count = (hi - lo + p) // p  # positions lo..hi-1 agree with the one p later: blocks lo..hi-1+p repeat
+    return int(lo), p, int(count)
+
+
+def _target(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Any:
+    """What a node runs, by kind and shape, not by name: a module's type, settings and tensors' shapes,
+    an attribute's shape, a function's qualified name."""
+    def tensor(t: torch.Tensor) -> tuple[Any, ...]:
+        return tuple(t.shape), str(t.dtype), t.requires_grad
+    if node.op == "call_module":
+        m = gm.get_submodule(str(node.target))
+        return (type(m).__module__, type(m).__qualname__, m.extra_repr(), m.training,
+                tuple((k, tensor(t)) for k, t in (*m.named_parameters(), *m.named_buffers())))
+    if node.op == "get_attr":
+        obj: Any = gm
+        for part in str(node.target).split("."):
+            obj = getattr(obj, part)
+        return tensor(obj) if isinstance(obj, torch.Tensor) else type(obj).__qualname__
+    t = node.target
+    return t if isinstance(t, str) else f"{getattr(t, '__module__', '')}.{getattr(t, '__qualname__', t)}"
+
+
+def signature(gm: torch.fx.GraphModule, nodes: Sequence[str], costs: dict[str, NodeCost]) -> tuple[str, list[str]]:
+    """The structure of the nodes `nodes` of `gm` (in graph order) as a hash, equal for two sets of nodes
+    that compute alike whatever their names (two layers of a transformer), and the order that maps
+    one onto the other: the nodes, with each value read from outside (another block's output, a
+    model input, an attribute) at its first use, described by its shape."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    inputs = {n.name: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    pos: dict[str, int] = {}
+    order: list[str] = []
+    parts: list[Any] = []
+
+    def ref(a: torch.fx.Node) -> torch.fx.Node:
+        if a.name not in pos:  # read from outside: described once
+            pos[a.name] = len(order)
+            order.append(a.name)
+            c = costs.get(a.name)
+            parts.append(("input", inputs[a.name]) if a.op == "placeholder" else
+                         ("attr", _target(gm, a)) if a.op == "get_attr" else
+                         ("value", c.shape, c.stride, c.dtype, c.requires_grad) if c is not None else
+                         ("value", a.op, _target(gm, a)))
+        return a
+    for u in nodes:
+        node = by_name[u]
+        torch.fx.node.map_arg((node.args, node.kwargs), ref)
+        args = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: f"%{pos[a.name]}")
+        pos[u] = len(order)
+        order.append(u)
+        parts.append((node.op, _target(gm, node), repr(args)))
+    return hashlib.sha1(repr(parts).encode()).hexdigest(), order
 
 
 def measure_blocks(gm: torch.fx.GraphModule, costs: dict[str, NodeCost], members: list[list[str]],
                    flat_inputs: list[Any], device: torch.device, param_bytes: dict[str, int], *,
                    repeats: int = 5, sweeps: int = 3, share: Share | None = None) -> None:
     """Time the blocks of `members` on `device`, in units of consecutive blocks (`segments`: at most a
-    64th of the parameters or 4 MiB each, or one block), this rank's share of the units (the rest
-    gathered through `share`), and write each node's measured times and saved bytes into `costs`,
-    in place. The units are swept `sweeps` times, each time materialized, timed (a warm-up round,
-    then `repeats // sweeps` rounds, at least one) and freed, and each node takes the median over the
-    sweeps: a burst of load on the machine then hits one sample of a unit, not all of them. A storage
-    made outside the unit it is measured in keeps the size and identity the whole-graph analysis
-    found (a view across a unit boundary is one storage, not two)."""
+    64th of the parameters or 4 MiB each, or one block, aligned with the model's repetition), and
+    write each node's measured times and saved bytes into `costs`, in place.
+
+    Units of one structure (`signature`: a transformer's layers) are measured once, and every unit
+    like it takes the figures, node by node in the order that maps one onto the other. Of the units
+    to measure, this rank measures its share and the rest is gathered through `share`. They are swept
+    `sweeps` times, each time materialized, timed (a warm-up round, then `repeats // sweeps` rounds, at
+    least one) and freed, and each node takes the median over the sweeps: a burst of load on the
+    machine then hits one sample of a unit, not all of them. A storage made outside the unit it is
+    measured in keeps the size and identity the whole-graph analysis found (a view across a unit
+    boundary is one storage, not two)."""
     share = share or Share()
     stage_of = {n: b for b, block in enumerate(members) for n in block}
     users: dict[str, set[str]] = {n.name: {u.name for u in n.users} for n in gm.graph.nodes}
     output = next(n for n in gm.graph.nodes if n.op == "output")
     by_name = {n.name: n for n in gm.graph.nodes}
     order = {name: i for i, name in enumerate(by_name)}
-    units = segments(members, costs, param_bytes)
-    mine: dict[str, dict[str, Any]] = {}
+    units = segments(members, costs, param_bytes, kinds=[signature(gm, block, costs)[0] for block in members])
+    shapes = [signature(gm, [u for b in unit for u in members[b]], costs) for unit in units]
+    first: dict[str, int] = {}  # a structure -> the unit measured for it
+    like = [first.setdefault(sig, k) for k, (sig, _) in enumerate(shapes)]
+    measured = sorted(set(like))
+    found_saved: dict[str, dict[str, int]] = {}  # a measured node -> its saved storages (the first sweep)
+    made: dict[int, set[str]] = {}  # a measured unit -> the nodes whose storages it allocates
     times: dict[str, list[tuple[float, float]]] = {}
     for sweep in range(sweeps):
-        for k in range(share.rank, len(units), share.world):
+        for k in measured[share.rank::share.world]:
             nodes = [u for b in units[k] for u in members[b]]
             own = set(nodes)
             recv = sorted({a.name for u in nodes for a in by_name[u].all_input_nodes
@@ -168,28 +264,37 @@ def measure_blocks(gm: torch.fx.GraphModule, costs: dict[str, NodeCost], members
             rounds = max(1, repeats // sweeps)
             if sweep == 0:  # the bytes too (one observed pass); later sweeps only time
                 found = node_costs(unit, flat, cost="measured", repeats=rounds, reference=False)
+                found_saved.update((u, found[u].saved) for u in nodes)
+                made[k] = own | {n.name for n in unit.graph.nodes if n.name not in stage_of and n.op != "placeholder"}
             else:
                 found = {n.name: NodeCost() for n in unit.graph.nodes if n.op.startswith("call")}
                 with preserve_state(unit):
                     time_nodes(unit, flat, found, rounds)
             for u in nodes:
                 times.setdefault(u, []).append((found[u].fwd_ms, found[u].bwd_ms))
-            if sweep == 0:
-                made_here = own | {n.name for n in unit.graph.nodes if n.name not in stage_of and n.op != "placeholder"}
-                for u in nodes:
-                    c, was = found[u], costs[u]
-                    saved = {sid: nb for sid, nb in c.saved.items() if storage_owner(sid) in made_here}
-                    saved.update({sid: nb for sid, nb in was.saved.items() if storage_owner(sid) not in made_here})
-                    mine[u] = dict(saved=saved, saved_bytes=sum(nb for sid, nb in saved.items() if "@" in sid),
-                                   saves_output=u in {storage_owner(sid) for sid in saved if "@" not in sid},
-                                   saved_inputs={storage_owner(sid) for sid in saved if "@" not in sid} - {u})
             del unit, flat, found
             release_memory(1)  # the unit's modules: young objects in reference cycles (fx's per-module classes)
-    for u, got in times.items():
-        mine[u]["fwd_ms"] = statistics.median(f for f, _ in got)
-        mine[u]["bwd_ms"] = statistics.median(b for _, b in got)
+    mine: dict[str, dict[str, Any]] = {
+        u: dict(saved=found_saved[u], made=made[k], fwd_ms=statistics.median(f for f, _ in times[u]),
+                bwd_ms=statistics.median(b for _, b in times[u]))
+        for k in measured[share.rank::share.world] for u in (x for b in units[k] for x in members[b])}
     parts = [mine] if share.gather is None else share.gather(mine)
-    for part in parts:
-        for u, fields in part.items():
-            for key, v in fields.items():
-                setattr(costs[u], key, v)
+    got = {u: fields for part in parts for u, fields in part.items()}
+    for k, unit_blocks in enumerate(units):
+        rename = dict(zip(shapes[like[k]][1], shapes[k][1]))  # the measured unit's names -> this unit's
+        source = dict(zip(shapes[k][1], shapes[like[k]][1]))
+        for u in (x for b in unit_blocks for x in members[b]):
+            fields = got[source[u]]
+            c = costs[u]
+            made_here = {rename.get(x, x) for x in fields["made"]}
+            saved = {}
+            for sid, nb in fields["saved"].items():
+                owner = storage_owner(sid)
+                saved[rename.get(owner, owner) + sid[len(owner):]] = nb
+            saved = {sid: nb for sid, nb in saved.items() if storage_owner(sid) in made_here}
+            saved.update({sid: nb for sid, nb in c.saved.items() if storage_owner(sid) not in made_here})
+            c.saved = saved
+            c.saved_bytes = sum(nb for sid, nb in saved.items() if "@" in sid)
+            c.saves_output = u in {storage_owner(sid) for sid in saved if "@" not in sid}
+            c.saved_inputs = {storage_owner(sid) for sid in saved if "@" not in sid} - {u}
+            c.fwd_ms, c.bwd_ms = fields["fwd_ms"], fields["bwd_ms"]

@@ -58,33 +58,83 @@ def test_plan_a_meta_model_from_shapes() -> None:
     assert gm.meta["fxpipe_tracer"] == "torch.export.export" and "meta device" in gm.meta["fxpipe_unchecked"]
 
 
+def test_units_follow_the_model_repetition() -> None:
+    """segments cuts every period of a repeated structure at the same places (so that its units are
+    alike), the blocks before and after it on their own; no repetition, the plain greedy grouping."""
+    from partition.costs import NodeCost
+    from partition.measure import _repetition, segments
+    assert _repetition(list("EabcabcabcH")) == (1, 3, 3)
+    assert _repetition(list("aaaa")) == (0, 1, 4)
+    assert _repetition(list("abcd"))[2] < 2 and _repetition([])[2] < 2
+    kinds = list("EE") + list("abcd") * 3 + list("H")
+    costs = {f"n{i}": NodeCost(params=(f"p{i}",)) for i in range(len(kinds))}
+    members = [[f"n{i}"] for i in range(len(kinds))]
+    pbytes = {f"p{i}": 10 for i in range(len(kinds))}
+    units = segments(members, costs, pbytes, parts=1000, least=25, kinds=kinds)
+    assert units == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14]], units
+    assert segments(members, costs, pbytes, parts=1000, least=25) == [
+        [0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14]]
+    shifted = list("E") + list("abcd") * 3 + list("H")  # one block before: greedy alone would cut across
+    units = segments(members[:14], costs, pbytes, parts=1000, least=25, kinds=shifted)
+    assert units == [[0], [1, 2], [3, 4], [5, 6], [7, 8], [9, 10], [11, 12], [13]], units
+
+
 def test_measured_block_by_block_and_shared() -> None:
-    """cost='measured' on a meta model times units of blocks on the CPU with random weights; two
-    ranks' shares, gathered, cover every node and equal one rank's work in kind (saved bytes)."""
+    """cost='measured' on a meta model times units of blocks on the CPU with random weights, units of one
+    structure (the GPT's layers) once, the others taking its figures node by node; two ranks' shares
+    (two threads), gathered, cover every node and equal one rank's work in kind (saved bytes)."""
+    import copy
+    import threading
     import partition
     from partition.graph import build_graph, coarsen
-    from partition.measure import Share, measure_blocks, segments
+    from partition.measure import Share, measure_blocks, segments, signature
     from partition.planner import Analysis
     w, meta = _meta_gpt(d_model=64)
     a = Analysis(meta, w.example_args, cost="flops", loss_fn=w.loss_fn, example_target=w.example_target)
     pbytes = {n: p.numel() * p.element_size() for n, p in meta.named_parameters()}
     members = coarsen(build_graph(a.gm, a.costs), pbytes).members
-    units = segments(members, a.costs, pbytes, parts=8, least=0)
+    kinds = [signature(a.gm, b, a.costs)[0] for b in members]
+    units = segments(members, a.costs, pbytes, parts=8, least=0, kinds=kinds)
     assert len(units) > 2 and sorted(b for u in units for b in u) == list(range(len(members)))
-    flat = partition.trace and a.flat
+    shapes = [signature(a.gm, [u for b in unit for u in members[b]], a.costs) for unit in units]
+    alike = [k for k, (sig, _) in enumerate(shapes) if sig == shapes[len(units) // 2][0]]
+    assert len(alike) >= GPT["n_layer"] - 1, (len(alike), len(units))  # the layers, cut alike
     whole = {n: c for n, c in a.costs.items()}
-    import copy
     alone = copy.deepcopy(whole)
-    measure_blocks(a.gm, alone, members, flat, torch.device("cpu"), pbytes, repeats=1, sweeps=1)
-    first: dict[str, Any] = {}
-    shared = copy.deepcopy(whole)
-    measure_blocks(a.gm, shared, members, flat, torch.device("cpu"), pbytes, repeats=1, sweeps=1,
-                   share=Share(1, 2, lambda mine: first.update(mine) or [mine]))
-    measure_blocks(a.gm, shared, members, flat, torch.device("cpu"), pbytes, repeats=1, sweeps=1,
-                   share=Share(0, 2, lambda mine: [mine, first]))
+    measure_blocks(a.gm, alone, members, a.flat, torch.device("cpu"), pbytes, repeats=1, sweeps=1)
+    own = {u for b in units[alike[0]] for u in members[b]}
+    for k in alike[1:]:  # one measurement for the layers alike, mapped node by node
+        for u, v in zip(shapes[alike[0]][1], shapes[k][1]):
+            if u in own:
+                assert (alone[u].fwd_ms, alone[u].bwd_ms) == (alone[v].fwd_ms, alone[v].bwd_ms), (u, v)
+                assert len(alone[u].saved) == len(alone[v].saved) and alone[u].saved_bytes == alone[v].saved_bytes
+    parts: list[Any] = [None, None]
+    meet = threading.Barrier(2, timeout=120)
+    shared = [copy.deepcopy(whole) for _ in range(2)]
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        def gather(mine: Any) -> list[Any]:
+            parts[r] = mine
+            meet.wait()
+            return list(parts)
+        try:
+            measure_blocks(a.gm, shared[r], members, a.flat, torch.device("cpu"), pbytes, repeats=1, sweeps=1,
+                           share=Share(r, 2, gather))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+            meet.abort()
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert parts[0] and parts[1] and not set(parts[0]) & set(parts[1])  # each measured its own share
     block_nodes = {u for b in members for u in b}
     for u in block_nodes:
-        assert shared[u].fwd_ms > 0 and alone[u].saved == shared[u].saved, u
+        assert shared[0][u].fwd_ms > 0 and alone[u].saved == shared[0][u].saved == shared[1][u].saved, u
+        assert (shared[0][u].fwd_ms, shared[0][u].bwd_ms) == (shared[1][u].fwd_ms, shared[1][u].bwd_ms)
     p = partition.plan(meta, w.example_args, 2, cost="measured", loss_fn=w.loss_fn, example_target=w.example_target,
                        device="cpu")
     assert p.cost_method == "block by block, one block's weights at a time" and p.cost_device == "cpu"
