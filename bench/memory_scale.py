@@ -59,6 +59,8 @@ class _Sampler:
         self.page = os.sysconf("SC_PAGE_SIZE")
         self.phase = ""
         self.peak: dict[str, int] = {}
+        self.seconds: dict[str, float] = {}  # wall time of each phase
+        self._since = time.perf_counter()
         self.baseline = self.rss()
         self._stop = False
         self._kernel = self.maxrss()
@@ -89,7 +91,10 @@ class _Sampler:
             self._note(kernel)
             self._kernel = kernel
         self._note(self.rss())
-        self.phase = phase
+        now = time.perf_counter()
+        if self.phase:
+            self.seconds[self.phase] = self.seconds.get(self.phase, 0.0) + now - self._since
+        self.phase, self._since = phase, now
 
     def stop(self) -> dict[str, int]:
         self.enter("")
@@ -170,7 +175,7 @@ def worker(argv: list[str]) -> int:
     row = {"rank": ctx.rank, "mode": a.mode, "layers": a.layers, "d_model": a.d_model, "ranks": ctx.world_size,
            "baseline": sampler.baseline, "peaks": peaks, "stage_param_bytes": params, "optimizer_state_bytes": state,
            "model_param_bytes": whole, "time_to_first_step_s": first_step_s, "loss": loss, "one_time": one_time,
-           "params_host": sum(r.get("params_host", 0) for r in report.values()),
+           "phase_seconds": sampler.seconds, "params_host": sum(r.get("params_host", 0) for r in report.values()),
            "params_device": sum(r.get("params_device", 0) for r in report.values())}
     Path(f"{a.result}.{ctx.rank}.json").write_text(json.dumps(row))
     torch.distributed.barrier()
@@ -218,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                         rows += [json.loads(Path(f"{result}.{k}.json").read_text()) | {"round": r}
                                  for k in range(n)]
     head = ["size", "ranks", "mode", "rank", "one-time MiB", "stage params MiB", "build", "plan", "stages",
-            "first step", "set-up peak / params", "Adam state MiB", "first step s"]
+            "first step", "set-up peak / params", "Adam state MiB", "first step s", "s: build/plan/stages/step"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         pk = row["peaks"]
@@ -227,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['layers']}x{row['d_model']}", str(row["ranks"]), row["mode"], str(row["rank"]),
             _mib(row["one_time"]), _mib(row["stage_param_bytes"]), *(_mib(pk.get(ph, 0)) for ph in PHASES),
             f"{setup / row['stage_param_bytes']:.2f}", _mib(row["optimizer_state_bytes"]),
-            f"{row['time_to_first_step_s']:.1f}"]) + " |")
+            f"{row['time_to_first_step_s']:.1f}",
+            "/".join(f"{row.get('phase_seconds', {}).get(ph, 0.0):.1f}" for ph in PHASES)]) + " |")
     print("peak resident MiB above each rank's baseline, by phase (median-free: every launch listed)")
     print("\n".join(lines))
     for (layers, d) in sizes:

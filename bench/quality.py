@@ -142,7 +142,8 @@ def steady_malloc() -> bool:
 
 
 def quality(model_spec: str | Workload, stages: list[int], *, cost: str = "measured", repeats: int = 20,
-            methods: Sequence[str] = METHODS, meta: bool = False, **model_args: Any) -> list[dict[str, Any]]:
+            methods: Sequence[str] = METHODS, meta: bool = False, rounds: int = 1,
+            **model_args: Any) -> list[dict[str, Any]]:
     """One row per (stage count, method): predicted and measured fwd+bwd ms of every stage.
 
     The model is costed once (`cost`); every method's bounds become a Plan and stage modules
@@ -150,29 +151,40 @@ def quality(model_spec: str | Workload, stages: list[int], *, cost: str = "measu
     is timed on one thread, median of `repeats`, with glibc told to keep freed memory. `meta`: the
     plans are made for a copy of the model on the meta device (costs measured block by block with
     random weights, partition.measure) and their stages timed with the model's own weights.
+
+    `rounds` > 1 alternates costing and timing: each later round costs the model afresh, predicts the
+    first round's cuts from those costs, and times the stages again; predicted and measured are the
+    medians over the rounds, so a change in the machine's load between the costing and the timing
+    (which no cost model predicts) moves both alike.
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     steady_malloc()
     try:
-        return _quality(model_spec, stages, cost=cost, repeats=repeats, methods=methods, meta=meta, **model_args)
+        return _quality(model_spec, stages, cost=cost, repeats=repeats, methods=methods, meta=meta, rounds=rounds,
+                        **model_args)
     finally:
         torch.set_num_threads(threads)
 
 
 def _quality(model_spec: str | Workload, stages: list[int], *, cost: str, repeats: int, methods: Sequence[str],
-             meta: bool = False, **model_args: Any) -> list[dict[str, Any]]:
+             meta: bool = False, rounds: int = 1, **model_args: Any) -> list[dict[str, Any]]:
     w = partition.load(model_spec, **model_args) if isinstance(model_spec, str) else model_spec
     if not w.layer_prefixes:
         raise ValueError(f"workload {w.name!r} names no layer_prefixes; the layer baselines need them")
     # the loss is in the graph (partition.loss), so every method's last stage computes it, as in training
     model = meta_copy(w.model) if meta else w.model
-    a = Analysis(model, w.example_args, w.example_kwargs, cost=cost, repeats=max(5, repeats // 2),
-                 loss_fn=w.loss_fn, example_target=w.example_target, device="cpu")
+
+    def analysis() -> Analysis:
+        return Analysis(model, w.example_args, w.example_kwargs, cost=cost, repeats=max(5, repeats // 2),
+                        loss_fn=w.loss_fn, example_target=w.example_target, device="cpu")
+    a = analysis()
     real = a if not meta else Analysis(w.model, w.example_args, w.example_kwargs, cost="flops",
                                        loss_fn=w.loss_fn, example_target=w.example_target)
     rows: list[dict[str, Any]] = []
     runs: dict[tuple[int, int], Callable[[], tuple[float, float]]] = {}
+    predicted: list[list[list[tuple[float, float]]]] = []  # row -> round -> stage -> (fwd, bwd)
+    measured: list[dict[tuple[int, int], tuple[float, float]]] = []  # round -> (row, stage) -> (fwd, bwd)
     with preserve_state(w.model):
         for S in stages:
             cm = CostModel(in_flight=tuple(in_flight("1f1b", S, S)))
@@ -189,17 +201,32 @@ def _quality(model_spec: str | Workload, stages: list[int], *, cost: str, repeat
                 mods = split_graph(timed.gm, p)  # a meta plan cuts the real model's graph: the same graph
                 for st, args in zip(mods, _stage_inputs(mods, timed.flat)):
                     runs[(len(rows), stage_io(st).index)] = _fwd_bwd(st, args)
+                predicted.append([[(sp.fwd_ms, sp.bwd_ms) for sp in p.stages]])
                 rows.append(dict(model=w.name, stages=S, method=method, bounds=list(bounds), rewrites=p.rewrites,
-                                 predicted_fwd=[sp.fwd_ms for sp in p.stages],
-                                 predicted_bwd=[sp.bwd_ms for sp in p.stages],
-                                 predicted=[sp.fwd_ms + sp.bwd_ms for sp in p.stages],
                                  predicted_bottleneck=p.bottleneck_ms))
-        measured = measure_stages(runs, repeats)
+        measured.append(measure_stages(runs, repeats))
+        for _ in range(1, rounds):  # costed afresh, then timed: the same cuts
+            again = analysis()
+            for i, row in enumerate(rows):
+                ar = again.with_rewrites(row["rewrites"]) if row["rewrites"] else again
+                cm = CostModel(in_flight=tuple(in_flight("1f1b", row["stages"], row["stages"])))
+                p = plan_from_bounds(ar, row["bounds"], cm, schedule="1f1b", microbatches=row["stages"],
+                                     stages_per_rank=1, memory_budget=None)
+                predicted[i].append([(sp.fwd_ms, sp.bwd_ms) for sp in p.stages])
+            measured.append(measure_stages(runs, repeats))
     for i, row in enumerate(rows):
-        per = [measured[(i, s)] for s in range(row["stages"])]
-        row["measured"] = [f + b for f, b in per]
-        row["measured_fwd"] = [f for f, _ in per]
-        row["measured_bwd"] = [b for _, b in per]
+        S = row["stages"]
+        pred = [(statistics.median(r[s][0] for r in predicted[i]), statistics.median(r[s][1] for r in predicted[i]))
+                for s in range(S)]
+        meas = [(statistics.median(m[(i, s)][0] for m in measured), statistics.median(m[(i, s)][1] for m in measured))
+                for s in range(S)]
+        row["predicted_fwd"] = [f for f, _ in pred]
+        row["predicted_bwd"] = [b for _, b in pred]
+        row["predicted"] = [f + b for f, b in pred]
+        row["measured"] = [f + b for f, b in meas]
+        row["measured_fwd"] = [f for f, _ in meas]
+        row["measured_bwd"] = [b for _, b in meas]
+        row["rounds"] = rounds
     return rows
 
 
@@ -276,6 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "(fxpipe's plan only); --model's own fxpipe rows are always in it")
     ap.add_argument("--cost", choices=("measured", "flops"), default="measured")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=1, help="alternate costing and timing this many times; "
+                    "predicted and measured are medians over the rounds (see quality())")
     ap.add_argument("--meta", action="store_true", help="plan a copy of each model on the meta device (costs "
                     "measured block by block, partition.measure) and time its stages with the model's weights")
     ap.add_argument("--model-arg", action="append", default=[], metavar="K=V",
@@ -285,19 +314,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     stages = [int(s) for s in args.stages.split(",")]
     overrides = parse_overrides(args.model_arg)
     rows = [r for m in args.model.split(",") if m
-            for r in quality(m, stages, cost=args.cost, repeats=args.repeats, meta=args.meta, **overrides)]
+            for r in quality(m, stages, cost=args.cost, repeats=args.repeats, meta=args.meta, rounds=args.rounds,
+                              **overrides)]
     print_quality(rows)
     acc = [r for r in rows if r["method"] == "fxpipe"]
     acc += [r for m in args.accuracy.split(",") if m
             for r in quality(m, stages, cost=args.cost, repeats=args.repeats, methods=("fxpipe",), meta=args.meta,
-                             **overrides)]
+                             rounds=args.rounds, **overrides)]
     print()
     print_accuracy(acc)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         result = {"command": " ".join(["python -m bench.quality", *(argv if argv is not None else sys.argv[1:])]),
-                  "cost": args.cost, "repeats": args.repeats, "model_args": overrides, "threads": 1,
+                  "cost": args.cost, "repeats": args.repeats, "rounds": args.rounds, "model_args": overrides,
+                  "threads": 1,
                   "torch": torch.__version__, "machine": platform.platform(), "cpus": os.cpu_count(),
                   "quality": rows, "accuracy": acc}
         (out / "partition.json").write_text(json.dumps(result, indent=1))
