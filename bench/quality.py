@@ -20,7 +20,8 @@ import partition
 from partition.meta import meta_copy
 from partition.costs import preserve_state
 from partition.plan import in_flight
-from partition.planner import Analysis, plan_from_bounds, split_heavy_ops
+from partition.measure import calibrate
+from partition.planner import Analysis, calibrate_plan, plan_from_bounds, split_heavy_ops
 from partition.solve import CostModel, balance_by_param_count, balance_by_time, even_split, evaluate, solve
 from partition.split import split_graph, stage_io
 from partition.workload import Workload, parse_overrides
@@ -167,6 +168,18 @@ def quality(model_spec: str | Workload, stages: list[int], *, cost: str = "measu
         torch.set_num_threads(threads)
 
 
+def _saved_times(a: Analysis) -> dict[str, tuple[float, float]]:
+    return {u: (c.fwd_ms, c.bwd_ms) for u, c in a.costs.items()}
+
+
+def _restore_times(a: Analysis, kept: dict[str, tuple[float, float]]) -> None:
+    """The analysis's node times as `kept` (before a calibration for one plan's stages)."""
+    if any((c.fwd_ms, c.bwd_ms) != kept[u] for u, c in a.costs.items()):
+        for u, c in a.costs.items():
+            c.fwd_ms, c.bwd_ms = kept[u]
+        a.recost()
+
+
 def _quality(model_spec: str | Workload, stages: list[int], *, cost: str, repeats: int, methods: Sequence[str],
              meta: bool = False, rounds: int = 1, **model_args: Any) -> list[dict[str, Any]]:
     w = partition.load(model_spec, **model_args) if isinstance(model_spec, str) else model_spec
@@ -192,27 +205,36 @@ def _quality(model_spec: str | Workload, stages: list[int], *, cost: str, repeat
                 if method not in methods:
                     continue
                 aa = a
-                if method == "fxpipe":  # as partition.plan does: slice an op slower than a fair stage
+                kept = _saved_times(a)
+                if method == "fxpipe":  # as partition.plan does: slice an op slower than a fair stage, and
                     aa, sol = split_heavy_ops(a, evaluate(a.chain, bounds, cm), S, cm)
+                    if aa.blockwise:  # costs measured block by block: the stages timed whole, re-solved
+                        sol = calibrate_plan(aa, sol, S, cm)
                     bounds = sol.bounds
                 p = plan_from_bounds(aa, bounds, cm, schedule="1f1b", microbatches=S, stages_per_rank=1,
                                      memory_budget=None)
+                _restore_times(a, kept)  # the other methods and stage counts start from the costs measured
                 timed = aa if not meta else real.with_rewrites(aa.rewrites) if aa.rewrites else real
                 mods = split_graph(timed.gm, p)  # a meta plan cuts the real model's graph: the same graph
                 for st, args in zip(mods, _stage_inputs(mods, timed.flat)):
                     runs[(len(rows), stage_io(st).index)] = _fwd_bwd(st, args)
                 predicted.append([[(sp.fwd_ms, sp.bwd_ms) for sp in p.stages]])
                 rows.append(dict(model=w.name, stages=S, method=method, bounds=list(bounds), rewrites=p.rewrites,
-                                 predicted_bottleneck=p.bottleneck_ms))
+                                 predicted_bottleneck=p.bottleneck_ms, cost_method=aa.cost_method))
         measured.append(measure_stages(runs, repeats))
         for _ in range(1, rounds):  # costed afresh, then timed: the same cuts
             again = analysis()
             for i, row in enumerate(rows):
                 ar = again.with_rewrites(row["rewrites"]) if row["rewrites"] else again
+                kept = _saved_times(ar)
+                if row["method"] == "fxpipe" and ar.blockwise:  # as its plan was: its stages timed whole
+                    calibrate(ar.gm, ar.costs, ar.blocks.members, row["bounds"], ar.example_flat, ar.target_device)
+                    ar.recost()
                 cm = CostModel(in_flight=tuple(in_flight("1f1b", row["stages"], row["stages"])))
                 p = plan_from_bounds(ar, row["bounds"], cm, schedule="1f1b", microbatches=row["stages"],
                                      stages_per_rank=1, memory_budget=None)
                 predicted[i].append([(sp.fwd_ms, sp.bwd_ms) for sp in p.stages])
+                _restore_times(ar, kept)
             measured.append(measure_stages(runs, repeats))
     for i, row in enumerate(rows):
         S = row["stages"]

@@ -295,14 +295,15 @@ def _clean_once(module: Callable[..., Any], inputs: list[Any],
     return (t1 - t0) * 1e3, (clock() - t2) * 1e3
 
 
-def whole_graph_ms(module: Callable[..., Any], inputs: list[Any], repeats: int = 5) -> tuple[float, float]:
-    """Median forward and backward ms of `module(*inputs)` after one warm-up call.
+def whole_graph_ms(module: Callable[..., Any], inputs: list[Any], repeats: int = 5,
+                   warmup: int = 1) -> tuple[float, float]:
+    """Median forward and backward ms of `module(*inputs)` after `warmup` calls.
 
     For a traced model pass `gm.forward`, which takes the placeholders in order (torch.export's
     module checks, in a hook, that it is called as the model was).
     """
     clock = _clock(module, inputs)
-    runs = [_clean_once(module, inputs, clock) for _ in range(repeats + 1)][1:]
+    runs = [_clean_once(module, inputs, clock) for _ in range(repeats + warmup)][warmup:]
     return statistics.median(f for f, _ in runs), statistics.median(b for _, b in runs)
 
 

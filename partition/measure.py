@@ -33,11 +33,11 @@ import numpy as np
 import torch
 import torch.fx
 
-from partition.costs import NodeCost, node_costs, preserve_state, storage_owner, time_nodes
+from partition.costs import NodeCost, node_costs, preserve_state, storage_owner, time_nodes, whole_graph_ms
 from partition.meta import retarget
 from partition.split import subgraph
 
-__all__ = ["Share", "measure_blocks", "materialize", "segments", "signature", "release_memory"]
+__all__ = ["Share", "calibrate", "measure_blocks", "materialize", "segments", "signature", "release_memory"]
 
 
 @dataclass
@@ -220,6 +220,58 @@ def signature(gm: torch.fx.GraphModule, nodes: Sequence[str], costs: dict[str, N
     return hashlib.sha1(repr(parts).encode()).hexdigest(), order
 
 
+def _runnable(gm: torch.fx.GraphModule, nodes: list[str], stage_of: dict[str, int], costs: dict[str, NodeCost],
+              flat_inputs: list[Any], device: torch.device, name: str) -> tuple[torch.fx.GraphModule, list[Any]]:
+    """The nodes `nodes` of `gm` (a unit or a stage) as a module of their own with tensors on `device`
+    (random values for meta ones), and inputs for it: stand-ins for the values made by other nodes
+    of `stage_of`, the example's own tensors for the model inputs it reads."""
+    own = set(nodes)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    order = {n: i for i, n in enumerate(by_name)}
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    recv = sorted({a.name for u in nodes for a in by_name[u].all_input_nodes
+                   if a.name in stage_of and a.name not in own}, key=order.__getitem__)
+    sends = [by_name[u] for u in nodes if {x.name for x in by_name[u].users} - own or output in by_name[u].users]
+    unit, inputs, _ = subgraph(gm, own, stage_of, recv, sends, name)
+    unit = copy.deepcopy(unit)  # the model's modules stay as they are (meta, or on their device)
+    materialize(unit, device)
+    retarget(unit, device)
+    return unit, [_input(costs[r], device) for r in recv] + [_example(flat_inputs[i], device) for i in inputs]
+
+
+def calibrate(gm: torch.fx.GraphModule, costs: dict[str, NodeCost], members: list[list[str]], bounds: Sequence[int],
+              flat_inputs: list[Any], device: torch.device, *, repeats: int = 5,
+              share: Share | None = None) -> list[tuple[float, float]]:
+    """Time each stage of `bounds` (block bounds over `members`) whole on `device`, one stage's weights at a
+    time (random values for meta ones), and scale its nodes' forward and backward ms in `costs`, in place,
+    so that the stage's sums are what it measured: units timed alone miss what a stage run as one does
+    (its caches, the allocator's state, the time ops lose or gain to their neighbours). Returns the
+    measured (fwd ms, bwd ms) of every stage: the median of `repeats` runs after a warm-up; this rank
+    times its share of the stages and the rest is gathered through `share`."""
+    share = share or Share()
+    stage_of = {n: b for b, block in enumerate(members) for n in block}
+    nodes = [[u for b in range(lo, hi) for u in members[b]] for lo, hi in zip(bounds[:-1], bounds[1:])]
+    mine: dict[int, tuple[float, float]] = {}
+    for s in range(share.rank, len(nodes), share.world):
+        stage, flat = _runnable(gm, nodes[s], stage_of, costs, flat_inputs, device, f"Stage{s}")
+        with preserve_state(stage):
+            mine[s] = whole_graph_ms(stage.forward, flat, repeats, warmup=3)
+        del stage, flat
+        release_memory(1)
+    parts = [mine] if share.gather is None else share.gather(mine)
+    got = {s: t for part in parts for s, t in part.items()}
+    out = []
+    for s, stage_nodes in enumerate(nodes):
+        fwd, bwd = got[s]
+        for total, key in ((fwd, "fwd_ms"), (bwd, "bwd_ms")):
+            was = sum(getattr(costs[u], key) for u in stage_nodes)
+            for u in stage_nodes:
+                c = costs[u]
+                setattr(c, key, getattr(c, key) * total / was if was > 0 else total / len(stage_nodes))
+        out.append((fwd, bwd))
+    return out
+
+
 def measure_blocks(gm: torch.fx.GraphModule, costs: dict[str, NodeCost], members: list[list[str]],
                    flat_inputs: list[Any], device: torch.device, param_bytes: dict[str, int], *,
                    repeats: int = 5, sweeps: int = 3, share: Share | None = None) -> None:
@@ -237,10 +289,6 @@ def measure_blocks(gm: torch.fx.GraphModule, costs: dict[str, NodeCost], members
     boundary is one storage, not two)."""
     share = share or Share()
     stage_of = {n: b for b, block in enumerate(members) for n in block}
-    users: dict[str, set[str]] = {n.name: {u.name for u in n.users} for n in gm.graph.nodes}
-    output = next(n for n in gm.graph.nodes if n.op == "output")
-    by_name = {n.name: n for n in gm.graph.nodes}
-    order = {name: i for i, name in enumerate(by_name)}
     units = segments(members, costs, param_bytes, kinds=[signature(gm, block, costs)[0] for block in members])
     shapes = [signature(gm, [u for b in unit for u in members[b]], costs) for unit in units]
     first: dict[str, int] = {}  # a structure -> the unit measured for it
@@ -253,14 +301,7 @@ def measure_blocks(gm: torch.fx.GraphModule, costs: dict[str, NodeCost], members
         for k in measured[share.rank::share.world]:
             nodes = [u for b in units[k] for u in members[b]]
             own = set(nodes)
-            recv = sorted({a.name for u in nodes for a in by_name[u].all_input_nodes
-                           if a.name in stage_of and a.name not in own}, key=order.__getitem__)
-            sends = [by_name[u] for u in nodes if users[u] - own or output.name in users[u]]
-            unit, inputs, _ = subgraph(gm, own, stage_of, recv, sends, f"Unit{k}")
-            unit = copy.deepcopy(unit)  # the model's modules stay as they are (meta, or on their device)
-            materialize(unit, device)
-            retarget(unit, device)
-            flat = [_input(costs[r], device) for r in recv] + [_example(flat_inputs[i], device) for i in inputs]
+            unit, flat = _runnable(gm, nodes, stage_of, costs, flat_inputs, device, f"Unit{k}")
             rounds = max(1, repeats // sweeps)
             if sweep == 0:  # the bytes too (one observed pass); later sweeps only time
                 found = node_costs(unit, flat, cost="measured", repeats=rounds, reference=False)

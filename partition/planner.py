@@ -23,7 +23,7 @@ from partition.solve import Chain, CostModel, InfeasibleBudget, Solution, solve
 from partition.split import example_from_plan, live_values, split_graph
 from partition.trace import TraceError, flatten_inputs, graph_copy, trace
 
-__all__ = ["plan", "split", "Analysis", "plan_from_bounds", "split_heavy_ops"]
+__all__ = ["plan", "split", "Analysis", "plan_from_bounds", "split_heavy_ops", "calibrate_plan"]
 
 
 class Analysis:
@@ -80,15 +80,23 @@ class Analysis:
         self.costs = node_costs(self.gm, self.flat, cost="flops" if blockwise else cost, names=self.names,
                                 repeats=repeats)
         pbytes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
+        # block by block: partition.plan then times its stages whole and scales their nodes (calibrate_plan)
+        self.blockwise, self.target_device = blockwise, target
+        self.example_flat = flatten_inputs(self.gm, *given)  # the example's own tensors, for measuring
         if blockwise:
             members = coarsen(build_graph(self.gm, self.costs), pbytes, max_blocks=max_blocks).members
             if self.share is not None and self.share.world > 1:
                 self.cost_method += f", shared by {self.share.world} ranks"
-            measure_blocks(self.gm, self.costs, members, flatten_inputs(self.gm, *given), target, pbytes,
+            measure_blocks(self.gm, self.costs, members, self.example_flat, target, pbytes,
                            repeats=repeats, share=share)
         say(f"costed in {time.perf_counter() - start:.1f} s")
+        self.recost()
+
+    def recost(self) -> None:
+        """The graph and blocks again from `costs` (after they changed: calibrate_plan)."""
+        pbytes = {n: p.numel() * p.element_size() for n, p in self.model.named_parameters()}
         self.graph = build_graph(self.gm, self.costs)
-        self.blocks = coarsen(self.graph, pbytes, max_blocks=max_blocks)
+        self.blocks = coarsen(self.graph, pbytes, max_blocks=self.max_blocks)
 
     @property
     def chain(self) -> Chain:
@@ -350,6 +358,8 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
             "recompute/offload activations", need) from None
     if analysis is None:
         a, sol = split_heavy_ops(a, sol, n_stages, kept)
+        if a.blockwise:
+            sol = calibrate_plan(a, sol, n_stages, kept, progress)
     if kept.tolerance > 0:
         fastest = solve(a.chain, n_stages, dataclasses.replace(kept, tolerance=0.0))
         if fastest.bounds != sol.bounds:
@@ -359,6 +369,34 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
                            f"stage, this one {sol.bottleneck_ms:.2f} ms (pass stable_within=0 for it)")
     return plan_from_bounds(a, sol.bounds, cm, schedule=schedule, microbatches=M,
                             stages_per_rank=stages_per_rank, memory_budget=budget)
+
+
+def calibrate_plan(a: Analysis, sol: Solution, n_stages: int, cm: CostModel,
+                   progress: Callable[[str], None] | None = None, rounds: int = 2, gain: float = 0.1) -> Solution:
+    """Costs measured block by block (partition.measure), corrected by the stages they lead to: each stage
+    of the solution is timed whole on the target device (one stage's weights at a time) and its nodes'
+    times are scaled to that (partition.measure.calibrate); the model is then solved again, and other
+    cuts are taken (and timed in turn) only where they are predicted at least `gain` faster than the
+    timed ones (the scaling is per stage, so nodes that change stages carry their old stage's factor:
+    a small predicted gain is as likely that as a real one), at most `rounds` times. The cost_method
+    says how it ended."""
+    from partition.measure import calibrate
+    from partition.solve import evaluate
+    for r in range(1, rounds + 1):
+        if progress is not None:
+            progress(f"timing the {n_stages} stages whole on {a.target_device} (round {r}) ...")
+        calibrate(a.gm, a.costs, a.blocks.members, sol.bounds, a.example_flat, a.target_device, share=a.share)
+        a.recost()
+        timed = evaluate(a.chain, tuple(sol.bounds), cm)
+        again = solve(a.chain, n_stages, cm)
+        if again.bounds == timed.bounds or again.bottleneck_ms > (1 - gain) * timed.bottleneck_ms:
+            a.cost_method += f"; the plan's stages then timed whole and their nodes scaled to that ({r} " \
+                             f"round{'s' if r > 1 else ''})"
+            return timed
+        sol = again
+    a.cost_method += f"; the stages of {rounds} plans timed whole, each next one predicted faster by " \
+                     f"{gain:.0%} or more (this plan's stages predicted from nodes scaled to the last ones)"
+    return sol
 
 
 def split_heavy_ops(a: Analysis, sol: Solution, n_stages: int, cm: CostModel) -> tuple[Analysis, Solution]:
