@@ -209,7 +209,7 @@ def _quality(model_spec: str | Workload, stages: list[int], *, cost: str, repeat
                 if method == "fxpipe":  # as partition.plan does: slice an op slower than a fair stage, and
                     aa, sol = split_heavy_ops(a, evaluate(a.chain, bounds, cm), S, cm)
                     if aa.blockwise:  # costs measured block by block: the stages timed whole, re-solved
-                        sol = calibrate_plan(aa, sol, S, cm)
+                        aa, sol = calibrate_plan(aa, sol, S, cm)
                     bounds = sol.bounds
                 p = plan_from_bounds(aa, bounds, cm, schedule="1f1b", microbatches=S, stages_per_rank=1,
                                      memory_budget=None)

@@ -239,24 +239,34 @@ def _runnable(gm: torch.fx.GraphModule, nodes: list[str], stage_of: dict[str, in
     return unit, [_input(costs[r], device) for r in recv] + [_example(flat_inputs[i], device) for i in inputs]
 
 
+def _drop_grad(p: torch.Tensor) -> None:
+    p.grad = None
+
+
 def calibrate(gm: torch.fx.GraphModule, costs: dict[str, NodeCost], members: list[list[str]], bounds: Sequence[int],
-              flat_inputs: list[Any], device: torch.device, *, repeats: int = 5,
+              flat_inputs: list[Any], device: torch.device, *, repeats: int = 3,
               share: Share | None = None) -> list[tuple[float, float]]:
     """Time each stage of `bounds` (block bounds over `members`) whole on `device`, one stage's weights at a
     time (random values for meta ones), and scale its nodes' forward and backward ms in `costs`, in place,
     so that the stage's sums are what it measured: units timed alone miss what a stage run as one does
     (its caches, the allocator's state, the time ops lose or gain to their neighbours). Returns the
-    measured (fwd ms, bwd ms) of every stage: the median of `repeats` runs after a warm-up; this rank
-    times its share of the stages and the rest is gathered through `share`."""
+    measured (fwd ms, bwd ms) of every stage: the median of `repeats` runs after two warm-up runs, each
+    parameter's gradient freed as soon as backward has made it (so the peak is the stage's weights and
+    one microbatch's activations, not its gradients too). This rank times its share of the stages, the
+    stages s with s % world == rank (the pipeline's loop placement: with pipe, the stages it will run),
+    and the rest is gathered through `share`; every rank must pass the same bounds."""
     share = share or Share()
     stage_of = {n: b for b, block in enumerate(members) for n in block}
     nodes = [[u for b in range(lo, hi) for u in members[b]] for lo, hi in zip(bounds[:-1], bounds[1:])]
     mine: dict[int, tuple[float, float]] = {}
     for s in range(share.rank, len(nodes), share.world):
         stage, flat = _runnable(gm, nodes[s], stage_of, costs, flat_inputs, device, f"Stage{s}")
+        hooks = [p.register_post_accumulate_grad_hook(_drop_grad) for p in stage.parameters() if p.requires_grad]
         with preserve_state(stage):
-            mine[s] = whole_graph_ms(stage.forward, flat, repeats, warmup=3)
-        del stage, flat
+            mine[s] = whole_graph_ms(stage.forward, flat, repeats, warmup=2)
+        for h in hooks:
+            h.remove()
+        del stage, flat, hooks
         release_memory(1)
     parts = [mine] if share.gather is None else share.gather(mine)
     got = {s: t for part in parts for s, t in part.items()}

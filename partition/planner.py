@@ -277,7 +277,8 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
          max_blocks: int = 2000, analysis: Analysis | None = None, recompute: str = "none",
          offload: str = "none", loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
          example_target: Any = None, progress: Callable[[str], None] | None = None,
-         stable_within: float = 0.1, device: torch.device | str | None = None, share: Share | None = None) -> Plan:
+         stable_within: float = 0.1, device: torch.device | str | None = None, share: Share | None = None,
+         stage_share: Share | None = None) -> Plan:
     """Balanced stages for `model`, found by the exact solver under a per-stage memory budget.
 
     `example_args`/`example_kwargs` are one microbatch. Memory per stage counts parameters
@@ -304,7 +305,9 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
     trace, FLOP costs and memory figures come from meta tensors; cost="measured" then times each
     block on `device` (default: where the model's weights are; pipe passes its own device), one
     block's weights at a time (partition.measure), and so does a model whose weights are on another
-    device than `device`; `share` splits that work between ranks. The plan records how and where.
+    device than `device`; `share` splits that work between ranks. The plan's stages are then timed whole
+    and the costs scaled to them (calibrate_plan), each rank timing its share of the stages by
+    `stage_share` (default `share`). The plan records how and where.
     """
     if isinstance(n_stages, bool) or not isinstance(n_stages, int) or n_stages < 1:
         raise PlanError(f"n_stages must be a positive integer (one per pipeline stage), got {n_stages!r}; "
@@ -359,7 +362,7 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
     if analysis is None:
         a, sol = split_heavy_ops(a, sol, n_stages, kept)
         if a.blockwise:
-            sol = calibrate_plan(a, sol, n_stages, kept, progress)
+            a, sol = calibrate_plan(a, sol, n_stages, kept, progress, share=stage_share)
     if kept.tolerance > 0:
         fastest = solve(a.chain, n_stages, dataclasses.replace(kept, tolerance=0.0))
         if fastest.bounds != sol.bounds:
@@ -372,31 +375,49 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
 
 
 def calibrate_plan(a: Analysis, sol: Solution, n_stages: int, cm: CostModel,
-                   progress: Callable[[str], None] | None = None, rounds: int = 2, gain: float = 0.1) -> Solution:
+                   progress: Callable[[str], None] | None = None, rounds: int = 2, gain: float = 0.1,
+                   share: Share | None = None) -> tuple[Analysis, Solution]:
     """Costs measured block by block (partition.measure), corrected by the stages they lead to: each stage
     of the solution is timed whole on the target device (one stage's weights at a time) and its nodes'
     times are scaled to that (partition.measure.calibrate); the model is then solved again, and other
     cuts are taken (and timed in turn) only where they are predicted at least `gain` faster than the
     timed ones (the scaling is per stage, so nodes that change stages carry their old stage's factor:
-    a small predicted gain is as likely that as a real one), at most `rounds` times. The cost_method
-    says how it ended."""
+    a small predicted gain is as likely that as a real one), at most `rounds` times. Returns the
+    analysis (another one only where rank 0 chose other rewrites, below) and the solution; the
+    cost_method says how it ended.
+
+    `share` (default the analysis's) splits the stages between ranks, each timing the stages it will
+    run; then rank 0's cuts, rewrites and decisions hold on every rank (its plan is the one used), so
+    that every rank times a stage of the same plan and makes the same collective calls."""
     from partition.measure import calibrate
     from partition.solve import evaluate
+    share = share if share is not None else a.share
+    gather = share.gather if share is not None else None
+
+    def agree(x: Any) -> Any:
+        return gather(x)[0] if gather is not None else x
+    rewrites = agree([list(r) for r in a.rewrites])
+    if rewrites != [list(r) for r in a.rewrites]:  # rank 0 sliced other layers (noise near split_heavy_ops' bar)
+        a = a.with_rewrites(rewrites)
+    bounds = tuple(sol.bounds)
     for r in range(1, rounds + 1):
         if progress is not None:
             progress(f"timing the {n_stages} stages whole on {a.target_device} (round {r}) ...")
-        calibrate(a.gm, a.costs, a.blocks.members, sol.bounds, a.example_flat, a.target_device, share=a.share)
+        bounds = agree(bounds)
+        calibrate(a.gm, a.costs, a.blocks.members, bounds, a.example_flat, a.target_device, share=share)
         a.recost()
-        timed = evaluate(a.chain, tuple(sol.bounds), cm)
+        timed = evaluate(a.chain, bounds, cm)
         again = solve(a.chain, n_stages, cm)
-        if again.bounds == timed.bounds or again.bottleneck_ms > (1 - gain) * timed.bottleneck_ms:
+        move, bounds_next = agree((again.bounds != timed.bounds and
+                                   again.bottleneck_ms <= (1 - gain) * timed.bottleneck_ms, tuple(again.bounds)))
+        if not move:
             a.cost_method += f"; the plan's stages then timed whole and their nodes scaled to that ({r} " \
                              f"round{'s' if r > 1 else ''})"
-            return timed
-        sol = again
+            return a, timed
+        bounds = bounds_next
     a.cost_method += f"; the stages of {rounds} plans timed whole, each next one predicted faster by " \
                      f"{gain:.0%} or more (this plan's stages predicted from nodes scaled to the last ones)"
-    return sol
+    return a, evaluate(a.chain, bounds, cm)
 
 
 def split_heavy_ops(a: Analysis, sol: Solution, n_stages: int, cm: CostModel) -> tuple[Analysis, Solution]:

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -190,6 +191,39 @@ def test_calibrate_scales_each_stage_to_its_timing() -> None:
     assert got[0] == got[1] and sorted(parts[0]) == [0, 2] and sorted(parts[1]) == [1]
     assert all(costs[0][u].fwd_ms == costs[1][u].fwd_ms for u in before)
     assert all(t.is_meta for t in meta.parameters())
+
+
+def test_calibrate_plan_follows_rank_0() -> None:
+    """calibrate_plan on a rank other than 0 takes rank 0's cuts and decisions (its plan is the one used):
+    it times its own stage of rank 0's cuts and takes rank 0's timing of the others (an emulated
+    gather: rank 0's part is made up here)."""
+    from partition.measure import Share
+    from partition.planner import Analysis, calibrate_plan
+    from partition.solve import CostModel, solve
+    w, meta = _meta_gpt(d_model=64)
+    a = Analysis(meta, w.example_args, cost="flops", loss_fn=w.loss_fn, example_target=w.example_target)
+    a.blockwise, a.target_device = True, torch.device("cpu")
+    cm = CostModel(in_flight=(2, 1))
+    sol = solve(a.chain, 2, cm)
+    n = len(a.blocks.members)
+    theirs = (0, 5, n) if sol.bounds != (0, 5, n) else (0, 6, n)
+    calls: list[Any] = []
+
+    def gather(mine: Any) -> list[Any]:
+        calls.append(mine)
+        if isinstance(mine, dict):  # calibrate's timings: rank 0 timed stage 0
+            return [{0: (1.5, 2.5)}, mine]
+        if isinstance(mine, tuple) and len(mine) == 2 and isinstance(mine[0], bool):
+            return [(False, mine[1]), mine]  # rank 0 keeps its cuts
+        if isinstance(mine, tuple):
+            return [theirs, mine]
+        return [mine, mine]
+    b, got = calibrate_plan(a, sol, 2, cm, share=Share(1, 2, gather))
+    assert b is a and tuple(got.bounds) == theirs and "timed whole" in a.cost_method
+    assert list(calls[2]) == [1]  # it timed its own stage, and took rank 0's timing of stage 0:
+    first = [u for blk in a.blocks.members[:theirs[1]] for u in blk]
+    assert sum(a.costs[u].fwd_ms for u in first) == pytest.approx(1.5)
+    assert sum(a.costs[u].bwd_ms for u in first) == pytest.approx(2.5)
 
 
 def test_measured_plan_of_a_meta_model_matches_its_stages() -> None:
