@@ -20,7 +20,7 @@ import partition
 from partition.meta import meta_copy
 from partition.costs import preserve_state
 from partition.plan import in_flight
-from partition.measure import calibrate
+from partition.measure import calibrate as calibrate_stages
 from partition.planner import Analysis, calibrate_plan, plan_from_bounds, split_heavy_ops
 from partition.solve import CostModel, balance_by_param_count, balance_by_time, even_split, evaluate, solve
 from partition.split import split_graph, stage_io
@@ -143,7 +143,7 @@ def steady_malloc() -> bool:
 
 
 def quality(model_spec: str | Workload, stages: list[int], *, cost: str = "measured", repeats: int = 20,
-            methods: Sequence[str] = METHODS, meta: bool = False, rounds: int = 1,
+            methods: Sequence[str] = METHODS, meta: bool = False, rounds: int = 1, calibrate: bool = False,
             **model_args: Any) -> list[dict[str, Any]]:
     """One row per (stage count, method): predicted and measured fwd+bwd ms of every stage.
 
@@ -156,14 +156,15 @@ def quality(model_spec: str | Workload, stages: list[int], *, cost: str = "measu
     `rounds` > 1 alternates costing and timing: each later round costs the model afresh, predicts the
     first round's cuts from those costs, and times the stages again; predicted and measured are the
     medians over the rounds, so a change in the machine's load between the costing and the timing
-    (which no cost model predicts) moves both alike.
+    (which no cost model predicts) moves both alike. `calibrate`: fxpipe's plan as partition.plan's
+    with calibrate=True (costs measured block by block, its stages then timed whole).
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     steady_malloc()
     try:
         return _quality(model_spec, stages, cost=cost, repeats=repeats, methods=methods, meta=meta, rounds=rounds,
-                        **model_args)
+                        calibrate=calibrate, **model_args)
     finally:
         torch.set_num_threads(threads)
 
@@ -181,7 +182,8 @@ def _restore_times(a: Analysis, kept: dict[str, tuple[float, float]]) -> None:
 
 
 def _quality(model_spec: str | Workload, stages: list[int], *, cost: str, repeats: int, methods: Sequence[str],
-             meta: bool = False, rounds: int = 1, **model_args: Any) -> list[dict[str, Any]]:
+             meta: bool = False, rounds: int = 1, calibrate: bool = False,
+             **model_args: Any) -> list[dict[str, Any]]:
     w = partition.load(model_spec, **model_args) if isinstance(model_spec, str) else model_spec
     if not w.layer_prefixes:
         raise ValueError(f"workload {w.name!r} names no layer_prefixes; the layer baselines need them")
@@ -208,7 +210,7 @@ def _quality(model_spec: str | Workload, stages: list[int], *, cost: str, repeat
                 kept = _saved_times(a)
                 if method == "fxpipe":  # as partition.plan does: slice an op slower than a fair stage, and
                     aa, sol = split_heavy_ops(a, evaluate(a.chain, bounds, cm), S, cm)
-                    if aa.blockwise:  # costs measured block by block: the stages timed whole, re-solved
+                    if aa.blockwise and calibrate:  # as plan(calibrate=True): the stages timed whole, re-solved
                         aa, sol = calibrate_plan(aa, sol, S, cm)
                     bounds = sol.bounds
                 p = plan_from_bounds(aa, bounds, cm, schedule="1f1b", microbatches=S, stages_per_rank=1,
@@ -227,8 +229,9 @@ def _quality(model_spec: str | Workload, stages: list[int], *, cost: str, repeat
             for i, row in enumerate(rows):
                 ar = again.with_rewrites(row["rewrites"]) if row["rewrites"] else again
                 kept = _saved_times(ar)
-                if row["method"] == "fxpipe" and ar.blockwise:  # as its plan was: its stages timed whole
-                    calibrate(ar.gm, ar.costs, ar.blocks.members, row["bounds"], ar.example_flat, ar.target_device)
+                if row["method"] == "fxpipe" and ar.blockwise and calibrate:  # as its plan was: stages timed whole
+                    calibrate_stages(ar.gm, ar.costs, ar.blocks.members, row["bounds"], ar.example_flat,
+                                     ar.target_device)
                     ar.recost()
                 cm = CostModel(in_flight=tuple(in_flight("1f1b", row["stages"], row["stages"])))
                 p = plan_from_bounds(ar, row["bounds"], cm, schedule="1f1b", microbatches=row["stages"],
@@ -325,6 +328,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "(fxpipe's plan only); --model's own fxpipe rows are always in it")
     ap.add_argument("--cost", choices=("measured", "flops"), default="measured")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--calibrate", action="store_true", help="with --meta: fxpipe's plan's stages timed whole and "
+                    "its costs scaled to them, as partition.plan(calibrate=True)")
     ap.add_argument("--rounds", type=int, default=1, help="alternate costing and timing this many times; "
                     "predicted and measured are medians over the rounds (see quality())")
     ap.add_argument("--meta", action="store_true", help="plan a copy of each model on the meta device (costs "
@@ -337,12 +342,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     overrides = parse_overrides(args.model_arg)
     rows = [r for m in args.model.split(",") if m
             for r in quality(m, stages, cost=args.cost, repeats=args.repeats, meta=args.meta, rounds=args.rounds,
-                              **overrides)]
+                              calibrate=args.calibrate, **overrides)]
     print_quality(rows)
     acc = [r for r in rows if r["method"] == "fxpipe"]
     acc += [r for m in args.accuracy.split(",") if m
             for r in quality(m, stages, cost=args.cost, repeats=args.repeats, methods=("fxpipe",), meta=args.meta,
-                             rounds=args.rounds, **overrides)]
+                             rounds=args.rounds, calibrate=args.calibrate, **overrides)]
     print()
     print_accuracy(acc)
     if args.out:

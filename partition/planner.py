@@ -80,7 +80,7 @@ class Analysis:
         self.costs = node_costs(self.gm, self.flat, cost="flops" if blockwise else cost, names=self.names,
                                 repeats=repeats)
         pbytes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
-        # block by block: partition.plan then times its stages whole and scales their nodes (calibrate_plan)
+        # block by block; partition.plan(calibrate=True) then times its stages whole (calibrate_plan)
         self.blockwise, self.target_device = blockwise, target
         self.example_flat = flatten_inputs(self.gm, *given)  # the example's own tensors, for measuring
         if blockwise:
@@ -278,7 +278,7 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
          offload: str = "none", loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
          example_target: Any = None, progress: Callable[[str], None] | None = None,
          stable_within: float = 0.1, device: torch.device | str | None = None, share: Share | None = None,
-         stage_share: Share | None = None) -> Plan:
+         stage_share: Share | None = None, calibrate: bool = False) -> Plan:
     """Balanced stages for `model`, found by the exact solver under a per-stage memory budget.
 
     `example_args`/`example_kwargs` are one microbatch. Memory per stage counts parameters
@@ -305,9 +305,11 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
     trace, FLOP costs and memory figures come from meta tensors; cost="measured" then times each
     block on `device` (default: where the model's weights are; pipe passes its own device), one
     block's weights at a time (partition.measure), and so does a model whose weights are on another
-    device than `device`; `share` splits that work between ranks. The plan's stages are then timed whole
-    and the costs scaled to them (calibrate_plan), each rank timing its share of the stages by
-    `stage_share` (default `share`). The plan records how and where.
+    device than `device`; `share` splits that work between ranks. With `calibrate`, the plan's stages are
+    then timed whole and the costs scaled to them (calibrate_plan), each rank timing its share of the
+    stages by `stage_share` (default `share`): closer stage times, but planning then peaks at a stage's
+    weights plus one microbatch's activations of it (about 2-3x the stage's weights on the 16-layer
+    GPT of bench memory-scale) instead of one unit's. The plan records how and where.
     """
     if isinstance(n_stages, bool) or not isinstance(n_stages, int) or n_stages < 1:
         raise PlanError(f"n_stages must be a positive integer (one per pipeline stage), got {n_stages!r}; "
@@ -361,7 +363,7 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
             "recompute/offload activations", need) from None
     if analysis is None:
         a, sol = split_heavy_ops(a, sol, n_stages, kept)
-        if a.blockwise:
+        if a.blockwise and calibrate:
             a, sol = calibrate_plan(a, sol, n_stages, kept, progress, share=stage_share)
     if kept.tolerance > 0:
         fastest = solve(a.chain, n_stages, dataclasses.replace(kept, tolerance=0.0))

@@ -387,8 +387,7 @@ class Pipeline:
             # a model that cannot run whole on this device (on the meta device, or its weights elsewhere)
             # is timed block by block here (partition.measure); ranks with devices of their own measure a
             # share each, gathered; ranks sharing the host's cores all measure every block at once, as
-            # they will run (a rank that finished its share early would leave the others a faster machine).
-            # The plan's stages are then timed whole, each by a rank that will run it, all at once.
+            # they will run (a rank that finished its share early would leave the others a faster machine)
             here = next((t.device for t in (*model.parameters(), *model.buffers())), self.ctx.device)
             blockwise = cost == "measured" and (self.meta or here != self.ctx.device)
             own_device = self.ctx.device.type != "cpu"
@@ -399,8 +398,7 @@ class Pipeline:
                 in_flight_counts=flights, recompute=features[0], offload=features[1], loss_fn=self.loss_fn,
                 example_target=example_target, bytes_per_ms=bytes_per_ms, latency_ms=latency_ms,
                 leaf_modules=self.leaf_modules, progress=self.progress,
-                state_factor=2.0 + self._state_factor(), device=self.ctx.device, share=share,
-                stage_share=Share(self.ctx.rank, self.ctx.world_size, _gather) if blockwise else None).to_dict(),
+                state_factor=2.0 + self._state_factor(), device=self.ctx.device, share=share).to_dict(),
                 self.ctx.rank,
                 everyone=cost == "measured" and (self.ctx.device.type == "cpu" or blockwise))
             plan = Plan.from_dict(d)
