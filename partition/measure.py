@@ -37,7 +37,8 @@ from partition.costs import NodeCost, node_costs, preserve_state, storage_owner,
 from partition.meta import retarget
 from partition.split import subgraph
 
-__all__ = ["Share", "calibrate", "measure_blocks", "materialize", "segments", "signature", "release_memory"]
+__all__ = ["Share", "calibrate", "measure_blocks", "materialize", "segments", "signature", "signatures",
+           "release_memory"]
 
 
 @dataclass
@@ -194,30 +195,39 @@ def signature(gm: torch.fx.GraphModule, nodes: Sequence[str], costs: dict[str, N
     that compute alike whatever their names (two layers of a transformer), and the order that maps
     one onto the other: the nodes, with each value read from outside (another block's output, a
     model input, an attribute) at its first use, described by its shape."""
+    return signatures(gm, [nodes], costs)[0]
+
+
+def signatures(gm: torch.fx.GraphModule, sets: Sequence[Sequence[str]],
+               costs: dict[str, NodeCost]) -> list[tuple[str, list[str]]]:
+    """`signature` of each set of nodes, the graph indexed once."""
     by_name = {n.name: n for n in gm.graph.nodes}
     inputs = {n.name: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
-    pos: dict[str, int] = {}
-    order: list[str] = []
-    parts: list[Any] = []
 
-    def ref(a: torch.fx.Node) -> torch.fx.Node:
-        if a.name not in pos:  # read from outside: described once
-            pos[a.name] = len(order)
-            order.append(a.name)
-            c = costs.get(a.name)
-            parts.append(("input", inputs[a.name]) if a.op == "placeholder" else
-                         ("attr", _target(gm, a)) if a.op == "get_attr" else
-                         ("value", c.shape, c.stride, c.dtype, c.requires_grad) if c is not None else
-                         ("value", a.op, _target(gm, a)))
-        return a
-    for u in nodes:
-        node = by_name[u]
-        torch.fx.node.map_arg((node.args, node.kwargs), ref)
-        args = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: f"%{pos[a.name]}")
-        pos[u] = len(order)
-        order.append(u)
-        parts.append((node.op, _target(gm, node), repr(args)))
-    return hashlib.sha1(repr(parts).encode()).hexdigest(), order
+    def one(nodes: Sequence[str]) -> tuple[str, list[str]]:
+        pos: dict[str, int] = {}
+        order: list[str] = []
+        parts: list[Any] = []
+
+        def ref(a: torch.fx.Node) -> torch.fx.Node:
+            if a.name not in pos:  # read from outside: described once
+                pos[a.name] = len(order)
+                order.append(a.name)
+                c = costs.get(a.name)
+                parts.append(("input", inputs[a.name]) if a.op == "placeholder" else
+                             ("attr", _target(gm, a)) if a.op == "get_attr" else
+                             ("value", c.shape, c.stride, c.dtype, c.requires_grad) if c is not None else
+                             ("value", a.op, _target(gm, a)))
+            return a
+        for u in nodes:
+            node = by_name[u]
+            torch.fx.node.map_arg((node.args, node.kwargs), ref)
+            args = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: f"%{pos[a.name]}")
+            pos[u] = len(order)
+            order.append(u)
+            parts.append((node.op, _target(gm, node), repr(args)))
+        return hashlib.sha1(repr(parts).encode()).hexdigest(), order
+    return [one(nodes) for nodes in sets]
 
 
 def _runnable(gm: torch.fx.GraphModule, nodes: list[str], stage_of: dict[str, int], costs: dict[str, NodeCost],
@@ -299,8 +309,8 @@ def measure_blocks(gm: torch.fx.GraphModule, costs: dict[str, NodeCost], members
     boundary is one storage, not two)."""
     share = share or Share()
     stage_of = {n: b for b, block in enumerate(members) for n in block}
-    units = segments(members, costs, param_bytes, kinds=[signature(gm, block, costs)[0] for block in members])
-    shapes = [signature(gm, [u for b in unit for u in members[b]], costs) for unit in units]
+    units = segments(members, costs, param_bytes, kinds=[sig for sig, _ in signatures(gm, members, costs)])
+    shapes = signatures(gm, [[u for b in unit for u in members[b]] for unit in units], costs)
     first: dict[str, int] = {}  # a structure -> the unit measured for it
     like = [first.setdefault(sig, k) for k, (sig, _) in enumerate(shapes)]
     measured = sorted(set(like))
