@@ -365,6 +365,9 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
         a, sol = split_heavy_ops(a, sol, n_stages, kept)
         if a.blockwise and calibrate:
             a, sol = calibrate_plan(a, sol, n_stages, kept, progress, share=stage_share)
+        elif calibrate:
+            a.notes.append(f"calibrate=True not applied: it corrects costs measured block by block, and these "
+                           f"were {a.cost_method!r} (a real model on its own device is timed as a whole graph)")
     if kept.tolerance > 0:
         fastest = solve(a.chain, n_stages, dataclasses.replace(kept, tolerance=0.0))
         if fastest.bounds != sol.bounds:

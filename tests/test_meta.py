@@ -140,6 +140,9 @@ def test_measured_block_by_block_and_shared() -> None:
                        device="cpu", calibrate=True)
     assert p.cost_method.startswith("block by block, one block's weights at a time; the ") and p.cost_device == "cpu"
     assert "timed whole" in p.cost_method, p.cost_method
+    whole = partition.plan(w.model, w.example_args, 2, cost="flops", loss_fn=w.loss_fn,
+                           example_target=w.example_target, calibrate=True)  # nothing measured block by block
+    assert any(n.startswith("calibrate=True not applied") for n in whole.notes), whole.notes
     assert all(s.fwd_ms > 0 and s.bwd_ms > 0 for s in p.stages)
     assert all(t.is_meta for t in meta.parameters())
 
