@@ -169,15 +169,16 @@ def quality(model_spec: str | Workload, stages: list[int], *, cost: str = "measu
         torch.set_num_threads(threads)
 
 
-def _saved_times(a: Analysis) -> dict[str, tuple[float, float]]:
-    return {u: (c.fwd_ms, c.bwd_ms) for u, c in a.costs.items()}
+def _saved_times(a: Analysis) -> tuple[str, dict[str, tuple[float, float]]]:
+    return a.cost_method, {u: (c.fwd_ms, c.bwd_ms) for u, c in a.costs.items()}
 
 
-def _restore_times(a: Analysis, kept: dict[str, tuple[float, float]]) -> None:
-    """The analysis's node times as `kept` (before a calibration for one plan's stages)."""
-    if any((c.fwd_ms, c.bwd_ms) != kept[u] for u, c in a.costs.items()):
+def _restore_times(a: Analysis, kept: tuple[str, dict[str, tuple[float, float]]]) -> None:
+    """The analysis's node times and cost method as `kept` (before a calibration for one plan's stages)."""
+    a.cost_method, times = kept
+    if any((c.fwd_ms, c.bwd_ms) != times[u] for u, c in a.costs.items()):
         for u, c in a.costs.items():
-            c.fwd_ms, c.bwd_ms = kept[u]
+            c.fwd_ms, c.bwd_ms = times[u]
         a.recost()
 
 
@@ -215,6 +216,7 @@ def _quality(model_spec: str | Workload, stages: list[int], *, cost: str, repeat
                     bounds = sol.bounds
                 p = plan_from_bounds(aa, bounds, cm, schedule="1f1b", microbatches=S, stages_per_rank=1,
                                      memory_budget=None)
+                how = aa.cost_method
                 _restore_times(a, kept)  # the other methods and stage counts start from the costs measured
                 timed = aa if not meta else real.with_rewrites(aa.rewrites) if aa.rewrites else real
                 mods = split_graph(timed.gm, p)  # a meta plan cuts the real model's graph: the same graph
@@ -222,7 +224,7 @@ def _quality(model_spec: str | Workload, stages: list[int], *, cost: str, repeat
                     runs[(len(rows), stage_io(st).index)] = _fwd_bwd(st, args)
                 predicted.append([[(sp.fwd_ms, sp.bwd_ms) for sp in p.stages]])
                 rows.append(dict(model=w.name, stages=S, method=method, bounds=list(bounds), rewrites=p.rewrites,
-                                 predicted_bottleneck=p.bottleneck_ms, cost_method=aa.cost_method))
+                                 predicted_bottleneck=p.bottleneck_ms, cost_method=how))
         measured.append(measure_stages(runs, repeats))
         for _ in range(1, rounds):  # costed afresh, then timed: the same cuts
             again = analysis()
