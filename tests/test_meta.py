@@ -233,8 +233,10 @@ def test_measured_plan_of_a_meta_model_matches_its_stages() -> None:
     """The partition quality benchmark's check on a plan made for a meta copy of the GPT (costs measured
     block by block): each stage's predicted share of the step against its measured share (the stages
     run with the model's weights), within 15%, costing and timing alternating twice. Shares, not
-    milliseconds: two timings of one ~5 ms stage differ by up to 20-30% on a shared machine whatever
-    predicts them; the absolute ratios are the benchmark's (python -m bench.quality --meta --rounds N)."""
+    milliseconds: this shared machine's speed drifts by up to 2x over a minute, so the 15% on absolute
+    times is the benchmark's (python -m bench.quality --meta --rounds 7, each round's costing against
+    the timing right after it); here each stage's own ratio is only held within 2x, which a cost of the
+    wrong unit or a stage counted twice would break."""
     from bench.quality import quality
     rows = quality("gpt", [2], repeats=10, methods=("fxpipe",), meta=True, rounds=2,
                    **{**GPT, "d_model": 128, "n_head": 4})
@@ -243,6 +245,7 @@ def test_measured_plan_of_a_meta_model_matches_its_stages() -> None:
         assert r["cost_method"] == "block by block, one block's weights at a time", r["cost_method"]
         for p, m in zip(pred, meas):
             assert abs((p / sum(pred)) / (m / sum(meas)) - 1) < 0.15, (pred, meas)
+        assert all(0.5 < q < 2 for q in r["ratio"]), r["ratio"]
 
 
 def _live_bytes() -> int:
