@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from pipe.schedules import SCHEDULES, ScheduleError, build, default_stages_per_rank, in_flight_limit
+from pipe.schedules import (SCHEDULES, ScheduleError, build, default_stages_per_rank, default_stages_text,
+                            in_flight_limit)
 
 if TYPE_CHECKING:
     from partition.plan import Plan
@@ -65,7 +66,7 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
                             "skipped (default 64,128,256,512,1024)")
     p.add_argument("--schedule", default=None, choices=sorted(SCHEDULES), help="default 1f1b (with --plan: the plan's)")
     p.add_argument("--stages-per-rank", type=int, default=None, metavar="V",
-                   help="v (default: the schedule's, 2 for interleaved-1f1b and zbv)")
+                   help=f"v (default: the schedule's, {default_stages_text()})")
     p.add_argument("--global-batch", type=int, default=4096, metavar="N",
                    help="sequences (samples) per step over all replicas (default 4096)")
     p.add_argument("--link-gbps", type=float, default=200.0,

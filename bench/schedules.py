@@ -31,7 +31,8 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--microbatches", default="4,8", help="comma-separated microbatch counts")
     p.add_argument("--schedules", default="gpipe,1f1b,interleaved-1f1b,zb-h1,zbv",
                    help=f"comma-separated schedules, of: {', '.join(sorted(SCHEDULES))}")
-    p.add_argument("--stages-per-rank", type=int, default=2, help="v for interleaved-1f1b (zbv always runs 2)")
+    p.add_argument("--stages-per-rank", type=int, default=2,
+                   help="v for interleaved-1f1b and interleaved-zb (the others run their own)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per candidate")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--cost", default="measured", choices=["measured", "flops"])
@@ -77,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
             v = args.stages_per_rank if name.startswith("interleaved") else default_stages_per_rank(name)
             if name.startswith("interleaved") and M % (world // args.data_parallel):
                 say(f"skip {name} M={M}: needs M divisible by {world // args.data_parallel}")
+                continue
+            if name == "dualpipev" and M < 2 * (world // args.data_parallel):
+                say(f"skip {name} M={M}: needs M >= {2 * (world // args.data_parallel)}")
                 continue
             w = partition.load(args.model, **overrides)
             pp = pipe.Pipeline(w.model, w.example_args, example_kwargs=w.example_kwargs, loss_fn=w.loss_fn,

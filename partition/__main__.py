@@ -14,7 +14,7 @@ from partition.workload import BUNDLED, WorkloadError, load, parse_overrides
 
 # The command line reads the schedules' in-flight counts from pipe.schedules, the pure table of
 # schedules; the partition library itself takes them as data (in_flight_counts=) and never imports pipe.
-from pipe.schedules import SCHEDULES, ScheduleError, default_stages_per_rank, in_flight_limit  # noqa: E402
+from pipe.schedules import SCHEDULES, ScheduleError, default_stages_per_rank, default_stages_text, in_flight_limit  # noqa: E402
 
 USAGE_ERRORS = (WorkloadError, PlanError, PartitionError, TraceError, ScheduleError)
 
@@ -34,7 +34,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b",
                    help="the schedule whose microbatches in flight the memory limit counts")
     p.add_argument("--stages-per-rank", type=int, default=None, metavar="V",
-                   help="stages per rank (default: 2 for interleaved-1f1b and zbv, else 1); --stages counts all")
+                   help=f"stages per rank (default: {default_stages_text()}); --stages counts all")
     p.add_argument("--microbatches", type=int, default=None, metavar="M",
                    help="microbatches per step (default: the number of stages)")
     p.add_argument("--out", default=None, metavar="PATH", help="write the plan as JSON to PATH")

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from pipe.launch import DEFAULT_TIMEOUT_S, finish, timeout_setting
-from pipe.schedules import SCHEDULES
+from pipe.schedules import SCHEDULES, default_stages_text
 
 __all__ = ["main", "parse_args", "error_line", "OUTPUTS"]
 
@@ -83,7 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --data-parallel: shard the optimizer state (ZeRO-1) or the parameters too (FSDP) "
                         "over the replicas")
     p.add_argument("--stages-per-rank", type=_whole("--stages-per-rank", 1, 2), default=None,
-                   help="stages per rank (default: 2 for interleaved-1f1b and zbv, else 1)")
+                   help=f"stages per rank (default: {default_stages_text()})")
     p.add_argument("--steps", type=_whole("--steps", 1, 20), default=20)
     p.add_argument("--batch-size", type=_whole("--batch-size", 1, 32), default=None,
                    help="default: microbatch size x microbatches")

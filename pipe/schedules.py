@@ -16,12 +16,16 @@ __all__ = [
     "ScheduleFn",
     "build",
     "default_stages_per_rank",
+    "default_stages_text",
     "dependencies",
     "execution_order",
     "gpipe",
     "grid",
     "in_flight_limit",
+    "dualpipev",
     "interleaved_1f1b",
+    "interleaved_zb",
+    "looped_bfs",
     "lock_step",
     "loop_placement",
     "v_placement",
@@ -127,6 +131,16 @@ def default_stages_per_rank(name: str) -> int:
     return _STAGES_PER_RANK[name]
 
 
+def default_stages_text() -> str:
+    """The registered defaults for command-line help: "2 for dualpipev, ... and zbv, else 1"."""
+    by: dict[int, list[str]] = {}
+    for name in sorted(SCHEDULES):
+        by.setdefault(_STAGES_PER_RANK[name], []).append(name)
+    parts = [f"{v} for {', '.join(names[:-1])} and {names[-1]}" if len(names) > 1 else f"{v} for {names[0]}"
+             for v, names in sorted(by.items()) if v != 1]
+    return ", ".join(parts) + ", else 1"
+
+
 def build(name: str, n_ranks: int, n_microbatches: int, stages_per_rank: int = 1) -> Schedule:
     """Build the registered schedule `name`; ScheduleError for unknown names or bad sizes."""
     _known(name)
@@ -158,7 +172,19 @@ def _one_stage_per_rank(name: str, stages_per_rank: int) -> None:
 @register("gpipe")
 def gpipe(n_ranks: int, n_microbatches: int, stages_per_rank: int = 1) -> Schedule:
     """GPipe: every forward, then every backward; with v>1 stages per rank, breadth first."""
-    _check_sizes("gpipe", n_ranks, n_microbatches, stages_per_rank)
+    return _breadth_first("gpipe", n_ranks, n_microbatches, stages_per_rank)
+
+
+@register("looped-bfs", stages_per_rank=2)
+def looped_bfs(n_ranks: int, n_microbatches: int, stages_per_rank: int = 2) -> Schedule:
+    """Looped BFS (Lamy-Poirier 2023, "Breadth-First Pipeline Parallelism"): v stages per rank in the
+    loop placement, each rank runs every microbatch through its first stage, then its next, and the
+    backwards in reverse: GPipe breadth first, with two stages per rank unless told otherwise."""
+    return _breadth_first("looped-bfs", n_ranks, n_microbatches, stages_per_rank)
+
+
+def _breadth_first(name: str, n_ranks: int, n_microbatches: int, stages_per_rank: int) -> Schedule:
+    _check_sizes(name, n_ranks, n_microbatches, stages_per_rank)
     schedule: Schedule = {}
     for rank in range(n_ranks):
         local = [rank + chunk * n_ranks for chunk in range(stages_per_rank)]
@@ -201,7 +227,108 @@ def interleaved_1f1b(n_ranks: int, n_microbatches: int, stages_per_rank: int = 1
     then 1F1B over the M*v (chunk, mb) items, backwards visiting chunks in reverse.
     Requires M % R == 0.
     """
-    name = "interleaved-1f1b"
+    return _interleaved_order("interleaved-1f1b", n_ranks, n_microbatches, stages_per_rank)
+
+
+@register("interleaved-zb", stages_per_rank=2)
+def interleaved_zb(n_ranks: int, n_microbatches: int, stages_per_rank: int = 2) -> Schedule:
+    """Interleaved zero bubble: interleaved 1F1B's order of F and B (v stages per rank, loop
+    placement), with each B split into B and W and the W deferred into the bubbles.
+
+    Built by running that order with unit times (T_F = T_B = T_W): at each step a rank runs its next
+    F or B if it is ready and it holds at most `R - 1` deferred W, else its oldest deferred W, else
+    waits; the W left at the end close the step. A microbatch stays alive on a stage from its F to
+    its W, so a rank holds at most R more than interleaved 1F1B keeps from F to B. With equal costs
+    the step is 3vM + R - 1 units: only the start-up is idle. Requires M % R == 0 (the interleaved
+    order's groups)."""
+    name = "interleaved-zb"
+    order = _interleaved_order(name, n_ranks, n_microbatches, stages_per_rank)
+    R, S = n_ranks, n_ranks * stages_per_rank
+    end: dict[Action, int] = {}
+    pos = [0] * R
+    deferred: list[list[Action]] = [[] for _ in range(R)]
+    schedule: Schedule = {r: [] for r in range(R)}
+    step = 0
+    while any(pos[r] < len(order[r]) or deferred[r] for r in range(R)):
+        chosen: dict[int, Action] = {}
+        for r in range(R):
+            nxt = order[r][pos[r]] if pos[r] < len(order[r]) else None
+            if nxt is not None and len(deferred[r]) < R and all(
+                    end.get(d, step + 1) <= step for d in dependencies(nxt, S)):
+                chosen[r] = nxt
+                pos[r] += 1
+                if nxt.kind == "B":
+                    deferred[r].append(Action(nxt.stage, "W", nxt.mb))
+            elif deferred[r]:
+                chosen[r] = deferred[r].pop(0)
+        for r, a in chosen.items():
+            schedule[r].append(a)
+            end[a] = step + 1
+        step += 1
+    return schedule
+
+
+@register("dualpipev", placement=v_placement, stages_per_rank=2)
+def dualpipev(n_ranks: int, n_microbatches: int, stages_per_rank: int = 2) -> Schedule:
+    """DualPipeV (DeepSeek-AI 2025, DualPipe's "cut-in-half" V form): two stages per rank in the V
+    placement (rank r holds stage r, its chunk 0, and stage 2R-1-r, its chunk 1), in eight phases:
+    1. 2(R-1-r) forwards of chunk 0;  2. r+1 times F chunk 0, F chunk 1;
+    3. R-1-r times B chunk 1 (W deferred), the oldest deferred W, F chunk 1;
+    4. M-2R+r+1 times F chunk 0, B chunk 1, F chunk 1, B chunk 0 (the pairs DualPipe overlaps);
+    5. R-1-r times B chunk 1, F chunk 1, B chunk 0;  6. r+1 times B chunk 1, B chunk 0, whose W are
+    deferred from the middle on (odd ranks from a chunk 1 B, even ranks from the chunk 0 B after it);
+    7. R-1-r times the oldest deferred W, B chunk 0 (W deferred);  8. the r+1 deferred W left.
+    Each chunk takes its microbatches in order; a B whose W is not deferred has its W right after
+    it (the full backward DualPipe runs there). Here F and B of a pair run one after the other:
+    DualPipe's overlap hides expert-parallel all-to-all inside them, which stages of one device do
+    not have. With equal costs the step is 6M + R - 1 units: only the start-up is idle. Requires
+    M >= 2R.
+    """
+    name = "dualpipev"
+    _check_sizes(name, n_ranks, n_microbatches, stages_per_rank)
+    if stages_per_rank != 2:
+        raise ScheduleError(f"{name} runs exactly two stages per rank in the V placement (got stages_per_rank="
+                            f"{stages_per_rank}); use stages_per_rank=2, or 'interleaved-zb' for other counts")
+    R, M = n_ranks, n_microbatches
+    if M < 2 * R:
+        raise ScheduleError(f"{name} needs at least two microbatches per rank (got M={M}, R={R}); use M >= {2 * R}, "
+                            "or 'zbv' (the same placement) for fewer")
+    schedule: Schedule = {}
+    for r in range(R):
+        half = (r + 1) // 2  # phase 6 defers W from its middle on
+        phases = [(2 * (R - 1 - r), ["F0"]), (r + 1, ["F0", "F1"]), (R - 1 - r, ["B1w", "W", "F1"]),
+                  (M - 2 * R + r + 1, ["F0", "B1", "F1", "B0"]), (R - 1 - r, ["B1", "F1", "B0"])]
+        phases += [(1, ["B1w" if i > half or (i == half and r % 2) else "B1", "B0w" if i >= half else "B0"])
+                   for i in range(r + 1)]
+        phases += [(R - 1 - r, ["W", "B0w"])]
+        schedule[r] = _dualpipev_rank((r, 2 * R - 1 - r), phases)
+    return schedule
+
+
+def _dualpipev_rank(stages: tuple[int, int], phases: list[tuple[int, list[str]]]) -> list[Action]:
+    """One rank's DualPipeV actions from its phases: (repeats, ops), an op "F{c}" or "B{c}" of chunk c
+    (its W right after it, or deferred with a trailing "w"), or "W" (the oldest deferred W); the W
+    still deferred at the end close the list."""
+    count = {"F": [0, 0], "B": [0, 0]}
+    acts: list[Action] = []
+    deferred: list[Action] = []
+    for repeats, ops in phases:
+        for _ in range(repeats):
+            for op in ops:
+                if op == "W":
+                    acts.append(deferred.pop(0))
+                    continue
+                kind, c = op[0], int(op[1])
+                m = count[kind][c]
+                count[kind][c] += 1
+                acts.append(Action(stages[c], kind, m))
+                if kind == "B":
+                    (deferred if op.endswith("w") else acts).append(Action(stages[c], "W", m))
+    return acts + deferred
+
+
+def _interleaved_order(name: str, n_ranks: int, n_microbatches: int, stages_per_rank: int) -> Schedule:
+    """Interleaved 1F1B's per-rank order of F and B (see interleaved_1f1b), checked under `name`."""
     _check_sizes(name, n_ranks, n_microbatches, stages_per_rank)
     if n_microbatches % n_ranks:
         raise ScheduleError(

@@ -366,6 +366,9 @@ def textbook_bubble(
     T_W per stage (the first microbatch reaches rank R-1 after R-1 steps; ZB-V fills the other
     bubbles with W, Qi et al. 2024, sec. 6): a lower bound, which fxpipe's zbv comes within R
     steps of.
+    interleaved-zb (any v) and dualpipev (v=2): (R-1)/(3vM+R-1), the same start-up bound, which
+    both reach with T_F = T_B = T_W.
+    looped-bfs: as gpipe breadth first.
     The v>1 and zb-h1 formulas assume M >= R (resp. M >= S); with fewer mbs the real
     bubble is larger.
     """
@@ -376,15 +379,15 @@ def textbook_bubble(
             f"of stages_per_rank (got S={s}, M={m}, v={v})"
         )
     r = s // v
-    if name == "interleaved-1f1b" or (name == "gpipe" and v > 1):
+    if name in ("interleaved-1f1b", "looped-bfs") or (name == "gpipe" and v > 1):
         return (r - 1) / (v * m + r - 1)
     if name in ("gpipe", "1f1b") and v == 1:
         return (s - 1) / (m + s - 1)
     if name == "zb-h1" and v == 1:
         return (s - 1) / (3 * m + s - 1)
-    if name == "zbv" and v == 2:
-        return (r - 1) / (6 * m + r - 1)
+    if name == "interleaved-zb" or (name in ("zbv", "dualpipev") and v == 2):
+        return (r - 1) / (3 * v * m + r - 1)
     raise ScheduleError(
-        f"no textbook bubble for schedule {name!r} with stages_per_rank={v}; known: gpipe and "
-        "interleaved-1f1b (any v), 1f1b and zb-h1 (v=1), zbv (v=2)"
+        f"no textbook bubble for schedule {name!r} with stages_per_rank={v}; known: gpipe, looped-bfs, "
+        "interleaved-1f1b and interleaved-zb (any v), 1f1b and zb-h1 (v=1), zbv and dualpipev (v=2)"
     )

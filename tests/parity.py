@@ -45,15 +45,16 @@ def check_step(pp: Any, loss: float, ref: Any, args: Any, kwargs: dict[str, Any]
 
 
 def parity_body(rank: int, world: int, *, spec: str, model_args: dict[str, Any],
-                schedules: list[tuple[str, int]], M: int, steps: int = 3, fused: bool = False,
+                schedules: list[tuple[Any, ...]], M: int, steps: int = 3, fused: bool = False,
                 expect_vocab: bool = False, nccl_like: bool = False) -> dict[str, list[float]]:
-    """For each (schedule, stages per rank): `steps` Adam steps in parity with the plain model.
+    """For each (schedule, stages per rank[, microbatches: M unless given]): `steps` Adam steps in
+    parity with the plain model.
 
     `fused`: plan with the loss in the graph (example_target=); `expect_vocab`: and check that
     the plan spread the LM head and its loss over stages (partition.rewrite.vocab_parallel);
     `nccl_like`: messages through tests.nccl_like (NCCL's matching and per-pair order)."""
-    return {f"{name}/v{v}": one_schedule(rank, world, spec, model_args, name, M, v, steps, fused, expect_vocab,
-                                         nccl_like) for name, v in schedules}
+    return {f"{name}/v{v}": one_schedule(rank, world, spec, model_args, name, own[0] if own else M, v, steps, fused,
+                                         expect_vocab, nccl_like) for name, v, *own in schedules}
 
 
 def one_schedule(rank: int, world: int, spec: str, model_args: dict[str, Any], schedule: str, M: int,

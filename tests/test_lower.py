@@ -123,7 +123,10 @@ def test_fused_backward_replaces_a_recomputing_stages_b_and_w_by_bw() -> None:
 def test_receives_are_posted_ahead_by_a_bounded_number_of_buffers() -> None:
     """A receive is posted in the batch of the round its sender computes (the earliest position both
     ends agree on), and read by the compute action that needs it: the buffers posted and not yet
-    read on a rank never exceed 2 per stage it holds, whatever the number of microbatches."""
+    read on a rank never exceed 2 per stage it holds, whatever the number of microbatches; except
+    breadth first with several stages per rank (looped-bfs), where a stage's inputs arrive while the
+    rank still runs its earlier stage: there every microbatch is in flight anyway, and so may be its
+    input's buffer (M per stage)."""
     from pipe.lower import needs
     from pipe.schedules import default_stages_per_rank
     for name in sorted(SCHEDULES):
@@ -143,7 +146,7 @@ def test_receives_are_posted_ahead_by_a_bounded_number_of_buffers() -> None:
                         alive += sum(a.kind.startswith("RECV") for a in x)
                         peak = max(peak, alive)
                     assert alive >= 0
-                assert alive == 0 and peak <= 2 * v, (name, R, M, r, peak)
+                assert alive == 0 and peak <= (M if name == "looped-bfs" else 2) * v, (name, R, M, r, peak)
 
 
 def test_the_data_parallel_pass_reduces_each_stages_grads_before_its_final_backward() -> None:

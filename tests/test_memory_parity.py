@@ -133,6 +133,8 @@ def test_memory_features_with_nccl_matching() -> None:
         ("interleaved-1f1b", 2, "selective", "all", None),
         ("zb-h1", 1, "full", "activations", None),
         ("zbv", 2, "full", "activations", None),
+        ("dualpipev", 2, "selective", "all", None),
+        ("interleaved-zb", 2, "auto", "activations", 0.6),
     ]
     res = _check(run_ranks("tests.test_memory_parity:memory_body", 2, timeout=240, configs=configs, M=4,
                            nccl_like=True))
@@ -141,7 +143,7 @@ def test_memory_features_with_nccl_matching() -> None:
     for key in ("zb-h1/1/full/activations/None", "zbv/2/full/activations/None"):
         assert res[key]["kinds"] == ["BW", "F", "RELOAD"], (key, res[key]["kinds"])
     offloading = ("interleaved-1f1b/2/selective/all/None", "zb-h1/1/full/activations/None",
-                  "zbv/2/full/activations/None")
+                  "zbv/2/full/activations/None", "dualpipev/2/selective/all/None")
     for key in offloading:
         assert res[key]["reload_stalls"] == 0, (key, res[key])  # every backward found its RELOAD done
     assert res["1f1b/1/none/none/None"]["kinds"] == ["B", "F"]

@@ -7,7 +7,15 @@ import pytest
 from tests.mp import run_command, run_ranks
 
 BIN = Path(sys.executable).parent
-ALL = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 2)]
+ALL = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 2), ("looped-bfs", 2),
+       ("interleaved-zb", 2)]
+
+
+def every_schedule(world: int) -> list[tuple[int | str, ...]]:
+    """ALL and DualPipeV, which needs two microbatches per rank (M = 2R; the others run the test's M)."""
+    return [*ALL, ("dualpipev", 2, 2 * world)]
+
+
 SMALL_GPT = {"n_layer": 4, "d_model": 64, "n_head": 4, "seq_len": 32, "vocab": 256}
 HF = {"n_layer": 4}
 
@@ -27,7 +35,7 @@ def test_parity_every_schedule(world: int, spec: str, args: dict) -> None:
     which matches more strictly (the plain transport on them too took 35 s of the suite's time, GPT-2
     on 4 ranks 47 s; T5 runs on 4)."""
     # GPT-2: the tied head and the ModelOutput under a plain and a zero-bubble schedule (the GPT runs all)
-    schedules = ALL if spec == "gpt" else [("1f1b", 1), ("zb-h1", 1)]
+    schedules = every_schedule(world) if spec == "gpt" else [("1f1b", 1), ("zb-h1", 1)]
     _check(run_ranks("tests.parity:parity_body", world, timeout=240, spec=spec, model_args=args,
                      schedules=schedules, M=4))
 
@@ -38,7 +46,8 @@ def test_parity_every_schedule_with_nccl_matching(world: int, spec: str) -> None
     in issue order, one batch at a time; tied weights (the GPT's embedding and head) and skip
     connections across stages (the U-Net's, on 4 ranks: every skip crosses stages there) included."""
     _check(run_ranks("tests.parity:parity_body", world, timeout=240, spec=spec,
-                     model_args=SMALL_GPT if spec == "gpt" else {}, schedules=ALL, M=3 if world == 3 else 4,
+                     model_args=SMALL_GPT if spec == "gpt" else {}, schedules=every_schedule(world),
+                     M=3 if world == 3 else 4,
                      nccl_like=True))
 
 

@@ -12,6 +12,8 @@ from pipe.schedules import (
     Schedule,
     ScheduleError,
     build,
+    default_stages_per_rank,
+    default_stages_text,
     dependencies,
     execution_order,
     grid,
@@ -23,7 +25,9 @@ from pipe.schedules import (
 )
 from pipe.simulate import simulate, textbook_bubble
 
-V_CHOICES = {"gpipe": (1, 2, 3), "1f1b": (1,), "interleaved-1f1b": (1, 2, 3), "zb-h1": (1,), "zbv": (2,)}
+V_CHOICES = {"gpipe": (1, 2, 3), "1f1b": (1,), "interleaved-1f1b": (1, 2, 3), "zb-h1": (1,), "zbv": (2,),
+             "looped-bfs": (1, 2, 3), "interleaved-zb": (1, 2, 3), "dualpipev": (2,)}
+ZERO_BUBBLE = ("zb-h1", "zbv", "interleaved-zb", "dualpipev")
 
 
 def grid_cases() -> list[tuple[str, int, int, int]]:
@@ -32,7 +36,7 @@ def grid_cases() -> list[tuple[str, int, int, int]]:
     for name, vs in V_CHOICES.items():
         for r in range(1, 5):
             for m in range(1, 9):
-                if name == "interleaved-1f1b" and m % r:
+                if name in ("interleaved-1f1b", "interleaved-zb") and m % r or name == "dualpipev" and m < 2 * r:
                     continue
                 cases += [(name, r, m, v) for v in vs]
     return cases
@@ -100,6 +104,21 @@ ZBV_2x2 = """
     1F0 2F0 1F1 2F1 2B0 1B0 2B1 1B1 2W0 1W0 2W1 1W1
 """
 
+# DualPipeV, R=2, M=4, read off its phases (see dualpipev). Rank 0 (stages 0 and 3): 2 F chunk 0;
+# F0 F1; B1 with its W deferred and popped at once, F1; one F0 B1 F1 B0; one B1 F1 B0; phase 6 defers
+# the chunk 0 B's W (rank 0 is even); W, B0 with W deferred; the last deferred W.
+DUALPIPEV_2x4 = """
+    0F0 0F1 0F2 3F0 3B0 3W0 3F1 0F3 3B1 3W1 3F2 0B0 0W0 3B2 3W2 3F3 0B1 0W1 3B3 3W3 0B2 0W2 0B3 0W3
+    1F0 2F0 1F1 2F1 1F2 2B0 2W0 2F2 1B0 1W0 1F3 2B1 2W1 2F3 1B1 1W1 2B2 2W2 1B2 1W2 2B3 1B3 2W3 1W3
+"""
+
+# Interleaved zero bubble, R=2, v=2, M=4: interleaved 1F1B's F and B (above) in their order, each W
+# deferred until the rank's next F or B is not ready, or R=2 W wait (rank 1: 3B1 then 3W0).
+INTERLEAVED_ZB_2x2x4 = """
+    0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2W0 2F2 0B0 2W1 2F3 0B1 0W0 0W1 2B2 2W2 2B3 2W3 0B2 0W2 0B3 0W3
+    1F0 1F1 3F0 3B0 3F1 3B1 3W0 1F2 1B0 3W1 1F3 1B1 1W0 3F2 3B2 1W1 3F3 3B3 3W2 1B2 3W3 1B3 1W2 1W3
+"""
+
 GPIPE_LOOPED_2x2x2 = """
     0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1
     1F0 1F1 3F0 3F1 3B0 3B1 1B0 1B1
@@ -116,6 +135,47 @@ def test_exact_interleaved_and_looped_gpipe() -> None:
     assert build("interleaved-1f1b", 2, 4, 2) == parse(INTERLEAVED_2x2x4)
     assert build("gpipe", 2, 2, 2) == parse(GPIPE_LOOPED_2x2x2)
     assert build("zbv", 2, 2, 2) == parse(ZBV_2x2)
+    assert build("looped-bfs", 2, 2, 2) == parse(GPIPE_LOOPED_2x2x2)
+
+
+def test_exact_dualpipev_and_interleaved_zb() -> None:
+    assert build("dualpipev", 2, 4, 2) == parse(DUALPIPEV_2x4)
+    assert build("interleaved-zb", 2, 4, 2) == parse(INTERLEAVED_ZB_2x2x4)
+
+
+def _alive(actions: list[Action], closer: str) -> int:
+    """Peak (stage, mb) pairs alive on one rank: F opens one, `closer` closes it."""
+    n = peak = 0
+    for a in actions:
+        n += 1 if a.kind == "F" else -1 if a.kind == closer else 0
+        peak = max(peak, n)
+    return peak
+
+
+def test_interleaved_zb_and_dualpipev_idle_only_at_the_start_up() -> None:
+    """With T_F = T_B = T_W each rank works 3vM units and the first microbatch reaches the last rank
+    after R-1: both schedules end at exactly 3vM + R - 1 (textbook_bubble's bound), against
+    interleaved 1F1B's (R-1)/(vM+R-1). Memory: interleaved-zb holds at most R more (stage, mb) pairs per
+    rank (F to W) than interleaved 1F1B (F to B); DualPipeV 2R+1 of its half-size stages."""
+    for r in range(1, 5):
+        for m in range(1, 17):
+            for name, v in [("interleaved-zb", v) for v in (1, 2, 3) if m % r == 0] + [("dualpipev", 2)] * (m >= 2 * r):
+                schedule, place = build(name, r, m, v), placement(name, r * v, r)
+                ones = [1.0] * (r * v)
+                tl = simulate(schedule, f_ms=ones, b_ms=ones, w_ms=ones, place=place)
+                assert tl.makespan == 3 * v * m + r - 1, (name, r, m, v)
+                assert tl.bubble == pytest.approx(textbook_bubble(name, r * v, m, v))
+                if name == "dualpipev":
+                    assert max(_alive(acts, "W") for acts in schedule.values()) == 2 * r + 1
+                else:
+                    base = build("interleaved-1f1b", r, m, v)
+                    for rank in range(r):
+                        assert _alive(schedule[rank], "W") <= _alive(base[rank], "B") + r
+                    one = simulate(base, f_ms=ones, b_ms=[2.0] * (r * v))  # B + W as one backward
+                    assert tl.bubble <= one.bubble + 1e-12
+    assert placement("dualpipev", 4, 2) == [0, 1, 1, 0]
+    assert default_stages_per_rank("dualpipev") == default_stages_per_rank("interleaved-zb") == 2
+    assert default_stages_text() == "2 for dualpipev, interleaved-1f1b, interleaved-zb, looped-bfs and zbv, else 1"
 
 
 @pytest.mark.parametrize("case", grid_cases(), ids=lambda c: "-".join(map(str, c)))
@@ -125,7 +185,7 @@ def test_every_schedule_validates(case: tuple[str, int, int, int]) -> None:
     place = placement(name, r * v, r)
     validate(schedule, r * v, m, place)
     n_actions = sum(len(a) for a in schedule.values())
-    assert n_actions == r * v * m * (3 if name in ("zb-h1", "zbv") else 2)
+    assert n_actions == r * v * m * (3 if name in ZERO_BUBBLE else 2)
     assert len(execution_order(schedule, r * v, m, place)) == n_actions
     for s in range(r * v):
         assert in_flight_limit(name, r * v, m, s, v) == max_in_flight(schedule, s)
@@ -267,6 +327,12 @@ def test_size_errors_name_values_and_fix() -> None:
         build("zb-h1", 2, 4, 3)
     with pytest.raises(ValueError, match="R=0"):
         build("gpipe", 0, 4)
+    with pytest.raises(ScheduleError, match=r"dualpipev needs at least two microbatches per rank.*M=5, R=3.*M >= 6"):
+        build("dualpipev", 3, 5, 2)
+    with pytest.raises(ScheduleError, match=r"dualpipev runs exactly two stages per rank.*stages_per_rank=3"):
+        build("dualpipev", 2, 8, 3)
+    with pytest.raises(ScheduleError, match=r"interleaved-zb needs n_microbatches divisible.*e.g. M=4"):
+        build("interleaved-zb", 2, 3, 2)
 
 
 def test_register_adds_a_schedule_as_one_function() -> None:

@@ -153,6 +153,9 @@ def test_textbook_bubble_values_and_errors() -> None:
     assert textbook_bubble("1f1b", 4, 8) == pytest.approx(3 / 11)
     assert textbook_bubble("zb-h1", 4, 8) == pytest.approx(3 / 27)
     assert textbook_bubble("interleaved-1f1b", 8, 8, 2) == pytest.approx(3 / 19)
+    assert textbook_bubble("looped-bfs", 8, 8, 2) == pytest.approx(3 / 19)
+    assert textbook_bubble("interleaved-zb", 8, 8, 2) == pytest.approx(3 / 51)
+    assert textbook_bubble("dualpipev", 8, 8, 2) == pytest.approx(3 / 51)
     with pytest.raises(ScheduleError, match="no textbook bubble"):
         textbook_bubble("1f1b", 4, 8, 2)
     with pytest.raises(ScheduleError, match="no textbook bubble"):
