@@ -33,6 +33,9 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
                    help=f"comma-separated schedules, of: {', '.join(sorted(SCHEDULES))}")
     p.add_argument("--stages-per-rank", type=int, default=2,
                    help="v for interleaved-1f1b and interleaved-zb (the others run their own)")
+    p.add_argument("--compile", default="off", choices=["off", "on", "both"],
+                   help="compile the stages (Pipeline(compile=True), torch.compile's inductor): on, or both "
+                        "each schedule plain and compiled, alternating")
     p.add_argument("--steps", type=int, default=8, help="timed steps per candidate")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--cost", default="measured", choices=["measured", "flops"])
@@ -82,16 +85,17 @@ def main(argv: list[str] | None = None) -> int:
             if name == "dualpipev" and M < 2 * (world // args.data_parallel):
                 say(f"skip {name} M={M}: needs M >= {2 * (world // args.data_parallel)}")
                 continue
-            w = partition.load(args.model, **overrides)
-            pp = pipe.Pipeline(w.model, w.example_args, example_kwargs=w.example_kwargs, loss_fn=w.loss_fn,
-                               microbatches=M, schedule=name, stages_per_rank=v, cost=args.cost,
-                               leaf_modules=w.leaf_modules, data_parallel=args.data_parallel,
-                               example_target=None if args.loss_outside else w.example_target)
-            params = list(pp.parameters())
-            cands.append({"schedule": name, "M": M, "v": v, "w": w, "pp": pp,
-                          "opt": pp.build_optimizer(torch.optim.AdamW, lr=1e-4) if params else None, "times": [],
-                          "bubbles": [], "makespans": [], "last_timeline": None})
-            say(f"built {name} M={M} v={v}", flush=True)
+            for compiled in {"off": [False], "on": [True], "both": [False, True]}[args.compile]:
+                w = partition.load(args.model, **overrides)
+                pp = pipe.Pipeline(w.model, w.example_args, example_kwargs=w.example_kwargs, loss_fn=w.loss_fn,
+                                   microbatches=M, schedule=name, stages_per_rank=v, cost=args.cost,
+                                   leaf_modules=w.leaf_modules, data_parallel=args.data_parallel,
+                                   example_target=None if args.loss_outside else w.example_target, compile=compiled)
+                params = list(pp.parameters())
+                cands.append({"schedule": name, "M": M, "v": v, "w": w, "pp": pp, "compiled": compiled,
+                              "opt": pp.build_optimizer(torch.optim.AdamW, lr=1e-4) if params else None, "times": [],
+                              "bubbles": [], "makespans": [], "last_timeline": None})
+                say(f"built {name} M={M} v={v}{' compiled' if compiled else ''}", flush=True)
     allreduce = (1.0, 0.0)
     if args.data_parallel > 1 and cands:
         allreduce = measure_allreduce(ctx.device, cands[0]["pp"].dp_group)
@@ -133,13 +137,13 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 pred = predicted_timeline(pp.plan, pp.world)
             med = statistics.median(c["times"])
-            tag = f"{c['schedule']}-M{c['M']}"
+            tag = f"{c['schedule']}-M{c['M']}{'-compiled' if c['compiled'] else ''}"
             tl = c["last_timeline"]
             tl.to_png(str(out / f"timeline-{tag}.png"), title=f"{args.model} {tag} (measured)")
             (out / f"trace-{tag}.json").write_text(json.dumps(tl.to_chrome_trace()))
             report = pp.memory_report()
             rows.append({
-                "schedule": c["schedule"], "microbatches": c["M"], "stages_per_rank": c["v"],
+                "schedule": c["schedule"], "microbatches": c["M"], "stages_per_rank": c["v"], "compiled": c["compiled"],
                 "median_step_s": med, "samples_s": c["times"],
                 "tokens_per_s": w.microbatch_size * c["M"] * w.tokens_per_sample * pp.dp / med,
                 "measured_bubble": statistics.median(c["bubbles"]), "predicted_bubble": pred.bubble,
@@ -169,7 +173,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     lines = [head]
     for r in rows:
-        lines.append(f"| {r['schedule']} | {r['microbatches']} | {r['median_step_s']:.3f} | {r['tokens_per_s']:.0f} "
+        name = r["schedule"] + (" (compiled)" if r.get("compiled") else "")
+        lines.append(f"| {name} | {r['microbatches']} | {r['median_step_s']:.3f} | {r['tokens_per_s']:.0f} "
                      f"| {r['measured_bubble']:.3f} | {r['predicted_bubble']:.3f} | {r['textbook_bubble']:.3f} "
                      f"| {r['predicted_step_ms']:.1f} | {r['measured_step_ms']:.1f} "
                      f"| {r['measured_over_simulated']:.2f} |")

@@ -58,6 +58,23 @@ def split_microbatches(tree: Any, n: int, what: str = "batch") -> list[Any]:
     return [pytree.tree_unflatten([p[i] for p in parts], spec) for i in range(n)]
 
 
+def _compile_options(compile: Any, recompute: str, dynamic: bool) -> dict[str, Any] | None:
+    """torch.compile's keyword arguments for `compile=` (True: its defaults), None for False."""
+    if compile is False:
+        return None
+    if compile is not True and not isinstance(compile, dict):
+        raise PipelineError(f"compile must be True, False or a dict of torch.compile arguments, got {compile!r}; "
+                            "pass e.g. compile=True or compile={'backend': 'inductor', 'mode': 'max-autotune'}")
+    if recompute != "none":
+        raise PipelineError(f"compile= runs with recompute='none' (got recompute={recompute!r}): fxpipe recomputes "
+                            "through checkpoints and saved-tensor hooks inside the stage, which torch.compile would "
+                            "trace into its graph; use recompute='none', or compile=False")
+    options = {} if compile is True else dict(compile)
+    if dynamic:
+        options.setdefault("dynamic", True)
+    return options
+
+
 def _agree(error: str | None) -> None:
     """Raise on every rank of the job when any rank failed, naming the first failing (global) rank."""
     world = dist.get_world_size()
@@ -117,7 +134,10 @@ class Pipeline:
     `data_parallel=N` or `mesh=` (a DeviceMesh with "pp" and optionally "dp"): N replicas of the
     pipeline whose grads are averaged in buckets of `dp_bucket_mb` as the backward finishes them
     (pipe.replicas); `dp_shard`: "optimizer" (ZeRO-1) or "full" (FSDP) shards the state over them,
-    and `build_optimizer` makes the optimizer that goes with it.
+    and `build_optimizer` makes the optimizer that goes with it. `compile=True` (or a dict of
+    torch.compile's arguments) compiles each stage's forward, and its backward through AOTAutograd;
+    under a zero-bubble schedule each backward then computes the weight grads too (BW: a compiled
+    backward is one function), and the plan's notes say so.
     """
 
     def __init__(self, model: torch.nn.Module, example_args: Sequence[Any], *,
@@ -131,7 +151,7 @@ class Pipeline:
                  progress: Callable[[str], None] | None = None, transport: comm.Transport | None = None,
                  optimizer: Callable[..., torch.optim.Optimizer] | None = None, mesh: Any = None,
                  data_parallel: int = 1, dp_shard: str = "none", dp_bucket_mb: float | None = None,
-                 weights: Any = None) -> None:
+                 weights: Any = None, compile: bool | dict[str, Any] = False) -> None:
         if loss_fn is None or not callable(loss_fn):
             raise PipelineError(f"loss_fn must be a callable (output, target) -> scalar loss, got {loss_fn!r}; "
                                 "pass e.g. loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())")
@@ -142,6 +162,7 @@ class Pipeline:
             self._optimizer = optimizer
         except ValueError as e:
             raise PipelineError(str(e)) from None
+        self._compile = _compile_options(compile, recompute, dynamic_shapes)
         self.meta = on_meta(model)
         self._weights = self._check_weights(model, weights)
         interleaved = schedule.startswith("interleaved")
@@ -196,6 +217,7 @@ class Pipeline:
         self.program, self.inference_program = programs[self.rank], inference[self.rank]
         self._programs = programs
         self.has_w = any(a.kind == "W" for a in self.actions)
+        self.split_w = self.has_w and self._compile is None  # B and W run apart (compiled stages run BW)
         args, kwargs = tuple(example_args), dict(example_kwargs or {})
         self.plan = self._agree_on_plan(model, args, kwargs, plan, cost, memory_budget, (recompute, offload),
                                         example_target)
@@ -244,16 +266,18 @@ class Pipeline:
         self.memory: MemoryManager = self._build_memory(model, costs, recompute, offload, memory_budget)
         self._zb: dict[int, tuple[torch.fx.GraphModule, list[tuple[str, list[torch.nn.Parameter]]],
                                   list[torch.nn.Parameter]]] = {}
-        if self.has_w:
+        if self.split_w:
             for s in self.local:
                 self._zb[s] = with_param_outputs(self.stages[s], self.io[s].param_nodes)
                 self.memory.set_weight_order(s, [n for n, _ in self._zb[s][1]], self._zb[s][2])
         # the module each stage calls; dp_shard="full" shards it (FSDP) and trains its parameters
-        self._trained = {s: self._zb[s][0] if self.has_w else self.stages[s] for s in self.local}
+        self._trained = {s: self._zb[s][0] if self.split_w else self.stages[s] for s in self.local}
         self.sharded = self._shard(offload) if self.dp_shard == "full" else None
-        self._call = {s: self.memory.wrap_stage(s, self._trained[s]) for s in self.local}
+        self._call = {s: self.memory.wrap_stage(s, self._compiled(self._trained[s])) for s in self.local}
+        if self._compile is not None:
+            self.plan.notes.append(self._compile_note())
         # the memory passes: fused backward for stages that recompute under zero-bubble, then reloads
-        fused = [s for s in self.local if self.memory.fused_backward(s)]
+        fused = [s for s in self.local if self.memory.fused_backward(s) or self.has_w and not self.split_w]
         mine = fuse_backward({self.rank: self.program}, fused)
         self.program = with_reloads(mine, self.memory.reload_stages())[self.rank]
         self.reducer = self._make_reducer(dp_bucket_mb)
@@ -468,6 +492,22 @@ class Pipeline:
             return (1.0 + f) / self.dp  # and their grads in a step are the 2 every plan counts
         return f / self.dp if self.dp_shard == "optimizer" else f
 
+    def _compiled(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The stage module torch.compile makes (forward, and backward through AOTAutograd) under
+        compile=, or the module itself."""
+        if self._compile is None:
+            return module
+        return torch.compile(module, **self._compile)  # type: ignore[return-value]
+
+    def _compile_note(self) -> str:
+        backend = self._compile.get("backend", "inductor") if self._compile is not None else ""
+        note = f"compile: each stage's forward and backward compiled by torch.compile (backend {backend})"
+        if self.has_w:
+            note += (f"; under {self.schedule_name} each B computes its weight grads too (BW) and W does nothing: "
+                     "a compiled stage's backward is one function (AOTAutograd), which cannot be split into input "
+                     "and weight grads (torch.distributed.pipelining refuses compiled stages there)")
+        return note
+
     def _shard(self, offload: str) -> ShardedStages:
         """dp_shard="full": shard each local stage's called module with fully_shard over "dp"; the
         original names and zero-bubble's parameter lists follow the sharded modules by name."""
@@ -487,7 +527,7 @@ class Pipeline:
         local = {s: {id(p): n for n, p in self._trained[s].named_parameters()} for s in self.local}
         before = {s: {n: self._names.get(id(p), n) for n, p in self._trained[s].named_parameters()}
                   for s in self.local}
-        if self.has_w:  # W resolves its parameters by name at each call: FSDP swaps in gathered ones
+        if self.split_w:  # W resolves its parameters by name at each call: FSDP swaps in gathered ones
             self._zb_names = {s: ([(node, [local[s][id(p)] for p in ps]) for node, ps in self._zb[s][1]],
                                   [local[s][id(p)] for p in self._zb[s][2]]) for s in self.local}
         sharded = ShardedStages(self._trained, self.mesh["dp"])
@@ -529,7 +569,7 @@ class Pipeline:
         late: dict[int, set[int] | None] = {}
         for s in self.local:
             st = self.stages[s]
-            if self.has_w and not self.memory.fused_backward(s):  # W finishes its nodes' grads in forward
+            if self.split_w and not self.memory.fused_backward(s):  # W finishes its nodes' grads in forward
                 w_params = [p for _, ps in self._zb[s][1] for p in ps]  # order, after what B finished
                 written = {id(p) for p in w_params}
                 order = [p for p in st.parameters() if id(p) not in written] + w_params
@@ -982,7 +1022,7 @@ class _StepState:
         model_inputs = [self.flats[mb][i] for i in io.inputs]
         args = leaves + model_inputs
         with pp.memory.forward(s, mb, model_inputs):
-            if pp.has_w:
+            if pp.split_w:
                 outs, param_outs = pp._call[s](*args)
             else:
                 outs, param_outs = pp._call[s](*args), ()
@@ -1028,7 +1068,7 @@ class _StepState:
         saved = self.saved[(s, mb)]
         grads: list[torch.Tensor | None] = self.ex.recv_grads(s, mb, saved.roots) if s < pp.S - 1 else [None]
         start = self.clock.mark()
-        if a.kind == "B" and pp.has_w:  # input grads; W computes the weight grads
+        if a.kind == "B" and pp.split_w:  # input grads; W computes the weight grads
             leaf_grads = backward_input(saved, grads, pp._zb_params(s)[1])
         else:  # B without W, or BW (a stage recomputing under zero-bubble): the whole backward
             leaf_grads = backward_full(saved, grads)

@@ -46,20 +46,21 @@ def check_step(pp: Any, loss: float, ref: Any, args: Any, kwargs: dict[str, Any]
 
 def parity_body(rank: int, world: int, *, spec: str, model_args: dict[str, Any],
                 schedules: list[tuple[Any, ...]], M: int, steps: int = 3, fused: bool = False,
-                expect_vocab: bool = False, nccl_like: bool = False) -> dict[str, list[float]]:
+                expect_vocab: bool = False, nccl_like: bool = False, compile: Any = False) -> dict[str, list[float]]:
     """For each (schedule, stages per rank[, microbatches: M unless given]): `steps` Adam steps in
     parity with the plain model.
 
     `fused`: plan with the loss in the graph (example_target=); `expect_vocab`: and check that
     the plan spread the LM head and its loss over stages (partition.rewrite.vocab_parallel);
-    `nccl_like`: messages through tests.nccl_like (NCCL's matching and per-pair order)."""
+    `nccl_like`: messages through tests.nccl_like (NCCL's matching and per-pair order); `compile`:
+    Pipeline(compile=...)."""
     return {f"{name}/v{v}": one_schedule(rank, world, spec, model_args, name, own[0] if own else M, v, steps, fused,
-                                         expect_vocab, nccl_like) for name, v, *own in schedules}
+                                         expect_vocab, nccl_like, compile) for name, v, *own in schedules}
 
 
 def one_schedule(rank: int, world: int, spec: str, model_args: dict[str, Any], schedule: str, M: int,
                  v: int, steps: int, fused: bool = False, expect_vocab: bool = False,
-                 nccl_like: bool = False) -> list[float]:
+                 nccl_like: bool = False, compile: Any = False) -> list[float]:
     import pipe
     from tests.nccl_like import NcclLike
     pipe.init()
@@ -68,7 +69,12 @@ def one_schedule(rank: int, world: int, spec: str, model_args: dict[str, Any], s
     pp = pipe.Pipeline(w.model, w.example_args, example_kwargs=w.example_kwargs, loss_fn=w.loss_fn,
                        microbatches=M, schedule=schedule, stages_per_rank=v, cost="flops",
                        example_target=w.example_target if fused else None,
-                       transport=NcclLike() if nccl_like else None)
+                       transport=NcclLike() if nccl_like else None, compile=compile)
+    if compile:  # said in the plan; under zero bubble every backward is BW (a compiled backward is one function)
+        from pipe.schedules import Action
+        assert any(n.startswith("compile: ") for n in pp.plan.notes), pp.plan.notes
+        kinds = {x.kind for x in pp.program if isinstance(x, Action)}
+        assert kinds == ({"F", "BW"} if pp.has_w else {"F", "B"}), kinds
     assert pp.plan.loss == fused
     if expect_vocab:
         vocab = [r for r in pp.plan.rewrites if list(r[2:]) == ["vocab"]]

@@ -51,6 +51,27 @@ def test_parity_every_schedule_with_nccl_matching(world: int, spec: str) -> None
                      nccl_like=True))
 
 
+def test_parity_with_compiled_stages() -> None:
+    """compile=: every stage's forward and backward through torch.compile (dynamo and AOTAutograd; the
+    aot_eager backend runs eager kernels, so the check is exact and compiles in seconds, where inductor's
+    code generation takes ~40 s here). Under zb-h1 every backward is BW and the plan says so."""
+    _check(run_ranks("tests.parity:parity_body", 2, timeout=240, spec="gpt", model_args=SMALL_GPT,
+                     schedules=[("1f1b", 1), ("zb-h1", 1)], M=4, compile={"backend": "aot_eager"}))
+
+
+def test_compile_options_and_their_refusals() -> None:
+    from pipe.runtime import PipelineError, _compile_options
+    assert _compile_options(False, "none", False) is None
+    assert _compile_options(True, "none", False) == {}
+    assert _compile_options(True, "none", True) == {"dynamic": True}
+    assert _compile_options({"backend": "aot_eager", "dynamic": False}, "none", True) == {"backend": "aot_eager",
+                                                                                          "dynamic": False}
+    with pytest.raises(PipelineError, match=r"compile= runs with recompute='none' \(got recompute='selective'\)"):
+        _compile_options(True, "selective", False)
+    with pytest.raises(PipelineError, match=r"compile must be True, False or a dict.*got 'yes'"):
+        _compile_options("yes", "none", False)
+
+
 def test_parity_on_one_rank_hands_stages_over_in_memory() -> None:
     """Two stages on one rank (interleaved, v=2): their activations and grads pass in memory."""
     _check(run_ranks("tests.parity:parity_body", 1, timeout=120, spec="gpt", model_args=SMALL_GPT,
