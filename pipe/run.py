@@ -91,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cost", default="measured", choices=["measured", "flops"])
     p.add_argument("--plan", default=None, help="a plan.json from python -m partition (default: plan now)")
     p.add_argument("--memory-budget", type=_budget, default=None, help="per-stage budget, e.g. 8GiB")
+    p.add_argument("--compile", action="store_true",
+                   help="compile each stage with torch.compile (Pipeline(compile=True)); needs --recompute none")
     p.add_argument("--recompute", default="none", choices=["none", "full", "selective", "auto"],
                    help="activation recomputation per stage (auto: chosen from --memory-budget)")
     p.add_argument("--offload", default="none", choices=["none", "activations", "states", "all"],
@@ -182,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                            recompute=args.recompute, offload=args.offload, leaf_modules=w.leaf_modules,
                            example_target=None if args.loss_outside else w.example_target,
                            skip_nonfinite=args.skip_nonfinite, data_parallel=args.data_parallel,
-                           dp_shard=args.dp_shard,
+                           dp_shard=args.dp_shard, compile=args.compile,
                            progress=lambda line: say(f"[plan] {line}", flush=True))
     except (ValueError, TypeError) as e:
         print(error_line(ctx.rank, e), file=sys.stderr)
