@@ -254,7 +254,7 @@ def test_a_frozen_rank_under_a_launcher_ends_every_survivor_who_names_it(launche
                 time.sleep(0.05)
             assert sigterm in job.output(), job.output()[-3000:]
             os.kill(pids[lost], signal.SIGCONT)
-        code = job.wait(20)  # the launcher's own clean-up, slower on a loaded machine
+        code = job.wait(45)  # the launcher's own clean-up: mpiexec took 26 s once in a full suite run
         out = job.output()
         print(f"{launcher}, {world} ranks: started to frozen {froze - started:.1f} s, frozen to every survivor "
               f"ended {took:.1f} s, to the job's end {time.time() - froze:.1f} s")

@@ -12,7 +12,11 @@ ALL = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv",
 
 
 def every_schedule(world: int) -> list[tuple[int | str, ...]]:
-    """ALL and DualPipeV, which needs two microbatches per rank (M = 2R; the others run the test's M)."""
+    """ALL and DualPipeV, which needs two microbatches per rank (M = 2R; the others run the test's M).
+    3 ranks run the first five only: looped-bfs, interleaved-zb and dualpipev run on 2 and 4 ranks, and
+    the suite's time is near its limit."""
+    if world == 3:
+        return ALL[:5]
     return [*ALL, ("dualpipev", 2, 2 * world)]
 
 
