@@ -12,13 +12,25 @@ import torch.utils._pytree as pytree
 __all__ = ["with_param_outputs", "Saved", "backward_full", "backward_input", "backward_weight"]
 
 
-def with_param_outputs(stage: torch.fx.GraphModule, param_nodes: dict[str, list[str]]
+def _linear_input(stage: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.Node | None:
+    """The input of `node` when it calls an nn.Linear (exactly that class) on one tensor and trains its
+    weight (autograd then keeps that input for the weight's grad anyway), else None."""
+    if node.op != "call_module" or node.kwargs or len(node.args) != 1 or not isinstance(node.args[0], torch.fx.Node):
+        return None
+    mod = stage.get_submodule(str(node.target))
+    return node.args[0] if type(mod) is torch.nn.Linear and mod.weight.requires_grad else None
+
+
+def with_param_outputs(stage: torch.fx.GraphModule, param_nodes: dict[str, list[str]], direct: bool = False
                        ) -> tuple[torch.fx.GraphModule, list[tuple[str, list[torch.nn.Parameter]]],
                                   list[torch.nn.Parameter]]:
     """A copy of `stage` that also returns the output of every node reading a parameter once.
 
     Returns (the module, [(node, its parameters)] for the extra outputs in order, and the
     parameters read by several nodes of the stage, whose grads the B pass computes whole).
+    `direct`: the module returns a third tuple, aligned with the extra outputs: the input of each
+    nn.Linear node (None for other nodes), from which W computes that node's weight grads as two
+    matrix products instead of an autograd call (`backward_weight`).
     """
     uses: dict[int, int] = {}
     resolved: dict[str, list[torch.nn.Parameter]] = {}
@@ -42,7 +54,12 @@ def with_param_outputs(stage: torch.fx.GraphModule, param_nodes: dict[str, list[
             extra.append((node, ps))
     multi = list({id(p): p for ps in resolved.values() for p in ps if uses[id(p)] > 1}.values())
     outs = torch.fx.node.map_arg(out_node.args[0], lambda n: env[n.name])
-    g.output((outs, tuple(env[n] for n, _ in extra)))
+    nodes = {n.name: n for n in stage.graph.nodes}
+    result: tuple[Any, ...] = (outs, tuple(env[n] for n, _ in extra))
+    if direct:
+        ins = [_linear_input(stage, nodes[n]) for n, _ in extra]
+        result += (tuple(None if x is None else env[x.name] for x in ins),)
+    g.output(result)
     gm = torch.fx.GraphModule(stage, g, type(stage).__name__ + "ZB")
     return gm, extra, multi
 
@@ -54,6 +71,7 @@ class Saved:
     leaves: list[torch.Tensor | None]         # received inputs (None: not differentiable)
     param_outs: list[Any] = field(default_factory=list)   # zero-bubble extra outputs, one per node
     param_grads: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = field(default_factory=list)  # by B
+    param_ins: list[torch.Tensor | None] = field(default_factory=list)  # direct W: each linear node's input
 
 
 def _accumulate(p: torch.Tensor, g: torch.Tensor | None) -> None:
@@ -117,20 +135,49 @@ def backward_input(saved: Saved, grads: list[torch.Tensor | None], multi: list[t
     return _leaf_grads(saved, got)
 
 
+def _linear_grads(params: list[torch.nn.Parameter], x: torch.Tensor, g: torch.Tensor) -> bool:
+    """A linear layer's weight (and bias) grads from its input `x` and output grad `g`: g^T x and the sum
+    of g over the rows, accumulated; False (nothing done) unless the shapes and dtypes are a plain
+    linear's (no autocast)."""
+    w = [p for p in params if p.dim() == 2]
+    b = [p for p in params if p.dim() == 1]
+    if len(w) != 1 or len(b) > 1 or len(params) != len(w) + len(b) or not x.dim() or not g.dim():
+        return False
+    weight = w[0]
+    out_f, in_f = weight.shape
+    if (g.shape[-1], x.shape[-1]) != (out_f, in_f) or not (x.dtype == g.dtype == weight.dtype) or (
+            b and b[0].shape != (out_f,)):
+        return False
+    with torch.no_grad():  # x is an activation that requires grad: no graph for the products
+        g2 = g.reshape(-1, out_f)
+        if weight.requires_grad:
+            _accumulate(weight, g2.t().mm(x.reshape(-1, in_f)))
+        if b and b[0].requires_grad:
+            _accumulate(b[0], g2.sum(0))
+    return True
+
+
 def backward_weight(saved: Saved, extra: list[tuple[str, list[torch.nn.Parameter]]],
                     ready: Callable[[list[torch.nn.Parameter]], None] | None = None) -> None:
     """W of zero-bubble: each parameter-reading node's weight grads from its stored output grads;
-    `ready(params)` after each node's (data parallel: their grads may be final)."""
-    for (_, params), pairs in zip(extra, saved.param_grads):
-        pairs = [(t, g) for t, g in pairs if g is not None]
+    `ready(params)` after each node's (data parallel: their grads may be final).
+
+    A linear node whose input the forward kept (`Saved.param_ins`) takes two matrix products; other
+    nodes take an autograd call each, which walks the retained graph below the node (the longer the
+    deeper the node sits)."""
+    ins = saved.param_ins or [None] * len(extra)
+    for (_, params), got, x in zip(extra, saved.param_grads, ins):
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = [(t, g) for t, g in got if g is not None]
         if not pairs:
             continue
-        res = torch.autograd.grad([t for t, _ in pairs], params, [g for _, g in pairs], retain_graph=True,
-                                  allow_unused=True)
-        for p, gp in zip(params, res):
-            _accumulate(p, gp)
+        if not (x is not None and len(pairs) == 1 and _linear_grads(params, x, pairs[0][1])):
+            res = torch.autograd.grad([t for t, _ in pairs], params, [g for _, g in pairs], retain_graph=True,
+                                      allow_unused=True)
+            for p, gp in zip(params, res):
+                _accumulate(p, gp)
         if ready is not None:
             ready(params)
     saved.roots.clear()
     saved.param_outs.clear()
     saved.param_grads.clear()
+    saved.param_ins.clear()

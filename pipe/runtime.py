@@ -267,8 +267,16 @@ class Pipeline:
         self._zb: dict[int, tuple[torch.fx.GraphModule, list[tuple[str, list[torch.nn.Parameter]]],
                                   list[torch.nn.Parameter]]] = {}
         if self.split_w:
+            # W from the linear layers' inputs, kept from the forward: not where offload or recompute
+            # manage what the forward keeps (holding the input would defeat them)
+            direct = recompute == "none" and offload == "none"
+            self.plan.notes.append(
+                "zero bubble: W computes each nn.Linear's weight grads as matrix products of the input its forward "
+                "kept and the output grad, and every other parameter node's by an autograd call" if direct else
+                f"zero bubble: W computes every parameter node's weight grads by an autograd call (recompute="
+                f"{recompute!r}, offload={offload!r}: the linear layers' inputs are not kept for it)")
             for s in self.local:
-                self._zb[s] = with_param_outputs(self.stages[s], self.io[s].param_nodes)
+                self._zb[s] = with_param_outputs(self.stages[s], self.io[s].param_nodes, direct=direct)
                 self.memory.set_weight_order(s, [n for n, _ in self._zb[s][1]], self._zb[s][2])
         # the module each stage calls; dp_shard="full" shards it (FSDP) and trains its parameters
         self._trained = {s: self._zb[s][0] if self.split_w else self.stages[s] for s in self.local}
@@ -1023,9 +1031,9 @@ class _StepState:
         args = leaves + model_inputs
         with pp.memory.forward(s, mb, model_inputs):
             if pp.split_w:
-                outs, param_outs = pp._call[s](*args)
+                outs, param_outs, *ins = pp._call[s](*args)  # ins: the linear layers' inputs (direct W)
             else:
-                outs, param_outs = pp._call[s](*args), ()
+                outs, param_outs, ins = pp._call[s](*args), (), []
         outs = list(outs)
         if self.inference:
             if io.last:
@@ -1046,7 +1054,7 @@ class _StepState:
             roots = outs
             self.finite += [(s, torch.isfinite(o).all()) for o in outs if o.is_floating_point()]
         self.saved[(s, mb)] = Saved(roots=roots, leaves=[x if x.is_floating_point() else None for x in leaves],
-                                    param_outs=list(param_outs))
+                                    param_outs=list(param_outs), param_ins=list(ins[0]) if ins else [])
         self._record(a, start)
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
