@@ -261,6 +261,9 @@ def interleaved_zb(n_ranks: int, n_microbatches: int, stages_per_rank: int = 2) 
                     deferred[r].append(Action(nxt.stage, "W", nxt.mb))
             elif deferred[r]:
                 chosen[r] = deferred[r].pop(0)
+        if not chosen and all(end.get(a, 0) <= step for acts in schedule.values() for a in acts):
+            raise ScheduleError(f"{name}: no rank can run at step {step} (R={R}, M={n_microbatches}, "
+                                f"v={stages_per_rank}); this is a bug in the builder")
         for r, a in chosen.items():
             schedule[r].append(a)
             end[a] = step + 1
