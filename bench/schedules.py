@@ -47,6 +47,11 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
                         "all-reduce, measured on this machine")
     p.add_argument("--launcher", default="torchrun", choices=["torchrun", "mpirun"])
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--calibration", metavar="FILE",
+                   help="predict with this machine's calibration (python -m bench calibrate writes it); the table "
+                        "shows the uncalibrated ratio beside")
+    p.add_argument("--calibrate", metavar="FILE",
+                   help="fit a calibration (pipe.calibration) from this run's measured steps and write it to FILE")
     p.add_argument("--out", default="out/bench")
     return p
 
@@ -67,10 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     import pipe
     from partition.workload import parse_overrides
     from pipe.launch import measure_allreduce
-    from pipe.predict import layout_costs, predicted_timeline
+    from pipe.calibration import Calibration, Observations, fit, observe
+    from pipe.predict import layout_costs, predicted_timeline, replayed_timeline, stage_costs
     from pipe.scale import predict_layout
     from pipe.simulate import textbook_bubble
 
+    calibration = Calibration.load(args.calibration) if args.calibration else None
     ctx = pipe.init()
     rank, world = ctx.rank, ctx.world_size
     say = print if rank == 0 else (lambda *a, **k: None)
@@ -94,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                 params = list(pp.parameters())
                 cands.append({"schedule": name, "M": M, "v": v, "w": w, "pp": pp, "compiled": compiled,
                               "opt": pp.build_optimizer(torch.optim.AdamW, lr=1e-4) if params else None, "times": [],
-                              "bubbles": [], "makespans": [], "last_timeline": None})
+                              "bubbles": [], "makespans": [], "last_timeline": None, "durations": {},
+                              "timelines": []})
                 say(f"built {name} M={M} v={v}{' compiled' if compiled else ''}", flush=True)
     allreduce = (1.0, 0.0)
     if args.data_parallel > 1 and cands:
@@ -122,21 +130,36 @@ def main(argv: list[str] | None = None) -> int:
                     c["bubbles"].append(tl.bubble)
                     c["makespans"].append(tl.makespan)
                     c["last_timeline"] = tl
+                    c["timelines"].append(tl)
+                    for e in tl.events:
+                        c["durations"].setdefault((e.action.kind, e.action.stage), []).append(e.end - e.start)
         say(f"round {step + 1}/{total} {'(warm-up)' if step < args.warmup else ''}", flush=True)
     if rank == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         rows = []
+        seen = Observations()
         for c in cands:
             pp, w = c["pp"], c["w"]
             if pp.dp > 1:  # the pipeline and its grad all-reduce (pipe.scale)
                 has_w = any(a.kind == "W" for a in pp.actions)
-                pred = predict_layout(layout_costs(pp.plan, has_w), pp=pp.world, dp=pp.dp, schedule=c["schedule"],
-                                      microbatches=c["M"], v=c["v"], allreduce_bytes_per_ms=allreduce[0],
-                                      allreduce_latency_ms=allreduce[1]).timeline
+                pred, raw = (predict_layout(layout_costs(pp.plan, has_w, calibration=cal), pp=pp.world, dp=pp.dp,
+                                            schedule=c["schedule"], microbatches=c["M"], v=c["v"],
+                                            allreduce_bytes_per_ms=allreduce[0],
+                                            allreduce_latency_ms=allreduce[1]).timeline
+                             for cal in (calibration, None))
             else:
-                pred = predicted_timeline(pp.plan, pp.world)
+                pred = predicted_timeline(pp.plan, pp.world, calibration=calibration)
+                raw = predicted_timeline(pp.plan, pp.world) if calibration is not None else pred
+            if args.calibrate:
+                comm = stage_costs(pp.plan, False)[3]
+                seen.extend(observe(c["timelines"], comm, pp.place))
             med = statistics.median(c["times"])
+            medians = {k: statistics.median(v) for k, v in c["durations"].items()}
+            replay = replayed_timeline(pp.plan, pp.world, medians, calibration) if pp.dp == 1 else None
+            simulated: dict[str, float] = {}
+            for e in pred.events:
+                simulated.setdefault(f"{e.action.kind}{e.action.stage}", e.end - e.start)  # every mb's alike
             tag = f"{c['schedule']}-M{c['M']}{'-compiled' if c['compiled'] else ''}"
             tl = c["last_timeline"]
             tl.to_png(str(out / f"timeline-{tag}.png"), title=f"{args.model} {tag} (measured)")
@@ -150,14 +173,23 @@ def main(argv: list[str] | None = None) -> int:
                 "textbook_bubble": textbook_bubble(c["schedule"], pp.S, c["M"], c["v"]),
                 "measured_step_ms": statistics.median(c["makespans"]), "predicted_step_ms": pred.makespan,
                 "measured_over_simulated": statistics.median(c["makespans"]) / pred.makespan,
+                "uncalibrated_step_ms": raw.makespan, "calibrated": calibration is not None,
+                "replayed_step_ms": None if replay is None else replay.makespan,
                 "peak_bytes_by_stage": {str(s): max([v for k, v in r.items() if "peak" in k] or [0])
                                         for s, r in report.items()},
                 "predicted_peak_bytes_by_stage": {str(s.index): s.peak_bytes for s in pp.plan.stages},
+                "action_ms": {f"{k}{s}": {"measured": ms, "simulated": simulated.get(f"{k}{s}")}
+                              for (k, s), ms in sorted(medians.items())},
             })
         result = {"command": " ".join(["python -m bench schedules"] + (argv or sys.argv[1:])),
                   "model": args.model, "model_args": overrides, "ranks": world, "data_parallel": args.data_parallel,
                   "launcher": ctx.launcher,
                   "threads_per_rank": args.threads, "versions": _versions(), "results": rows}
+        if calibration is not None:
+            result["calibration"] = calibration.to_dict()
+        if args.calibrate:
+            fitted = fit(seen)
+            print(f"calibration written to {fitted.save(args.calibrate)}: {fitted.describe()}")
         (out / "schedules.json").write_text(json.dumps(result, indent=1))
         table = markdown_table(rows)
         (out / "schedules.md").write_text(table + "\n")
@@ -168,16 +200,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
+    cal = any(r.get("calibrated") for r in rows)
     head = ("| schedule | M | step (s) | tokens/s | bubble measured | bubble simulated | bubble textbook "
-            "| step simulated (ms) | step measured (ms) | measured / simulated |\n"
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+            f"| step simulated (ms) | step measured (ms) | measured / simulated |{' uncalibrated |' if cal else ''}"
+            " measured / replayed |\n"
+            f"|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|{'---:|' if cal else ''}---:|")
     lines = [head]
     for r in rows:
         name = r["schedule"] + (" (compiled)" if r.get("compiled") else "")
         lines.append(f"| {name} | {r['microbatches']} | {r['median_step_s']:.3f} | {r['tokens_per_s']:.0f} "
                      f"| {r['measured_bubble']:.3f} | {r['predicted_bubble']:.3f} | {r['textbook_bubble']:.3f} "
                      f"| {r['predicted_step_ms']:.1f} | {r['measured_step_ms']:.1f} "
-                     f"| {r['measured_over_simulated']:.2f} |")
+                     f"| {r['measured_over_simulated']:.2f} |"
+                     + (f" {r['measured_step_ms'] / r['uncalibrated_step_ms']:.2f} |" if cal else "")
+                     + (f" {r['measured_step_ms'] / r['replayed_step_ms']:.2f} |" if r.get("replayed_step_ms")
+                        else " - |"))
     return "\n".join(lines)
 
 

@@ -2,45 +2,71 @@
 from __future__ import annotations
 
 from partition.plan import Plan
+from pipe.calibration import Calibration
 from pipe.lower import lower
 from pipe.schedules import build, placement
 from pipe.scale import LayoutCosts
 from pipe.simulate import Timeline, simulate_program
 
-__all__ = ["layout_costs", "predicted_timeline", "stage_costs"]
+__all__ = ["layout_costs", "predicted_timeline", "replayed_timeline", "simulate_schedule", "stage_costs"]
 
 
-def stage_costs(plan: Plan, has_w: bool) -> tuple[list[float], list[float], list[float], list[float]]:
-    """(f_ms, b_ms, w_ms, comm_ms) per stage from the plan. With a W pass, backward is split in
-    half between input and weight grads (each is one matmul per weight matmul of forward)."""
-    f = [s.fwd_ms for s in plan.stages]
-    b = [s.bwd_ms / 2 if has_w else s.bwd_ms for s in plan.stages]
-    w = [s.bwd_ms / 2 if has_w else 0.0 for s in plan.stages]
-    comm = [(plan.latency_ms + s.send_bytes / plan.bytes_per_ms) if s.send_bytes else 0.0
+def stage_costs(plan: Plan, has_w: bool, calibration: Calibration | None = None
+                ) -> tuple[list[float], list[float], list[float], list[float]]:
+    """(f_ms, b_ms, w_ms, comm_ms) per stage from the plan, corrected by `calibration` (pipe.calibration;
+    default none). Uncalibrated, a W pass splits the backward in half between input and weight grads
+    (each is one matmul per weight matmul of forward)."""
+    cal = calibration or Calibration()
+    f, b, w = cal.stage_costs([s.fwd_ms for s in plan.stages], [s.bwd_ms for s in plan.stages], has_w)
+    comm = [(plan.latency_ms + s.send_bytes / plan.bytes_per_ms + cal.message_ms) if s.send_bytes else 0.0
             for s in plan.stages[:-1]]
     return f, b, w, comm
 
 
 def predicted_timeline(plan: Plan, n_ranks: int, schedule: str | None = None,
-                       microbatches: int | None = None) -> Timeline:
+                       microbatches: int | None = None, calibration: Calibration | None = None) -> Timeline:
     """Simulate the lowered program the runtime runs for `schedule` (default: the plan's) over
-    the plan's per-stage costs: its messages in their batches, matched per pair in order."""
+    the plan's per-stage costs (corrected by `calibration`): its messages in their batches, matched
+    per pair in order."""
     name = schedule or plan.schedule
     M = microbatches or plan.microbatches
-    sched = build(name, n_ranks, M, plan.n_stages // n_ranks)
-    place = placement(name, plan.n_stages, n_ranks)
-    has_w = any(a.kind == "W" for acts in sched.values() for a in acts)
-    f, b, w, comm = stage_costs(plan, has_w)
-    program = lower(sched, plan.n_stages, M, place)
-    return simulate_program(program, plan.n_stages, f_ms=f, b_ms=b, w_ms=w, comm_ms=comm, place=place)
+    has_w = any(a.kind == "W" for acts in build(name, n_ranks, M, plan.n_stages // n_ranks).values() for a in acts)
+    f, b, w, comm = stage_costs(plan, has_w, calibration)
+    return simulate_schedule(name, n_ranks, M, f, b, w, comm)
 
 
-def layout_costs(plan: Plan, has_w: bool, bytes_per_ms: float | None = None, latency_ms: float | None = None
-                 ) -> LayoutCosts:
-    """The plan's per-stage costs for pipe.scale, the link's (default: the plan's) pricing messages."""
-    f, b, w, comm = stage_costs(plan, has_w)
+def replayed_timeline(plan: Plan, n_ranks: int, action_ms: dict[tuple[str, int], float],
+                      calibration: Calibration | None = None) -> Timeline:
+    """The plan's schedule simulated over the durations its actions took in the runtime (`action_ms`:
+    (kind, stage) -> ms, e.g. medians over measured steps), with the calibration's gap before each action
+    and its extra latency per message: what the simulator's model of the schedule (order, waits,
+    messages) adds to the actions' own times. A fused BW counts as B."""
+    cal = calibration or Calibration()
+    S = plan.n_stages
+    f = [cal.gap_ms + action_ms.get(("F", s), 0.0) for s in range(S)]
+    b = [cal.gap_ms + action_ms.get(("B", s), action_ms.get(("BW", s), 0.0)) for s in range(S)]
+    w = [cal.gap_ms + action_ms[("W", s)] if ("W", s) in action_ms else 0.0 for s in range(S)]
+    comm = stage_costs(plan, False, cal)[3]
+    return simulate_schedule(plan.schedule, n_ranks, plan.microbatches, f, b, w, comm)
+
+
+def simulate_schedule(name: str, n_ranks: int, microbatches: int, f: list[float], b: list[float], w: list[float],
+                      comm: list[float]) -> Timeline:
+    """The lowered program of schedule `name` on n_ranks for len(f) stages, simulated with these costs."""
+    S = len(f)
+    sched = build(name, n_ranks, microbatches, S // n_ranks)
+    place = placement(name, S, n_ranks)
+    program = lower(sched, S, microbatches, place)
+    return simulate_program(program, S, f_ms=f, b_ms=b, w_ms=w, comm_ms=comm, place=place)
+
+
+def layout_costs(plan: Plan, has_w: bool, bytes_per_ms: float | None = None, latency_ms: float | None = None,
+                 calibration: Calibration | None = None) -> LayoutCosts:
+    """The plan's per-stage costs for pipe.scale (corrected by `calibration`), the link's (default: the
+    plan's) pricing messages."""
+    f, b, w, comm = stage_costs(plan, has_w, calibration)
     if bytes_per_ms is not None or latency_ms is not None:
         bw = plan.bytes_per_ms if bytes_per_ms is None else bytes_per_ms
-        lat = plan.latency_ms if latency_ms is None else latency_ms
+        lat = (plan.latency_ms if latency_ms is None else latency_ms) + (calibration or Calibration()).message_ms
         comm = [(lat + s.send_bytes / bw) if s.send_bytes else 0.0 for s in plan.stages[:-1]]
     return LayoutCosts(f_ms=f, b_ms=b, w_ms=w, comm_ms=comm, grad_bytes=[float(s.param_bytes) for s in plan.stages])

@@ -20,10 +20,17 @@ def _valid_trace(path: Path) -> None:
 
 
 def test_bench_schedules(tmp_path: Path) -> None:
+    from pipe.calibration import Calibration
+    given = Calibration(b_share=0.7, w_share=0.6, gap_ms=0.5, message_ms=0.25).save(tmp_path / "given.json")
     out = run_command([sys.executable, "-m", "bench", "schedules", "gpt", *TINY, "--microbatches", "4",
                        "--schedules", "gpipe,1f1b,interleaved-1f1b,zb-h1,zbv", "--steps", "2", "--warmup", "1",
-                       "--cost", "flops", "--out", str(tmp_path)], timeout=180).output
-    assert "| zb-h1 | 4 |" in out
+                       "--cost", "flops", "--out", str(tmp_path), "--calibration", str(given),
+                       "--calibrate", str(tmp_path / "fitted.json")], timeout=180).output
+    assert "| zb-h1 | 4 |" in out and "uncalibrated |" in out and "measured / replayed |" in out
+    fitted = Calibration.load(tmp_path / "fitted.json")  # from this run's steps: 1f1b and zb-h1 share 2 stages
+    assert fitted.samples["stages_split_and_whole"] >= 2 and fitted.samples["gaps"] > 0
+    assert 0 < fitted.b_share < 3 and 0 < fitted.w_share < 3 and fitted.gap_ms >= 0
+    assert f"calibration written to {tmp_path / 'fitted.json'}" in out
     data = json.loads((tmp_path / "schedules.json").read_text())
     assert data["ranks"] == 2 and data["versions"]["torch"] and "bench schedules" in data["command"]
     rows = data["results"]
@@ -34,10 +41,23 @@ def test_bench_schedules(tmp_path: Path) -> None:
         assert 0 <= r["measured_bubble"] < 1 and 0 <= r["predicted_bubble"] < 1
         assert 0 < r["textbook_bubble"] < 1 and r["predicted_step_ms"] > 0
         assert r["measured_over_simulated"] == pytest.approx(r["measured_step_ms"] / r["predicted_step_ms"])
+        assert r["calibrated"] and r["predicted_step_ms"] > r["uncalibrated_step_ms"]  # gaps and latency added
+        assert r["replayed_step_ms"] > 0 and {"F0", "B0", "F1", "B1"} <= set(r["action_ms"])
         tag = f"{r['schedule']}-M{r['microbatches']}"
         assert (tmp_path / f"timeline-{tag}.png").read_bytes()[:8] == PNG
         _valid_trace(tmp_path / f"trace-{tag}.json")
     assert (tmp_path / "schedules.md").read_text().startswith("| schedule |")
+
+
+def test_bench_calibrate_runs_bench_schedules_on_its_four_schedules(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench import calibrate, schedules
+    seen: list[list[str]] = []
+    monkeypatch.setattr(schedules, "main", lambda argv: seen.append(argv) or 0)
+    assert calibrate.main(["--model-arg", "n_layer=2", "--out", "x/cal.json"]) == 0
+    argv = seen[0]
+    assert argv[:3] == ["gpt", "--model-arg", "n_layer=2"]
+    assert argv[argv.index("--schedules") + 1] == "1f1b,zb-h1,interleaved-1f1b,interleaved-zb"
+    assert argv[argv.index("--calibrate") + 1] == "x/cal.json"
 
 
 def test_bench_vs_torch(tmp_path: Path) -> None:

@@ -1,0 +1,42 @@
+"""Calibrate the simulator on this machine, once: python -m bench calibrate [MODEL] --out FILE.
+Runs a bundled model (default gpt) under 1f1b, zb-h1 (one stage per rank) and interleaved-1f1b,
+interleaved-zb (two) on 2 ranks, alternating step by step, fits each kind of action's measured
+duration on its planned cost, the host's gap between actions and the messages' extra latency
+(pipe.calibration), and writes the fit; `bench schedules --calibration FILE` and
+pipe.Pipeline(calibration=FILE) predict with it."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["main", "parser"]
+
+SCHEDULES = "1f1b,zb-h1,interleaved-1f1b,interleaved-zb"
+
+
+def parser(add_help: bool = True) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench calibrate", description=__doc__, add_help=add_help,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?", default="gpt", help="bundled name, package.module:factory or file.py:factory")
+    p.add_argument("--model-arg", action="append", default=[], metavar="K=V", help="factory keyword, repeatable")
+    p.add_argument("--microbatches", default="8")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per pipeline")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--launcher", default="torchrun", choices=["torchrun", "mpirun"])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default="out/calibration.json", help="where the calibration is written")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench import schedules
+    args = parser().parse_args(argv)
+    extra = [x for kv in args.model_arg for x in ("--model-arg", kv)]
+    return schedules.main([args.model, *extra, "--schedules", SCHEDULES, "--microbatches", args.microbatches,
+                           "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
+                           "--calibrate", args.out, "--out", f"{args.out}.run"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
