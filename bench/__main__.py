@@ -1,10 +1,11 @@
-"""python -m bench {schedules,calibrate,vs-torch,partition,data-parallel,scale,memory-scale} MODEL ...: benchmark
+"""python -m bench {schedules,calibrate,auto,vs-torch,partition,data-parallel,scale,memory-scale} MODEL ...: benchmark
 schedules, fxpipe against torch.distributed.pipelining, partition quality, replicated pipelines' grad
 all-reduce, the predicted step of (pp, dp) layouts at scale, and each rank's host memory when the model is
 built whole or on the meta device; each prints a table and writes JSON (and pictures).
 
   python -m bench schedules gpt --ranks 2 --microbatches 4,8,16 --schedules gpipe,1f1b,interleaved-1f1b,zb-h1
   python -m bench calibrate gpt --out out/calibration.json
+  python -m bench auto gpt --batch-size 32 --calibration out/calibration.json
   python -m bench vs-torch gpt --ranks 2
   python -m bench partition gpt_wide_vocab --stages 2,4
   python -m bench data-parallel gpt --ranks 4 --data-parallel 2 --model-arg n_layer=8
@@ -21,8 +22,8 @@ from pathlib import Path
 
 __all__ = ["main", "launch"]
 
-_LAUNCHED = {"schedules": "bench.schedules", "calibrate": "bench.calibrate", "vs-torch": "bench.vs_torch",
-             "data-parallel": "bench.data_parallel"}
+_LAUNCHED = {"schedules": "bench.schedules", "calibrate": "bench.calibrate", "auto": "bench.auto",
+             "vs-torch": "bench.vs_torch", "data-parallel": "bench.data_parallel"}
 
 
 def launch(module: str, ranks: int, argv: list[str], launcher: str = "torchrun", threads: int = 1) -> int:
@@ -49,7 +50,7 @@ def launch(module: str, ranks: int, argv: list[str], launcher: str = "torchrun",
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench import calibrate, data_parallel, memory_scale, scale, schedules, vs_torch
+    from bench import auto, calibrate, data_parallel, memory_scale, scale, schedules, vs_torch
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -57,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("calibrate", parents=[calibrate.parser(add_help=False)],
                    formatter_class=argparse.RawDescriptionHelpFormatter, description=calibrate.__doc__,
                    help="fit the simulator's corrections on this machine, once")
+    sub.add_parser("auto", parents=[auto.parser(add_help=False)], formatter_class=argparse.RawDescriptionHelpFormatter,
+                   description=auto.__doc__, help="schedule='auto' against every candidate of its grid, measured")
     sub.add_parser("vs-torch", parents=[vs_torch.parser(add_help=False)],
                    help="fxpipe against torch.distributed.pipelining")
     raw = argparse.RawDescriptionHelpFormatter

@@ -1,9 +1,9 @@
 """Calibrate the simulator on this machine, once: python -m bench calibrate [MODEL] --out FILE.
 Runs a bundled model (default gpt) under 1f1b, zb-h1 (one stage per rank) and interleaved-1f1b,
-interleaved-zb (two) on 2 ranks, alternating step by step, fits each kind of action's measured
-duration on its planned cost, the host's gap between actions and the messages' extra latency
-(pipe.calibration), and writes the fit; `bench schedules --calibration FILE` and
-pipe.Pipeline(calibration=FILE) predict with it."""
+interleaved-zb (two) on 2 ranks, alternating step by step, on plans costed by FLOP count (--cost),
+fits each kind of action's measured duration as a line of its planned cost, the host's gap between
+actions and the messages' extra latency (pipe.calibration), and writes the fit; `bench schedules
+--calibration FILE`, `bench auto` and pipe.Pipeline(calibration=FILE) predict with it."""
 from __future__ import annotations
 
 import argparse
@@ -22,6 +22,9 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--microbatches", default="8")
     p.add_argument("--steps", type=int, default=6, help="timed steps per pipeline")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--cost", default="flops", choices=["flops", "measured"],
+                   help="how the plans are costed: the calibration applies to plans costed alike (flops: costs that do "
+                        "not move with the machine's drift)")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--launcher", default="torchrun", choices=["torchrun", "mpirun"])
     p.add_argument("--threads", type=int, default=1)
@@ -35,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = [x for kv in args.model_arg for x in ("--model-arg", kv)]
     return schedules.main([args.model, *extra, "--schedules", SCHEDULES, "--microbatches", args.microbatches,
                            "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
+                           "--cost", args.cost,
                            "--calibrate", args.out, "--out", f"{args.out}.run"])
 
 

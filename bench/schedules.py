@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from pipe.schedules import SCHEDULES, default_stages_per_rank
 
-__all__ = ["main", "parse_args", "parser"]
+__all__ = ["main", "parse_args", "parser", "timed_step"]
 
 
 def parser(add_help: bool = True) -> argparse.ArgumentParser:
@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     from pipe.simulate import textbook_bubble
 
     calibration = Calibration.load(args.calibration) if args.calibration else None
+    if calibration is not None:
+        calibration.check_cost(args.cost)
     ctx = pipe.init()
     rank, world = ctx.rank, ctx.world_size
     say = print if rank == 0 else (lambda *a, **k: None)
@@ -115,17 +117,9 @@ def main(argv: list[str] | None = None) -> int:
             c = cands[(k + step) % len(cands)]
             w, pp = c["w"], c["pp"]
             b_args, b_kwargs, target = w.batch(w.microbatch_size * c["M"], step * pp.dp + pp.dp_rank)
-            dist.barrier()
-            t0 = time.perf_counter()
-            pp.step(*b_args, target=target, **b_kwargs)
-            if c["opt"] is not None:
-                c["opt"].step()
-                c["opt"].zero_grad(set_to_none=True)
-            dt = torch.tensor([time.perf_counter() - t0])
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-            tl = pp.gather_timeline()
+            dt, tl = timed_step(pp, c["opt"], b_args, b_kwargs, target)
             if step >= args.warmup:
-                c["times"].append(float(dt))
+                c["times"].append(dt)
                 if tl is not None:
                     c["bubbles"].append(tl.bubble)
                     c["makespans"].append(tl.makespan)
@@ -153,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                 raw = predicted_timeline(pp.plan, pp.world) if calibration is not None else pred
             if args.calibrate:
                 comm = stage_costs(pp.plan, False)[3]
-                seen.extend(observe(c["timelines"], comm, pp.place))
+                seen.extend(observe(c["timelines"], [st.fwd_ms for st in pp.plan.stages],
+                                    [st.bwd_ms for st in pp.plan.stages], comm, pp.place, pp.plan.cost))
             med = statistics.median(c["times"])
             medians = {k: statistics.median(v) for k, v in c["durations"].items()}
             replay = replayed_timeline(pp.plan, pp.world, medians, calibration) if pp.dp == 1 else None
@@ -197,6 +192,21 @@ def main(argv: list[str] | None = None) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def timed_step(pp: Any, opt: torch.optim.Optimizer | None, args: Any, kwargs: dict[str, Any], target: Any
+               ) -> tuple[float, Any]:
+    """One training step of pipeline `pp` (and its optimizer's), all ranks starting together: the
+    slowest rank's seconds, and the measured timeline (on rank 0)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    pp.step(*args, target=target, **kwargs)
+    if opt is not None:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    dt = torch.tensor([time.perf_counter() - t0])
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+    return float(dt), pp.gather_timeline()
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:

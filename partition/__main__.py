@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 from partition.plan import PlanError
 from partition.planner import plan
@@ -26,13 +26,21 @@ def parser() -> argparse.ArgumentParser:
                     "stages under an optional per-stage memory budget.")
     p.add_argument("model", metavar="MODEL",
                    help=f"package.module:factory, path/file.py:factory or a bundled name ({', '.join(BUNDLED)})")
-    p.add_argument("--stages", type=int, required=True, metavar="N", help="number of pipeline stages")
+    p.add_argument("--stages", type=int, default=None, metavar="N",
+                   help="number of pipeline stages (required, but with --schedule auto)")
     p.add_argument("--cost", choices=("measured", "flops"), default="measured",
                    help="time each op on this machine (default) or count FLOPs (deterministic)")
     p.add_argument("--memory-budget", default=None, metavar="BYTES",
                    help="per-stage memory limit, e.g. 8GiB, 512MB or a number of bytes")
-    p.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b",
-                   help="the schedule whose microbatches in flight the memory limit counts")
+    p.add_argument("--schedule", choices=[*sorted(SCHEDULES), "auto"], default="1f1b",
+                   help="the schedule whose microbatches in flight the memory limit counts; auto: plan every "
+                        "schedule, microbatch count (a divisor of --batch-size) and stages per rank for --ranks ranks, "
+                        "print them ranked by simulated step and keep the fastest (pipe.auto)")
+    p.add_argument("--ranks", type=int, default=None, metavar="R", help="with --schedule auto: the pipeline's ranks")
+    p.add_argument("--batch-size", type=int, default=None, metavar="B",
+                   help="with --schedule auto: samples per step (default: the example microbatch x 8)")
+    p.add_argument("--calibration", default=None, metavar="FILE",
+                   help="with --schedule auto: this machine's calibration (python -m bench calibrate)")
     p.add_argument("--stages-per-rank", type=int, default=None, metavar="V",
                    help=f"stages per rank (default: {default_stages_text()}); --stages counts all")
     p.add_argument("--microbatches", type=int, default=None, metavar="M",
@@ -49,6 +57,12 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.schedule == "auto":
+        return _auto(args)
+    if args.stages is None:
+        print("python -m partition: error: --stages N is required (the pipeline's stages), but with --schedule auto "
+              "(which takes --ranks)", file=sys.stderr)
+        return 2
     v = args.stages_per_rank or default_stages_per_rank(args.schedule)
     M = args.microbatches or args.stages
     try:
@@ -72,6 +86,54 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(result.to_dict(), indent=1))
     else:
         print(result.table())
+        if args.out:
+            print(f"plan written to {args.out}")
+    return 0
+
+
+def _auto(args: argparse.Namespace) -> int:
+    """--schedule auto: every candidate planned on this process, ranked by simulated step; the fastest's plan kept."""
+    from pipe import auto
+    from pipe.calibration import Calibration
+    fixed = [f for f, x in (("--stages", args.stages), ("--stages-per-rank", args.stages_per_rank),
+                            ("--microbatches", args.microbatches)) if x is not None]
+    try:
+        if fixed:
+            raise PlanError(f"--schedule auto chooses the stages per rank and the microbatch count, but "
+                            f"{', '.join(fixed)} fixes one; leave it out, or name a schedule")
+        if args.ranks is None or args.ranks < 1:
+            raise PlanError(f"--schedule auto plans for a number of ranks: pass --ranks R (R >= 1), got {args.ranks}")
+        cal = Calibration.load(args.calibration) if args.calibration else None
+        if cal is not None:
+            cal.check_cost(args.cost)
+        w = load(args.model, **parse_overrides(args.model_arg))
+        batch = args.batch_size or w.microbatch_size * 8
+        cands = auto.grid(args.ranks, auto.microbatch_counts(args.ranks, batch, 8))
+        target = None if args.loss_outside else w.example_target
+
+        def plan_one(c: auto.Candidate, a_args: Any, a_kwargs: Any, a_target: Any, **reuse: Any) -> Any:
+            S = args.ranks * c.stages_per_rank
+            return plan(w.model, a_args, S, example_kwargs=a_kwargs, cost=args.cost, schedule=c.schedule,
+                        microbatches=c.microbatches, stages_per_rank=c.stages_per_rank,
+                        in_flight_counts=[in_flight_limit(c.schedule, S, c.microbatches, s, c.stages_per_rank)
+                                          for s in range(S)], memory_budget=args.memory_budget,
+                        loss_fn=None if args.loss_outside else w.loss_fn, example_target=a_target,
+                        leaf_modules=w.leaf_modules, **reuse)
+        ranked, plans = auto.choose(cands, args.ranks, (w.example_args, w.example_kwargs, target), batch, plan_one,
+                                    cal)
+    except (*USAGE_ERRORS, auto.NoCandidate, OSError, ValueError) as e:
+        print(f"python -m partition: error: {e}", file=sys.stderr)
+        return 2
+    best = plans[ranked[0].label]
+    best.notes.append(f"schedule='auto' chose {ranked[0].label} for {args.ranks} ranks at batch {batch}: "
+                      f"predicted {ranked[0].step_ms:.1f} ms per step ({'calibrated' if cal else 'uncalibrated'})")
+    if args.out:
+        best.save(args.out)
+    if args.json:
+        print(json.dumps({"candidates": [c.to_dict() for c in ranked], "plan": best.to_dict()}, indent=1))
+    else:
+        print(auto.table(ranked))
+        print(best.table())
         if args.out:
             print(f"plan written to {args.out}")
     return 0

@@ -1,6 +1,7 @@
 """partition.plan and partition.split: trace, cost, coarsen, solve, and cut a model into stages."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -278,7 +279,8 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
          offload: str = "none", loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
          example_target: Any = None, progress: Callable[[str], None] | None = None,
          stable_within: float = 0.1, device: torch.device | str | None = None, share: Share | None = None,
-         stage_share: Share | None = None, calibrate: bool = False) -> Plan:
+         stage_share: Share | None = None, calibrate: bool = False,
+         analysis_out: list[Analysis] | None = None) -> Plan:
     """Balanced stages for `model`, found by the exact solver under a per-stage memory budget.
 
     `example_args`/`example_kwargs` are one microbatch. Memory per stage counts parameters
@@ -310,6 +312,8 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
     stages by `stage_share` (default `share`): closer stage times, but planning then peaks at a stage's
     weights plus one microbatch's activations of it (about 2-3x the stage's weights on the 16-layer
     GPT of bench memory-scale) instead of one unit's. The plan records how and where.
+    `analysis_out`, a list, receives the analysis the plan was cut from (rewrites applied): planning
+    other schedules over the same stage count with `analysis=` it reuses the trace and the costs.
     """
     if isinstance(n_stages, bool) or not isinstance(n_stages, int) or n_stages < 1:
         raise PlanError(f"n_stages must be a positive integer (one per pipeline stage), got {n_stages!r}; "
@@ -368,6 +372,10 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
         elif calibrate:
             a.notes.append(f"calibrate=True not applied: it corrects costs measured block by block, and these "
                            f"were {a.cost_method!r} (a real model on its own device is timed as a whole graph)")
+    if analysis_out is not None:  # as it stands now: the notes below are this plan's
+        out = copy.copy(a)
+        out.notes = list(a.notes)
+        analysis_out.append(out)
     if kept.tolerance > 0:
         fastest = solve(a.chain, n_stages, dataclasses.replace(kept, tolerance=0.0))
         if fastest.bounds != sol.bounds:

@@ -1,12 +1,18 @@
 """What a plan's costs leave out of a step on this machine, measured once and applied to every
-prediction (pipe.predict): what the backward costs when split in B and W, the host's time between
-actions, and each message's latency beyond what the link's figures price.
+prediction (pipe.predict): each kind of action's duration in the runtime as a line of its planned
+cost, the host's time between actions, and each message's latency beyond the link's figures.
 
-A plan's stage costs come from timing its blocks alone. In the runtime the host also receives and
-issues messages and runs the memory manager's hooks between actions, and under zero bubble it splits
-the backward in two passes (B then W), which together cost more than one. `observe` reads measured
-steps; `fit` turns observations into a `Calibration`; `python -m bench calibrate` does both on a
-bundled model and writes the JSON file that `bench schedules --calibration` reads.
+A plan's stage costs price the stage's ops. In the runtime each action also has fixed costs (its
+inputs made leaves, its outputs' messages issued, the memory manager's hooks, autograd's set-up),
+the host spends time between actions (receiving, issuing batches), and under zero bubble the
+backward runs as two passes (B then W), which together cost more than one. `observe` reads measured
+steps against their plans; `fit` turns observations into a `Calibration`: per kind (F, the whole
+backward B, B when W runs apart, W) a least-squares line over the stages observed, whose sizes differ
+(one and two stages per rank), so that a fixed part shows. Plans costed by FLOP count (cost="flops")
+make the best calibration on a machine whose speed drifts: their costs do not move between
+candidates, so the line carries the machine's speed alone. A calibration applies to plans costed
+the way its own were (`cost`). `python -m bench calibrate` runs it on a bundled model and writes
+the JSON file that `bench schedules --calibration`, `bench auto` and pipe.Pipeline(calibration=) read.
 """
 from __future__ import annotations
 
@@ -22,28 +28,53 @@ from pipe.lower import needs
 from pipe.schedules import Action
 from pipe.simulate import Timeline
 
-__all__ = ["Calibration", "Observations", "fit", "observe"]
+__all__ = ["KINDS", "Calibration", "Line", "Observations", "fit", "observe"]
+
+# F at the stage's fwd_ms; B (the whole backward: B without W, or BW), B_split (B with W apart) and W at bwd_ms
+KINDS = ("F", "B", "B_split", "W")
+
+
+@dataclass(frozen=True)
+class Line:
+    """An action's duration as scale x its planned cost + fixed (ms)."""
+
+    scale: float = 1.0
+    fixed: float = 0.0
+
+    def __call__(self, planned_ms: float) -> float:
+        return self.scale * planned_ms + self.fixed
+
 
 @dataclass(frozen=True)
 class Calibration:
     """The runtime on one machine against the plans' costs. The default is no correction: the plan's
     costs as they are, a split backward halved between B and W, no gaps, no extra latency."""
 
-    b_share: float = 0.5  # B's time when W runs apart, as a share of the whole backward
-    w_share: float = 0.5  # W's, likewise
+    f: Line = Line()
+    b: Line = Line()
+    b_split: Line = Line(0.5)
+    w: Line = Line(0.5)
     gap_ms: float = 0.0  # host time before each compute action (receiving, hooks), outside its span
     message_ms: float = 0.0  # a message's latency beyond the plan's link figures
-    samples: dict[str, int] = field(default_factory=dict)  # what each figure was fitted from
+    cost: str = ""  # how the plans it was fitted on were costed ("flops", "measured"; "" = any)
+    samples: dict[str, int] = field(default_factory=dict)  # the points behind each figure
     machine: str = ""
 
     def stage_costs(self, fwd_ms: Sequence[float], bwd_ms: Sequence[float], has_w: bool
                     ) -> tuple[list[float], list[float], list[float]]:
         """(f, b, w) per stage for the simulator, each compute action with the gap before it. Without
         a W pass, b is the whole backward and w is 0."""
-        f = [self.gap_ms + x for x in fwd_ms]
+        f = [self.gap_ms + self.f(x) for x in fwd_ms]
         if has_w:
-            return f, [self.gap_ms + self.b_share * x for x in bwd_ms], [self.gap_ms + self.w_share * x for x in bwd_ms]
-        return f, [self.gap_ms + x for x in bwd_ms], [0.0] * len(bwd_ms)
+            return f, [self.gap_ms + self.b_split(x) for x in bwd_ms], [self.gap_ms + self.w(x) for x in bwd_ms]
+        return f, [self.gap_ms + self.b(x) for x in bwd_ms], [0.0] * len(bwd_ms)
+
+    def check_cost(self, cost: str) -> None:
+        """Refuse plans costed otherwise than the plans this calibration was fitted on."""
+        if self.cost and cost != self.cost:
+            raise ValueError(f"this calibration was fitted on plans costed by {self.cost!r} and these are costed "
+                             f"by {cost!r}: its lines convert one kind of cost only; plan with cost={self.cost!r}, "
+                             f"or calibrate with python -m bench calibrate --cost {cost}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -54,7 +85,9 @@ class Calibration:
         if set(d) - known:
             raise ValueError(f"a calibration has the keys {sorted(known)}, got also {sorted(set(d) - known)}; "
                              "make it again with python -m bench calibrate")
-        return cls(**d)
+        given: dict[str, Any] = dict(d)
+        given.update({k: Line(**d[k]) for k in ("f", "b", "b_split", "w") if k in d})
+        return cls(**given)
 
     def save(self, path: str | Path) -> Path:
         p = Path(path)
@@ -70,36 +103,39 @@ class Calibration:
         return cls.from_dict(json.loads(p.read_text()))
 
     def describe(self) -> str:
-        return (f"B {self.b_share:.2f} and W {self.w_share:.2f} of the whole backward when apart; "
-                f"{self.gap_ms:.2f} ms before each action; {self.message_ms:.2f} ms more per message")
+        def line(name: str, x: Line) -> str:
+            return f"{name} {x.scale:.2f} x planned + {x.fixed:.2f} ms"
+        return (f"{line('F', self.f)}; {line('B', self.b)}; {line('B with W apart', self.b_split)}; "
+                f"{line('W', self.w)}; {self.gap_ms:.2f} ms before each action; {self.message_ms:.2f} ms more per "
+                f"message (plans costed by {self.cost or 'any'})")
 
 
 @dataclass
 class Observations:
-    """Measured steps: each backward's duration, the median over steps, by (pipeline's stage count,
-    stage) and whether W ran apart; the host's gaps between actions whose input was there; and the
+    """Measured steps against their plans: per kind, (planned, measured) points, one per pipeline and
+    stage at the median over steps; the host's gaps between actions whose input was there; and the
     latency of messages beyond the plan's pricing of them."""
 
-    full: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # B without W, or BW
-    split_b: dict[tuple[int, int], list[float]] = field(default_factory=dict)
-    split_w: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    points: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     gaps: list[float] = field(default_factory=list)
     latency: list[float] = field(default_factory=list)
+    cost: set[str] = field(default_factory=set)
 
     def extend(self, other: Observations) -> None:
-        for mine, theirs in ((self.full, other.full), (self.split_b, other.split_b), (self.split_w, other.split_w)):
-            for k, v in theirs.items():
-                mine.setdefault(k, []).extend(v)
+        for k, v in other.points.items():
+            self.points.setdefault(k, []).extend(v)
         self.gaps += other.gaps
         self.latency += other.latency
+        self.cost |= other.cost
 
 
-def observe(timelines: Iterable[Timeline], comm_ms: Sequence[float], place: Sequence[int]) -> Observations:
-    """Observations from measured steps of one pipeline: the plan's price of a message across each
-    boundary (comm_ms, one per boundary) and its placement (stage -> rank)."""
+def observe(timelines: Iterable[Timeline], fwd_ms: Sequence[float], bwd_ms: Sequence[float],
+            comm_ms: Sequence[float], place: Sequence[int], cost: str = "") -> Observations:
+    """Observations from measured steps of one pipeline: its stages' planned costs (and how they were
+    costed), the plan's price of a message across each boundary (comm_ms) and its placement."""
     n_stages = len(place)
     durations: dict[tuple[str, int], list[float]] = {}
-    obs = Observations()
+    obs = Observations(cost={cost} if cost else set())
     for tl in timelines:
         end = {e.action: e.end for e in tl.events}
         for r in range(tl.n_ranks):
@@ -121,29 +157,40 @@ def observe(timelines: Iterable[Timeline], comm_ms: Sequence[float], place: Sequ
                     obs.latency.append(e.start - arrived - comm_ms[min(dep.stage, a.stage)])
     split = any(kind == "W" for kind, _ in durations)
     for (kind, s), ms in durations.items():
-        into = {"W": obs.split_w, "B": obs.split_b if split else obs.full, "BW": obs.full}.get(kind)
-        if into is not None:
-            into.setdefault((n_stages, s), []).append(statistics.median(ms))
+        key = {"F": "F", "W": "W", "BW": "B", "B": "B_split" if split else "B"}[kind]
+        obs.points.setdefault(key, []).append((fwd_ms[s] if kind == "F" else bwd_ms[s], statistics.median(ms)))
     return obs
 
 
+def _line(points: Sequence[tuple[float, float]], default: Line) -> Line:
+    """Least squares of measured on planned; a scale alone (the median ratio) when fewer than three
+    points, planned costs that do not spread (max under 1.25 x min), or a fit below zero."""
+    pts = [(x, y) for x, y in points if x > 0]
+    if not pts:
+        return default
+    xs = [x for x, _ in pts]
+    ratio = Line(statistics.median(y / x for x, y in pts), 0.0)
+    if len(pts) < 3 or max(xs) < 1.25 * min(xs):
+        return ratio
+    mx, my = statistics.fmean(xs), statistics.fmean(y for _, y in pts)
+    scale = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x in xs)
+    fixed = my - scale * mx
+    return Line(scale, fixed) if scale > 0 and fixed >= 0 else ratio
+
+
 def fit(obs: Observations) -> Calibration:
-    """The calibration the observations give. B's and W's shares of the whole backward compare
-    runtimes alone, never a plan's costs (a plan's costing happened at another moment, on a machine
-    whose speed may have moved since): the summed durations of split B (and W) over the stages that
-    also ran whole in a pipeline of as many stages. The gap is the median host gap; a message's extra
-    latency the median wait past the plan's price, less that gap (the simulator puts the gap before the
-    action). What was not observed keeps its default."""
+    """The calibration the observations give: a line per kind of action (the default where none was
+    seen), the median host gap, and a message's extra latency: the median wait past the plan's price,
+    less that gap (the simulator puts the gap before the action), neither below 0."""
+    if len(obs.cost) > 1:
+        raise ValueError(f"observations of plans costed by {sorted(obs.cost)}: a calibration fits one kind of "
+                         "cost; calibrate on plans costed alike")
     base = Calibration()
-    both = [k for k in obs.full if k in obs.split_b and k in obs.split_w]
-    whole = sum(statistics.median(obs.full[k]) for k in both)
-    b_share, w_share = base.b_share, base.w_share
-    if both and whole > 0:
-        b_share = sum(statistics.median(obs.split_b[k]) for k in both) / whole
-        w_share = sum(statistics.median(obs.split_w[k]) for k in both) / whole
+    lines = {k.lower(): _line(obs.points.get(k, []), getattr(base, k.lower())) for k in KINDS}
     gap = max(0.0, statistics.median(obs.gaps)) if obs.gaps else 0.0
-    extra = max(0.0, statistics.median(obs.latency) - gap) if obs.latency else 0.0
-    return Calibration(b_share=b_share, w_share=w_share, gap_ms=gap, message_ms=extra,
-                       samples={"stages_split_and_whole": len(both), "gaps": len(obs.gaps),
+    return Calibration(**lines, gap_ms=gap,
+                       message_ms=max(0.0, statistics.median(obs.latency) - gap) if obs.latency else 0.0,
+                       cost=next(iter(obs.cost), ""),
+                       samples={**{k: len(v) for k, v in sorted(obs.points.items())}, "gaps": len(obs.gaps),
                                 "messages": len(obs.latency)},
                        machine=f"{platform.node()} {platform.processor() or platform.machine()}")

@@ -74,7 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m pipe.run", description=__doc__, epilog=_EPILOG)
     p.add_argument("model", help="bundled name (gpt, gpt_text, ...), package.module:factory or path/file.py:factory")
     p.add_argument("--model-arg", action="append", default=[], metavar="K=V", help="factory keyword, repeatable")
-    p.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES), help="the pipeline schedule")
+    p.add_argument("--schedule", default="1f1b", choices=[*sorted(SCHEDULES), "auto"],
+                   help="the pipeline schedule; auto: the schedule, microbatch count (a divisor of --batch-size) and "
+                        "stages per rank the simulator predicts fastest (pipe.auto)")
     p.add_argument("--microbatches", type=_whole("--microbatches", 1, 8), default=8)
     p.add_argument("--data-parallel", type=_whole("--data-parallel", 1, 2), default=1, metavar="N",
                    help="replicas of the pipeline (a DeviceMesh (world / N, N) named pp, dp); each replica trains "
@@ -89,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="default: microbatch size x microbatches")
     p.add_argument("--lr", type=_positive("--lr", "1e-3"), default=1e-3)
     p.add_argument("--cost", default="measured", choices=["measured", "flops"])
+    p.add_argument("--calibration", default=None, metavar="FILE",
+                   help="this machine's calibration for the predictions (python -m bench calibrate writes it)")
     p.add_argument("--plan", default=None, help="a plan.json from python -m partition (default: plan now)")
     p.add_argument("--memory-budget", type=_budget, default=None, help="per-stage budget, e.g. 8GiB")
     p.add_argument("--compile", action="store_true",
@@ -184,12 +188,17 @@ def main(argv: list[str] | None = None) -> int:
                            recompute=args.recompute, offload=args.offload, leaf_modules=w.leaf_modules,
                            example_target=None if args.loss_outside else w.example_target,
                            skip_nonfinite=args.skip_nonfinite, data_parallel=args.data_parallel,
-                           dp_shard=args.dp_shard, compile=args.compile,
+                           dp_shard=args.dp_shard, compile=args.compile, calibration=args.calibration,
+                           batch_size=(args.batch_size or w.microbatch_size * args.microbatches)
+                           if args.schedule == "auto" else None,
                            progress=lambda line: say(f"[plan] {line}", flush=True))
     except (ValueError, TypeError) as e:
         print(error_line(ctx.rank, e), file=sys.stderr)
         return 2
     say(pp.plan.table())
+    if pp.candidates:
+        from pipe.auto import table
+        say("schedule=auto, the candidates:\n" + table(pp.candidates))
     try:
         run = _train(pp, w, args, say)
     except Exception as e:  # this rank's own error (the model's too), another rank's, or a lost rank
@@ -243,9 +252,9 @@ def _report(pp: Any, args: argparse.Namespace, ctx: Any, run: dict[str, Any], sa
     out.mkdir(parents=True, exist_ok=True)
     warm = run["times"][1:] or run["times"]
     first, last = (run["losses"][0], run["losses"][-1]) if run["losses"] else (math.nan, math.nan)
-    predicted = predicted_timeline(pp.plan, pp.world)
+    predicted = predicted_timeline(pp.plan, pp.world, calibration=pp.calibration)
     summary: dict[str, Any] = {
-        "model": args.model, "schedule": args.schedule, "microbatches": args.microbatches,
+        "model": args.model, "schedule": pp.schedule_name, "microbatches": pp.M, "stages_per_rank": pp.v,
         "ranks": ctx.world_size, "data_parallel": pp.dp, "dp_shard": pp.dp_shard, "launcher": ctx.launcher,
         "losses": run["losses"],
         "first_loss": first, "last_loss": last,
@@ -265,7 +274,7 @@ def _report(pp: Any, args: argparse.Namespace, ctx: Any, run: dict[str, Any], sa
     (out / "timeline.json").write_text(json.dumps(measured.to_json()))
     png = ""
     try:
-        measured.to_png(str(out / "timeline.png"), title=f"{args.model} {args.schedule} M={args.microbatches}")
+        measured.to_png(str(out / "timeline.png"), title=f"{args.model} {pp.schedule_name} M={pp.M}")
         png = f", {out / 'timeline.png'}"
     except RuntimeError as e:
         say(f"(no PNG: {e})")

@@ -99,6 +99,23 @@ class NonFiniteLoss(FxpipeError, FloatingPointError):
     """The loss of a step was NaN or infinite."""
 
 
+def _calibration(given: Any, plan: Any, cost: str) -> Any:
+    """calibration= as Pipeline takes it: None, a pipe.calibration.Calibration, or the path of one's JSON;
+    refused for plans costed otherwise than its own (`cost`, or a given plan's)."""
+    from pipe.calibration import Calibration
+    if given is None:
+        return None
+    if not isinstance(given, (str, Path, Calibration)):
+        raise PipelineError(f"calibration= takes a pipe.calibration.Calibration or the path of its JSON file, got "
+                            f"{type(given).__name__}; make one with python -m bench calibrate --out FILE")
+    try:
+        cal = given if isinstance(given, Calibration) else Calibration.load(given)
+        cal.check_cost(plan.cost if isinstance(plan, Plan) else cost)
+    except (OSError, ValueError) as e:
+        raise PipelineError(str(e)) from None
+    return cal
+
+
 class _Broadcast:
     """Run `fn` on rank 0 and give every rank its result, or the same error, so no rank hangs."""
 
@@ -151,7 +168,8 @@ class Pipeline:
                  progress: Callable[[str], None] | None = None, transport: comm.Transport | None = None,
                  optimizer: Callable[..., torch.optim.Optimizer] | None = None, mesh: Any = None,
                  data_parallel: int = 1, dp_shard: str = "none", dp_bucket_mb: float | None = None,
-                 weights: Any = None, compile: bool | dict[str, Any] = False) -> None:
+                 weights: Any = None, compile: bool | dict[str, Any] = False, batch_size: int | None = None,
+                 calibration: Any = None, auto_schedules: Sequence[str] | None = None) -> None:
         if loss_fn is None or not callable(loss_fn):
             raise PipelineError(f"loss_fn must be a callable (output, target) -> scalar loss, got {loss_fn!r}; "
                                 "pass e.g. loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())")
@@ -163,10 +181,20 @@ class Pipeline:
         except ValueError as e:
             raise PipelineError(str(e)) from None
         self._compile = _compile_options(compile, recompute, dynamic_shapes)
+        self.calibration = _calibration(calibration, plan, cost)
         self.meta = on_meta(model)
         self._weights = self._check_weights(model, weights)
+        auto = schedule == "auto"
+        if auto and plan is not None:
+            raise PipelineError("schedule='auto' chooses the schedule and plans for it, but plan= gives a plan made "
+                                "for one schedule; pass schedule=plan.schedule with the plan, or leave plan= out")
+        if not auto and batch_size is not None:
+            raise PipelineError(f"batch_size={batch_size!r} is for schedule='auto' (it chooses the microbatch count "
+                                f"among the batch's divisors), but schedule={schedule!r}; pass microbatches= instead")
         interleaved = schedule.startswith("interleaved")
-        if stages_per_rank is None:
+        if auto:
+            stages_per_rank = stages_per_rank or 1  # until chosen
+        elif stages_per_rank is None:
             try:
                 stages_per_rank = default_stages_per_rank(schedule)
             except ScheduleError as e:
@@ -204,6 +232,16 @@ class Pipeline:
         self.steps_done = 0
         self.loaded: Any = None  # what the last load restored (pipe.checkpoint.Loaded)
         self.schedule_name = schedule
+        args, kwargs = tuple(example_args), dict(example_kwargs or {})
+        self.candidates: list[Any] = []  # schedule="auto": the ranked candidates (pipe.auto.Candidate)
+        self.candidate_plans: dict[str, Plan] = {}  # and their plans, by label
+        if auto:
+            plan, (args, kwargs, example_target) = self._choose(model, args, kwargs, cost, memory_budget,
+                                                               (recompute, offload), example_target, batch_size,
+                                                               microbatches, auto_schedules)
+            schedule, microbatches, stages_per_rank = plan.schedule, plan.microbatches, plan.stages_per_rank
+            self.schedule_name, self.M, self.v = schedule, microbatches, stages_per_rank
+            self.S = self.world * stages_per_rank
         try:
             full = build(schedule, self.world, microbatches, stages_per_rank)
             self.place = placement(schedule, self.S, self.world)
@@ -218,7 +256,6 @@ class Pipeline:
         self._programs = programs
         self.has_w = any(a.kind == "W" for a in self.actions)
         self.split_w = self.has_w and self._compile is None  # B and W run apart (compiled stages run BW)
-        args, kwargs = tuple(example_args), dict(example_kwargs or {})
         self.plan = self._agree_on_plan(model, args, kwargs, plan, cost, memory_budget, (recompute, offload),
                                         example_target)
         if self.meta:
@@ -411,28 +448,10 @@ class Pipeline:
             # a checkpoint's folder: the plan it was made with (a resume that is bitwise), else a plan file
             plan = checkpoint.read_plan(plan) if Path(plan).is_dir() else Plan.load(plan)
         if plan is None:
-            flights = [in_flight_limit(self.schedule_name, self.S, self.M, s, self.v) for s in range(self.S)]
-            # measured costs: the link measured too (ranks 0 and 1), so cuts weigh real transfer times
-            neighbour = self._rows[0][1] if self.world > 1 else 0  # global rank 0's next pipeline rank
-            link = launch.measure_link(self.ctx.device, peer=neighbour) if cost == "measured" else None
-            bytes_per_ms, latency_ms = link or (1e6, 0.05)
-            # a model that cannot run whole on this device (on the meta device, or its weights elsewhere)
-            # is timed block by block here (partition.measure); ranks with devices of their own measure a
-            # share each, gathered; ranks sharing the host's cores all measure every block at once, as
-            # they will run (a rank that finished its share early would leave the others a faster machine)
-            here = next((t.device for t in (*model.parameters(), *model.buffers())), self.ctx.device)
-            blockwise = cost == "measured" and (self.meta or here != self.ctx.device)
-            own_device = self.ctx.device.type != "cpu"
-            share = Share(self.ctx.rank, self.ctx.world_size, _gather) if blockwise and own_device else None
-            d = _Broadcast.run(lambda: partition.plan(
-                model, args, self.S, example_kwargs=kwargs, cost=cost, schedule=self.schedule_name,
-                microbatches=self.M, memory_budget=budget, stages_per_rank=self.v,
-                in_flight_counts=flights, recompute=features[0], offload=features[1], loss_fn=self.loss_fn,
-                example_target=example_target, bytes_per_ms=bytes_per_ms, latency_ms=latency_ms,
-                leaf_modules=self.leaf_modules, progress=self.progress,
-                state_factor=2.0 + self._state_factor(), device=self.ctx.device, share=share).to_dict(),
-                self.ctx.rank,
-                everyone=cost == "measured" and (self.ctx.device.type == "cpu" or blockwise))
+            link, share, everyone = self._costing(model, cost)
+            d = _Broadcast.run(lambda: self._plan_here(
+                model, args, kwargs, cost, budget, features, example_target, link, share, self.schedule_name,
+                self.M, self.v).to_dict(), self.ctx.rank, everyone=everyone)
             plan = Plan.from_dict(d)
         if sorted(plan.leaf_modules) != sorted(qualnames(self.leaf_modules)):
             raise PipelineError(f"the plan was made with leaf_modules={plan.leaf_modules} but this pipeline traces "
@@ -443,6 +462,76 @@ class Pipeline:
                                 f"stages_per_rank {self.v} = {self.S}; launch as many processes as the plan has "
                                 "stages (divided by stages_per_rank), or re-plan for this world size")
         return plan
+
+    def _costing(self, model: torch.nn.Module, cost: str) -> tuple[tuple[float, float], Share | None, bool]:
+        """How plans are costed here: the link's (bytes/ms, latency ms), the share of block timing each rank
+        takes, and whether every rank measures at once."""
+        # measured costs: the link measured too (ranks 0 and 1), so cuts weigh real transfer times
+        neighbour = self._rows[0][1] if self.world > 1 else 0  # global rank 0's next pipeline rank
+        link = launch.measure_link(self.ctx.device, peer=neighbour) if cost == "measured" else None
+        # a model that cannot run whole on this device (on the meta device, or its weights elsewhere)
+        # is timed block by block here (partition.measure); ranks with devices of their own measure a
+        # share each, gathered; ranks sharing the host's cores all measure every block at once, as
+        # they will run (a rank that finished its share early would leave the others a faster machine)
+        here = next((t.device for t in (*model.parameters(), *model.buffers())), self.ctx.device)
+        blockwise = cost == "measured" and (self.meta or here != self.ctx.device)
+        own_device = self.ctx.device.type != "cpu"
+        share = Share(self.ctx.rank, self.ctx.world_size, _gather) if blockwise and own_device else None
+        return link or (1e6, 0.05), share, cost == "measured" and (self.ctx.device.type == "cpu" or blockwise)
+
+    def _plan_here(self, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], cost: str,
+                   budget: float | str | None, features: tuple[str, str], example_target: Any,
+                   link: tuple[float, float], share: Share | None, schedule: str, M: int, v: int,
+                   analysis: Any = None, analysis_out: list[Any] | None = None) -> Plan:
+        """partition.plan for `schedule` with M microbatches and v stages per rank on this pipeline's ranks."""
+        S = self.world * v
+        return partition.plan(
+            model, args, S, example_kwargs=kwargs, cost=cost, schedule=schedule, microbatches=M,
+            memory_budget=budget, stages_per_rank=v, in_flight_counts=[in_flight_limit(schedule, S, M, s, v)
+                                                                       for s in range(S)],
+            recompute=features[0], offload=features[1], loss_fn=self.loss_fn, example_target=example_target,
+            bytes_per_ms=link[0], latency_ms=link[1], leaf_modules=self.leaf_modules, progress=self.progress,
+            state_factor=2.0 + self._state_factor(), device=self.ctx.device, share=share, analysis=analysis,
+            analysis_out=analysis_out)
+
+    def _choose(self, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], cost: str,
+                budget: float | str | None, features: tuple[str, str], example_target: Any,
+                batch_size: int | None, microbatches: int, schedules: Sequence[str] | None
+                ) -> tuple[Plan, tuple[tuple[Any, ...], dict[str, Any], Any]]:
+        """schedule="auto" (pipe.auto): every candidate planned and simulated on rank 0 (every rank
+        measuring at once, as for one plan), the fastest predicted one's plan, with the example resized
+        to its microbatch; the ranking in self.candidates and the plan's notes."""
+        from pipe import auto
+        cal = self.calibration
+        try:
+            counts = auto.microbatch_counts(self.world, batch_size, microbatches)
+            cands = auto.grid(self.world, counts, schedules)
+        except (auto.NoCandidate, ScheduleError) as e:
+            raise PipelineError(str(e)) from None
+
+        given = (args, kwargs, example_target)
+        link, share, everyone = self._costing(model, cost)
+
+        def plan_one(c: auto.Candidate, a_args: tuple[Any, ...], a_kwargs: dict[str, Any], a_target: Any,
+                     **reuse: Any) -> Plan:
+            return self._plan_here(model, a_args, a_kwargs, cost, budget, features, a_target, link, share,
+                                   c.schedule, c.microbatches, c.stages_per_rank, **reuse)
+
+        def run() -> dict[str, Any]:
+            ranked, plans = auto.choose(cands, self.world, given, batch_size, plan_one, cal)
+            return {"ranked": [c.to_dict() for c in ranked], "plans": {k: p.to_dict() for k, p in plans.items()}}
+        d = _Broadcast.run(run, self.ctx.rank, everyone=everyone)
+        self.candidates = [auto.Candidate(**c) for c in d["ranked"]]
+        self.candidate_plans = {k: Plan.from_dict(p) for k, p in d["plans"].items()}
+        plan = Plan.from_dict(d["plans"][self.candidates[0].label])
+        best = self.candidates[0]
+        runner_up = next((c for c in self.candidates[1:] if not c.refused), None)
+        plan.notes.append(
+            f"schedule='auto' chose {best.label} of {len(self.candidates)} candidates: predicted {best.step_ms:.1f} ms "
+            f"per step ({'calibrated' if cal is not None else 'uncalibrated: no calibration= given'})"
+            + (f", the next {runner_up.label} {runner_up.step_ms:.1f} ms" if runner_up else "")
+            + "; pp.candidates ranks them all (pipe.auto.table)")
+        return plan, given if batch_size is None else auto.resize_batch(given, batch_size // best.microbatches)
 
     def _memory_costs(self, args: tuple[Any, ...], kwargs: dict[str, Any], recompute: str, offload: str,
                       budget: float | str | None) -> dict[str, memory.NodeCost]:

@@ -20,16 +20,18 @@ def _valid_trace(path: Path) -> None:
 
 
 def test_bench_schedules(tmp_path: Path) -> None:
-    from pipe.calibration import Calibration
-    given = Calibration(b_share=0.7, w_share=0.6, gap_ms=0.5, message_ms=0.25).save(tmp_path / "given.json")
+    from pipe.calibration import Calibration, Line
+    given = Calibration(f=Line(1.1, 0.2), b_split=Line(0.7, 0.1), w=Line(0.6), gap_ms=0.5, message_ms=0.25,
+                        cost="flops").save(tmp_path / "given.json")
     out = run_command([sys.executable, "-m", "bench", "schedules", "gpt", *TINY, "--microbatches", "4",
                        "--schedules", "gpipe,1f1b,interleaved-1f1b,zb-h1,zbv", "--steps", "2", "--warmup", "1",
                        "--cost", "flops", "--out", str(tmp_path), "--calibration", str(given),
                        "--calibrate", str(tmp_path / "fitted.json")], timeout=180).output
     assert "| zb-h1 | 4 |" in out and "uncalibrated |" in out and "measured / replayed |" in out
-    fitted = Calibration.load(tmp_path / "fitted.json")  # from this run's steps: 1f1b and zb-h1 share 2 stages
-    assert fitted.samples["stages_split_and_whole"] >= 2 and fitted.samples["gaps"] > 0
-    assert 0 < fitted.b_share < 3 and 0 < fitted.w_share < 3 and fitted.gap_ms >= 0
+    fitted = Calibration.load(tmp_path / "fitted.json")
+    # a point per stage of each schedule (gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv); W in zb-h1 and zbv
+    assert fitted.cost == "flops" and fitted.samples["F"] == 2 + 2 + 4 + 2 + 4 and fitted.samples["W"] == 2 + 4
+    assert fitted.samples["gaps"] > 0 and fitted.b_split.scale > 0 and fitted.w.scale > 0 and fitted.gap_ms >= 0
     assert f"calibration written to {tmp_path / 'fitted.json'}" in out
     data = json.loads((tmp_path / "schedules.json").read_text())
     assert data["ranks"] == 2 and data["versions"]["torch"] and "bench schedules" in data["command"]

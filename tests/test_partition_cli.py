@@ -81,6 +81,11 @@ def test_an_error_exits_2_with_one_paragraph_and_no_traceback() -> None:
     (["mlp", "--stages", "2", "--memory-budget", "0"], "must be positive"),
     (["mlp", "--stages", "2", "--model-arg", "depth"], "key=value"),
     (["mlp", "--stages", "2", "--model-arg", "colour=red"], "unexpected keyword argument"),
+    (["mlp"], "--stages N is required"),
+    (["mlp", "--schedule", "auto"], "pass --ranks R"),
+    (["mlp", "--schedule", "auto", "--ranks", "2", "--stages", "4"], "but --stages fixes one"),
+    (["mlp", "--schedule", "auto", "--ranks", "2", "--batch-size", "1"], "batch_size=1"),
+    (["mlp", "--schedule", "auto", "--ranks", "2", "--calibration", "/no/such.json"], "python -m bench calibrate"),
 ])
 def test_usage_errors_print_one_paragraph_and_return_2(args: list[str], needle: str,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
@@ -112,3 +117,24 @@ def test_bench_help_lists_every_option() -> None:
         assert r.returncode == 0, r.stderr
         for word in words:
             assert word in r.stdout, (sub, word, r.stdout)
+
+
+def test_auto_ranks_every_candidate_and_keeps_the_fastest_plan(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.json"
+    tiny = ["--model-arg", "n_layer=4", "--model-arg", "d_model=32", "--model-arg", "seq_len=16"]
+    assert main(["gpt", "--schedule", "auto", "--ranks", "2", "--batch-size", "8", "--cost", "flops", *tiny,
+                 "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    chosen = next(ln.split() for ln in text.splitlines() if ln.endswith("chosen"))
+    plan = partition.Plan.load(out)
+    assert (plan.schedule, plan.microbatches, plan.stages_per_rank) == (chosen[1], int(chosen[2]), int(chosen[3]))
+    assert plan.n_stages == 2 * plan.stages_per_rank and plan.inputs[0].shape[0] == 8 // plan.microbatches
+    assert any(n.startswith(f"schedule='auto' chose {chosen[1]} M={chosen[2]}") for n in plan.notes)
+    refused = [ln.split() for ln in text.splitlines() if ln.startswith("-")]
+    assert ["-", "dualpipev", "2", "2"] == refused[0][:4] and "needs at least two microbatches per rank" in text
+    assert main(["gpt", "--schedule", "auto", "--ranks", "2", "--batch-size", "8", "--cost", "flops", *tiny,
+                 "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    times = [c["step_ms"] for c in got["candidates"] if not c["refused"]]
+    assert times == sorted(times) and len(got["candidates"]) == 24  # 8 schedules x M in 2, 4, 8

@@ -1,0 +1,125 @@
+"""schedule="auto" against the grid it chose from, measured (run through `python -m bench auto`):
+pipe.Pipeline(schedule="auto") ranks every candidate (schedule, microbatch count, stages per rank) by
+its simulated step; then every candidate that can run is built on the plan auto made for it and
+timed, alternating round by round over the same batches (each round a few steps in a row, the last
+timed); the table ranks them as measured, with each one's prediction, and the note says how auto's
+choice measures against the fastest:
+torchrun --nproc-per-node 2 -m bench.auto gpt --batch-size 32 --calibration out/calibration.json"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["main", "parser"]
+
+
+def parser(add_help: bool = True) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench auto", description=__doc__, add_help=add_help,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="bundled name (gpt, ...), package.module:factory or path/file.py:factory")
+    p.add_argument("--model-arg", action="append", default=[], metavar="K=V", help="factory keyword, repeatable")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="samples per step (default: the workload's microbatch x 8); auto picks M among its divisors")
+    p.add_argument("--schedules", default=None, help="comma-separated candidates' schedules (default: all)")
+    p.add_argument("--memory-budget", default=None, help="per-rank budget, e.g. 40MB: candidates over it are refused")
+    p.add_argument("--calibration", metavar="FILE", help="predict with this machine's calibration (bench calibrate)")
+    p.add_argument("--cost", default="measured", choices=["measured", "flops"])
+    p.add_argument("--steps", type=int, default=6, help="timed steps per candidate")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--back-to-back", type=int, default=2, metavar="K",
+                   help="steps a candidate runs in a row each round, the last one timed (the earlier ones bring its "
+                        "weights back into the caches the other candidates used)")
+    p.add_argument("--ranks", type=int, default=2, help="processes to launch")
+    p.add_argument("--launcher", default="torchrun", choices=["torchrun", "mpirun"])
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--out", default="out/bench")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    torch.set_num_threads(args.threads)
+    import partition
+    import pipe
+    from bench.schedules import timed_step
+    from partition.workload import parse_overrides
+    from pipe import auto
+
+    ctx = pipe.init()
+    say = print if ctx.rank == 0 else (lambda *a, **k: None)
+    overrides = parse_overrides(args.model_arg)
+    w = partition.load(args.model, **overrides)
+    batch = args.batch_size or w.microbatch_size * 8
+    common = dict(loss_fn=w.loss_fn, example_kwargs=w.example_kwargs, leaf_modules=w.leaf_modules, cost=args.cost,
+                  memory_budget=args.memory_budget)
+    chooser = pipe.Pipeline(w.model, w.example_args, example_target=w.example_target, schedule="auto",
+                            batch_size=batch, calibration=args.calibration,
+                            auto_schedules=args.schedules.split(",") if args.schedules else None, **common)
+    chosen = chooser.candidates[0]
+    say(auto.table(chooser.candidates), flush=True)
+    runs: list[dict[str, Any]] = []
+    for c in chooser.candidates:
+        if c.refused:
+            continue
+        m = partition.load(args.model, **overrides)  # a model of its own (same seed, same weights)
+        ex_args, ex_kwargs, ex_target = auto.resize_batch((m.example_args, m.example_kwargs, m.example_target),
+                                                          batch // c.microbatches)
+        pp = pipe.Pipeline(m.model, ex_args, **{**common, "example_kwargs": ex_kwargs, "loss_fn": m.loss_fn},
+                           example_target=ex_target, schedule=c.schedule, microbatches=c.microbatches,
+                           stages_per_rank=c.stages_per_rank, plan=chooser.candidate_plans[c.label])
+        params = list(pp.parameters())
+        runs.append({"candidate": c, "pp": pp, "times": [],
+                     "opt": pp.build_optimizer(torch.optim.AdamW, lr=1e-4) if params else None})
+        say(f"built {c.label}", flush=True)
+    for step in range(args.warmup + args.steps):
+        b_args, b_kwargs, target = w.batch(batch, step)
+        for k in range(len(runs)):  # rotated each round so the machine's drift hits all alike
+            r = runs[(k + step) % len(runs)]
+            for _ in range(args.back_to_back):
+                dt, _ = timed_step(r["pp"], r["opt"], b_args, b_kwargs, target)
+            if step >= args.warmup:
+                r["times"].append(dt)
+        say(f"round {step + 1}/{args.warmup + args.steps}{' (warm-up)' if step < args.warmup else ''}", flush=True)
+    if ctx.rank == 0:
+        rows = sorted(({**r["candidate"].to_dict(), "label": r["candidate"].label,
+                        "measured_ms": 1e3 * statistics.median(r["times"]), "samples_s": r["times"]} for r in runs),
+                      key=lambda x: x["measured_ms"])
+        fastest = rows[0]
+        mine = next(x for x in rows if x["label"] == chosen.label)
+        lines = ["| measured rank | schedule | M | v | step measured (ms) | step predicted (ms) | predicted rank |"
+                 " measured / predicted |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+        by_prediction = {c.label: i for i, c in enumerate((c for c in chooser.candidates if not c.refused), 1)}
+        for i, x in enumerate(rows, 1):
+            tag = " (auto)" if x["label"] == chosen.label else ""
+            lines.append(f"| {i} | {x['schedule']}{tag} | {x['microbatches']} | {x['stages_per_rank']} "
+                         f"| {x['measured_ms']:.1f} | {x['step_ms']:.1f} | {by_prediction[x['label']]} "
+                         f"| {x['measured_ms'] / x['step_ms']:.2f} |")
+        table = "\n".join(lines)
+        verdict = (f"auto chose {chosen.label}: measured {mine['measured_ms']:.1f} ms, "
+                   f"{mine['measured_ms'] / fastest['measured_ms']:.3f}x the fastest measured candidate "
+                   f"({fastest['label']}, {fastest['measured_ms']:.1f} ms), batch {batch}")
+        print(table)
+        print(verdict)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "auto.md").write_text(table + "\n\n" + verdict + "\n")
+        (out / "auto.json").write_text(json.dumps({
+            "command": " ".join(["python -m bench auto"] + (argv if argv is not None else sys.argv[1:])),
+            "model": args.model, "model_args": overrides, "batch_size": batch, "ranks": ctx.world_size,
+            "chosen": chosen.label, "chosen_over_fastest": mine["measured_ms"] / fastest["measured_ms"],
+            "calibration": args.calibration, "results": rows,
+            "refused": [c.to_dict() for c in chooser.candidates if c.refused]}, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
