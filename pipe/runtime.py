@@ -154,7 +154,11 @@ class Pipeline:
     and `build_optimizer` makes the optimizer that goes with it. `compile=True` (or a dict of
     torch.compile's arguments) compiles each stage's forward, and its backward through AOTAutograd;
     under a zero-bubble schedule each backward then computes the weight grads too (BW: a compiled
-    backward is one function), and the plan's notes say so.
+    backward is one function), and the plan's notes say so. `schedule="auto"` (pipe.auto) plans every
+    schedule at its stages per rank for every microbatch count (with `batch_size`, the divisors of the
+    batch; `example_args` are resized to each microbatch; without, `microbatches`), within
+    `memory_budget`, simulates each (`calibration=`: a pipe.calibration file or object, used for every
+    prediction) and keeps the fastest predicted; `pp.candidates` ranks them, the plan's notes say which.
     """
 
     def __init__(self, model: torch.nn.Module, example_args: Sequence[Any], *,
