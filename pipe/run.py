@@ -77,6 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--schedule", default="1f1b", choices=[*sorted(SCHEDULES), "auto"],
                    help="the pipeline schedule; auto: the schedule, microbatch count (a divisor of --batch-size) and "
                         "stages per rank the simulator predicts fastest (pipe.auto)")
+    p.add_argument("--auto-schedules", default=None, metavar="S1,S2",
+                   help="with --schedule auto: the schedules it weighs (default: all)")
     p.add_argument("--microbatches", type=_whole("--microbatches", 1, 8), default=8)
     p.add_argument("--data-parallel", type=_whole("--data-parallel", 1, 2), default=1, metavar="N",
                    help="replicas of the pipeline (a DeviceMesh (world / N, N) named pp, dp); each replica trains "
@@ -191,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                            dp_shard=args.dp_shard, compile=args.compile, calibration=args.calibration,
                            batch_size=(args.batch_size or w.microbatch_size * args.microbatches)
                            if args.schedule == "auto" else None,
+                           auto_schedules=args.auto_schedules.split(",") if args.auto_schedules else None,
                            progress=lambda line: say(f"[plan] {line}", flush=True))
     except (ValueError, TypeError) as e:
         print(error_line(ctx.rank, e), file=sys.stderr)
