@@ -1,8 +1,9 @@
 """Calibrate the simulator on this machine, once: python -m bench calibrate [MODEL] --out FILE.
 Runs a bundled model (default gpt) under 1f1b, zb-h1 (one stage per rank) and interleaved-1f1b,
-interleaved-zb (two) on 2 ranks, alternating step by step, on plans costed by FLOP count (--cost),
-fits each kind of action's measured duration as a line of its planned cost, the host's gap between
-actions and the messages' extra latency (pipe.calibration), and writes the fit; `bench schedules
+interleaved-zb (two) at microbatches of 1 and 4 samples on 2 ranks, alternating step by step, on
+plans costed by FLOP count (--cost); fits each kind of action's measured duration on its planned
+cost and its stage's node count, the host's gap between actions and the messages' extra latency
+(pipe.calibration), and writes the fit; `bench schedules
 --calibration FILE`, `bench auto` and pipe.Pipeline(calibration=FILE) predict with it."""
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default="gpt", help="bundled name, package.module:factory or file.py:factory")
     p.add_argument("--model-arg", action="append", default=[], metavar="K=V", help="factory keyword, repeatable")
     p.add_argument("--microbatches", default="8")
+    p.add_argument("--microbatch-sizes", default="1,4", metavar="B1,B2",
+                   help="samples per microbatch, each size running every schedule: sizes that differ let the fit tell "
+                        "an op's fixed cost from its FLOPs")
     p.add_argument("--steps", type=int, default=6, help="timed steps per pipeline")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--cost", default="flops", choices=["flops", "measured"],
@@ -37,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     extra = [x for kv in args.model_arg for x in ("--model-arg", kv)]
     return schedules.main([args.model, *extra, "--schedules", SCHEDULES, "--microbatches", args.microbatches,
+                           "--microbatch-sizes", args.microbatch_sizes,
                            "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
                            "--cost", args.cost,
                            "--calibrate", args.out, "--out", f"{args.out}.run"])

@@ -29,6 +29,9 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("model", help="bundled name (gpt, ...), package.module:factory or path/file.py:factory")
     p.add_argument("--model-arg", action="append", default=[], metavar="K=V", help="factory keyword, repeatable")
     p.add_argument("--microbatches", default="4,8", help="comma-separated microbatch counts")
+    p.add_argument("--microbatch-sizes", default=None, metavar="B1,B2",
+                   help="comma-separated samples per microbatch (default: the workload's); each size runs every "
+                        "schedule and count")
     p.add_argument("--schedules", default="gpipe,1f1b,interleaved-1f1b,zb-h1,zbv",
                    help=f"comma-separated schedules, of: {', '.join(sorted(SCHEDULES))}")
     p.add_argument("--stages-per-rank", type=int, default=2,
@@ -72,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     import pipe
     from partition.workload import parse_overrides
     from pipe.launch import measure_allreduce
+    from pipe.auto import resize_batch
     from pipe.calibration import Calibration, Observations, fit, observe
     from pipe.predict import layout_costs, predicted_timeline, replayed_timeline, stage_costs
     from pipe.scale import predict_layout
@@ -85,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     say = print if rank == 0 else (lambda *a, **k: None)
     overrides = parse_overrides(args.model_arg)
     cands: list[dict[str, Any]] = []
-    for M in [int(x) for x in args.microbatches.split(",")]:
+    sizes = [int(x) for x in args.microbatch_sizes.split(",")] if args.microbatch_sizes else [None]
+    for mb, M in [(mb, int(m)) for mb in sizes for m in args.microbatches.split(",")]:
         for name in args.schedules.split(","):
             v = args.stages_per_rank if name.startswith("interleaved") else default_stages_per_rank(name)
             if name.startswith("interleaved") and M % (world // args.data_parallel):
@@ -96,16 +101,19 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             for compiled in {"off": [False], "on": [True], "both": [False, True]}[args.compile]:
                 w = partition.load(args.model, **overrides)
-                pp = pipe.Pipeline(w.model, w.example_args, example_kwargs=w.example_kwargs, loss_fn=w.loss_fn,
+                size = mb or w.microbatch_size
+                ex_args, ex_kwargs, ex_target = resize_batch((w.example_args, w.example_kwargs, w.example_target), size)
+                pp = pipe.Pipeline(w.model, ex_args, example_kwargs=ex_kwargs, loss_fn=w.loss_fn,
                                    microbatches=M, schedule=name, stages_per_rank=v, cost=args.cost,
                                    leaf_modules=w.leaf_modules, data_parallel=args.data_parallel,
-                                   example_target=None if args.loss_outside else w.example_target, compile=compiled)
+                                   example_target=None if args.loss_outside else ex_target, compile=compiled)
                 params = list(pp.parameters())
-                cands.append({"schedule": name, "M": M, "v": v, "w": w, "pp": pp, "compiled": compiled,
+                cands.append({"schedule": name, "M": M, "v": v, "w": w, "pp": pp, "compiled": compiled, "mb": size,
+                              "sized": mb is not None and len(sizes) > 1,
                               "opt": pp.build_optimizer(torch.optim.AdamW, lr=1e-4) if params else None, "times": [],
                               "bubbles": [], "makespans": [], "last_timeline": None, "durations": {},
                               "timelines": []})
-                say(f"built {name} M={M} v={v}{' compiled' if compiled else ''}", flush=True)
+                say(f"built {name} M={M} v={v} microbatch {size}{' compiled' if compiled else ''}", flush=True)
     allreduce = (1.0, 0.0)
     if args.data_parallel > 1 and cands:
         allreduce = measure_allreduce(ctx.device, cands[0]["pp"].dp_group)
@@ -116,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         for k in range(len(cands)):  # rotate the order each round so drift hits all alike
             c = cands[(k + step) % len(cands)]
             w, pp = c["w"], c["pp"]
-            b_args, b_kwargs, target = w.batch(w.microbatch_size * c["M"], step * pp.dp + pp.dp_rank)
+            b_args, b_kwargs, target = w.batch(c["mb"] * c["M"], step * pp.dp + pp.dp_rank)
             dt, tl = timed_step(pp, c["opt"], b_args, b_kwargs, target)
             if step >= args.warmup:
                 c["times"].append(dt)
@@ -148,22 +156,25 @@ def main(argv: list[str] | None = None) -> int:
             if args.calibrate:
                 comm = stage_costs(pp.plan, False)[3]
                 seen.extend(observe(c["timelines"], [st.fwd_ms for st in pp.plan.stages],
-                                    [st.bwd_ms for st in pp.plan.stages], comm, pp.place, pp.plan.cost))
+                                    [st.bwd_ms for st in pp.plan.stages], comm, pp.place, pp.plan.cost,
+                                    [len(st.nodes) for st in pp.plan.stages]))
             med = statistics.median(c["times"])
             medians = {k: statistics.median(v) for k, v in c["durations"].items()}
             replay = replayed_timeline(pp.plan, pp.world, medians, calibration) if pp.dp == 1 else None
             simulated: dict[str, float] = {}
             for e in pred.events:
                 simulated.setdefault(f"{e.action.kind}{e.action.stage}", e.end - e.start)  # every mb's alike
-            tag = f"{c['schedule']}-M{c['M']}{'-compiled' if c['compiled'] else ''}"
+            sized = f"-mb{c['mb']}" if c["sized"] else ""
+            tag = f"{c['schedule']}-M{c['M']}{'-compiled' if c['compiled'] else ''}{sized}"
             tl = c["last_timeline"]
             tl.to_png(str(out / f"timeline-{tag}.png"), title=f"{args.model} {tag} (measured)")
             (out / f"trace-{tag}.json").write_text(json.dumps(tl.to_chrome_trace()))
             report = pp.memory_report()
             rows.append({
                 "schedule": c["schedule"], "microbatches": c["M"], "stages_per_rank": c["v"], "compiled": c["compiled"],
+                "microbatch_size": c["mb"], "sized": c["sized"],
                 "median_step_s": med, "samples_s": c["times"],
-                "tokens_per_s": w.microbatch_size * c["M"] * w.tokens_per_sample * pp.dp / med,
+                "tokens_per_s": c["mb"] * c["M"] * w.tokens_per_sample * pp.dp / med,
                 "measured_bubble": statistics.median(c["bubbles"]), "predicted_bubble": pred.bubble,
                 "textbook_bubble": textbook_bubble(c["schedule"], pp.S, c["M"], c["v"]),
                 "measured_step_ms": statistics.median(c["makespans"]), "predicted_step_ms": pred.makespan,
@@ -217,7 +228,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             f"|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|{'---:|' if cal else ''}---:|")
     lines = [head]
     for r in rows:
-        name = r["schedule"] + (" (compiled)" if r.get("compiled") else "")
+        name = (r["schedule"] + (" (compiled)" if r.get("compiled") else "")
+                + (f" (microbatch {r['microbatch_size']})" if r.get("sized") else ""))
         lines.append(f"| {name} | {r['microbatches']} | {r['median_step_s']:.3f} | {r['tokens_per_s']:.0f} "
                      f"| {r['measured_bubble']:.3f} | {r['predicted_bubble']:.3f} | {r['textbook_bubble']:.3f} "
                      f"| {r['predicted_step_ms']:.1f} | {r['measured_step_ms']:.1f} "

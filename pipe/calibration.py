@@ -1,18 +1,20 @@
 """What a plan's costs leave out of a step on this machine, measured once and applied to every
-prediction (pipe.predict): each kind of action's duration in the runtime as a line of its planned
-cost, the host's time between actions, and each message's latency beyond the link's figures.
+prediction (pipe.predict): each kind of action's duration in the runtime as a function of its
+planned cost, the host's time between actions, and each message's latency beyond the link's figures.
 
 A plan's stage costs price the stage's ops. In the runtime each action also has fixed costs (its
 inputs made leaves, its outputs' messages issued, the memory manager's hooks, autograd's set-up),
 the host spends time between actions (receiving, issuing batches), and under zero bubble the
 backward runs as two passes (B then W), which together cost more than one. `observe` reads measured
 steps against their plans; `fit` turns observations into a `Calibration`: per kind (F, the whole
-backward B, B when W runs apart, W) a least-squares line over the stages observed, whose sizes differ
-(one and two stages per rank), so that a fixed part shows. Plans costed by FLOP count (cost="flops")
-make the best calibration on a machine whose speed drifts: their costs do not move between
-candidates, so the line carries the machine's speed alone. A calibration applies to plans costed
-the way its own were (`cost`). `python -m bench calibrate` runs it on a bundled model and writes
-the JSON file that `bench schedules --calibration`, `bench auto` and pipe.Pipeline(calibration=) read.
+backward B, B when W runs apart, W) a least-squares fit over the stages observed, whose sizes (one
+and two stages per rank) and microbatches (1 and 4 samples) differ, so that what an action costs
+whatever its size shows apart: a part per fx node (dispatch, autograd's bookkeeping) and a
+constant. Plans costed by FLOP count (cost="flops") make the best calibration on a machine whose
+speed drifts: their costs do not move between candidates, so the fit carries the machine's speed
+alone. A calibration applies to plans costed the way its own were (`cost`). `python -m bench
+calibrate` runs it on a bundled model and writes the JSON file that `bench schedules
+--calibration`, `bench auto`, `pipe.run --calibration` and pipe.Pipeline(calibration=) read.
 """
 from __future__ import annotations
 
@@ -36,13 +38,16 @@ KINDS = ("F", "B", "B_split", "W")
 
 @dataclass(frozen=True)
 class Line:
-    """An action's duration as scale x its planned cost + fixed (ms)."""
+    """An action's duration as scale x its planned cost + per_node x the stage's fx nodes + fixed (ms).
+    The per-node part is what an op costs whatever its size (dispatch, autograd's bookkeeping), which a
+    FLOP count leaves out and which weighs most on small microbatches."""
 
     scale: float = 1.0
     fixed: float = 0.0
+    per_node: float = 0.0
 
-    def __call__(self, planned_ms: float) -> float:
-        return self.scale * planned_ms + self.fixed
+    def __call__(self, planned_ms: float, nodes: int = 0) -> float:
+        return self.scale * planned_ms + self.per_node * nodes + self.fixed
 
 
 @dataclass(frozen=True)
@@ -60,14 +65,16 @@ class Calibration:
     samples: dict[str, int] = field(default_factory=dict)  # the points behind each figure
     machine: str = ""
 
-    def stage_costs(self, fwd_ms: Sequence[float], bwd_ms: Sequence[float], has_w: bool
-                    ) -> tuple[list[float], list[float], list[float]]:
-        """(f, b, w) per stage for the simulator, each compute action with the gap before it. Without
-        a W pass, b is the whole backward and w is 0."""
-        f = [self.gap_ms + self.f(x) for x in fwd_ms]
+    def stage_costs(self, fwd_ms: Sequence[float], bwd_ms: Sequence[float], has_w: bool,
+                    nodes: Sequence[int] | None = None) -> tuple[list[float], list[float], list[float]]:
+        """(f, b, w) per stage for the simulator, each compute action with the gap before it; `nodes`:
+        each stage's fx node count. Without a W pass, b is the whole backward and w is 0."""
+        n = list(nodes) if nodes is not None else [0] * len(fwd_ms)
+        f = [self.gap_ms + self.f(x, k) for x, k in zip(fwd_ms, n)]
         if has_w:
-            return f, [self.gap_ms + self.b_split(x) for x in bwd_ms], [self.gap_ms + self.w(x) for x in bwd_ms]
-        return f, [self.gap_ms + self.b(x) for x in bwd_ms], [0.0] * len(bwd_ms)
+            return (f, [self.gap_ms + self.b_split(x, k) for x, k in zip(bwd_ms, n)],
+                    [self.gap_ms + self.w(x, k) for x, k in zip(bwd_ms, n)])
+        return f, [self.gap_ms + self.b(x, k) for x, k in zip(bwd_ms, n)], [0.0] * len(bwd_ms)
 
     def check_cost(self, cost: str) -> None:
         """Refuse plans costed otherwise than the plans this calibration was fitted on."""
@@ -104,7 +111,7 @@ class Calibration:
 
     def describe(self) -> str:
         def line(name: str, x: Line) -> str:
-            return f"{name} {x.scale:.2f} x planned + {x.fixed:.2f} ms"
+            return f"{name} {x.scale:.2f} x planned + {x.per_node * 1e3:.1f} us x nodes + {x.fixed:.2f} ms"
         return (f"{line('F', self.f)}; {line('B', self.b)}; {line('B with W apart', self.b_split)}; "
                 f"{line('W', self.w)}; {self.gap_ms:.2f} ms before each action; {self.message_ms:.2f} ms more per "
                 f"message (plans costed by {self.cost or 'any'})")
@@ -112,11 +119,11 @@ class Calibration:
 
 @dataclass
 class Observations:
-    """Measured steps against their plans: per kind, (planned, measured) points, one per pipeline and
-    stage at the median over steps; the host's gaps between actions whose input was there; and the
+    """Measured steps against their plans: per kind, (planned ms, fx nodes, measured ms) points, one per
+    pipeline and stage at the median over steps; the host's gaps between actions whose input was there; and the
     latency of messages beyond the plan's pricing of them."""
 
-    points: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    points: dict[str, list[tuple[float, int, float]]] = field(default_factory=dict)
     gaps: list[float] = field(default_factory=list)
     latency: list[float] = field(default_factory=list)
     cost: set[str] = field(default_factory=set)
@@ -130,9 +137,12 @@ class Observations:
 
 
 def observe(timelines: Iterable[Timeline], fwd_ms: Sequence[float], bwd_ms: Sequence[float],
-            comm_ms: Sequence[float], place: Sequence[int], cost: str = "") -> Observations:
+            comm_ms: Sequence[float], place: Sequence[int], cost: str = "",
+            nodes: Sequence[int] | None = None) -> Observations:
     """Observations from measured steps of one pipeline: its stages' planned costs (and how they were
-    costed), the plan's price of a message across each boundary (comm_ms) and its placement."""
+    costed), the plan's price of a message across each boundary (comm_ms), its placement, and each
+    stage's fx node count."""
+    n_nodes = list(nodes) if nodes is not None else [0] * len(place)
     n_stages = len(place)
     durations: dict[tuple[str, int], list[float]] = {}
     obs = Observations(cost={cost} if cost else set())
@@ -158,24 +168,42 @@ def observe(timelines: Iterable[Timeline], fwd_ms: Sequence[float], bwd_ms: Sequ
     split = any(kind == "W" for kind, _ in durations)
     for (kind, s), ms in durations.items():
         key = {"F": "F", "W": "W", "BW": "B", "B": "B_split" if split else "B"}[kind]
-        obs.points.setdefault(key, []).append((fwd_ms[s] if kind == "F" else bwd_ms[s], statistics.median(ms)))
+        obs.points.setdefault(key, []).append((fwd_ms[s] if kind == "F" else bwd_ms[s], n_nodes[s],
+                                               statistics.median(ms)))
     return obs
 
 
-def _line(points: Sequence[tuple[float, float]], default: Line) -> Line:
-    """Least squares of measured on planned; a scale alone (the median ratio) when fewer than three
-    points, planned costs that do not spread (max under 1.25 x min), or a fit below zero."""
-    pts = [(x, y) for x, y in points if x > 0]
+def _solve(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float] | None:
+    """Least squares by the normal equations; None when they are (nearly) singular."""
+    import numpy as np
+    a, y = np.asarray(rows, dtype=float), np.asarray(ys, dtype=float)
+    gram = a.T @ a
+    if np.linalg.cond(gram) > 1e8:
+        return None
+    return [float(c) for c in np.linalg.solve(gram, a.T @ y)]
+
+
+def _line(points: Sequence[tuple[float, int, float]], default: Line) -> Line:
+    """Least squares of measured on planned, nodes and a constant. Where that is not determined (the
+    planned costs and node counts do not vary apart, as at one microbatch size) or gives a negative
+    part: on planned and nodes; then on planned and a constant; then a scale alone (the median ratio)."""
+    pts = [(x, n, y) for x, n, y in points if x > 0]
     if not pts:
         return default
-    xs = [x for x, _ in pts]
-    ratio = Line(statistics.median(y / x for x, y in pts), 0.0)
-    if len(pts) < 3 or max(xs) < 1.25 * min(xs):
-        return ratio
-    mx, my = statistics.fmean(xs), statistics.fmean(y for _, y in pts)
-    scale = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x in xs)
-    fixed = my - scale * mx
-    return Line(scale, fixed) if scale > 0 and fixed >= 0 else ratio
+    ys = [y for _, _, y in pts]
+    xs = [x for x, _, _ in pts]
+    if len(pts) >= 4 and len({n for _, n, _ in pts}) > 1:
+        full = _solve([(x, n, 1.0) for x, n, _ in pts], ys)
+        if full is not None and full[0] > 0 and min(full[1:]) >= 0:
+            return Line(full[0], full[2], full[1])
+        two = _solve([(x, n) for x, n, _ in pts], ys)
+        if two is not None and two[0] > 0 and two[1] >= 0:
+            return Line(two[0], 0.0, two[1])
+    if len(pts) >= 3 and max(xs) >= 1.25 * min(xs):
+        one = _solve([(x, 1.0) for x in xs], ys)
+        if one is not None and one[0] > 0 and one[1] >= 0:
+            return Line(one[0], one[1])
+    return Line(statistics.median(y / x for x, _, y in pts), 0.0)
 
 
 def fit(obs: Observations) -> Calibration:

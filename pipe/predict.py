@@ -17,7 +17,8 @@ def stage_costs(plan: Plan, has_w: bool, calibration: Calibration | None = None
     default none). Uncalibrated, a W pass splits the backward in half between input and weight grads
     (each is one matmul per weight matmul of forward)."""
     cal = calibration or Calibration()
-    f, b, w = cal.stage_costs([s.fwd_ms for s in plan.stages], [s.bwd_ms for s in plan.stages], has_w)
+    f, b, w = cal.stage_costs([s.fwd_ms for s in plan.stages], [s.bwd_ms for s in plan.stages], has_w,
+                              [len(s.nodes) for s in plan.stages])
     comm = [(plan.latency_ms + s.send_bytes / plan.bytes_per_ms + cal.message_ms) if s.send_bytes else 0.0
             for s in plan.stages[:-1]]
     return f, b, w, comm

@@ -26,7 +26,7 @@ def test_bench_schedules(tmp_path: Path) -> None:
     out = run_command([sys.executable, "-m", "bench", "schedules", "gpt", *TINY, "--microbatches", "4",
                        "--schedules", "gpipe,1f1b,interleaved-1f1b,zb-h1,zbv", "--steps", "2", "--warmup", "1",
                        "--cost", "flops", "--out", str(tmp_path), "--calibration", str(given),
-                       "--calibrate", str(tmp_path / "fitted.json")], timeout=180).output
+                       "--calibrate", str(tmp_path / "fitted.json"), "--microbatch-sizes", "2"], timeout=180).output
     assert "| zb-h1 | 4 |" in out and "uncalibrated |" in out and "measured / replayed |" in out
     fitted = Calibration.load(tmp_path / "fitted.json")
     # a point per stage of each schedule (gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv); W in zb-h1 and zbv
@@ -45,6 +45,7 @@ def test_bench_schedules(tmp_path: Path) -> None:
         assert r["measured_over_simulated"] == pytest.approx(r["measured_step_ms"] / r["predicted_step_ms"])
         assert r["calibrated"] and r["predicted_step_ms"] > r["uncalibrated_step_ms"]  # gaps and latency added
         assert r["replayed_step_ms"] > 0 and {"F0", "B0", "F1", "B1"} <= set(r["action_ms"])
+        assert r["microbatch_size"] == 2 and not r["sized"]  # one size given: the table names none
         tag = f"{r['schedule']}-M{r['microbatches']}"
         assert (tmp_path / f"timeline-{tag}.png").read_bytes()[:8] == PNG
         _valid_trace(tmp_path / f"trace-{tag}.json")

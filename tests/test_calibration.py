@@ -17,15 +17,18 @@ from pipe.predict import predicted_timeline, replayed_timeline, simulate_schedul
 from pipe.simulate import Timeline
 
 COSTS = {1: ([6.0, 7.5], [12.0, 15.5]), 2: ([3.0, 4.0, 2.5, 3.5], [6.0, 8.0, 5.0, 7.0])}  # v -> (fwd, bwd)
+NODES = {1: [40, 46], 2: [22, 18, 21, 25]}  # v -> fx nodes per stage
 COMM = 0.2  # the plan's price of a message
-TRUE = Calibration(f=Line(1.2, 0.5), b=Line(1.1, 0.8), b_split=Line(0.8, 0.6), w=Line(0.5, 0.4), gap_ms=0.4,
-                   message_ms=0.3)
+TRUE = Calibration(f=Line(1.2, 0.5, 0.01), b=Line(1.1, 0.8, 0.02), b_split=Line(0.8, 0.6, 0.015),
+                   w=Line(0.5, 0.4, 0.005), gap_ms=0.4, message_ms=0.3)
 
 
-def plan_of(name: str, v: int) -> Plan:
-    fwd, bwd = COSTS[v]
+def plan_of(name: str, v: int, size: float = 1.0) -> Plan:
+    """A plan of 2v stages on 2 ranks; `size` scales its costs (a microbatch that many times larger)."""
+    fwd, bwd = [size * x for x in COSTS[v][0]], [size * x for x in COSTS[v][1]]
     S = 2 * v
-    stages = [StagePlan(index=s, nodes=[], params=[], fwd_ms=fwd[s], bwd_ms=bwd[s], param_bytes=0,
+    stages = [StagePlan(index=s, nodes=[f"n{k}" for k in range(NODES[v][s])], params=[], fwd_ms=fwd[s],
+                        bwd_ms=bwd[s], param_bytes=0,
                         activation_bytes=0, in_flight=1, peak_bytes=0.0, send_bytes=1 if s < S - 1 else 0,
                         recv_bytes=0, recv=[], shared=[]) for s in range(S)]
     return Plan(stages=stages, schedule=name, microbatches=8, stages_per_rank=v, cost="flops", memory_budget=None,
@@ -33,40 +36,60 @@ def plan_of(name: str, v: int) -> Plan:
                 bytes_per_ms=1e12, latency_ms=COMM)
 
 
-def measured(name: str, v: int) -> Timeline:
+def measured(name: str, v: int, size: float = 1.0) -> Timeline:
     """One step of `name` on 2 ranks, M=8, as the runtime would time it under TRUE: the calibrated
     prediction with each span starting after its gap."""
-    tl = predicted_timeline(plan_of(name, v), 2, calibration=TRUE)
+    tl = predicted_timeline(plan_of(name, v, size), 2, calibration=TRUE)
     return Timeline([dataclasses.replace(e, start=e.start + TRUE.gap_ms) for e in tl.events], tl.n_ranks)
 
 
-def observed(name: str, v: int) -> Observations:
-    tl = measured(name, v)
-    fwd, bwd = COSTS[v]
-    return observe([tl, tl], fwd, bwd, [COMM] * (2 * v - 1), [s % 2 for s in range(2 * v)], "flops")
+def observed(name: str, v: int, size: float = 1.0) -> Observations:
+    tl = measured(name, v, size)
+    p = plan_of(name, v, size)
+    return observe([tl, tl], [s.fwd_ms for s in p.stages], [s.bwd_ms for s in p.stages], [COMM] * (2 * v - 1),
+                   [s % 2 for s in range(2 * v)], "flops", [len(s.nodes) for s in p.stages])
 
 
 def test_the_fit_recovers_the_figures_behind_the_steps() -> None:
     obs = Observations()
-    for name, v in (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("interleaved-zb", 2)):
-        obs.extend(observed(name, v))
+    for size in (1.0, 0.25):  # two microbatch sizes: the per-node part shows apart from the FLOPs
+        for name, v in (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("interleaved-zb", 2)):
+            obs.extend(observed(name, v, size))
     got = fit(obs)
     for k in ("f", "b", "b_split", "w"):
-        assert getattr(got, k).scale == pytest.approx(getattr(TRUE, k).scale), k
-        assert getattr(got, k).fixed == pytest.approx(getattr(TRUE, k).fixed, abs=1e-9), k
+        for part in ("scale", "fixed", "per_node"):
+            assert getattr(getattr(got, k), part) == pytest.approx(getattr(getattr(TRUE, k), part), abs=1e-6), k
     assert got.gap_ms == pytest.approx(0.4)
     assert got.message_ms == pytest.approx(0.3)
     assert got.cost == "flops"
-    assert got.samples["F"] == 12 and got.samples["W"] == 6 and got.samples["gaps"] > 0 and got.samples["messages"] > 0
-    # and it predicts a schedule it was not fitted on, exactly
-    tl = measured("dualpipev", 2)
-    assert predicted_timeline(plan_of("dualpipev", 2), 2, calibration=got).makespan == pytest.approx(
+    assert got.samples["F"] == 24 and got.samples["W"] == 12 and got.samples["gaps"] > 0 and got.samples["messages"] > 0
+    # and it predicts a schedule and a microbatch size it was not fitted on, exactly
+    tl = measured("dualpipev", 2, 0.5)
+    assert predicted_timeline(plan_of("dualpipev", 2, 0.5), 2, calibration=got).makespan == pytest.approx(
         max(e.end for e in tl.events))
+
+
+def test_nodes_collinear_with_the_costs_fit_planned_and_a_constant() -> None:
+    truth = Calibration(f=Line(1.2, 0.5), b=Line(1.1, 0.8), b_split=Line(0.8, 0.6), w=Line(0.5, 0.4))
+    obs = Observations()
+    for name, v in (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("interleaved-zb", 2)):
+        p = plan_of(name, v)
+        for s in p.stages:  # node counts proportional to the costs: no way to tell them apart
+            s.nodes = [f"n{k}" for k in range(int(10 * s.fwd_ms))]
+        tl = predicted_timeline(p, 2, calibration=truth)
+        obs.extend(observe([tl], [s.fwd_ms for s in p.stages], [s.bwd_ms for s in p.stages], [COMM] * (2 * v - 1),
+                           [s % 2 for s in range(2 * v)], "flops", [len(s.nodes) for s in p.stages]))
+    got = fit(obs)
+    for k in ("f", "b", "b_split", "w"):
+        line = getattr(got, k)
+        assert line.per_node == pytest.approx(0.0, abs=1e-9), k  # no per-node part in the truth, none found
+        assert (line.scale, line.fixed) == pytest.approx((getattr(truth, k).scale, getattr(truth, k).fixed)), k
 
 
 def test_too_few_or_too_close_points_give_a_scale_alone_and_the_unseen_keep_their_defaults() -> None:
     got = fit(observed("1f1b", 1))  # two stages: two points per kind
-    assert got.f.fixed == 0.0 and got.f.scale == pytest.approx((1.2 * 6 + 0.5) / 6, rel=0.1)
+    assert got.f.fixed == 0.0 and got.f.per_node == 0.0 and got.f.scale == pytest.approx((1.2 * 6 + 0.5 + 0.4) / 6,
+                                                                                         rel=0.1)
     assert got.b_split == Line(0.5) and got.w == Line(0.5)  # no W ran
     assert got.gap_ms == pytest.approx(0.4)
     empty = fit(Observations())
