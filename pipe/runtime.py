@@ -195,9 +195,15 @@ class Pipeline:
         if not auto and batch_size is not None:
             raise PipelineError(f"batch_size={batch_size!r} is for schedule='auto' (it chooses the microbatch count "
                                 f"among the batch's divisors), but schedule={schedule!r}; pass microbatches= instead")
+        if not auto and auto_schedules is not None:
+            raise PipelineError(f"auto_schedules= lists the schedules schedule='auto' weighs, but schedule="
+                                f"{schedule!r}; pass schedule='auto', or leave auto_schedules out")
+        if auto and stages_per_rank is not None:
+            raise PipelineError(f"schedule='auto' chooses the stages per rank with the schedule, but stages_per_rank="
+                                f"{stages_per_rank!r} fixes it; leave stages_per_rank out, or name a schedule")
         interleaved = schedule.startswith("interleaved")
         if auto:
-            stages_per_rank = stages_per_rank or 1  # until chosen
+            stages_per_rank = 1  # until chosen
         elif stages_per_rank is None:
             try:
                 stages_per_rank = default_stages_per_rank(schedule)

@@ -77,13 +77,17 @@ def test_resize_batch_resizes_the_batch_dimension_only() -> None:
     assert auto.resize_batch(((ids,), {}, None), 1)[0][0].tolist() == [[0, 1, 2, 3]]
 
 
-def test_auto_refuses_a_plan_and_batch_size_without_auto() -> None:
+def test_auto_refuses_what_it_would_override_and_its_options_without_it() -> None:
     from pipe.runtime import Pipeline, PipelineError
     w = partition.load("gpt", **SMALL_GPT)
     with pytest.raises(PipelineError, match="schedule='auto' chooses the schedule and plans for it, but plan="):
         Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, schedule="auto", plan=plan_of("1f1b", 1))
     with pytest.raises(PipelineError, match="batch_size=32 is for schedule='auto'"):
         Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, schedule="1f1b", batch_size=32)
+    with pytest.raises(PipelineError, match="auto_schedules= lists the schedules schedule='auto' weighs"):
+        Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, schedule="1f1b", auto_schedules=["1f1b"])
+    with pytest.raises(PipelineError, match="stages_per_rank=2 fixes it"):
+        Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, schedule="auto", stages_per_rank=2)
 
 
 def auto_body(rank: int, world: int) -> dict[str, Any]:
