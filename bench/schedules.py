@@ -111,7 +111,6 @@ def main(argv: list[str] | None = None) -> int:
                 cands.append({"schedule": name, "M": M, "v": v, "w": w, "pp": pp, "compiled": compiled, "mb": size,
                               "sized": mb is not None and len(sizes) > 1,
                               "opt": pp.build_optimizer(torch.optim.AdamW, lr=1e-4) if params else None, "times": [],
-                              "bubbles": [], "makespans": [], "last_timeline": None, "durations": {},
                               "timelines": []})
                 say(f"built {name} M={M} v={v} microbatch {size}{' compiled' if compiled else ''}", flush=True)
     allreduce = (1.0, 0.0)
@@ -128,13 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             dt, tl = timed_step(pp, c["opt"], b_args, b_kwargs, target)
             if step >= args.warmup:
                 c["times"].append(dt)
-                if tl is not None:
-                    c["bubbles"].append(tl.bubble)
-                    c["makespans"].append(tl.makespan)
-                    c["last_timeline"] = tl
+                if tl is not None:  # rank 0's
                     c["timelines"].append(tl)
-                    for e in tl.events:
-                        c["durations"].setdefault((e.action.kind, e.action.stage), []).append(e.end - e.start)
         say(f"round {step + 1}/{total} {'(warm-up)' if step < args.warmup else ''}", flush=True)
     if rank == 0:
         out = Path(args.out)
@@ -159,14 +153,19 @@ def main(argv: list[str] | None = None) -> int:
                                     [st.bwd_ms for st in pp.plan.stages], comm, pp.place, pp.plan.cost,
                                     [len(st.nodes) for st in pp.plan.stages]))
             med = statistics.median(c["times"])
-            medians = {k: statistics.median(v) for k, v in c["durations"].items()}
+            durations: dict[tuple[str, int], list[float]] = {}  # each action's, over the timed steps
+            for t in c["timelines"]:
+                for e in t.events:
+                    durations.setdefault((e.action.kind, e.action.stage), []).append(e.end - e.start)
+            medians = {k: statistics.median(v) for k, v in durations.items()}
             replay = replayed_timeline(pp.plan, pp.world, medians, calibration) if pp.dp == 1 else None
             simulated: dict[str, float] = {}
             for e in pred.events:
                 simulated.setdefault(f"{e.action.kind}{e.action.stage}", e.end - e.start)  # every mb's alike
             sized = f"-mb{c['mb']}" if c["sized"] else ""
             tag = f"{c['schedule']}-M{c['M']}{'-compiled' if c['compiled'] else ''}{sized}"
-            tl = c["last_timeline"]
+            tl = c["timelines"][-1]
+            measured_ms = statistics.median(t.makespan for t in c["timelines"])
             tl.to_png(str(out / f"timeline-{tag}.png"), title=f"{args.model} {tag} (measured)")
             (out / f"trace-{tag}.json").write_text(json.dumps(tl.to_chrome_trace()))
             report = pp.memory_report()
@@ -175,10 +174,10 @@ def main(argv: list[str] | None = None) -> int:
                 "microbatch_size": c["mb"], "sized": c["sized"],
                 "median_step_s": med, "samples_s": c["times"],
                 "tokens_per_s": c["mb"] * c["M"] * w.tokens_per_sample * pp.dp / med,
-                "measured_bubble": statistics.median(c["bubbles"]), "predicted_bubble": pred.bubble,
+                "measured_bubble": statistics.median(t.bubble for t in c["timelines"]), "predicted_bubble": pred.bubble,
                 "textbook_bubble": textbook_bubble(c["schedule"], pp.S, c["M"], c["v"]),
-                "measured_step_ms": statistics.median(c["makespans"]), "predicted_step_ms": pred.makespan,
-                "measured_over_simulated": statistics.median(c["makespans"]) / pred.makespan,
+                "measured_step_ms": measured_ms, "predicted_step_ms": pred.makespan,
+                "measured_over_simulated": measured_ms / pred.makespan,
                 "uncalibrated_step_ms": raw.makespan, "calibrated": calibration is not None,
                 "replayed_step_ms": None if replay is None else replay.makespan,
                 "peak_bytes_by_stage": {str(s): max([v for k, v in r.items() if "peak" in k] or [0])
@@ -215,7 +214,7 @@ def timed_step(pp: Any, opt: torch.optim.Optimizer | None, args: Any, kwargs: di
     if opt is not None:
         opt.step()
         opt.zero_grad(set_to_none=True)
-    dt = torch.tensor([time.perf_counter() - t0])
+    dt = torch.tensor([time.perf_counter() - t0], device=pp.ctx.device)  # NCCL reduces device tensors only
     dist.all_reduce(dt, op=dist.ReduceOp.MAX)
     return float(dt), pp.gather_timeline()
 
