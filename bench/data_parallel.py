@@ -8,7 +8,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     import partition
     import pipe
+    from bench.schedules import timed_step
     from partition.workload import parse_overrides
     from pipe.launch import measure_allreduce
     from pipe.predict import layout_costs
@@ -105,22 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     exposures: list[dict[int, dict[str, float]]] = []
     for step in range(args.warmup + args.steps):
         b_args, b_kwargs, target = w.batch(w.microbatch_size * args.microbatches, step * pp.dp + pp.dp_rank)
-        dist.barrier()
-        t0 = time.perf_counter()
-        pp.step(*b_args, target=target, **b_kwargs)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        dt = torch.tensor([time.perf_counter() - t0])
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-        tl = pp.gather_timeline()
+        dt, tl = timed_step(pp, opt, b_args, b_kwargs, target)
         parts: list[Any] = [None] * ctx.world_size
         dist.all_gather_object(parts, (ctx.rank, pp.rank, pp.timeline, pp.collectives))
         if step >= args.warmup:
-            walls.append(float(dt))
+            walls.append(dt)
             timelines.append(tl)
             exposures.append(exposure(parts))
         say(f"step {step + 1}/{args.warmup + args.steps}{' (warm-up)' if step < args.warmup else ''}: "
-            f"{float(dt) * 1e3:.0f} ms", flush=True)
+            f"{dt * 1e3:.0f} ms", flush=True)
     if ctx.rank == 0:
         has_w = any(a.kind == "W" for a in pp.actions)
         pred = predict_layout(layout_costs(pp.plan, has_w), pp=pp.world, dp=pp.dp, schedule=args.schedule,
