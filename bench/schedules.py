@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
                 pp = pipe.Pipeline(w.model, ex_args, example_kwargs=ex_kwargs, loss_fn=w.loss_fn,
                                    microbatches=M, schedule=name, stages_per_rank=v, cost=args.cost,
                                    leaf_modules=w.leaf_modules, data_parallel=args.data_parallel,
-                                   example_target=None if args.loss_outside else ex_target, compile=compiled)
+                                   example_target=None if args.loss_outside else ex_target,
+                                   trace_loss=not args.loss_outside, compile=compiled)
                 params = list(pp.parameters())
                 cands.append({"schedule": name, "M": M, "v": v, "w": w, "pp": pp, "compiled": compiled, "mb": size,
                               "sized": mb is not None and len(sizes) > 1,

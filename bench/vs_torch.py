@@ -3,7 +3,8 @@ torchrun --nproc-per-node 2 -m bench.vs_torch [--model gpt] [--rounds 12] [--mod
 
 Candidates (same model, batch, schedule and microbatches; 1 thread per rank): torch with an even
 split by layers (SplitPoint, what its users write), fxpipe with those same boundaries, fxpipe with
-its own boundaries; plus one process on the whole batch for the ideal (t1 / 2) x (M + 1) / M."""
+its own boundaries (the natural call: pipe.Pipeline(model, example_args, loss_fn=...)); plus one
+process on the whole batch for the ideal (t1 / 2) x (M + 1) / M."""
 from __future__ import annotations
 
 import argparse
@@ -96,8 +97,9 @@ def main(argv: list[str] | None = None) -> int:
                             schedule="1f1b", microbatches=M, stages_per_rank=1, memory_budget=None)
     pipes: dict[str, Any] = {}
     for name, plan, wl in (("fxpipe-even", even, wf), ("fxpipe-auto", None, fresh())):
+        # fxpipe's own plan from the natural call: no example_target, the loss traced in with an inferred one
         pl = pipe.Pipeline(wl.model, wl.example_args, loss_fn=wl.loss_fn, microbatches=M, schedule="1f1b",
-                           plan=plan, cost=args.cost, example_target=wl.example_target if plan is None else None)
+                           plan=plan, cost=args.cost)
         candidates[name] = ((lambda pl: lambda b, t: pl.step(*b, target=t))(pl), list(pl.parameters()))
         pipes[name] = pl
         if rank == 0 and plan is None:
@@ -155,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  first-step loss: torch {float(torch_loss):.5f}, fxpipe-even {losses['fxpipe-even'][0]:.5f}")
         print("  fxpipe auto boundaries: nodes per stage", [len(s.nodes) for s in auto_plan.stages],
               "even:", [len(s.nodes) for s in even.stages])
+        print("  fxpipe auto " + next(x for x in auto_plan.table().splitlines() if x.startswith("loss: ")))
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         for k, tl in timelines.items():

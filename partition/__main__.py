@@ -77,6 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       example_target=None if args.loss_outside else w.example_target,
                       leaf_modules=w.leaf_modules, progress=lambda line: print(f"[plan] {line}", file=sys.stderr,
                                                                                flush=True))
+        if args.loss_outside:
+            result.loss_note = "--loss-outside"
     except USAGE_ERRORS as e:
         print(f"python -m partition: error: {e}", file=sys.stderr)
         return 2

@@ -14,7 +14,7 @@ import torch.utils._pytree as pytree
 
 from partition.errors import first_line
 
-__all__ = ["TARGET", "attach_loss", "has_loss"]
+__all__ = ["TARGET", "attach_loss", "has_loss", "infer_target", "model_outputs"]
 
 TARGET = "fxpipe_target"  # the placeholder attach_loss adds
 _SUBMODULE = "fxpipe_loss"  # where a loss that is an nn.Module (or holds one) lives in the graph module
@@ -48,6 +48,52 @@ class _LossTracer(torch.fx.Tracer):
         def loss_of(root: torch.nn.Module) -> Any:
             return root_fn(root, output, target)
         return loss_of, [self.root]
+
+
+def infer_target(loss_fn: Callable[[Any, Any], torch.Tensor], output: Any) -> tuple[torch.Tensor | None, str]:
+    """A target for one microbatch that `loss_fn(output, target)` accepts, when none was given, and
+    how it was found (or why none was).
+
+    From the model's first floating-point output `p` (logits, a prediction) it tries, in order:
+    class indices over the last dim (int64 of p.shape[:-1]: a language model's or a classifier's
+    cross entropy), class indices over dim 1 (p.shape without dim 1: a segmentation's), and a
+    tensor like p (a regression, soft labels). The first on which loss_fn returns one finite
+    floating-point number without a warning (a broadcast it warns about is a wrong guess) is kept;
+    zeros, on the CPU. The loss's graph does not depend on the target's shape, so a real target of
+    another shape or dtype still gets the loss loss_fn computes (pipe.Pipeline checks what would
+    not: a value computed from the target sent between stages).
+    """
+    import warnings
+    p = next((x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor) and x.is_floating_point()
+              and x.dim() >= 1), None)
+    if p is None:
+        return None, "the model returns no floating-point tensor to infer a target from"
+    shapes = [(list(p.shape[:-1]), torch.int64), (list(p.shape[:1] + p.shape[2:]), torch.int64),
+              (list(p.shape), p.dtype)]
+    tried: list[str] = []
+    for shape, dtype in shapes:
+        label = f"{str(dtype).removeprefix('torch.')}{shape}"
+        if label in tried:
+            continue
+        tried.append(label)
+        target = torch.zeros(shape, dtype=dtype)
+        try:
+            with torch.no_grad(), warnings.catch_warnings(record=True) as warned:
+                warnings.simplefilter("always")
+                loss = loss_fn(output, target.to(p.device))
+        except Exception:  # noqa: BLE001 - any failure means loss_fn does not take this target
+            continue
+        if (not warned and isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()
+                and (loss.is_meta or bool(torch.isfinite(loss).all()))):
+            return target, (f"its target inferred as {label} from loss_fn and the model's output "
+                            "(example_target= sets it)")
+    return None, f"no example_target given, and loss_fn takes none of {', '.join(tried)} inferred from the output"
+
+
+def model_outputs(gm: torch.fx.GraphModule) -> tuple[list[tuple[bool, Any]], pytree.TreeSpec]:
+    """What the model returns in a graph whose loss attach_loss attached: per leaf (True, node name)
+    or (False, the constant), and the spec that rebuilds the model's output structure."""
+    return gm.meta["fxpipe_model_out"]
 
 
 def has_loss(gm: torch.fx.GraphModule) -> bool:
@@ -104,6 +150,9 @@ def attach_loss(gm: torch.fx.GraphModule, loss_fn: Callable[[Any, Any], torch.Te
         g.set_codegen(torch.fx.graph.CodeGen())          # and no hook checking the (args, kwargs) structure
         gm._forward_pre_hooks.clear()
         gm._forward_pre_hooks_with_kwargs.clear()
+    # the model's own outputs, for inference (partition.split.inference_stage): node names, or constants
+    gm.meta["fxpipe_model_out"] = ([(True, x.name) if isinstance(x, torch.fx.Node) else (False, x) for x in leaves],
+                                   spec)
     g.erase_node(out)
     loss = g.graph_copy(loss_graph, mapping)
     g.output(loss)

@@ -76,7 +76,7 @@ class Plan:
     input_constants: dict[str, Any] = field(default_factory=dict)  # flat index -> a non-tensor leaf (JSON)
     rewrites: list[list[Any]] = field(default_factory=list)  # [node, parts(, "vocab")]: see partition.rewrite
     loss: bool = False               # loss_fn is in the graph: the last stage returns it; inputs[-1] is the target
-    loss_note: str = ""              # why the loss is outside the graph, when it is
+    loss_note: str = ""              # why the loss is outside the graph, or how its target was inferred
     output_bytes: int = 0            # the graph's outputs per microbatch (a loss outside the graph saves them)
     notes: list[str] = field(default_factory=list)  # faster paths not taken, and why
     leaf_modules: list[str] = field(default_factory=list)  # module types traced whole ("pkg.mod.Class")
@@ -164,7 +164,8 @@ class Plan:
         lines.append(f"bottleneck {self.bottleneck_ms:.2f} ms per microbatch (fwd+bwd+comm), "
                      f"imbalance {self.imbalance:.3f} (slowest / mean)")
         if self.loss:
-            lines.append(f"loss: computed in the last stage ({self.n_stages - 1}), traced into the graph")
+            lines.append(f"loss: computed in the last stage ({self.n_stages - 1}), traced into the graph"
+                         + (f"; {self.loss_note}" if self.loss_note else ""))
         else:
             lines.append(f"loss: computed after the last stage ({self.n_stages - 1}) by loss_fn, outside the graph"
                          + (f" ({self.loss_note})" if self.loss_note else ""))

@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 from partition.costs import NodeCost, node_costs, param_names, preserve_state, storage_owner
 from partition.errors import first_line
 from partition.graph import build_graph, coarsen
-from partition.loss import attach_loss, has_loss
+from partition.loss import attach_loss, has_loss, infer_target
 from partition.measure import Share, measure_blocks
 from partition.meta import on_meta, to_meta
 from partition.rewrite import apply_rewrites, splittable_linear, vocab_parallel_why
@@ -59,7 +59,11 @@ class Analysis:
                 f"({time.perf_counter() - start:.1f} s)")
             # with the loss in the graph the last stage returns the loss and the head can be cut
             # without moving logits; loss_note says why the loss stays outside ("" when it is in)
-            self.loss_note = loss_placement(gm, model, self.args, self.kwargs, loss_fn, example_target)
+            self.loss_note, inferred = loss_placement(gm, model, self.args, self.kwargs, loss_fn, example_target)
+            if example_target is None and inferred is not None:  # the target loss_fn was found to take
+                self.target = inferred
+                given = (given[0], given[1], inferred)
+                example_target = to_meta(inferred) if self.meta else inferred
         else:  # with_rewrites: this model's trace, the loss placed, before any rewrite (a copy of it)
             gm, self.loss_note = _traced
         self.notes: list[str] = []  # faster paths not taken, and why (shown in the plan table)
@@ -120,22 +124,29 @@ class Analysis:
 
 def loss_placement(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple[Any, ...],
                    kwargs: dict[str, Any], loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-                   target: Any) -> str:
-    """Attach `loss_fn` to `gm` when it can go into the graph faithfully; "" when attached, else why not.
+                   target: Any) -> tuple[str, torch.Tensor | None]:
+    """Attach `loss_fn` to `gm` when it can go into the graph faithfully. Returns a note ("" when
+    attached with the given target; else why it is outside, or how its target was inferred) and
+    the target inferred when none was given (partition.loss.infer_target), else None.
 
     The loss is first run eagerly on the model's output for the example: a loss that fails
     there, or is not a scalar, is the user's error (PlanError), named as such.
     """
     if loss_fn is None:
-        return "no loss_fn given"
-    if target is None:
-        return "no example_target given"
+        return "no loss_fn given", None
     with torch.no_grad(), preserve_state(model):
         torch.manual_seed(0)  # the seed trace checks its graph with: dropout draws the same masks
         if on_meta(model):  # the traced graph, whose output trace checked: an eager call may need values
             output = pytree.tree_unflatten(pytree.tree_leaves(gm(*args, **kwargs)), gm.meta["fxpipe_out_spec"])
         else:
             output = model(*args, **kwargs)
+        if target is None:
+            target, how = infer_target(loss_fn, output)
+            if target is None:
+                return how, None
+            why = attach_loss(gm, loss_fn, example=(output, target.to(_device_of(output)),
+                                                    loss_fn(output, target.to(_device_of(output)))))
+            return (why or how), (None if why else target)
         try:
             expected = loss_fn(output, target)
         except Exception as e:  # whatever the user's loss raises
@@ -146,8 +157,13 @@ def loss_placement(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple
                             "0)'s)") from e
     check_scalar_loss(expected, "on the example")
     if not isinstance(target, torch.Tensor):
-        return f"the target is {_kind(target)}, not one tensor"
-    return attach_loss(gm, loss_fn, example=(output, target, expected)) or ""
+        return f"the target is {_kind(target)}, not one tensor", None
+    return attach_loss(gm, loss_fn, example=(output, target, expected)) or "", None
+
+
+def _device_of(output: Any) -> torch.device:
+    """Where the model's output tensors are (a meta model's: meta)."""
+    return next((x.device for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor)), torch.device("cpu"))
 
 
 def qualnames(types: Sequence[type]) -> list[str]:

@@ -6,13 +6,15 @@ from typing import Any
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 
 from partition.plan import Plan, PlanError, fingerprint
-from partition.loss import has_loss
-from partition.rewrite import apply_rewrites
+from partition.loss import has_loss, model_outputs
+from partition.rewrite import apply_rewrites, linear_rows, vocab_slice
 from partition.trace import flatten_outputs
 
-__all__ = ["StageIO", "stage_io", "split_graph", "live_values", "example_from_plan"]
+__all__ = ["StageIO", "stage_io", "split_graph", "inference_stage", "assemble_outputs", "live_values",
+           "example_from_plan"]
 
 
 @dataclass
@@ -157,6 +159,74 @@ def split_graph(gm: torch.fx.GraphModule, plan: Plan) -> list[torch.fx.GraphModu
                            out_spec=out_spec if last else None, param_nodes=param_nodes)
         stages.append(stage)
     return stages
+
+
+def inference_stage(gm: torch.fx.GraphModule, plan: Plan, s: int, root: torch.nn.Module
+                    ) -> tuple[torch.fx.GraphModule, list[int], list[Any]]:
+    """Stage s of a plan with the loss in its graph (`gm`, split by split_graph), for inference:
+    called as the training stage is (its received values, then the model inputs at the returned
+    positions; the target may be None), it returns what it sends on (nothing on the last stage)
+    and then the model's outputs it computes, without the loss, which needs a target. Also
+    returned: which of the model's flat outputs those are (assemble_outputs puts them together):
+    leaf i, or (i, lo) for the logits [lo, hi) of a head cut into vocabulary slices
+    (partition.rewrite.vocab_parallel), whose running statistics, which need the target, are sent
+    on as zeros. `root` is the training stage, whose modules and parameters it uses. A model
+    output no stage forms is refused with PlanError."""
+    leaves, _ = model_outputs(gm)
+    names = {n.name: n for n in gm.graph.nodes}
+    sliced = {str(r[0]): i for r in plan.rewrites if list(r[2:]) == ["vocab"]
+              for i, (is_node, name) in enumerate(leaves) if is_node and name == r[0]}
+    gone = [name for is_node, name in leaves if is_node and name not in names and name not in sliced]
+    if gone:
+        raise PlanError(f"the model's outputs {gone} are never formed in this plan's graph (its rewrites: "
+                        f"{', '.join(str(r[0]) for r in plan.rewrites) or 'none'}), so they cannot be returned; for "
+                        "inference build a Pipeline with trace_loss=False (the loss outside the graph)")
+    S = plan.n_stages
+    stage_of = {n: st.index for st in plan.stages for n in st.nodes}
+    recv = live_values(gm, stage_of, S)
+    extras: list[Any] = [i for i, (is_node, name) in enumerate(leaves)
+                         if is_node and name not in sliced and stage_of.get(name, S - 1) == s]
+    outputs = ([] if s == S - 1 else [names[r] for r in recv[s + 1]]) + [names[leaves[i][1]] for i in extras]
+    sub, inputs, _ = subgraph(gm, set(plan.stages[s].nodes), stage_of, recv[s], outputs, f"Stage{s}Inference")
+    g = sub.graph
+    logits = []
+    for node in list(g.nodes):  # a vocabulary slice: its logits, and zeros for the statistics it passes on
+        head = node.name.rsplit("_vocab", 1)[0]
+        if node.op == "call_function" and node.target is vocab_slice and head in sliced:
+            x, w, b, _, lo, hi, _ = node.args
+            with g.inserting_after(node):
+                blank = g.call_function(_no_statistics, (x,))
+            with g.inserting_after(node):
+                logits.append(g.call_function(linear_rows, (x, w, b, lo, hi)))
+            node.replace_all_uses_with(blank)
+            g.erase_node(node)
+            extras.append((sliced[head], lo))
+    out = next(n for n in g.nodes if n.op == "output")
+    out.args = (tuple(out.args[0]) + tuple(logits),)
+    g.eliminate_dead_code()  # the loss and what only it reads
+    return torch.fx.GraphModule(root, g, f"Stage{s}Inference"), inputs, extras
+
+
+def _no_statistics(x: torch.Tensor) -> torch.Tensor:
+    """What a vocabulary slice passes on in inference, where no loss is computed: zeros of the
+    statistics' shape (one row of two per token)."""
+    return x.new_zeros(x.numel() // x.shape[-1], 2)
+
+
+def assemble_outputs(gm: torch.fx.GraphModule, found: dict[Any, Any]) -> Any:
+    """The model's output, in its own structure, from what inference_stage's stages returned
+    (`found`: by key, from every stage); vocabulary slices of logits concatenated in order."""
+    leaves, spec = model_outputs(gm)
+    flat = []
+    for i, (is_node, x) in enumerate(leaves):
+        if not is_node:
+            flat.append(x)
+        elif i in found:
+            flat.append(found[i])
+        else:
+            parts = sorted((k[1], v) for k, v in found.items() if isinstance(k, tuple) and k[0] == i)
+            flat.append(torch.cat([v for _, v in parts], -1))
+    return pytree.tree_unflatten(flat, spec)
 
 
 def example_from_plan(plan: Plan) -> tuple[tuple[Any, ...], dict[str, Any]]:

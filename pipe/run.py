@@ -189,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                            stages_per_rank=args.stages_per_rank, cost=args.cost, memory_budget=args.memory_budget,
                            recompute=args.recompute, offload=args.offload, leaf_modules=w.leaf_modules,
                            example_target=None if args.loss_outside else w.example_target,
+                           trace_loss=not args.loss_outside,
                            skip_nonfinite=args.skip_nonfinite, data_parallel=args.data_parallel,
                            dp_shard=args.dp_shard, compile=args.compile, calibration=args.calibration,
                            batch_size=(args.batch_size or w.microbatch_size * args.microbatches)

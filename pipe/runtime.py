@@ -15,11 +15,11 @@ from torch.distributed.tensor import DTensor
 
 from partition.errors import FxpipeError, first_line
 import partition
-from partition.plan import Plan, human_bytes
+from partition.plan import Plan, PlanError, human_bytes
 from partition.planner import check_scalar_loss, qualnames
 from partition.signature import check_call
 from partition.split import StageIO
-from partition.split import split_graph
+from partition.split import assemble_outputs, inference_stage, split_graph
 from partition.loss import attach_loss
 from partition.trace import flatten_inputs, trace, unflatten_outputs
 import memory
@@ -159,6 +159,11 @@ class Pipeline:
     batch; `example_args` are resized to each microbatch; without, `microbatches`), within
     `memory_budget`, simulates each (`calibration=`: a pipe.calibration file or object, used for every
     prediction) and keeps the fastest predicted; `pp.candidates` ranks them, the plan's notes say which.
+    `loss_fn` is traced into the last stage whenever it can be (partition.loss), so the solver cuts and
+    balances the loss with the model: with `example_target` (one microbatch's), or else a target it is
+    found to take (partition.loss.infer_target; any target then works unless values computed from it
+    cross stages); the plan table says which, or why the loss stays outside. `trace_loss=False` keeps it
+    outside. `forward()` returns the model's output either way.
     """
 
     def __init__(self, model: torch.nn.Module, example_args: Sequence[Any], *,
@@ -173,7 +178,8 @@ class Pipeline:
                  optimizer: Callable[..., torch.optim.Optimizer] | None = None, mesh: Any = None,
                  data_parallel: int = 1, dp_shard: str = "none", dp_bucket_mb: float | None = None,
                  weights: Any = None, compile: bool | dict[str, Any] = False, batch_size: int | None = None,
-                 calibration: Any = None, auto_schedules: Sequence[str] | None = None) -> None:
+                 calibration: Any = None, auto_schedules: Sequence[str] | None = None,
+                 trace_loss: bool = True) -> None:
         if loss_fn is None or not callable(loss_fn):
             raise PipelineError(f"loss_fn must be a callable (output, target) -> scalar loss, got {loss_fn!r}; "
                                 "pass e.g. loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())")
@@ -186,6 +192,7 @@ class Pipeline:
             raise PipelineError(str(e)) from None
         self._compile = _compile_options(compile, recompute, dynamic_shapes)
         self.calibration = _calibration(calibration, plan, cost)
+        self.trace_loss = bool(trace_loss)
         self.meta = on_meta(model)
         self._weights = self._check_weights(model, weights)
         auto = schedule == "auto"
@@ -284,6 +291,8 @@ class Pipeline:
             error = f"{type(e).__name__}: {e}"
         _agree(error)
         self._gm = gm
+        # forward() on a plan with the loss in the graph: each stage without it (built at the first call)
+        self._inference: dict[int, tuple[torch.fx.GraphModule, list[int], list[Any]]] = {}
         self.local = [s for s in range(self.S) if self.place[s] == self.rank]
         if self.plan.loss and not isinstance(example_target, torch.Tensor):  # the shape the plan recorded
             v = self.plan.inputs[-1]
@@ -291,6 +300,7 @@ class Pipeline:
             example_target = torch.zeros(v.shape, dtype=getattr(torch, v.dtype))
         self._example_target = example_target
         self._wants_target = example_target is not None
+        self._target_fixed = self._target_bound()
         costs = self._memory_costs(args, kwargs, recompute, offload, memory_budget)
         # buffers by original name, read before the move: moving a module to a device replaces its
         # buffers with new tensors (parameters keep their identity)
@@ -463,6 +473,9 @@ class Pipeline:
                 model, args, kwargs, cost, budget, features, example_target, link, share, self.schedule_name,
                 self.M, self.v).to_dict(), self.ctx.rank, everyone=everyone)
             plan = Plan.from_dict(d)
+        if not self.trace_loss and plan.loss:
+            raise PipelineError("trace_loss=False keeps the loss outside the graph, but the plan given puts it in the "
+                                "last stage; pass a plan made without the loss in the graph, or leave trace_loss out")
         if sorted(plan.leaf_modules) != sorted(qualnames(self.leaf_modules)):
             raise PipelineError(f"the plan was made with leaf_modules={plan.leaf_modules} but this pipeline traces "
                                 f"with leaf_modules={qualnames(self.leaf_modules)}; pass the plan's leaf_modules= "
@@ -495,14 +508,17 @@ class Pipeline:
                    analysis: Any = None, analysis_out: list[Any] | None = None) -> Plan:
         """partition.plan for `schedule` with M microbatches and v stages per rank on this pipeline's ranks."""
         S = self.world * v
-        return partition.plan(
+        plan = partition.plan(
             model, args, S, example_kwargs=kwargs, cost=cost, schedule=schedule, microbatches=M,
             memory_budget=budget, stages_per_rank=v, in_flight_counts=[in_flight_limit(schedule, S, M, s, v)
                                                                        for s in range(S)],
-            recompute=features[0], offload=features[1], loss_fn=self.loss_fn, example_target=example_target,
-            bytes_per_ms=link[0], latency_ms=link[1], leaf_modules=self.leaf_modules, progress=self.progress,
-            state_factor=2.0 + self._state_factor(), device=self.ctx.device, share=share, analysis=analysis,
-            analysis_out=analysis_out)
+            recompute=features[0], offload=features[1], loss_fn=self.loss_fn if self.trace_loss else None,
+            example_target=example_target, bytes_per_ms=link[0], latency_ms=link[1], leaf_modules=self.leaf_modules,
+            progress=self.progress, state_factor=2.0 + self._state_factor(), device=self.ctx.device, share=share,
+            analysis=analysis, analysis_out=analysis_out)
+        if not self.trace_loss:
+            plan.loss_note = "trace_loss=False"
+        return plan
 
     def _choose(self, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], cost: str,
                 budget: float | str | None, features: tuple[str, str], example_target: Any,
@@ -869,18 +885,44 @@ class Pipeline:
         if not training:
             return
         if target is None and (self.plan.loss or self._wants_target):
-            raise PipelineError("step() got no target, but the pipeline was made with example_target= (its loss "
-                                "reads one); call pp.step(*inputs, target=y) with the batch's target")
+            raise PipelineError("step() got no target, but this pipeline's loss reads one (loss_fn(output, target) "
+                                "is planned into its last stage); call pp.step(*inputs, target=y) with the batch's "
+                                "target")
         if self.plan.loss:
             v = self.plan.inputs[-1]
             assert v is not None
             if not isinstance(target, torch.Tensor):
                 raise PipelineError(f"this pipeline computes the loss inside its last stage and needs the target "
                                     f"as a tensor, got {type(target).__name__}; call step(*inputs, target=tensor)")
-            if str(target.dtype).removeprefix("torch.") != v.dtype:
-                raise PipelineError(f"the target has dtype {str(target.dtype).removeprefix('torch.')} but the plan "
-                                    f"was made for {v.dtype}; convert it (target.to(torch.{v.dtype})) or re-plan "
-                                    "with an example_target of this dtype")
+            got = f"{str(target.dtype).removeprefix('torch.')}[*{''.join(f', {d}' for d in target.shape[1:])}]"
+            want = f"{v.dtype}[*{''.join(f', {d}' for d in v.shape[1:])}]"
+            if got != want and self._target_fixed:  # else the loss's graph takes any target, as loss_fn does
+                raise PipelineError(
+                    f"the target is {got} (* the batch) but the plan was made for {want}, and {self._target_fixed}; "
+                    f"pass example_target= with one microbatch's target to plan for it, or convert the target")
+
+    def _target_bound(self) -> str:
+        """Why the target must have the planned dtype and shape (beyond the batch), or "" when the
+        loss's graph takes any target, as loss_fn would: values computed from it cross stages, or a
+        rewrite's cross entropy reads class indices of that shape."""
+        from partition.loss import TARGET
+        from partition.split import live_values
+        if not self.plan.loss:
+            return ""
+        vocab = [str(r[0]) for r in self.plan.rewrites if list(r[2:]) == ["vocab"]]
+        if vocab:
+            return f"the cross entropy of {', '.join(vocab)} is cut into vocabulary slices that read class indices"
+        stage_of = {n: st.index for st in self.plan.stages for n in st.nodes}
+        crossing = {x for r in live_values(self._gm, stage_of, self.S) for x in r}
+        todo = [n for n in self._gm.graph.nodes if n.op == "placeholder" and n.name == TARGET]
+        seen: set[str] = set()
+        while todo:
+            n = todo.pop()
+            if n.name not in seen:
+                seen.add(n.name)
+                todo += list(n.users)
+        sent = sorted(seen & crossing)
+        return f"values computed from it are sent between stages ({', '.join(sent)})" if sent else ""
 
     def _flats(self, mbs: list[tuple[Any, dict[str, Any]]], targets: list[Any]) -> list[list[Any]]:
         """Each microbatch's values for the graph's placeholders, on this rank's device."""
@@ -1009,17 +1051,23 @@ class Pipeline:
         if getattr(self.memory, "store", None) is not None:
             raise PipelineError("forward() does not stream offloaded model state; build an inference "
                                 "Pipeline with offload='none' or 'activations'")
-        if self.plan.loss:
-            raise PipelineError("forward() returns the model's output, but this pipeline's last stage computes "
-                                "the loss (it was planned with example_target=); build an inference Pipeline "
-                                "without example_target")
         mbs = split_microbatches((batch_args, batch_kwargs), self.M)
         self._check_call(mbs[0], None, training=False)
+        if self.plan.loss and not self._inference:  # stages without the loss, returning the model's outputs
+            error = None
+            try:
+                self._inference = {s: inference_stage(self._gm, self.plan, s, self._trained[s]) for s in self.local}
+            except PlanError as e:
+                error = f"PipelineError: forward() on this pipeline: {e}"
+            _agree(error)
         flats = self._flats(mbs, [None] * self.M)
         exchange = Exchange(self.transport, self.plan, self.place, self.rank, self.ctx.device, self.dynamic)
         run = _StepState(self, flats, [None] * self.M, exchange, inference=True)
         last = self.place[self.S - 1]
         with torch.no_grad(), self._failures(run, "inference"):
+            if self.sharded is not None and self._inference:  # gathered as the stages' own forward would
+                for s in self.local:
+                    self._trained[s].unshard()  # type: ignore[operator]
             for x in self.inference_program:
                 if isinstance(x, Action):
                     run.current = x
@@ -1030,6 +1078,14 @@ class Pipeline:
             exchange.finish()
             if self.sharded is not None:  # inference has no backward to free the gathered parameters
                 self.sharded.reshard()
+            if self._inference:  # each rank holds the outputs its stages computed: every rank gathers them
+                parts: list[Any] = [run.outputs]
+                if self.world > 1:
+                    parts = [None] * self.world
+                    with comm.guarded("the gather of the output"):
+                        dist.all_gather_object(parts, run.outputs, group=self.pp_group)
+                return _concat([assemble_outputs(self._gm, {k: v for p in parts for k, v in (p[mb] or {}).items()})
+                                for mb in range(self.M)])
             box: list[Any] = [_concat(run.outputs) if self.rank == last else None]
             if self.world > 1:
                 with comm.guarded("the broadcast of the output", last):
@@ -1073,7 +1129,9 @@ class _StepState:
                  inference: bool = False) -> None:
         self.pp, self.flats, self.targets, self.ex = pp, flats, targets, exchange
         self.inference = inference
-        self.outputs: list[Any] = [None] * len(flats)  # inference: the last stage's output per mb
+        # inference: the last stage's output per mb; with the loss in the graph, {model output leaf: value}
+        # per mb of what this rank's stages computed
+        self.outputs: list[Any] = [None] * len(flats)
         self.saved: dict[tuple[int, int], Saved] = {}
         self.finite: list[tuple[int, torch.Tensor]] = []  # (stage, all outputs finite), read only on NaN
         self.loss_sum: torch.Tensor | float = 0.0
@@ -1126,6 +1184,16 @@ class _StepState:
         leaves = [t.requires_grad_(True) if t.is_floating_point() else t
                   for t in (self.ex.recv_activations(s, mb) if s > 0 else [])]
         start = self.clock.mark()
+        if self.inference and pp._inference:  # a plan with the loss in the graph: the stage without it
+            module, inputs, extras = pp._inference[s]
+            outs = list(module(*leaves, *[self.flats[mb][i] for i in inputs]))
+            sent = len(outs) - len(extras)
+            if not io.last:
+                self.ex.send_activations(s, mb, outs[:sent])
+            if extras:
+                mine = self.outputs[mb] = self.outputs[mb] or {}
+                mine.update({i: x.cpu() if isinstance(x, torch.Tensor) else x for i, x in zip(extras, outs[sent:])})
+            return
         model_inputs = [self.flats[mb][i] for i in io.inputs]
         args = leaves + model_inputs
         with pp.memory.forward(s, mb, model_inputs):

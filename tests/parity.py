@@ -50,8 +50,9 @@ def parity_body(rank: int, world: int, *, spec: str, model_args: dict[str, Any],
     """For each (schedule, stages per rank[, microbatches: M unless given]): `steps` Adam steps in
     parity with the plain model.
 
-    `fused`: plan with the loss in the graph (example_target=); `expect_vocab`: and check that
-    the plan spread the LM head and its loss over stages (partition.rewrite.vocab_parallel);
+    `fused`: plan with the loss in the graph (example_target=), else outside (trace_loss=False);
+    `expect_vocab`: and check that the plan spread the LM head and its loss over stages
+    (partition.rewrite.vocab_parallel);
     `nccl_like`: messages through tests.nccl_like (NCCL's matching and per-pair order); `compile`:
     Pipeline(compile=...)."""
     return {f"{name}/v{v}": one_schedule(rank, world, spec, model_args, name, own[0] if own else M, v, steps, fused,
@@ -68,7 +69,7 @@ def one_schedule(rank: int, world: int, spec: str, model_args: dict[str, Any], s
     ref = partition.load(spec, **model_args)
     pp = pipe.Pipeline(w.model, w.example_args, example_kwargs=w.example_kwargs, loss_fn=w.loss_fn,
                        microbatches=M, schedule=schedule, stages_per_rank=v, cost="flops",
-                       example_target=w.example_target if fused else None,
+                       example_target=w.example_target if fused else None, trace_loss=fused,
                        transport=NcclLike() if nccl_like else None, compile=compile)
     if compile:  # said in the plan; under zero bubble every backward is BW (a compiled backward is one function)
         from pipe.schedules import Action

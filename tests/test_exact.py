@@ -73,7 +73,7 @@ def zoo_body(rank: int, world: int, *, cases: list[tuple[str, str]]) -> dict[str
             w, ref = zoo.workload(call, out), zoo.workload(call, out)
             pp = pipe.Pipeline(w.model, w.example_args, example_kwargs=w.example_kwargs, loss_fn=w.loss_fn,
                                microbatches=M, schedule=schedule, cost="flops", leaf_modules=w.leaf_modules,
-                               example_target=w.example_target if fused else None)
+                               example_target=w.example_target if fused else None, trace_loss=fused)
             assert pp.plan.loss == fused, (name, label, pp.plan.loss_note)
             assert all(s.params for s in pp.plan.stages), (name, [s.params for s in pp.plan.stages])
             opt = torch.optim.SGD(list(pp.parameters()), lr=0.1)
@@ -88,7 +88,7 @@ def zoo_body(rank: int, world: int, *, cases: list[tuple[str, str]]) -> dict[str
             if label == "1f1b/in-graph" and out == zoo.OUTPUTS[0] and call in zoo.BASE_CALLS:
                 refused += len(_refusals(pp, w, call))
                 assert torch.isfinite(torch.tensor(pp.step(*args, target=target, **kwargs)))  # still works after
-            if label == "1f1b/outside":
+            if label in ("1f1b/outside", "1f1b/in-graph"):  # in the graph: each stage runs without the loss
                 got = pp.forward(*args, **kwargs)  # inference keeps the model's output structure
                 with torch.no_grad():
                     want = ref.model(*args, **kwargs)

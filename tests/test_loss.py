@@ -261,7 +261,8 @@ def test_a_no_op_cast_keeps_the_head_vocabulary_parallel_and_a_fallback_is_named
     assert any("not into vocabulary slices with its loss: its cross entropy has class weights, label smoothing"
                in n for n in smoothed.notes), smoothed.notes
     assert "note: lm_head may be cut into row slices" in smoothed.table()
-    outside = partition.plan(w.model, w.example_args, 4, cost="flops", loss_fn=w.loss_fn)
-    assert "loss: computed after the last stage (3) by loss_fn, outside the graph (no example_target given)" \
-        in outside.table()
-    assert any("the loss is outside the graph (no example_target given)" in n for n in outside.notes)
+    # a loss whose target cannot be inferred (it reads a dict) stays outside, and the table says why
+    outside = partition.plan(w.model, w.example_args, 4, cost="flops", loss_fn=lambda o, t: w.loss_fn(o, t["y"]))
+    why = "no example_target given, and loss_fn takes none of int64[4, 64], int64[4, 16000], float32[4, 64, 16000]"
+    assert f"loss: computed after the last stage (3) by loss_fn, outside the graph ({why}" in outside.table()
+    assert any(f"the loss is outside the graph ({why}" in n for n in outside.notes), outside.notes

@@ -62,7 +62,9 @@ RELAYED = {
     # rank 2 waits on rank 1, which waits on rank 0: the error travels, and every rank names rank 0
     "index out of range, 3 ranks": ([f"{BAD}:index_out_of_range"], 3, 0,
                                     ["IndexError", "rank 0, stage 0, microbatch 0"]),
-    "forgotten target": ([f"{BAD}:forgotten_target"], 2, 1, ["target=None", "target=y", "rank 1, stage 1"]),
+    # (the loss in the graph refuses a step without a target on every rank before it runs: test_runtime)
+    "forgotten target": ([f"{BAD}:forgotten_target", "--loss-outside"], 2, 1,
+                         ["target=None", "target=y", "rank 1, stage 1"]),
     "non-scalar loss outside the graph": ([f"{BAD}:non_scalar_loss", "--loss-outside"], 2, 1,
                                           ["must return a scalar", "rank 1, stage 1"]),
 }
@@ -179,7 +181,8 @@ def _lose_a_rank(rank: int, world: int, lost: int, how: str, folder: Path | None
                 time.sleep(9)  # the survivors time out (4 s) and name it before it ends
                 os._exit(3)
             if folder is not None:
-                (folder / "froze").write_text(repr(time.time()))
+                (folder / "froze.tmp").write_text(repr(time.time()))
+                os.replace(folder / "froze.tmp", folder / "froze")  # whole when it appears: the test reads it
             os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
         return forward(*args)
     stage.forward = dying_forward  # type: ignore[method-assign]

@@ -1,0 +1,170 @@
+"""The natural call, Pipeline(model, example_args, loss_fn=...) without example_target: the loss goes into
+the graph with a target inferred from loss_fn and the output, any real target still gets loss_fn's loss,
+and forward() returns the model's own output."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import partition
+from partition.loss import attach_loss, infer_target
+from partition.split import assemble_outputs, inference_stage, split_graph
+from partition.trace import flatten_inputs
+from bench import models
+from tests.mp import run_ranks
+
+
+def _lm(o: Any, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(o.flatten(0, 1), y.flatten())
+
+
+@pytest.mark.parametrize("loss_fn, output, want", [
+    (_lm, torch.randn(2, 5, 11), (torch.int64, [2, 5])),                    # a language model's logits
+    (lambda o, y: F.cross_entropy(o, y), torch.randn(4, 3), (torch.int64, [4])),  # a classifier's
+    (lambda o, y: F.cross_entropy(o, y), torch.randn(4, 3, 6, 6), (torch.int64, [4, 6, 6])),  # classes on dim 1
+    # int64[4] broadcasts against [4, 1] with a warning: a wrong guess, passed over for the output's own shape
+    (lambda o, y: F.mse_loss(o, y), torch.randn(4, 1), (torch.float32, [4, 1])),
+    (lambda o, y: F.binary_cross_entropy_with_logits(o, y), torch.randn(4, 3), (torch.float32, [4, 3])),
+    (lambda o, y: F.cross_entropy(o["logits"], y), {"logits": torch.randn(4, 3), "n": 2}, (torch.int64, [4])),
+])
+def test_infer_target_finds_the_target_loss_fn_takes(loss_fn: Any, output: Any, want: tuple[Any, list[int]]) -> None:
+    target, how = infer_target(loss_fn, output)
+    assert target is not None and (target.dtype, list(target.shape)) == want, how
+    assert f"inferred as {str(want[0]).removeprefix('torch.')}{want[1]}" in how
+
+
+def test_infer_target_says_what_it_tried_when_nothing_fits() -> None:
+    target, how = infer_target(lambda o, y: o.sum() * y["scale"], torch.randn(4, 3))
+    assert target is None and "takes none of int64[4], float32[4, 3]" in how
+    target, how = infer_target(lambda o, y: o.sum(), torch.zeros(4, dtype=torch.long))
+    assert target is None and "no floating-point tensor" in how
+
+
+class _TwoHeads(torch.nn.Module):
+    """A dict output: logits the loss reads, an auxiliary head it does not, and a constant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 10)
+        self.aux = torch.nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> dict[str, Any]:
+        h = torch.relu(self.b(torch.relu(self.a(x))))
+        return {"logits": self.head(h), "aux": self.aux(torch.tanh(h)), "n": 3}
+
+
+def _head_loss(o: dict[str, Any], y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(o["logits"], y)
+
+
+def _infer_in_order(model: torch.nn.Module, p: partition.Plan, loss_fn: Any, args: tuple[Any, ...]) -> Any:
+    """The stages without the loss (partition.split.inference_stage), run in order with no target."""
+    gm = partition.trace(model, args)
+    assert attach_loss(gm, loss_fn) is None
+    stages = split_graph(gm, p)
+    flat = flatten_inputs(gm, args, None, None)
+    env: dict[str, Any] = {}
+    found: dict[Any, Any] = {}
+    for s, st in enumerate(stages):
+        module, inputs, extras = inference_stage(gm, p, s, st)
+        assert inputs == st.io.inputs
+        outs = list(module(*[env[r] for r in st.io.recv], *[flat[i] for i in inputs]))
+        sent = len(outs) - len(extras)
+        assert sent == (0 if st.io.last else len(st.io.send))
+        env.update(zip(st.io.send if not st.io.last else [], outs[:sent]))
+        found.update(zip(extras, outs[sent:]))
+    return assemble_outputs(gm, found)
+
+
+def test_plan_infers_the_target_and_inference_stages_return_the_models_output() -> None:
+    torch.manual_seed(0)
+    m, x = _TwoHeads(), torch.randn(4, 8)
+    p = partition.plan(m, (x,), 3, cost="flops", loss_fn=_head_loss)
+    assert p.loss and p.inputs[-1] is not None and (p.inputs[-1].dtype, p.inputs[-1].shape) == ("int64", [4])
+    assert "traced into the graph; its target inferred as int64[4] from loss_fn" in p.table()
+    outside = partition.plan(m, (x,), 3, cost="flops", loss_fn=lambda o, y: o["logits"].sum() * y["w"])
+    assert not outside.loss and "takes none of" in outside.table()
+    out = _infer_in_order(m, p, _head_loss, (x,))
+    with torch.no_grad():
+        ref = m(x)
+    assert out.keys() == ref.keys() and out["n"] == 3
+    torch.testing.assert_close(out["logits"], ref["logits"])
+    torch.testing.assert_close(out["aux"], ref["aux"])
+
+
+def test_inference_stages_form_the_logits_of_a_head_cut_into_vocabulary_slices() -> None:
+    w = models.gpt_wide_vocab()
+    p = partition.plan(w.model, w.example_args, 4, cost="flops", loss_fn=w.loss_fn)  # the natural call
+    vocab = [r for r in p.rewrites if list(r[2:]) == ["vocab"]]
+    assert p.loss and len(vocab) == 1 and len(vocab[0][1]) > 2, p.rewrites  # two slices or more
+    logits = _infer_in_order(w.model, p, w.loss_fn, w.example_args)
+    with torch.no_grad():
+        torch.testing.assert_close(logits, w.model(*w.example_args))
+
+
+def natural_body(rank: int, world: int) -> dict[str, Any]:
+    import pipe
+    from tests.nccl_like import NcclLike
+    from tests.parity import check_step
+    pipe.init()
+    out: dict[str, Any] = {}
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    labels = torch.randint(0, 10, (16,))
+    soft = torch.softmax(torch.randn(16, 10), 1)  # another target than the inferred one: probabilities
+    for transport in ("gloo", "nccl_like"):
+        torch.manual_seed(1)
+        model, ref_model = _TwoHeads(), _TwoHeads()
+        ref_model.load_state_dict(model.state_dict())
+        pp = pipe.Pipeline(model, (x[:4],), loss_fn=_head_loss, microbatches=4, cost="flops",
+                           transport=NcclLike() if transport == "nccl_like" else None)
+        assert pp.plan.loss and "inferred as int64[4]" in pp.plan.loss_note, pp.plan.table()
+        assert pp._target_fixed == "", pp._target_fixed
+        ref = partition.Workload(name="two_heads", model=ref_model, example_args=(x[:4],), loss_fn=_head_loss,
+                                 make_batch=lambda n, step: ((x[:n],), labels[:n]), microbatch_size=4)
+        opt = torch.optim.Adam(list(pp.parameters()), lr=1e-3, eps=1e-6)
+        ref_opt = torch.optim.Adam(ref_model.parameters(), lr=1e-3, eps=1e-6)
+        for target in (labels, soft):
+            loss = pp.step(x, target=target)
+            check_step(pp, loss, ref, (x,), {}, target, 4, opt, ref_opt, f"{transport} rank {rank}")
+        got = pp.forward(x)
+        with torch.no_grad():
+            want = ref_model(x)
+        assert got["n"] == 3 and got.keys() == want.keys()
+        torch.testing.assert_close(got["logits"], want["logits"])
+        torch.testing.assert_close(got["aux"], want["aux"])
+        with pytest.raises(pipe.PipelineError, match="got no target.*target=y"):
+            pp.step(x)
+        out[transport] = loss
+    # a wide head: the natural call spreads it in vocabulary slices, and forward() still returns the logits
+    w, ref = partition.load("gpt_wide_vocab"), partition.load("gpt_wide_vocab")
+    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=2, cost="flops",
+                       transport=NcclLike())
+    assert [list(r[2:]) for r in pp.plan.rewrites] == [["vocab"]], pp.plan.table()
+    assert "class indices" in pp._target_fixed
+    opt = torch.optim.Adam(list(pp.parameters()), lr=1e-3, eps=1e-6)
+    ref_opt = torch.optim.Adam(ref.model.parameters(), lr=1e-3, eps=1e-6)
+    args, _, target = w.batch(2 * w.microbatch_size, 0)
+    check_step(pp, pp.step(*args, target=target), ref, args, {}, target, 2, opt, ref_opt, f"wide rank {rank}")
+    with torch.no_grad():
+        torch.testing.assert_close(pp.forward(*args), ref.model(*args))
+    with pytest.raises(pipe.PipelineError, match=r"the target is float32\[\*, 64\] .* made for int64\[\*, 64\], and "
+                       r"the cross entropy of lm_head is cut into vocabulary slices that read class indices"):
+        pp.step(*args, target=target.float())
+    # trace_loss=False: outside the graph, as the plan table says
+    torch.manual_seed(1)
+    pp = pipe.Pipeline(_TwoHeads(), (x[:4],), loss_fn=_head_loss, microbatches=4, cost="flops", trace_loss=False)
+    assert not pp.plan.loss and "outside the graph (trace_loss=False)" in pp.plan.table()
+    out["outside"] = pp.step(x, target=labels)
+    return out
+
+
+def test_the_natural_call_trains_in_parity_and_forward_returns_the_output_on_two_ranks() -> None:
+    results = run_ranks("tests.test_natural_call:natural_body", 2, timeout=180)
+    assert results[0] == results[1]
+    assert results[0]["gloo"] == pytest.approx(results[0]["nccl_like"])
