@@ -102,6 +102,8 @@ def test_inference_stages_form_the_logits_of_a_head_cut_into_vocabulary_slices()
     p = partition.plan(w.model, w.example_args, 4, cost="flops", loss_fn=w.loss_fn)  # the natural call
     vocab = [r for r in p.rewrites if list(r[2:]) == ["vocab"]]
     assert p.loss and len(vocab) == 1 and len(vocab[0][1]) > 2, p.rewrites  # two slices or more
+    given = partition.plan(w.model, w.example_args, 4, cost="flops", loss_fn=w.loss_fn, example_target=w.example_target)
+    assert [s.nodes for s in p.stages] == [s.nodes for s in given.stages] and p.rewrites == given.rewrites
     logits = _infer_in_order(w.model, p, w.loss_fn, w.example_args)
     with torch.no_grad():
         torch.testing.assert_close(logits, w.model(*w.example_args))
