@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         ex_args, ex_kwargs, ex_target = auto.resize_batch((m.example_args, m.example_kwargs, m.example_target),
                                                           batch // c.microbatches)
         pp = pipe.Pipeline(m.model, ex_args, **{**common, "example_kwargs": ex_kwargs, "loss_fn": m.loss_fn},
+                           recompute=c.recompute or chooser.recompute,  # as auto planned it
                            example_target=ex_target, schedule=c.schedule, microbatches=c.microbatches,
                            stages_per_rank=c.stages_per_rank, plan=chooser.candidate_plans[c.label])
         params = list(pp.parameters())

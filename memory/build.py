@@ -17,7 +17,7 @@ from memory.regions import cut_regions
 from memory.timeline import Point, stage_actions, stage_points
 from partition.costs import storage_owner
 
-__all__ = ["NodeCost", "stage_infos", "build"]
+__all__ = ["NodeCost", "stage_infos", "plan_choices", "build"]
 
 
 @dataclass(frozen=True)
@@ -136,6 +136,25 @@ def stage_infos(*, stages: Sequence[dict[str, Any]], costs: dict[str, NodeCost],
     return infos
 
 
+def plan_choices(*, recompute: str, offload: str, budget: float | None, stages: Sequence[dict[str, Any]],
+                 costs: dict[str, NodeCost], gm: torch.fx.GraphModule, param_sizes: dict[str, tuple[int, int]],
+                 programs: Mapping[int, Sequence[Any]], place: Sequence[int], microbatches: int,
+                 optim_factor: float = 2.0, time_scale: float = 1.0, copy_bytes_per_ms: float = COPY_BYTES_PER_MS,
+                 output_bytes: int = 0) -> list[StageChoice]:
+    """Every stage's memory plan (memory.budget.choose) from plain data: the plan's stage dicts, the
+    per-node costs, every rank's lowered program and the stages' ranks. What build plans with, and
+    what schedule='auto' weighs each candidate's recompute and offload with (pipe.auto)."""
+    recv = [int(st["recv_bytes"]) for st in stages]
+    send = [int(st["send_bytes"]) for st in stages]
+    zero_bubble = any(getattr(a, "kind", None) == "W" for prog in programs.values() for a in prog)
+    infos = stage_infos(stages=stages, costs=costs, gm=gm, param_sizes=param_sizes,
+                        microbatches=microbatches, comm=comm_peaks(programs, place, recv, send, zero_bubble),
+                        time_scale=time_scale, copy_bytes_per_ms=copy_bytes_per_ms,
+                        regions=not zero_bubble, points=stage_points(programs, place, recv, send, zero_bubble),
+                        actions=stage_actions(programs), place=place, output_bytes=output_bytes)
+    return choose(infos, recompute=recompute, offload=offload, budget=budget, optim_factor=optim_factor)
+
+
 def build(*, recompute: str, offload: str, budget: float | None, stages: Sequence[dict[str, Any]],
           costs: dict[str, NodeCost], gm: torch.fx.GraphModule, modules: dict[int, torch.fx.GraphModule],
           param_nodes: dict[int, dict[str, list[str]]], param_sizes: dict[str, tuple[int, int]],
@@ -156,15 +175,10 @@ def build(*, recompute: str, offload: str, budget: float | None, stages: Sequenc
                          "them, or use offload='activations'")
     recv = [int(st["recv_bytes"]) for st in stages]
     send = [int(st["send_bytes"]) for st in stages]
-    zero_bubble = any(kind == "W" for _, kind, _ in actions)
-    infos = stage_infos(stages=stages, costs=costs, gm=gm, param_sizes=param_sizes,
-                               microbatches=microbatches, comm=comm_peaks(programs, place, recv, send, zero_bubble),
-                               time_scale=time_scale,
-                               copy_bytes_per_ms=copy_bytes_per_ms,
-                               regions=not zero_bubble, points=stage_points(programs, place, recv, send, zero_bubble),
-                               actions=stage_actions(programs), place=place,
-                               output_bytes=output_bytes)
-    choices = choose(infos, recompute=recompute, offload=offload, budget=budget, optim_factor=optim_factor)
+    choices = plan_choices(recompute=recompute, offload=offload, budget=budget, stages=stages, costs=costs, gm=gm,
+                           param_sizes=param_sizes, programs=programs, place=place, microbatches=microbatches,
+                           optim_factor=optim_factor, time_scale=time_scale, copy_bytes_per_ms=copy_bytes_per_ms,
+                           output_bytes=output_bytes)
     mm = PlannedMemory(choices=choices, modules=modules, param_nodes=param_nodes, actions=actions,
                        recv_bytes=recv, send_bytes=send, device=device,
                        budget=budget, chunk_elems={c.stage: c.chunk_elems for c in choices if c.chunk_elems},

@@ -56,6 +56,7 @@ class StagePlan:
     shared: list[str] = field(default_factory=list)  # params another stage also holds (tied)
     memory: str = ""                 # memory plan (recompute / offload) chosen by memory/, if any
     memory_peak: float = 0.0         # its predicted peak bytes
+    memory_ms: float = 0.0           # what it costs per microbatch (recompute, copies), in the costs' units
 
 
 @dataclass

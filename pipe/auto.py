@@ -9,7 +9,10 @@ an FxpipeError, e.g. the budget), predicts its step (`predict_fn`), and ranks th
 the smaller peak memory on a tie, the refused ones last with why. `table` prints the ranking.
 `choose` runs it with partition.plan (through `plan_one`) and pipe.predict, one trace and costing per
 microbatch size and stage count, for pipe.Pipeline(schedule="auto") and `python -m partition
---schedule auto`; the pipeline's plan records the choice in its notes.
+--schedule auto`; the pipeline's plan records the choice in its notes. With recompute or offload
+(`memory_plan`), each candidate's stages get the memory plan memory/ would give them within the
+budget (the least costly that fits), its cost counted in the step and its peak in the ranking: so
+auto weighs, e.g., a larger microbatch with recomputation against a smaller one without.
 """
 from __future__ import annotations
 
@@ -26,7 +29,8 @@ from partition.errors import FxpipeError, first_line
 from partition.plan import Plan, human_bytes
 from pipe.schedules import SCHEDULES, ScheduleError, build, default_stages_per_rank
 
-__all__ = ["Candidate", "NoCandidate", "choose", "grid", "microbatch_counts", "resize_batch", "search", "table"]
+__all__ = ["Candidate", "NoCandidate", "choose", "grid", "memory_plan", "microbatch_counts", "resize_batch", "search",
+           "table"]
 
 
 class NoCandidate(FxpipeError, ValueError):
@@ -41,10 +45,13 @@ class Candidate:
     step_ms: float = math.inf  # predicted, once planned
     peak_bytes: float = 0.0  # the plan's largest stage peak
     refused: str = ""  # why it cannot run ("" when it can)
+    memory: str = ""  # each stage's memory plan (recompute, offload), when weighed: "none|ckpt 2/6"
+    recompute: str = ""  # the recompute policy it is planned with, when auto weighs several ("" otherwise)
 
     @property
     def label(self) -> str:
-        return f"{self.schedule} M={self.microbatches} v={self.stages_per_rank}"
+        return (f"{self.schedule} M={self.microbatches} v={self.stages_per_rank}"
+                + (f" recompute={self.recompute}" if self.recompute else ""))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -65,19 +72,22 @@ def microbatch_counts(world: int, batch_size: int | None, microbatches: int, mos
     return counts
 
 
-def grid(world: int, counts: Sequence[int], schedules: Sequence[str] | None = None) -> list[Candidate]:
-    """Every schedule (default: all registered) at its stages per rank, at every count; a candidate
-    its schedule cannot build carries the reason."""
+def grid(world: int, counts: Sequence[int], schedules: Sequence[str] | None = None,
+         recomputes: Sequence[str] = ("",)) -> list[Candidate]:
+    """Every schedule (default: all registered) at its stages per rank, at every count, with every
+    recompute policy of `recomputes` ("": the one given, not weighed); a candidate its schedule
+    cannot build carries the reason."""
     out = []
     for m in counts:
         for name in schedules or sorted(SCHEDULES):
             v = default_stages_per_rank(name)
-            c = Candidate(name, m, max(v, 2) if name.startswith("interleaved") else v)
-            try:
-                build(name, world, m, c.stages_per_rank)
-            except ScheduleError as e:
-                c.refused = first_line(e)
-            out.append(c)
+            for r in recomputes:
+                c = Candidate(name, m, max(v, 2) if name.startswith("interleaved") else v, recompute=r)
+                try:
+                    build(name, world, m, c.stages_per_rank)
+                except ScheduleError as e:
+                    c.refused = first_line(e)
+                out.append(c)
     return out
 
 
@@ -97,9 +107,10 @@ def search(cands: Sequence[Candidate], plan_fn: Callable[[Candidate], Plan],
             continue
         plans[c.label] = p
         c.step_ms = predict_fn(p)
-        c.peak_bytes = max((s.peak_bytes for s in p.stages), default=0.0)
+        c.peak_bytes = max((s.memory_peak if s.memory else s.peak_bytes for s in p.stages), default=0.0)
+        c.memory = "|".join(s.memory for s in p.stages) if any(s.memory for s in p.stages) else ""
     ranked = sorted(cands, key=lambda c: (bool(c.refused), c.step_ms, c.peak_bytes, c.microbatches,
-                                          c.stages_per_rank, c.schedule))
+                                          c.stages_per_rank, c.schedule, c.recompute != "none"))
     if not plans:
         raise NoCandidate("schedule='auto' found no candidate that can run:\n" + table(ranked)
                           + "\nfix: a larger memory_budget, recompute/offload, or another batch_size")
@@ -109,13 +120,18 @@ def search(cands: Sequence[Candidate], plan_fn: Callable[[Candidate], Plan],
 def table(ranked: Sequence[Candidate]) -> str:
     """The ranking as text: rank, schedule, M, v, predicted step, peak memory, against the best."""
     best = next((c.step_ms for c in ranked if not c.refused), math.inf)
-    rows = [["#", "schedule", "M", "v", "step (ms)", "vs best", "peak", "note"]]
+    policies = any(c.recompute for c in ranked)  # a column of the recompute policy each is planned with
+    weighed = any(c.memory for c in ranked)  # and of each stage's memory plan
+    rows = [["#", "schedule", "M", "v"] + (["recompute"] if policies else []) + ["step (ms)", "vs best", "peak"]
+            + (["memory"] if weighed else []) + ["note"]]
     for i, c in enumerate(ranked, 1):
+        head = [c.schedule, str(c.microbatches), str(c.stages_per_rank)] + ([c.recompute] if policies else [])
+        mem = [c.memory or "-"] if weighed else []
         if c.refused:
-            rows.append(["-", c.schedule, str(c.microbatches), str(c.stages_per_rank), "-", "-", "-", c.refused])
+            rows.append(["-"] + head + ["-", "-", "-"] + mem + [c.refused])
         else:
-            rows.append([str(i), c.schedule, str(c.microbatches), str(c.stages_per_rank), f"{c.step_ms:.1f}",
-                         f"{c.step_ms / best:.2f}x", human_bytes(c.peak_bytes), "chosen" if i == 1 else ""])
+            rows.append([str(i)] + head + [f"{c.step_ms:.1f}", f"{c.step_ms / best:.2f}x", human_bytes(c.peak_bytes)]
+                        + mem + ["chosen" if i == 1 else ""])
     widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]) - 1)]
     return "\n".join("  ".join(x.ljust(w) for x, w in zip(r, widths)) + "  " + r[-1] for r in rows).rstrip()
 
@@ -136,13 +152,41 @@ def resize_batch(tree: Any, size: int) -> Any:
     return pytree.tree_unflatten([one(x) for x in leaves], spec)
 
 
+def memory_plan(plan: Plan, analysis: Any, world: int, *, recompute: str, offload: str, budget: float | None,
+                param_sizes: dict[str, tuple[int, int]]) -> Plan:
+    """`plan` with each stage's memory plan (memory.plan_choices: the least costly recompute/offload
+    policy that fits `budget`, on the analysis's graph and costs, for the schedule's lowered program)
+    in its `memory`, `memory_peak` and `memory_ms` (in the plan's cost units). memory.BudgetError
+    when a stage cannot fit."""
+    import memory
+    from pipe.lower import lower
+    from pipe.schedules import placement
+    place = placement(plan.schedule, plan.n_stages, world)
+    programs = lower(build(plan.schedule, world, plan.microbatches, plan.stages_per_rank), plan.n_stages,
+                     plan.microbatches, place)
+    costs = {n: memory.NodeCost(c.fwd_ms, c.out_bytes, c.saved_bytes, tuple(c.params), tuple(c.saved.items()),
+                                c.storage) for n, c in analysis.costs.items()}
+    choices = memory.plan_choices(recompute=recompute, offload=offload, budget=budget,
+                                  stages=[asdict(st) for st in plan.stages], costs=costs, gm=analysis.gm,
+                                  param_sizes=param_sizes, programs=programs, place=place,
+                                  microbatches=plan.microbatches, optim_factor=max(plan.state_factor - 2.0, 0.0),
+                                  output_bytes=plan.output_bytes)
+    for ch in choices:
+        st = plan.stages[ch.stage]
+        st.memory, st.memory_peak, st.memory_ms = ch.label(), ch.predicted_peak, ch.cost_ms
+    return plan
+
+
 def choose(cands: Sequence[Candidate], world: int, example: tuple[Any, Any, Any], batch_size: int | None,
-           plan_one: Callable[..., Plan], calibration: Any = None) -> tuple[list[Candidate], dict[str, Plan]]:
+           plan_one: Callable[..., Plan], calibration: Any = None,
+           memory_fn: Callable[[Candidate, Plan, Any], Plan] | None = None
+           ) -> tuple[list[Candidate], dict[str, Plan]]:
     """`search` over partition plans: `plan_one(candidate, args, kwargs, target, analysis=, analysis_out=)`
     plans one candidate (partition.plan with its schedule, M, v), on the example (args, kwargs, target)
     resized to batch_size / M (as given without a batch size). The first candidate of each (M, v)
     traces and costs the model; the others reuse that analysis (pipe.calibration `calibration`
-    corrects the simulated steps)."""
+    corrects the simulated steps). `memory_fn(candidate, plan, analysis)` (e.g. memory_plan) gives
+    each plan its stages' memory plans, whose cost the prediction counts."""
     from pipe.predict import predicted_timeline
     analyses: dict[tuple[int, int], Any] = {}
 
@@ -154,8 +198,7 @@ def choose(cands: Sequence[Candidate], world: int, example: tuple[Any, Any, Any]
             a = copy.copy(analyses[key])
             a.notes = list(a.notes)
         ex = example if batch_size is None else resize_batch(example, batch_size // c.microbatches)
-        p = plan_one(c, *ex, analysis=a, analysis_out=None if a is not None else found)
-        if found:
-            analyses[key] = found[0]
-        return p
+        p = plan_one(c, *ex, analysis=a, analysis_out=found)  # found: what this plan was cut from
+        analyses.setdefault(key, found[0])
+        return p if memory_fn is None else memory_fn(c, p, found[0])
     return search(cands, plan_fn, lambda p: predicted_timeline(p, world, calibration=calibration).makespan)

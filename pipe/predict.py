@@ -15,9 +15,11 @@ def stage_costs(plan: Plan, has_w: bool, calibration: Calibration | None = None
                 ) -> tuple[list[float], list[float], list[float], list[float]]:
     """(f_ms, b_ms, w_ms, comm_ms) per stage from the plan, corrected by `calibration` (pipe.calibration;
     default none). Uncalibrated, a W pass splits the backward in half between input and weight grads
-    (each is one matmul per weight matmul of forward)."""
+    (each is one matmul per weight matmul of forward). A stage's memory plan (recompute, offload copies:
+    StagePlan.memory_ms) adds to its backward."""
     cal = calibration or Calibration()
-    f, b, w = cal.stage_costs([s.fwd_ms for s in plan.stages], [s.bwd_ms for s in plan.stages], has_w,
+    # the memory plan's recompute (and copies) run with the backward
+    f, b, w = cal.stage_costs([s.fwd_ms for s in plan.stages], [s.bwd_ms + s.memory_ms for s in plan.stages], has_w,
                               [len(s.nodes) for s in plan.stages])
     comm = [(plan.latency_ms + s.send_bytes / plan.bytes_per_ms + cal.message_ms) if s.send_bytes else 0.0
             for s in plan.stages[:-1]]

@@ -99,8 +99,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--memory-budget", type=_budget, default=None, help="per-stage budget, e.g. 8GiB")
     p.add_argument("--compile", action="store_true",
                    help="compile each stage with torch.compile (Pipeline(compile=True)); needs --recompute none")
-    p.add_argument("--recompute", default="none", choices=["none", "full", "selective", "auto"],
-                   help="activation recomputation per stage (auto: chosen from --memory-budget)")
+    p.add_argument("--recompute", default=None, choices=["none", "full", "selective", "auto"],
+                   help="activation recomputation per stage (auto: chosen from --memory-budget); default none, "
+                        "or auto under --schedule auto with --memory-budget (auto weighs it per candidate)")
     p.add_argument("--offload", default="none", choices=["none", "activations", "states", "all"],
                    help="chunked offload to host memory of activations, model states, or both")
     p.add_argument("--loss-outside", action="store_true",

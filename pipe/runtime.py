@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from partition.errors import FxpipeError, first_line
 import partition
-from partition.plan import Plan, PlanError, human_bytes
+from partition.plan import Plan, PlanError, human_bytes, parse_bytes
 from partition.planner import check_scalar_loss, qualnames
 from partition.signature import check_call
 from partition.split import StageIO
@@ -159,6 +159,8 @@ class Pipeline:
     batch; `example_args` are resized to each microbatch; without, `microbatches`), within
     `memory_budget`, simulates each (`calibration=`: a pipe.calibration file or object, used for every
     prediction) and keeps the fastest predicted; `pp.candidates` ranks them, the plan's notes say which.
+    With recompute or offload (under auto with a `memory_budget`, `recompute` defaults to "auto"), each
+    candidate's stages get the memory plan memory/ would give them, its cost in the prediction.
     `loss_fn` is traced into the last stage whenever it can be (partition.loss), so the solver cuts and
     balances the loss with the model: with `example_target` (one microbatch's), or else a target it is
     found to take (partition.loss.infer_target; any target then works unless values computed from it
@@ -172,7 +174,7 @@ class Pipeline:
                  stages_per_rank: int | None = None,
                  example_kwargs: dict[str, Any] | None = None, cost: str = "measured",
                  memory_budget: float | str | None = None, dynamic_shapes: bool = False,
-                 recompute: str = "none", offload: str = "none", skip_nonfinite: bool = False,
+                 recompute: str | None = None, offload: str = "none", skip_nonfinite: bool = False,
                  example_target: Any = None, leaf_modules: Sequence[type[torch.nn.Module]] = (),
                  progress: Callable[[str], None] | None = None, transport: comm.Transport | None = None,
                  optimizer: Callable[..., torch.optim.Optimizer] | None = None, mesh: Any = None,
@@ -180,6 +182,9 @@ class Pipeline:
                  weights: Any = None, compile: bool | dict[str, Any] = False, batch_size: int | None = None,
                  calibration: Any = None, auto_schedules: Sequence[str] | None = None,
                  trace_loss: bool = True) -> None:
+        if recompute is None:  # schedule='auto' within a budget weighs recompute for every candidate
+            recompute = "auto" if schedule == "auto" and memory_budget is not None and not compile else "none"
+        self.recompute = recompute  # the policy asked for (memory/ chooses each stage's: plan table, "memory")
         if loss_fn is None or not callable(loss_fn):
             raise PipelineError(f"loss_fn must be a callable (output, target) -> scalar loss, got {loss_fn!r}; "
                                 "pass e.g. loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())")
@@ -257,6 +262,7 @@ class Pipeline:
                                                                (recompute, offload), example_target, batch_size,
                                                                microbatches, auto_schedules)
             schedule, microbatches, stages_per_rank = plan.schedule, plan.microbatches, plan.stages_per_rank
+            recompute = self.recompute = self.candidates[0].recompute or recompute  # the one it chose
             self.schedule_name, self.M, self.v = schedule, microbatches, stages_per_rank
             self.S = self.world * stages_per_rank
         try:
@@ -529,9 +535,11 @@ class Pipeline:
         to its microbatch; the ranking in self.candidates and the plan's notes."""
         from pipe import auto
         cal = self.calibration
+        # recompute='auto' is weighed against none: a plan cut for recomputation may be slower than one without
+        weigh = features != ("none", "none")  # each candidate's stages get their memory plan, its cost counted
         try:
             counts = auto.microbatch_counts(self.world, batch_size, microbatches)
-            cands = auto.grid(self.world, counts, schedules)
+            cands = auto.grid(self.world, counts, schedules, ("none", "auto") if features[0] == "auto" else ("",))
         except (auto.NoCandidate, ScheduleError) as e:
             raise PipelineError(str(e)) from None
 
@@ -540,11 +548,21 @@ class Pipeline:
 
         def plan_one(c: auto.Candidate, a_args: tuple[Any, ...], a_kwargs: dict[str, Any], a_target: Any,
                      **reuse: Any) -> Plan:
-            return self._plan_here(model, a_args, a_kwargs, cost, budget, features, a_target, link, share,
-                                   c.schedule, c.microbatches, c.stages_per_rank, **reuse)
+            return self._plan_here(model, a_args, a_kwargs, cost, budget, (c.recompute or features[0], features[1]),
+                                   a_target, link, share, c.schedule, c.microbatches, c.stages_per_rank, **reuse)
+
+        sizes = {n: (p.numel(), p.element_size()) for n, p in model.named_parameters()}
+
+        def memory_fn(c: auto.Candidate, p: Plan, a: Any) -> Plan:
+            try:
+                return auto.memory_plan(p, a, self.world, recompute=c.recompute or features[0], offload=features[1],
+                                        budget=parse_bytes(budget), param_sizes=sizes)
+            except memory.BudgetError as e:
+                raise PipelineError(f"memory/ cannot fit it: {first_line(e, 200)}") from None
 
         def run() -> dict[str, Any]:
-            ranked, plans = auto.choose(cands, self.world, given, batch_size, plan_one, cal)
+            ranked, plans = auto.choose(cands, self.world, given, batch_size, plan_one, cal,
+                                        memory_fn if weigh else None)
             return {"ranked": [c.to_dict() for c in ranked], "plans": {k: p.to_dict() for k, p in plans.items()}}
         d = _Broadcast.run(run, self.ctx.rank, everyone=everyone)
         self.candidates = [auto.Candidate(**c) for c in d["ranked"]]
@@ -553,7 +571,10 @@ class Pipeline:
         best = self.candidates[0]
         runner_up = next((c for c in self.candidates[1:] if not c.refused), None)
         plan.notes.append(
-            f"schedule='auto' chose {best.label} of {len(self.candidates)} candidates: predicted {best.step_ms:.1f} ms "
+            f"schedule='auto' chose {best.label}"
+            + (f" (memory plan per stage: {best.memory}, recompute={best.recompute or features[0]!r}, "
+               f"offload={features[1]!r})" if best.memory else "")
+            + f" of {len(self.candidates)} candidates: predicted {best.step_ms:.1f} ms "
             f"per step ({'calibrated' if cal is not None else 'uncalibrated: no calibration= given'})"
             + (f", the next {runner_up.label} {runner_up.step_ms:.1f} ms" if runner_up else "")
             + "; pp.candidates ranks them all (pipe.auto.table)")
@@ -577,7 +598,6 @@ class Pipeline:
         """The memory manager: every rank plans every stage alike, so a budget error is raised everywhere."""
         from dataclasses import asdict
         from partition.costs import FLOP_PER_MS
-        from partition.plan import parse_bytes
         speeds: list[Any] = [(FLOP_PER_MS, 5e6)]
         if costs:  # what recomputing and copying cost on this device; rank 0's, so every rank plans alike
             if self.ctx.rank == 0:
@@ -598,9 +618,11 @@ class Pipeline:
                 else self._state_factor(),
                 time_scale=FLOP_PER_MS / speeds[0][0], copy_bytes_per_ms=speeds[0][1],
                 output_bytes=self.plan.output_bytes)
+            to_plan = FLOP_PER_MS / speeds[0][0] if self.plan.cost == "flops" else 1.0  # device ms -> plan's
             for c in choices:
                 self.plan.stages[c.stage].memory = c.label()
                 self.plan.stages[c.stage].memory_peak = c.predicted_peak
+                self.plan.stages[c.stage].memory_ms = c.cost_ms / to_plan
         except ValueError as e:
             error = f"{type(e).__name__}: {e}"
         _agree(error)

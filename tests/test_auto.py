@@ -58,6 +58,53 @@ def test_search_ranks_by_predicted_step_then_peak_and_keeps_why_a_candidate_was_
     assert "1.11x" in text.splitlines()[2] and text.splitlines()[-1].endswith("does not fit the budget")
 
 
+def test_auto_weighs_each_candidates_recompute_within_the_budget() -> None:
+    """Under a budget the smaller microbatch counts cannot fit even with recomputation, the larger fit
+    with it or without: each candidate is planned with and without recompute, gets the memory plan
+    memory/ would give it, its cost in the prediction and its peak under the budget."""
+    import memory
+    from pipe.calibration import Calibration, Line
+    from pipe.predict import predicted_timeline
+    from pipe.schedules import in_flight_limit
+    w = partition.load("gpt", **dict(SMALL_GPT, seq_len=64, microbatch_size=8))
+    sizes = {n: (p.numel(), p.element_size()) for n, p in w.model.named_parameters()}
+    budget = 3 * 2**20
+    cal = Calibration(f=Line(1.0, 2.0), b=Line(1.0, 2.0), gap_ms=0.5, cost="flops")  # a fixed cost per action
+
+    def plan_one(c: auto.Candidate, a_args: Any, a_kwargs: Any, a_target: Any, **reuse: Any) -> partition.Plan:
+        S = 2 * c.stages_per_rank
+        return partition.plan(w.model, a_args, S, example_kwargs=a_kwargs, cost="flops", schedule=c.schedule,
+                              microbatches=c.microbatches, stages_per_rank=c.stages_per_rank, memory_budget=budget,
+                              in_flight_counts=[in_flight_limit(c.schedule, S, c.microbatches, s, c.stages_per_rank)
+                                                for s in range(S)], recompute=c.recompute, loss_fn=w.loss_fn,
+                              example_target=a_target, **reuse)
+
+    def memory_fn(c: auto.Candidate, p: partition.Plan, a: Any) -> partition.Plan:
+        try:
+            return auto.memory_plan(p, a, 2, recompute=c.recompute, offload="none", budget=budget, param_sizes=sizes)
+        except memory.BudgetError as e:
+            raise PlanError(str(e)) from None
+
+    cands = auto.grid(2, [4, 16, 32], ["1f1b", "gpipe"], ("none", "auto"))
+    assert len(cands) == 12 and cands[1].label == "1f1b M=4 v=1 recompute=auto"
+    ranked, plans = auto.choose(cands, 2, (w.example_args, {}, w.example_target), 32, plan_one, cal, memory_fn)
+    fits = {c.label: c for c in ranked if not c.refused}
+    assert not any(c.microbatches == 4 for c in fits.values()), auto.table(ranked)  # not even with recompute
+    assert {"1f1b M=16 v=1 recompute=auto", "1f1b M=32 v=1 recompute=none"} <= set(fits), auto.table(ranked)
+    assert "1f1b M=16 v=1 recompute=none" not in fits  # 16 microbatches fit only with recomputation
+    assert all(c.peak_bytes <= budget for c in fits.values())
+    chosen = plans[ranked[0].label]
+    assert ranked[0].label == "1f1b M=16 v=1 recompute=auto", auto.table(ranked)  # the fixed cost per action
+    assert any(s.memory.startswith(("ckpt", "remat", "full")) and s.memory_ms > 0 for s in chosen.stages)
+    bare = partition.Plan.from_dict(chosen.to_dict())  # its prediction counts the recompute: without, faster
+    for s in bare.stages:
+        s.memory_ms = 0.0
+    assert predicted_timeline(bare, 2, calibration=cal).makespan < ranked[0].step_ms == pytest.approx(
+        predicted_timeline(chosen, 2, calibration=cal).makespan)
+    text = auto.table(ranked)
+    assert "memory" in text.splitlines()[0] and ranked[0].memory in text.splitlines()[1]
+
+
 def test_search_with_no_candidate_says_why_each_was_refused() -> None:
     def refuse(c: auto.Candidate) -> Any:
         raise PlanError(f"{c.schedule} needs 9 GB")
@@ -104,7 +151,7 @@ def auto_body(rank: int, world: int) -> dict[str, Any]:
     pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, example_target=w.example_target,
                        schedule="auto", batch_size=batch, cost="flops", calibration=cal,
                        auto_schedules=["1f1b", "gpipe", "zb-h1", "interleaved-1f1b"])
-    best = pp.candidates[0]
+    best, ranked = pp.candidates[0], pp.candidates
     assert (pp.schedule_name, pp.M, pp.v, pp.S) == (best.schedule, best.microbatches, best.stages_per_rank,
                                                     world * best.stages_per_rank)
     assert (pp.plan.schedule, pp.plan.microbatches) == (best.schedule, best.microbatches)
@@ -117,7 +164,21 @@ def auto_body(rank: int, world: int) -> dict[str, Any]:
         args, kwargs, target = w.batch(batch, step)
         loss = pp.step(*args, target=target, **kwargs)
         check_step(pp, loss, ref, args, kwargs, target, pp.M, opt, ref_opt, f"rank {rank}")
-    return {"chosen": best.label, "ranked": [(c.label, c.step_ms, c.refused) for c in pp.candidates]}
+    # within a budget (the natural call: no example_target), recompute weighed: the chosen pipeline recomputes
+    # as auto planned it, in parity
+    gpt = dict(SMALL_GPT, seq_len=64, microbatch_size=8)
+    w, ref = partition.load("gpt", **gpt), partition.load("gpt", **gpt)
+    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, schedule="auto", batch_size=32, cost="flops",
+                       calibration=cal, memory_budget=3 * 2**20, auto_schedules=["1f1b"])
+    tight = pp.candidates[0]
+    assert tight.label == "1f1b M=16 v=1 recompute=auto" and pp.recompute == "auto", auto.table(pp.candidates)
+    assert "|".join(s.memory for s in pp.plan.stages) == tight.memory, (pp.plan.table(), tight.memory)
+    opt = torch.optim.Adam(list(pp.parameters()), lr=1e-3, eps=1e-6)
+    ref_opt = torch.optim.Adam(ref.model.parameters(), lr=1e-3, eps=1e-6)
+    args, kwargs, target = w.batch(32, 0)
+    loss = pp.step(*args, target=target, **kwargs)
+    check_step(pp, loss, ref, args, kwargs, target, pp.M, opt, ref_opt, f"tight rank {rank}")
+    return {"chosen": best.label, "ranked": [(c.label, c.step_ms, c.refused) for c in ranked]}
 
 
 def test_auto_chooses_plans_and_trains_in_parity_on_two_ranks() -> None:
