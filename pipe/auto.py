@@ -17,6 +17,7 @@ auto weighs, e.g., a larger microbatch with recomputation against a smaller one 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -201,4 +202,18 @@ def choose(cands: Sequence[Candidate], world: int, example: tuple[Any, Any, Any]
         p = plan_one(c, *ex, analysis=a, analysis_out=found)  # found: what this plan was cut from
         analyses.setdefault(key, found[0])
         return p if memory_fn is None else memory_fn(c, p, found[0])
-    return search(cands, plan_fn, lambda p: predicted_timeline(p, world, calibration=calibration).makespan)
+    ranked, plans = search(cands, plan_fn, lambda p: predicted_timeline(p, world, calibration=calibration).makespan)
+    return _without_twins(ranked, plans)
+
+
+def _without_twins(ranked: list[Candidate], plans: dict[str, Plan]) -> tuple[list[Candidate], dict[str, Plan]]:
+    """Drop a candidate planned with recompute='auto' that recomputes nothing on the cuts its
+    recompute='none' twin has: the same plan, and 'none' runs it (its zero-bubble W stays direct)."""
+    def same(c: Candidate) -> bool:
+        twin = dataclasses.replace(c, recompute="none")
+        p, q = plans.get(c.label), plans.get(twin.label)
+        return (c.recompute == "auto" and p is not None and q is not None
+                and all(s.memory in ("", "none") for s in p.stages)
+                and [s.nodes for s in p.stages] == [s.nodes for s in q.stages])
+    gone = {c.label for c in ranked if same(c)}
+    return [c for c in ranked if c.label not in gone], {k: v for k, v in plans.items() if k not in gone}

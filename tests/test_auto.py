@@ -103,6 +103,11 @@ def test_auto_weighs_each_candidates_recompute_within_the_budget() -> None:
         predicted_timeline(chosen, 2, calibration=cal).makespan)
     text = auto.table(ranked)
     assert "memory" in text.splitlines()[0] and ranked[0].memory in text.splitlines()[1]
+    for c in fits.values():  # a recompute='auto' plan that recomputes nothing on its twin's cuts is left out
+        twin = plans.get(c.label.replace("recompute=auto", "recompute=none"))
+        if c.recompute == "auto" and twin is not None:
+            assert set(c.memory.split("|")) != {"none"} or [s.nodes for s in plans[c.label].stages] != [s.nodes for s in
+                                                                                           twin.stages], c.label
 
 
 def test_search_with_no_candidate_says_why_each_was_refused() -> None:
