@@ -94,13 +94,16 @@ def main(argv: list[str] | None = None) -> int:
                       key=lambda x: x["measured_ms"])
         fastest = rows[0]
         mine = next(x for x in rows if x["label"] == chosen.label)
-        lines = ["| measured rank | schedule | M | v | step measured (ms) | step predicted (ms) | predicted rank |"
-                 " measured / predicted |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+        weighed = any(x["memory"] for x in rows)  # each one's recompute policy and memory plan per stage
+        lines = ["| measured rank | schedule | M | v |" + (" recompute | memory |" if weighed else "")
+                 + " step measured (ms) | step predicted (ms) | predicted rank | measured / predicted |",
+                 "|---:|---|---:|---:|" + ("---|---|" if weighed else "") + "---:|---:|---:|---:|"]
         by_prediction = {c.label: i for i, c in enumerate((c for c in chooser.candidates if not c.refused), 1)}
         for i, x in enumerate(rows, 1):
             tag = " (auto)" if x["label"] == chosen.label else ""
             lines.append(f"| {i} | {x['schedule']}{tag} | {x['microbatches']} | {x['stages_per_rank']} "
-                         f"| {x['measured_ms']:.1f} | {x['step_ms']:.1f} | {by_prediction[x['label']]} "
+                         + (f"| {x['recompute'] or '-'} | {x['memory'] or '-'} " if weighed else "")
+                         + f"| {x['measured_ms']:.1f} | {x['step_ms']:.1f} | {by_prediction[x['label']]} "
                          f"| {x['measured_ms'] / x['step_ms']:.2f} |")
         table = "\n".join(lines)
         verdict = (f"auto chose {chosen.label}: measured {mine['measured_ms']:.1f} ms, "

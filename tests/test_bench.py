@@ -63,6 +63,23 @@ def test_bench_calibrate_runs_bench_schedules_on_its_four_schedules(monkeypatch:
     assert argv[argv.index("--calibrate") + 1] == "x/cal.json"
 
 
+def test_bench_auto_measures_every_candidate_with_its_recompute_policy(tmp_path: Path) -> None:
+    out = run_command([sys.executable, "-m", "bench", "auto", "gpt", *TINY, "--batch-size", "8", "--schedules",
+                       "1f1b,gpipe", "--memory-budget", "64MiB", "--cost", "flops", "--steps", "1", "--warmup", "1",
+                       "--back-to-back", "1", "--out", str(tmp_path)], timeout=180).output
+    data = json.loads((tmp_path / "auto.json").read_text())
+    rows = data["results"]
+    # M in {2, 4, 8} x 2 schedules, planned with recompute none and auto; an auto twin that recomputes
+    # nothing on the same cuts is left out, so every pair (schedule, M) is measured once at least
+    assert {(r["schedule"], r["microbatches"]) for r in rows} == {(s, m) for s in ("1f1b", "gpipe") for m in (2, 4, 8)}
+    assert all(r["recompute"] in ("none", "auto") and r["memory"] and len(r["samples_s"]) == 1 for r in rows)
+    assert [r["measured_ms"] for r in rows] == sorted(r["measured_ms"] for r in rows)
+    assert data["chosen"] in {r["label"] for r in rows} and data["chosen_over_fastest"] >= 1.0
+    table = (tmp_path / "auto.md").read_text()
+    assert table.startswith("| measured rank | schedule | M | v | recompute | memory |") and "(auto)" in table
+    assert f"auto chose {data['chosen']}: measured" in out
+
+
 def test_bench_vs_torch(tmp_path: Path) -> None:
     out = run_command([sys.executable, "-m", "bench", "vs-torch", "gpt", *TINY, "--rounds", "2",
                        "--cost", "flops", "--out", str(tmp_path)], timeout=180).output
