@@ -119,7 +119,7 @@ def natural_body(rank: int, world: int) -> dict[str, Any]:
     x = torch.randn(16, 8)
     labels = torch.randint(0, 10, (16,))
     soft = torch.softmax(torch.randn(16, 10), 1)  # another target than the inferred one: probabilities
-    for transport in ("gloo", "nccl_like"):
+    for transport in ("nccl_like",):  # plain gloo: the zoo (tests/test_exact.py) runs the loss in the graph
         torch.manual_seed(1)
         model, ref_model = _TwoHeads(), _TwoHeads()
         ref_model.load_state_dict(model.state_dict())
@@ -169,4 +169,3 @@ def natural_body(rank: int, world: int) -> dict[str, Any]:
 def test_the_natural_call_trains_in_parity_and_forward_returns_the_output_on_two_ranks() -> None:
     results = run_ranks("tests.test_natural_call:natural_body", 2, timeout=180)
     assert results[0] == results[1]
-    assert results[0]["gloo"] == pytest.approx(results[0]["nccl_like"])
