@@ -224,12 +224,24 @@ def _linger() -> None:
             time.sleep(0.05)
 
 
+def link_fit(sizes: Sequence[int], ms: Sequence[float]) -> tuple[float, float]:
+    """(bytes per ms, latency ms) through two (bytes, ms) points; when the smaller message took no
+    less time (noise), the larger one's time counts whole as bandwidth, with the smaller's as latency
+    bound: a finite, pessimistic link, never a free one."""
+    slope = (ms[1] - ms[0]) / (sizes[1] - sizes[0])  # ms per byte
+    if slope <= 0:
+        slope = max(ms[1], 1e-9) / sizes[1]
+    return 1.0 / slope, max(ms[0] - sizes[0] * slope, 0.0)
+
+
 def measure_link(device: torch.device, sizes: Sequence[int] = (1 << 14, 1 << 22), repeats: int = 5,
                  peer: int = 1) -> tuple[float, float] | None:
     """(bytes per ms, latency ms) of the link between ranks 0 and `peer` (global ranks: rank 0's
-    pipeline neighbour), from ping-pongs of two sizes (median of `repeats` each); a collective
-    call, returning the figures on every rank, None with one rank. The partitioner's
-    communication cost is latency + bytes / bandwidth."""
+    pipeline neighbour), from ping-pongs of two sizes (the fastest of `repeats` each: noise only
+    adds time); a collective call, returning the figures on every rank, None with one rank. The
+    partitioner's communication cost is latency + bytes / bandwidth. When noise still leaves the
+    small message no faster than the large one, the large one's time counts whole as bandwidth (a
+    finite, pessimistic figure, never a free link)."""
     if not dist.is_initialized() or dist.get_world_size() < 2 or peer == 0:
         return None
     rank = dist.get_rank()
@@ -248,11 +260,10 @@ def measure_link(device: torch.device, sizes: Sequence[int] = (1 << 14, 1 << 22)
                 dist.recv(buf, 0)
                 dist.send(buf, 0)
             times.append((time.perf_counter() - t0) / 2 * 1e3)
-        ms.append(statistics.median(times[1:]))
+        ms.append(min(times[1:]))
     fit = torch.tensor([0.0, 0.0])
     if rank == 0:
-        slope = max((ms[1] - ms[0]) / (sizes[1] - sizes[0]), 1e-12)  # ms per byte
-        fit = torch.tensor([1.0 / slope, max(ms[0] - sizes[0] * slope, 0.0)], dtype=torch.float64)
+        fit = torch.tensor(link_fit(sizes, ms), dtype=torch.float64)
     fit = fit.to(torch.float64).to(device)
     dist.broadcast(fit, src=0)
     return float(fit[0]), float(fit[1])

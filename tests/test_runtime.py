@@ -278,6 +278,15 @@ def link_body(rank: int, world: int) -> list[float]:
     return [float(x) for x in link]
 
 
+def test_link_fit_is_finite_when_noise_makes_the_small_message_no_faster() -> None:
+    from pipe.launch import link_fit
+    bw, lat = link_fit((1 << 14, 1 << 22), (0.1, 4.1))  # 4 MiB in 4 ms more than 16 KiB: ~1 GB/s
+    assert bw == pytest.approx(((1 << 22) - (1 << 14)) / 4.0) and lat == pytest.approx(0.1 - (1 << 14) / bw)
+    # the CI run that found it: 1.82 ms for 16 KiB, no less for 4 MiB -> a link of 1e12 B/ms, i.e. free
+    bw, lat = link_fit((1 << 14, 1 << 22), (1.82, 1.5))
+    assert bw == pytest.approx((1 << 22) / 1.5) and 0.0 <= lat <= 1.82
+
+
 def test_measure_link_gives_every_rank_rank_0s_figures() -> None:
     """The link model the partitioner uses with measured costs: bandwidth and latency of ranks 0-1."""
     results = run_ranks("tests.test_runtime:link_body", 3, timeout=120)
