@@ -119,12 +119,14 @@ def natural_body(rank: int, world: int) -> dict[str, Any]:
     x = torch.randn(16, 8)
     labels = torch.randint(0, 10, (16,))
     soft = torch.softmax(torch.randn(16, 10), 1)  # another target than the inferred one: probabilities
-    for transport in ("nccl_like",):  # plain gloo: the zoo (tests/test_exact.py) runs the loss in the graph
+    # plain gloo: the zoo (tests/test_exact.py) runs the loss in the graph; zb-h1: forward() from stages whose
+    # training module is the zero-bubble one (with_param_outputs)
+    for schedule in ("1f1b", "zb-h1"):
         torch.manual_seed(1)
         model, ref_model = _TwoHeads(), _TwoHeads()
         ref_model.load_state_dict(model.state_dict())
-        pp = pipe.Pipeline(model, (x[:4],), loss_fn=_head_loss, microbatches=4, cost="flops",
-                           transport=NcclLike() if transport == "nccl_like" else None)
+        pp = pipe.Pipeline(model, (x[:4],), loss_fn=_head_loss, microbatches=4, cost="flops", schedule=schedule,
+                           transport=NcclLike())
         assert pp.plan.loss and "inferred as int64[4]" in pp.plan.loss_note, pp.plan.table()
         assert pp._target_fixed == "", pp._target_fixed
         ref = partition.Workload(name="two_heads", model=ref_model, example_args=(x[:4],), loss_fn=_head_loss,
@@ -133,7 +135,7 @@ def natural_body(rank: int, world: int) -> dict[str, Any]:
         ref_opt = torch.optim.Adam(ref_model.parameters(), lr=1e-3, eps=1e-6)
         for target in (labels, soft):
             loss = pp.step(x, target=target)
-            check_step(pp, loss, ref, (x,), {}, target, 4, opt, ref_opt, f"{transport} rank {rank}")
+            check_step(pp, loss, ref, (x,), {}, target, 4, opt, ref_opt, f"{schedule} rank {rank}")
         got = pp.forward(x)
         with torch.no_grad():
             want = ref_model(x)
@@ -142,7 +144,7 @@ def natural_body(rank: int, world: int) -> dict[str, Any]:
         torch.testing.assert_close(got["aux"], want["aux"])
         with pytest.raises(pipe.PipelineError, match="got no target.*target=y"):
             pp.step(x)
-        out[transport] = loss
+        out[schedule] = loss
     # a wide head: the natural call spreads it in vocabulary slices, and forward() still returns the logits
     w, ref = partition.load("gpt_wide_vocab"), partition.load("gpt_wide_vocab")
     pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=2, cost="flops",
