@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     from partition.workload import parse_overrides
     from pipe.launch import measure_allreduce
     from pipe.auto import resize_batch
-    from pipe.calibration import Calibration, Observations, fit, observe
+    from pipe.calibration import Calibration, Observations, fit, observe, typical
     from pipe.predict import layout_costs, predicted_timeline, replayed_timeline, stage_costs
     from pipe.scale import predict_layout
     from pipe.simulate import textbook_bubble
@@ -154,12 +154,14 @@ def main(argv: list[str] | None = None) -> int:
                                     [st.bwd_ms for st in pp.plan.stages], comm, pp.place, pp.plan.cost,
                                     [len(st.nodes) for st in pp.plan.stages]))
             med = statistics.median(c["times"])
-            durations: dict[tuple[str, int], list[float]] = {}  # each action's, over the timed steps
+            durations: dict[tuple[str, int], list[float]] = {}  # each action's, over the timed steps (and mbs)
             for t in c["timelines"]:
                 for e in t.events:
                     durations.setdefault((e.action.kind, e.action.stage), []).append(e.end - e.start)
-            medians = {k: statistics.median(v) for k, v in durations.items()}
-            replay = replayed_timeline(pp.plan, pp.world, medians, calibration) if pp.dp == 1 else None
+            typicals = {k: typical(v) for k, v in durations.items()}
+            posts = [e.end - e.start for t in c["timelines"] for e in t.posts]
+            post_ms = statistics.fmean(posts) if posts else 0.0  # the host's, per batch of messages
+            replay = replayed_timeline(pp.plan, pp.world, typicals, calibration, post_ms) if pp.dp == 1 else None
             simulated: dict[str, float] = {}
             for e in pred.events:
                 simulated.setdefault(f"{e.action.kind}{e.action.stage}", e.end - e.start)  # every mb's alike
@@ -180,12 +182,12 @@ def main(argv: list[str] | None = None) -> int:
                 "measured_step_ms": measured_ms, "predicted_step_ms": pred.makespan,
                 "measured_over_simulated": measured_ms / pred.makespan,
                 "uncalibrated_step_ms": raw.makespan, "calibrated": calibration is not None,
-                "replayed_step_ms": None if replay is None else replay.makespan,
+                "replayed_step_ms": None if replay is None else replay.makespan, "post_ms": post_ms,
                 "peak_bytes_by_stage": {str(s): max([v for k, v in r.items() if "peak" in k] or [0])
                                         for s, r in report.items()},
                 "predicted_peak_bytes_by_stage": {str(s.index): s.peak_bytes for s in pp.plan.stages},
                 "action_ms": {f"{k}{s}": {"measured": ms, "simulated": simulated.get(f"{k}{s}")}
-                              for (k, s), ms in sorted(medians.items())},
+                              for (k, s), ms in sorted(typicals.items())},
             })
         result = {"command": " ".join(["python -m bench schedules"] + (argv or sys.argv[1:])),
                   "model": args.model, "model_args": overrides, "ranks": world, "data_parallel": args.data_parallel,

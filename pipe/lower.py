@@ -202,14 +202,14 @@ Group = list[Action]
 
 def walk(program: Program, n_stages: int, place: Sequence[int], *,
          compute: Callable[[int, Action, Action | None], None] | None = None,
-         issue: Callable[[int], object] | None = None,
+         issue: Callable[[int, Batch], object] | None = None,
          match: Callable[[int, int, object, Group, object, Group, dict[int, int]], None] | None = None,
          ) -> tuple[dict[int, int], dict[tuple[int, int], list[tuple[object, Group]]]]:
     """Run every rank's program with NCCL's semantics, calling back what happens: the one walk
     `validate` and the simulator (pipe.simulate.simulate_program) share.
 
-    A rank issues a batch and goes on (`issue(rank)` gives a tag kept with each of its groups, e.g.
-    the time); a compute action waits until the receive it needs is done (`compute(rank, action,
+    A rank issues a batch and goes on (`issue(rank, batch)` gives a tag kept with each of its groups,
+    e.g. the time it was posted); a compute action waits until the receive it needs is done (`compute(rank, action,
     the receive or None)`). The ops of a batch towards one peer form a group; per pair, the head
     groups of both ends complete together, in issue order (`match(a, b, tag_a, group_a, tag_b,
     group_b, positions)`). Returns each rank's position (its program's length when it finished)
@@ -231,7 +231,7 @@ def walk(program: Program, n_stages: int, place: Sequence[int], *,
                     if compute is not None:
                         compute(r, x, need)
                 else:
-                    tag = issue(r) if issue is not None else None
+                    tag = issue(r, x) if issue is not None else None
                     for peer in dict.fromkeys(peer_of(a, place) for a in x):
                         pending.setdefault((r, peer), []).append((tag, [a for a in x if peer_of(a, place) == peer]))
                 pos[r] += 1

@@ -35,32 +35,35 @@ def predicted_timeline(plan: Plan, n_ranks: int, schedule: str | None = None,
     M = microbatches or plan.microbatches
     has_w = any(a.kind == "W" for acts in build(name, n_ranks, M, plan.n_stages // n_ranks).values() for a in acts)
     f, b, w, comm = stage_costs(plan, has_w, calibration)
-    return simulate_schedule(name, n_ranks, M, f, b, w, comm)
+    return simulate_schedule(name, n_ranks, M, f, b, w, comm, (calibration or Calibration()).post_ms)
 
 
 def replayed_timeline(plan: Plan, n_ranks: int, action_ms: dict[tuple[str, int], float],
-                      calibration: Calibration | None = None) -> Timeline:
+                      calibration: Calibration | None = None, post_ms: float | None = None) -> Timeline:
     """The plan's schedule simulated over the durations its actions took in the runtime (`action_ms`:
-    (kind, stage) -> ms, e.g. medians over measured steps), with the calibration's gap before each action
-    and its extra latency per message: what the simulator's model of the schedule (order, waits,
-    messages) adds to the actions' own times. A fused BW counts as B."""
+    (kind, stage) -> ms, e.g. pipe.calibration.typical over measured steps), with the calibration's gap
+    before each action and its extra latency per message, and `post_ms` per batch posted (default: the
+    calibration's): what the simulator's model of the schedule (order, waits, messages) adds to the
+    actions' own times. A fused BW counts as B."""
     cal = calibration or Calibration()
     S = plan.n_stages
     f = [cal.gap_ms + action_ms.get(("F", s), 0.0) for s in range(S)]
     b = [cal.gap_ms + action_ms.get(("B", s), action_ms.get(("BW", s), 0.0)) for s in range(S)]
     w = [cal.gap_ms + action_ms[("W", s)] if ("W", s) in action_ms else 0.0 for s in range(S)]
     comm = stage_costs(plan, False, cal)[3]
-    return simulate_schedule(plan.schedule, n_ranks, plan.microbatches, f, b, w, comm)
+    return simulate_schedule(plan.schedule, n_ranks, plan.microbatches, f, b, w, comm,
+                             cal.post_ms if post_ms is None else post_ms)
 
 
 def simulate_schedule(name: str, n_ranks: int, microbatches: int, f: list[float], b: list[float], w: list[float],
-                      comm: list[float]) -> Timeline:
-    """The lowered program of schedule `name` on n_ranks for len(f) stages, simulated with these costs."""
+                      comm: list[float], post_ms: float = 0.0) -> Timeline:
+    """The lowered program of schedule `name` on n_ranks for len(f) stages, simulated with these costs
+    (`post_ms`: the host's time posting each batch of messages)."""
     S = len(f)
     sched = build(name, n_ranks, microbatches, S // n_ranks)
     place = placement(name, S, n_ranks)
     program = lower(sched, S, microbatches, place)
-    return simulate_program(program, S, f_ms=f, b_ms=b, w_ms=w, comm_ms=comm, place=place)
+    return simulate_program(program, S, f_ms=f, b_ms=b, w_ms=w, comm_ms=comm, place=place, post_ms=post_ms)
 
 
 def layout_costs(plan: Plan, has_w: bool, bytes_per_ms: float | None = None, latency_ms: float | None = None,
@@ -72,4 +75,5 @@ def layout_costs(plan: Plan, has_w: bool, bytes_per_ms: float | None = None, lat
         bw = plan.bytes_per_ms if bytes_per_ms is None else bytes_per_ms
         lat = (plan.latency_ms if latency_ms is None else latency_ms) + (calibration or Calibration()).message_ms
         comm = [(lat + s.send_bytes / bw) if s.send_bytes else 0.0 for s in plan.stages[:-1]]
-    return LayoutCosts(f_ms=f, b_ms=b, w_ms=w, comm_ms=comm, grad_bytes=[float(s.param_bytes) for s in plan.stages])
+    return LayoutCosts(f_ms=f, b_ms=b, w_ms=w, comm_ms=comm, grad_bytes=[float(s.param_bytes) for s in plan.stages],
+                       post_ms=(calibration or Calibration()).post_ms)

@@ -359,6 +359,7 @@ class Pipeline:
             None if self.pp_group is None else self._global)
         self.timeline: list[Event] = []
         self.collectives: list[Event] = []  # the last step's grad all-reduces (REDUCE_GRAD, mb = bucket)
+        self.posts: list[Event] = []  # the last step's batches of messages, the host posting each (POST)
 
     # ----- set-up -----
     def _check_weights(self, model: torch.nn.Module, weights: Any) -> Any:
@@ -1004,7 +1005,7 @@ class Pipeline:
                 with comm.guarded("the data-parallel all-reduce of the loss"):
                     dist.all_reduce(loss, group=self.dp_group)
                     loss.div_(self.dp)
-        self.timeline, self.collectives = run.events()
+        self.timeline, self.collectives, self.posts = run.events()
         self.steps_done += 1
         value = float(loss.item())
         if not math.isfinite(value):
@@ -1118,16 +1119,17 @@ class Pipeline:
         """The last step's measured timeline of every rank, on rank 0 (a collective call)."""
         parts: list[Any] = [None] * self.world
         if self.world > 1:
-            dist.all_gather_object(parts, (self.timeline, self.collectives), group=self.pp_group)
+            dist.all_gather_object(parts, (self.timeline, self.collectives, self.posts), group=self.pp_group)
         else:
-            parts = [(self.timeline, self.collectives)]
+            parts = [(self.timeline, self.collectives, self.posts)]
         if self.rank != 0:
             return None
-        events = [e for p in parts for e in p[0]]
-        collectives = [e for p in parts for e in p[1]]
+        events, collectives, posts = ([e for p in parts for e in p[i]] for i in range(3))
         t0 = min((e.start for e in events + collectives), default=0.0)
-        return Timeline([Event(e.rank, e.action, e.start - t0, e.end - t0) for e in events], self.world,
-                        [Event(e.rank, e.action, e.start - t0, e.end - t0) for e in collectives])
+
+        def shifted(group: list[Event]) -> list[Event]:
+            return [Event(e.rank, e.action, e.start - t0, e.end - t0) for e in group]
+        return Timeline(shifted(events), self.world, shifted(collectives), shifted(posts))
 
 
 def _concat(outputs: list[Any]) -> Any:
@@ -1173,7 +1175,9 @@ class _StepState:
         mem = self.pp.memory
         for x in program:
             if not isinstance(x, Action):
+                start = self.clock.mark()
                 self.ex.issue(x)
+                self.clock.span(Action(x[0].stage, "POST", x[0].mb), start, self.clock.mark())
                 mem.posted(x)
                 continue
             if x.kind in self.side_handlers:
@@ -1193,12 +1197,13 @@ class _StepState:
     def _record(self, a: Action, start: object) -> None:
         self.clock.span(a, start, self.clock.mark())
 
-    def events(self) -> tuple[list[Event], list[Event]]:
-        """This step's timed compute actions and grad collectives (ms); on CUDA this waits for the
-        device once."""
+    def events(self) -> tuple[list[Event], list[Event], list[Event]]:
+        """This step's timed compute actions, grad collectives and batch posts (ms); on CUDA this waits
+        for the device once."""
         every = [Event(self.pp.rank, a, start, end) for a, start, end in self.clock.resolve()]
-        return ([e for e in every if e.action.kind != "REDUCE_GRAD"],
-                [e for e in every if e.action.kind == "REDUCE_GRAD"])
+        return ([e for e in every if e.action.kind not in ("REDUCE_GRAD", "POST")],
+                [e for e in every if e.action.kind == "REDUCE_GRAD"],
+                [e for e in every if e.action.kind == "POST"])
 
     def forward(self, a: Action) -> None:
         pp, s, mb = self.pp, a.stage, a.mb

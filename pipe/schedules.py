@@ -38,7 +38,7 @@ __all__ = [
     "zbv",
 ]
 
-_ACTION_RE = re.compile(r"(\d+)(F|BW|B|W|SEND_F|RECV_F|SEND_B|RECV_B|RELOAD|REDUCE_GRAD)(\d+)")
+_ACTION_RE = re.compile(r"(\d+)(F|BW|B|W|SEND_F|RECV_F|SEND_B|RECV_B|RELOAD|REDUCE_GRAD|POST)(\d+)")
 
 
 class Action(NamedTuple):
@@ -47,7 +47,8 @@ class Action(NamedTuple):
     memory actions: RELOAD (offloaded activations back on the device, "1RELOAD3"), BW (a B
     that computes the weight grads too, for a stage whose W it replaces: "1BW3"), and REDUCE_GRAD
     (the stage's grads become final in its next backward, mb m's: reduce them over the data-parallel
-    replicas as they do, "0REDUCE_GRAD7")."""
+    replicas as they do, "0REDUCE_GRAD7"). Measured timelines add POST: the host's time posting one
+    batch of messages, named by the batch's first message ("1POST3")."""
 
     stage: int
     kind: str
@@ -63,7 +64,7 @@ class Action(NamedTuple):
         if match is None:
             raise ValueError(
                 f"cannot parse action {text!r}: expected '{{stage}}{{kind}}{{mb}}' with kind "
-                "F, B, W (or BW, SEND_F, RECV_F, SEND_B, RECV_B, RELOAD, REDUCE_GRAD) and non-negative "
+                "F, B, W (or BW, SEND_F, RECV_F, SEND_B, RECV_B, RELOAD, REDUCE_GRAD, POST) and non-negative "
                 "integers, e.g. '2F0' or '12B3'"
             )
         return cls(int(match[1]), match[2], int(match[3]))

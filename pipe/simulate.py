@@ -38,11 +38,13 @@ class Event:
 class Timeline:
     """Events of one pipeline step on `n_ranks` ranks, simulated or measured. `collectives`: the
     data-parallel grad reductions (REDUCE_GRAD, mb = bucket), each from its launch to its end, in a
-    lane of their own beside each rank's compute; the step ends with the last of either."""
+    lane of their own beside each rank's compute; the step ends with the last of either. `posts`: the
+    host's time posting each batch of messages (POST), between a rank's compute actions."""
 
     events: list[Event]
     n_ranks: int
     collectives: list[Event] = field(default_factory=list)
+    posts: list[Event] = field(default_factory=list)
 
     @property
     def makespan(self) -> float:
@@ -89,7 +91,8 @@ class Timeline:
         """Plain dict (json.dumps-able); Timeline.from_json reads it back."""
         def rows(events: list[Event]) -> list[dict[str, Any]]:
             return [{"rank": e.rank, "action": str(e.action), "start": e.start, "end": e.end} for e in events]
-        return {"n_ranks": self.n_ranks, "events": rows(self.events), "collectives": rows(self.collectives)}
+        return {"n_ranks": self.n_ranks, "events": rows(self.events), "collectives": rows(self.collectives),
+                "posts": rows(self.posts)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Timeline:
@@ -97,11 +100,12 @@ class Timeline:
         def events(rows: list[dict[str, Any]]) -> list[Event]:
             return [Event(int(e["rank"]), Action.from_str(e["action"]), float(e["start"]), float(e["end"]))
                     for e in rows]
-        return cls(events(data["events"]), int(data["n_ranks"]), events(data.get("collectives", [])))
+        return cls(events(data["events"]), int(data["n_ranks"]), events(data.get("collectives", [])),
+                   events(data.get("posts", [])))
 
     def to_chrome_trace(self) -> dict[str, Any]:
-        """Chrome/Perfetto trace-event JSON: one complete ("X") event per action, tid = rank; the
-        grad collectives of rank r on tid COLLECTIVE_TID + r ("rank r grad all-reduce")."""
+        """Chrome/Perfetto trace-event JSON: one complete ("X") event per action and per batch posted,
+        tid = rank; the grad collectives of rank r on tid COLLECTIVE_TID + r ("rank r grad all-reduce")."""
         lanes = [(r, f"rank {r}") for r in range(self.n_ranks)]
         lanes += [(COLLECTIVE_TID + r, f"rank {r} grad all-reduce")
                   for r in sorted({e.rank for e in self.collectives})]
@@ -117,7 +121,7 @@ class Timeline:
                 "dur": (e.end - e.start) * 1000.0,
                 "args": {"stage": e.action.stage, ("bucket" if lane else "mb"): e.action.mb},
             }
-            for lane, group in ((False, self.events), (True, self.collectives)) for e in group
+            for lane, group in ((False, self.events), (False, self.posts), (True, self.collectives)) for e in group
         ]
         return {"traceEvents": names + events, "displayTimeUnit": "ms"}
 
@@ -272,18 +276,20 @@ def simulate_program(
     reload_ms: Sequence[float] | None = None,
     reduce_ms: Sequence[float] | None = None,
     buckets: Sequence[int] | None = None,
+    post_ms: float = 0.0,
 ) -> Timeline:
     """Run the lowered programs (pipe.lower) the runtime runs, with per-stage costs.
 
     A rank walks its program in order. A compute action starts when the rank is free and the
-    receive it needs is done (f_ms, b_ms, w_ms as in `simulate`). A batch is issued at the time
-    the rank reaches it and costs the host nothing; its ops towards one peer form a group, and per
+    receive it needs is done (f_ms, b_ms, w_ms as in `simulate`). A batch holds its rank for post_ms
+    (the host posting its messages; default 0) and is issued when that ends; its ops towards one peer
+    form a group, and per
     pair of ranks the groups run one at a time in issue order, as on NCCL: a group starts when both
     ends have issued it and the pair's previous group is done, and takes the longer of its two
     directions, each the sum of comm_ms[boundary] over the messages it moves (comm_ms[i]: one
     message across the boundary of stages i and i+1). A memory action (RELOAD) holds its rank
     for reload_ms[stage] (the copy time of a microbatch's offloaded activations; default 0).
-    Returns the timeline of the compute actions (F, B, W, BW).
+    Returns the timeline of the compute actions (F, B, W, BW), with the posts (POST) beside.
     """
     n_ranks = len(program)
     where = list(place) if place is not None else loop_placement(n_stages, n_ranks)
@@ -306,6 +312,14 @@ def simulate_program(
     armed: dict[tuple[int, int], int] = {}  # (rank, stage) -> buckets its next backward finishes
     lane_free = dict.fromkeys(program, 0.0)
     collectives: list[Event] = []
+    posts: list[Event] = []
+
+    def post(r: int, batch: tuple[Action, ...]) -> float:
+        start = free[r]
+        free[r] += post_ms
+        if post_ms > 0:
+            posts.append(Event(r, Action(batch[0].stage, "POST", batch[0].mb), start, free[r]))
+        return free[r]
 
     def cost(a: Action) -> float:
         if a.kind == "RELOAD":
@@ -343,11 +357,11 @@ def simulate_program(
         arrived.update(((a, x), end) for x in mine)
         arrived.update(((b, x), end) for x in theirs)
 
-    pos, _ = walk(program, n_stages, where, compute=run, issue=lambda r: free[r], match=complete)
+    pos, _ = walk(program, n_stages, where, compute=run, issue=post, match=complete)
     if any(pos[r] < len(program[r]) for r in program):
         stuck = {r: str(program[r][pos[r]]) for r in program if pos[r] < len(program[r])}
         raise ScheduleError(f"the program deadlocks: ranks wait at {stuck}; run pipe.lower.validate on it for the grid")
-    return Timeline(events, n_ranks, collectives)
+    return Timeline(events, n_ranks, collectives, posts)
 
 
 def textbook_bubble(

@@ -94,6 +94,11 @@ def one_schedule(rank: int, world: int, spec: str, model_args: dict[str, Any], s
         check_step(pp, loss, ref, args, kwargs, target, M, opt, ref_opt, f"rank {rank}")
         names = [name for name, _ in pp.named_parameters()]
         losses.append(loss)
+    from pipe.schedules import Action as _Action
+    # the step's timeline: a post per batch of the program, each between the rank's compute actions
+    assert len(pp.posts) == sum(not isinstance(x, _Action) for x in pp.program), (len(pp.posts), pp.program)
+    spans = sorted((e.start, e.end) for e in pp.timeline + pp.posts)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "posts overlap compute actions"
     all_names: list[Any] = [None] * world
     import torch.distributed as dist
     dist.all_gather_object(all_names, names)

@@ -2,7 +2,8 @@
 
 The "measured" steps here are made by the simulator from known figures (each kind of action a line
 of its planned cost, a host gap before each action, an extra latency per message), with each
-event's span starting after its gap, as the runtime times it; the fit must find those figures, and
+event's span starting after its gap, as the runtime times it, and the host's time posting each batch of
+messages beside; the fit must find those figures, and
 the calibrated prediction must equal the "measured" step."""
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ COSTS = {1: ([6.0, 7.5], [12.0, 15.5]), 2: ([3.0, 4.0, 2.5, 3.5], [6.0, 8.0, 5.0
 NODES = {1: [40, 46], 2: [22, 18, 21, 25]}  # v -> fx nodes per stage
 COMM = 0.2  # the plan's price of a message
 TRUE = Calibration(f=Line(1.2, 0.5, 0.01), b=Line(1.1, 0.8, 0.02), b_split=Line(0.8, 0.6, 0.015),
-                   w=Line(0.5, 0.4, 0.005), gap_ms=0.4, message_ms=0.3)
+                   w=Line(0.5, 0.4, 0.005), gap_ms=0.4, message_ms=0.3, post_ms=0.25)
 
 
 def plan_of(name: str, v: int, size: float = 1.0) -> Plan:
@@ -40,7 +41,8 @@ def measured(name: str, v: int, size: float = 1.0) -> Timeline:
     """One step of `name` on 2 ranks, M=8, as the runtime would time it under TRUE: the calibrated
     prediction with each span starting after its gap."""
     tl = predicted_timeline(plan_of(name, v, size), 2, calibration=TRUE)
-    return Timeline([dataclasses.replace(e, start=e.start + TRUE.gap_ms) for e in tl.events], tl.n_ranks)
+    return Timeline([dataclasses.replace(e, start=e.start + TRUE.gap_ms) for e in tl.events], tl.n_ranks,
+                    posts=tl.posts)
 
 
 def observed(name: str, v: int, size: float = 1.0) -> Observations:
@@ -61,6 +63,7 @@ def test_the_fit_recovers_the_figures_behind_the_steps() -> None:
             assert getattr(getattr(got, k), part) == pytest.approx(getattr(getattr(TRUE, k), part), abs=1e-6), k
     assert got.gap_ms == pytest.approx(0.4)
     assert got.message_ms == pytest.approx(0.3)
+    assert got.post_ms == pytest.approx(0.25)
     assert got.cost == "flops"
     assert got.samples["F"] == 24 and got.samples["W"] == 12 and got.samples["gaps"] > 0 and got.samples["messages"] > 0
     # and it predicts a schedule and a microbatch size it was not fitted on, exactly
@@ -128,3 +131,10 @@ def test_a_calibration_file_round_trips_and_a_wrong_one_is_refused(tmp_path: Pat
 def test_simulate_schedule_is_the_lowered_program_simulated() -> None:
     a = simulate_schedule("1f1b", 2, 4, [1.0, 1.0], [2.0, 2.0], [0.0, 0.0], [0.0])
     assert a.makespan == pytest.approx(4 * 3 + 3)  # (M + S - 1) x (f + b) with S=2, M=4
+
+
+def test_an_action_s_typical_time_is_its_trimmed_mean() -> None:
+    from pipe.calibration import typical
+    runs = [5.0] * 8 + [7.0, 183.0]  # a slow run counts, a stall (one in ten) does not
+    assert typical(runs) == pytest.approx((5.0 * 7 + 7.0) / 8)
+    assert typical([2.0, 4.0]) == 3.0 and typical([1.0]) == 1.0

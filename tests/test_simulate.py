@@ -202,6 +202,26 @@ def test_program_simulation_by_hand() -> None:
     assert got == {"0F0": (0, 1), "1F0": (1.5, 2.5), "1B0": (2.5, 3.5), "0B0": (4, 5)}
 
 
+def test_posting_a_batch_holds_its_rank() -> None:
+    """The same step with 0.5 ms of host time per batch posted and free messages, F = 1, B = 2: rank 1
+    posts its receive [0, 0.5]; rank 0 runs 0F0 [0, 1] and posts its activations [1, 1.5], which land then;
+    1F0 [1.5, 2.5], 1B0 [2.5, 4.5], rank 1 posts the grads [4.5, 5] (rank 0 posted their receive at
+    [1.5, 2]); 0B0 [5, 7]. The posts come back as a lane of their own, through JSON and the trace."""
+    from pipe.lower import lower
+    from pipe.simulate import simulate_program
+    program = lower(build("1f1b", 2, 1), 2, 1)
+    tl = simulate_program(program, 2, f_ms=[1, 1], b_ms=[2, 2], post_ms=0.5)
+    got = {str(e.action): (e.start, e.end) for e in tl.events}
+    assert got == {"0F0": (0, 1), "1F0": (1.5, 2.5), "1B0": (2.5, 4.5), "0B0": (5, 7)}
+    assert sorted((e.rank, e.start, e.end) for e in tl.posts) == [(0, 1, 1.5), (0, 1.5, 2), (1, 0, 0.5), (1, 4.5, 5)]
+    assert {e.action.kind for e in tl.posts} == {"POST"} and tl.busy(0) == 3  # posts are not compute
+    assert simulate_program(program, 2, f_ms=[1, 1], b_ms=[2, 2]).makespan == 6 and tl.makespan == 7
+    again = Timeline.from_json(json.loads(json.dumps(tl.to_json())))
+    assert again == tl
+    trace = [e for e in tl.to_chrome_trace()["traceEvents"] if e["ph"] == "X" and e["cat"] == "POST"]
+    assert sorted((e["tid"], e["ts"]) for e in trace) == [(0, 1000.0), (0, 1500.0), (1, 0.0), (1, 4500.0)]
+
+
 def test_a_fused_backward_costs_b_and_w_and_a_reload_its_copy() -> None:
     from pipe.lower import fuse_backward, lower, with_reloads
     from pipe.simulate import simulate_program
