@@ -2,8 +2,8 @@
 Runs a bundled model (default gpt) under 1f1b, zb-h1 (one stage per rank) and interleaved-1f1b,
 interleaved-zb (two) at microbatches of 1 and 4 samples on 2 ranks, alternating step by step, on
 plans costed by FLOP count (--cost); fits each kind of action's measured duration on its planned
-cost and its stage's node count, the host's gap between actions and the messages' extra latency
-(pipe.calibration), and writes the fit; `bench schedules
+cost and its stage's node count, the host's gap between actions, its time posting each batch of
+messages and the messages' extra latency (pipe.calibration), and writes the fit; `bench schedules
 --calibration FILE`, `bench auto` and pipe.Pipeline(calibration=FILE) predict with it."""
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """Schedules side by side in one launch, alternating step by step (run through `python -m bench schedules`);
 per schedule the step the simulator predicts for the lowered program (pipe.predict) against the
-measured one (the span of the timed actions, device time), and their ratio:
+measured one (the span of the timed actions, device time), and their ratio; beside, the step replayed
+over the actions' typical times and the mean post, and each step replayed over its own times (the
+simulator's model of the schedule alone):
 torchrun --nproc-per-node 2 -m bench.schedules gpt --microbatches 4,8 --schedules gpipe,1f1b --out out/bench
 (with --data-parallel N, N replicas of a pipeline over --ranks / N ranks, each on its own batches)"""
 from __future__ import annotations
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipe.launch import measure_allreduce
     from pipe.auto import resize_batch
     from pipe.calibration import Calibration, Observations, fit, observe, typical
-    from pipe.predict import layout_costs, predicted_timeline, replayed_timeline, stage_costs
+    from pipe.predict import layout_costs, predicted_timeline, replayed_step, replayed_timeline, stage_costs
     from pipe.scale import predict_layout
     from pipe.simulate import textbook_bubble
 
@@ -162,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
             posts = [e.end - e.start for t in c["timelines"] for e in t.posts]
             post_ms = statistics.fmean(posts) if posts else 0.0  # the host's, per batch of messages
             replay = replayed_timeline(pp.plan, pp.world, typicals, calibration, post_ms) if pp.dp == 1 else None
+            # each step against itself replayed: the schedule's model alone (order, waits, matching)
+            own = (statistics.median(t.makespan / replayed_step(pp.plan, pp.world, t, calibration).makespan
+                                     for t in c["timelines"]) if pp.dp == 1 else None)
             simulated: dict[str, float] = {}
             for e in pred.events:
                 simulated.setdefault(f"{e.action.kind}{e.action.stage}", e.end - e.start)  # every mb's alike
@@ -183,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                 "measured_over_simulated": measured_ms / pred.makespan,
                 "uncalibrated_step_ms": raw.makespan, "calibrated": calibration is not None,
                 "replayed_step_ms": None if replay is None else replay.makespan, "post_ms": post_ms,
+                "measured_over_step_replays": own,
                 "peak_bytes_by_stage": {str(s): max([v for k, v in r.items() if "peak" in k] or [0])
                                         for s, r in report.items()},
                 "predicted_peak_bytes_by_stage": {str(s.index): s.peak_bytes for s in pp.plan.stages},
@@ -226,8 +232,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     cal = any(r.get("calibrated") for r in rows)
     head = ("| schedule | M | step (s) | tokens/s | bubble measured | bubble simulated | bubble textbook "
             f"| step simulated (ms) | step measured (ms) | measured / simulated |{' uncalibrated |' if cal else ''}"
-            " measured / replayed |\n"
-            f"|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|{'---:|' if cal else ''}---:|")
+            " measured / replayed | measured / step replayed |\n"
+            f"|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|{'---:|' if cal else ''}---:|---:|")
     lines = [head]
     for r in rows:
         name = (r["schedule"] + (" (compiled)" if r.get("compiled") else "")
@@ -238,6 +244,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
                      f"| {r['measured_over_simulated']:.2f} |"
                      + (f" {r['measured_step_ms'] / r['uncalibrated_step_ms']:.2f} |" if cal else "")
                      + (f" {r['measured_step_ms'] / r['replayed_step_ms']:.2f} |" if r.get("replayed_step_ms")
+                        else " - |")
+                     + (f" {r['measured_over_step_replays']:.2f} |" if r.get("measured_over_step_replays")
                         else " - |"))
     return "\n".join(lines)
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 from partition.plan import Plan
 from pipe.calibration import Calibration
 from pipe.lower import lower
-from pipe.schedules import build, placement
+from pipe.schedules import Action, build, placement
 from pipe.scale import LayoutCosts
 from pipe.simulate import Timeline, simulate_program
 
-__all__ = ["layout_costs", "predicted_timeline", "replayed_timeline", "simulate_schedule", "stage_costs"]
+__all__ = ["layout_costs", "predicted_timeline", "replayed_step", "replayed_timeline", "simulate_schedule",
+           "stage_costs"]
 
 
 def stage_costs(plan: Plan, has_w: bool, calibration: Calibration | None = None
@@ -53,6 +54,29 @@ def replayed_timeline(plan: Plan, n_ranks: int, action_ms: dict[tuple[str, int],
     comm = stage_costs(plan, False, cal)[3]
     return simulate_schedule(plan.schedule, n_ranks, plan.microbatches, f, b, w, comm,
                              cal.post_ms if post_ms is None else post_ms)
+
+
+def replayed_step(plan: Plan, n_ranks: int, measured: Timeline, calibration: Calibration | None = None) -> Timeline:
+    """One measured step of the plan's schedule simulated over its own times: each action's duration
+    (with the calibration's gap before it) and each rank's posts in order, the messages priced by the
+    plan's link and the calibration's latency. What remains between it and the measured step is the
+    simulator's model of the schedule alone (its order, waits and message matching). A fused BW stands
+    for its B, whose W costs nothing then."""
+    cal = calibration or Calibration()
+    own: dict[Action, float] = {}
+    for e in measured.events:
+        a = Action(e.action.stage, "B", e.action.mb) if e.action.kind == "BW" else e.action
+        own[a] = cal.gap_ms + e.end - e.start
+        if e.action.kind == "BW":
+            own[Action(a.stage, "W", a.mb)] = 0.0
+    posts = {r: [e.end - e.start for e in sorted((e for e in measured.posts if e.rank == r), key=lambda e: e.start)]
+             for r in range(n_ranks)}
+    S, M = plan.n_stages, plan.microbatches
+    place = placement(plan.schedule, S, n_ranks)
+    program = lower(build(plan.schedule, n_ranks, M, S // n_ranks), S, M, place)
+    zero = [0.0] * S
+    return simulate_program(program, S, f_ms=zero, b_ms=zero, w_ms=zero, comm_ms=stage_costs(plan, False, cal)[3],
+                            place=place, post_ms=cal.post_ms, action_ms=own, posts_ms=posts)
 
 
 def simulate_schedule(name: str, n_ranks: int, microbatches: int, f: list[float], b: list[float], w: list[float],

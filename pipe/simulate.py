@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -277,6 +277,8 @@ def simulate_program(
     reduce_ms: Sequence[float] | None = None,
     buckets: Sequence[int] | None = None,
     post_ms: float = 0.0,
+    action_ms: Mapping[Action, float] | None = None,
+    posts_ms: Mapping[int, Sequence[float]] | None = None,
 ) -> Timeline:
     """Run the lowered programs (pipe.lower) the runtime runs, with per-stage costs.
 
@@ -289,6 +291,8 @@ def simulate_program(
     directions, each the sum of comm_ms[boundary] over the messages it moves (comm_ms[i]: one
     message across the boundary of stages i and i+1). A memory action (RELOAD) holds its rank
     for reload_ms[stage] (the copy time of a microbatch's offloaded activations; default 0).
+    A replay of one measured step: `action_ms` gives the actions it names their own times (others keep
+    their stage's), `posts_ms[rank]` that rank's batches theirs, in program order (post_ms past the end).
     Returns the timeline of the compute actions (F, B, W, BW), with the posts (POST) beside.
     """
     n_ranks = len(program)
@@ -314,14 +318,18 @@ def simulate_program(
     collectives: list[Event] = []
     posts: list[Event] = []
 
+    own = {r: iter(v) for r, v in (posts_ms or {}).items()}
+
     def post(r: int, batch: tuple[Action, ...]) -> float:
         start = free[r]
-        free[r] += post_ms
-        if post_ms > 0:
+        free[r] += next(own[r], post_ms) if r in own else post_ms
+        if free[r] > start:
             posts.append(Event(r, Action(batch[0].stage, "POST", batch[0].mb), start, free[r]))
         return free[r]
 
     def cost(a: Action) -> float:
+        if action_ms is not None and a in action_ms:
+            return action_ms[a]
         if a.kind == "RELOAD":
             return reload[a.stage]
         if a.kind == "F":

@@ -28,10 +28,12 @@ def test_bench_schedules(tmp_path: Path) -> None:
                        "--cost", "flops", "--out", str(tmp_path), "--calibration", str(given),
                        "--calibrate", str(tmp_path / "fitted.json"), "--microbatch-sizes", "2"], timeout=180).output
     assert "| zb-h1 | 4 |" in out and "uncalibrated |" in out and "measured / replayed |" in out
+    assert "measured / step replayed |" in out
     fitted = Calibration.load(tmp_path / "fitted.json")
     # a point per stage of each schedule (gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv); W in zb-h1 and zbv
     assert fitted.cost == "flops" and fitted.samples["F"] == 2 + 2 + 4 + 2 + 4 and fitted.samples["W"] == 2 + 4
     assert fitted.samples["gaps"] > 0 and fitted.b_split.scale > 0 and fitted.w.scale > 0 and fitted.gap_ms >= 0
+    assert fitted.samples["posts"] > 0 and fitted.post_ms > 0  # the runtime timed each batch it posted
     assert f"calibration written to {tmp_path / 'fitted.json'}" in out
     data = json.loads((tmp_path / "schedules.json").read_text())
     assert data["ranks"] == 2 and data["versions"]["torch"] and "bench schedules" in data["command"]
@@ -45,6 +47,7 @@ def test_bench_schedules(tmp_path: Path) -> None:
         assert r["measured_over_simulated"] == pytest.approx(r["measured_step_ms"] / r["predicted_step_ms"])
         assert r["calibrated"] and r["predicted_step_ms"] > r["uncalibrated_step_ms"]  # gaps and latency added
         assert r["replayed_step_ms"] > 0 and {"F0", "B0", "F1", "B1"} <= set(r["action_ms"])
+        assert r["post_ms"] > 0 and r["measured_over_step_replays"] > 0
         assert r["microbatch_size"] == 2 and not r["sized"]  # one size given: the table names none
         tag = f"{r['schedule']}-M{r['microbatches']}"
         assert (tmp_path / f"timeline-{tag}.png").read_bytes()[:8] == PNG

@@ -118,6 +118,25 @@ def test_replaying_the_measured_actions_with_the_calibration_gives_the_measured_
         assert replayed_timeline(plan_of(name, v), 2, action_ms).makespan < span  # no gaps, no extra latency
 
 
+def test_a_step_replayed_over_its_own_times_is_the_step() -> None:
+    from pipe.predict import replayed_step
+    for name, v in (("zb-h1", 1), ("interleaved-1f1b", 2), ("dualpipev", 2)):
+        tl = measured(name, v)
+        span = max(e.end for e in tl.events)  # the true step starts with the first gap
+        assert len(tl.posts) > 0
+        assert replayed_step(plan_of(name, v), 2, tl, TRUE).makespan == pytest.approx(span)
+        slower = dataclasses.replace(tl, posts=[dataclasses.replace(e, end=e.end + 1.0) for e in tl.posts])
+        assert replayed_step(plan_of(name, v), 2, slower, TRUE).makespan > span + 1.0  # its own posts count
+    # a fused backward (BW: a stage that recomputes under zero bubble) stands for its B, and its W costs nothing
+    tl = measured("zb-h1", 1)
+    fused = [dataclasses.replace(e, action=e.action._replace(kind="BW"), end=e.end + next(
+        (w.end - w.start for w in tl.events if w.action == e.action._replace(kind="W")), 0.0))
+        if e.action.kind == "B" and e.action.stage == 0 else e for e in tl.events if
+        not (e.action.kind == "W" and e.action.stage == 0)]
+    got = replayed_step(plan_of("zb-h1", 1), 2, dataclasses.replace(tl, events=fused), TRUE)
+    assert not [e for e in got.events if e.action.stage == 0 and e.action.kind == "W" and e.end > e.start]
+
+
 def test_a_calibration_file_round_trips_and_a_wrong_one_is_refused(tmp_path: Path) -> None:
     path = TRUE.save(tmp_path / "cal.json")
     assert Calibration.load(path) == TRUE
