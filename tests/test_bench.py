@@ -69,7 +69,8 @@ def test_bench_calibrate_runs_bench_schedules_on_its_four_schedules(monkeypatch:
 def test_bench_auto_measures_every_candidate_with_its_recompute_policy(tmp_path: Path) -> None:
     out = run_command([sys.executable, "-m", "bench", "auto", "gpt", *TINY, "--batch-size", "4", "--schedules",
                        "1f1b", "--memory-budget", "64MiB", "--cost", "flops", "--steps", "1", "--warmup", "1",
-                       "--back-to-back", "1", "--out", str(tmp_path)], timeout=180).output
+                       "--back-to-back", "1", "--finalists", "1", "--final-steps", "2", "--out", str(tmp_path)],
+                      timeout=180).output
     data = json.loads((tmp_path / "auto.json").read_text())
     rows = data["results"]
     # M in {2, 4}, planned with recompute none and auto; an auto twin that recomputes nothing on the
@@ -81,6 +82,11 @@ def test_bench_auto_measures_every_candidate_with_its_recompute_policy(tmp_path:
     table = (tmp_path / "auto.md").read_text()
     assert table.startswith("| measured rank | schedule | M | v | recompute | memory |") and "(auto)" in table
     assert f"auto chose {data['chosen']}: measured" in out
+    # the final: the grid's fastest and auto's choice run again, on more rounds
+    finalists = {r["label"] for r in rows if r["final_ms"] is not None}
+    assert finalists == {rows[0]["label"], data["chosen"]}
+    assert all(len(r["final_samples_s"]) == 2 for r in rows if r["label"] in finalists)
+    assert data["chosen_over_fastest_final"] >= 1.0 and "in the final (" in out
 
 
 def test_bench_vs_torch(tmp_path: Path) -> None:
