@@ -6,7 +6,8 @@ import json
 import sys
 from typing import Any, Sequence
 
-from partition.plan import PlanError
+from partition.errors import first_line
+from partition.plan import PlanError, parse_bytes
 from partition.planner import plan
 from partition.solve import PartitionError
 from partition.trace import TraceError
@@ -41,6 +42,10 @@ def parser() -> argparse.ArgumentParser:
                    help="with --schedule auto: samples per step (default: the example microbatch x 8)")
     p.add_argument("--calibration", default=None, metavar="FILE",
                    help="with --schedule auto: this machine's calibration (python -m bench calibrate)")
+    p.add_argument("--recompute", choices=("none", "auto"), default=None,
+                   help="plan for activation recomputation (auto: memory/ recomputes what the budget needs); with "
+                        "--schedule auto, weigh every candidate with and without it and give each its memory plan "
+                        "(default: auto under --memory-budget, else none)")
     p.add_argument("--stages-per-rank", type=int, default=None, metavar="V",
                    help=f"stages per rank (default: {default_stages_text()}); --stages counts all")
     p.add_argument("--microbatches", type=int, default=None, metavar="M",
@@ -73,7 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         flights = [in_flight_limit(args.schedule, args.stages, M, s, v) for s in range(args.stages)]
         result = plan(w.model, w.example_args, args.stages, example_kwargs=w.example_kwargs, cost=args.cost,
                       schedule=args.schedule, microbatches=M, stages_per_rank=v, in_flight_counts=flights,
-                      memory_budget=args.memory_budget, loss_fn=None if args.loss_outside else w.loss_fn,
+                      memory_budget=args.memory_budget, recompute=args.recompute or "none",
+                      loss_fn=None if args.loss_outside else w.loss_fn,
                       example_target=None if args.loss_outside else w.example_target,
                       leaf_modules=w.leaf_modules, progress=lambda line: print(f"[plan] {line}", file=sys.stderr,
                                                                                flush=True))
@@ -110,7 +116,10 @@ def _auto(args: argparse.Namespace) -> int:
             cal.check_cost(args.cost)
         w = load(args.model, **parse_overrides(args.model_arg))
         batch = args.batch_size or w.microbatch_size * 8
-        cands = auto.grid(args.ranks, auto.microbatch_counts(args.ranks, batch, 8))
+        # as pipe.Pipeline(schedule="auto") weighs it: recomputation by default under a budget
+        recompute = args.recompute or ("auto" if args.memory_budget is not None else "none")
+        cands = auto.grid(args.ranks, auto.microbatch_counts(args.ranks, batch, 8), None,
+                          ("none", "auto") if recompute == "auto" else ("",))
         target = None if args.loss_outside else w.example_target
 
         def plan_one(c: auto.Candidate, a_args: Any, a_kwargs: Any, a_target: Any, **reuse: Any) -> Any:
@@ -119,15 +128,25 @@ def _auto(args: argparse.Namespace) -> int:
                         microbatches=c.microbatches, stages_per_rank=c.stages_per_rank,
                         in_flight_counts=[in_flight_limit(c.schedule, S, c.microbatches, s, c.stages_per_rank)
                                           for s in range(S)], memory_budget=args.memory_budget,
-                        loss_fn=None if args.loss_outside else w.loss_fn, example_target=a_target,
-                        leaf_modules=w.leaf_modules, **reuse)
+                        recompute=c.recompute or recompute, loss_fn=None if args.loss_outside else w.loss_fn,
+                        example_target=a_target, leaf_modules=w.leaf_modules, **reuse)
+        sizes = {n: (p.numel(), p.element_size()) for n, p in w.model.named_parameters()}
+
+        def memory_fn(c: auto.Candidate, p: Any, a: Any) -> Any:
+            import memory
+            try:
+                return auto.memory_plan(p, a, args.ranks, recompute=c.recompute or recompute, offload="none",
+                                        budget=parse_bytes(args.memory_budget), param_sizes=sizes)
+            except memory.BudgetError as e:
+                raise PlanError(f"memory/ cannot fit it: {first_line(e, 200)}") from None
         ranked, plans = auto.choose(cands, args.ranks, (w.example_args, w.example_kwargs, target), batch, plan_one,
-                                    cal)
+                                    cal, memory_fn if recompute == "auto" else None)
     except (*USAGE_ERRORS, auto.NoCandidate, OSError, ValueError) as e:
         print(f"python -m partition: error: {e}", file=sys.stderr)
         return 2
     best = plans[ranked[0].label]
-    best.notes.append(f"schedule='auto' chose {ranked[0].label} for {args.ranks} ranks at batch {batch}: "
+    best.notes.append(f"schedule='auto' chose {ranked[0].label} for {args.ranks} ranks at batch {batch}"
+                      + (f" (memory plan per stage: {ranked[0].memory})" if ranked[0].memory else "") + ": "
                       f"predicted {ranked[0].step_ms:.1f} ms per step ({'calibrated' if cal else 'uncalibrated'})")
     if args.out:
         best.save(args.out)

@@ -138,3 +138,23 @@ def test_auto_ranks_every_candidate_and_keeps_the_fastest_plan(tmp_path: Path,
     got = json.loads(capsys.readouterr().out)
     times = [c["step_ms"] for c in got["candidates"] if not c["refused"]]
     assert times == sorted(times) and len(got["candidates"]) == 24  # 8 schedules x M in 2, 4, 8
+
+
+def test_auto_under_a_budget_weighs_recomputation_as_the_pipeline_does(capsys: pytest.CaptureFixture[str]) -> None:
+    tiny = ["--model-arg", "n_layer=4", "--model-arg", "d_model=32", "--model-arg", "seq_len=16"]
+    assert main(["gpt", "--schedule", "auto", "--ranks", "2", "--batch-size", "8", "--cost", "flops", *tiny,
+                 "--memory-budget", "700KiB", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    run = [c for c in got["candidates"] if not c["refused"]]
+    # each candidate with and without recomputation, each with its stages' memory plans within the budget
+    assert {c["recompute"] for c in got["candidates"]} == {"none", "auto"}
+    assert all(c["memory"] and c["peak_bytes"] <= 700 * 1024 for c in run)
+    assert any(c["recompute"] == "auto" and any(x != "none" for x in c["memory"].split("|")) for c in run)
+    best = run[0]
+    assert any(n.startswith(f"schedule='auto' chose {best['schedule']} M={best['microbatches']}")
+               and f"memory plan per stage: {best['memory']}" in n for n in got["plan"]["notes"])
+    assert [s["memory"] for s in got["plan"]["stages"]] == best["memory"].split("|")
+    assert main(["gpt", "--schedule", "auto", "--ranks", "2", "--batch-size", "8", "--cost", "flops", *tiny,
+                 "--memory-budget", "700KiB", "--recompute", "none", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)  # asked not to: no recomputation weighed
+    assert {c["recompute"] for c in plain["candidates"]} == {""}
