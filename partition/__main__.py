@@ -76,15 +76,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                             f"spread evenly over the ranks: use --stages {args.stages - args.stages % v + v}")
         w = load(args.model, **parse_overrides(args.model_arg))
         flights = [in_flight_limit(args.schedule, args.stages, M, s, v) for s in range(args.stages)]
+        found: list[Any] = []  # the analysis the plan was cut from (its memory plans are made on it)
         result = plan(w.model, w.example_args, args.stages, example_kwargs=w.example_kwargs, cost=args.cost,
                       schedule=args.schedule, microbatches=M, stages_per_rank=v, in_flight_counts=flights,
                       memory_budget=args.memory_budget, recompute=args.recompute or "none",
                       loss_fn=None if args.loss_outside else w.loss_fn,
                       example_target=None if args.loss_outside else w.example_target,
-                      leaf_modules=w.leaf_modules, progress=lambda line: print(f"[plan] {line}", file=sys.stderr,
-                                                                               flush=True))
+                      leaf_modules=w.leaf_modules, analysis_out=found,
+                      progress=lambda line: print(f"[plan] {line}", file=sys.stderr, flush=True))
         if args.loss_outside:
             result.loss_note = "--loss-outside"
+        if args.recompute == "auto":  # the memory plan each stage gets within the budget, as in the pipeline
+            result = _memory_plans(result, found[0], args.stages // v, "auto", args.memory_budget,
+                                   {n: (p.numel(), p.element_size()) for n, p in w.model.named_parameters()})
     except USAGE_ERRORS as e:
         print(f"python -m partition: error: {e}", file=sys.stderr)
         return 2
@@ -97,6 +101,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.out:
             print(f"plan written to {args.out}")
     return 0
+
+
+def _memory_plans(result: Any, analysis: Any, ranks: int, recompute: str, budget: str | None,
+                  sizes: dict[str, tuple[int, int]]) -> Any:
+    """The plan with each stage's memory plan (pipe.auto.memory_plan); PlanError when one cannot fit."""
+    import memory
+    from pipe import auto
+    try:
+        return auto.memory_plan(result, analysis, ranks, recompute=recompute, offload="none",
+                                budget=parse_bytes(budget), param_sizes=sizes)
+    except memory.BudgetError as e:
+        raise PlanError(f"memory/ cannot fit it: {first_line(e, 400)}") from None
 
 
 def _auto(args: argparse.Namespace) -> int:
@@ -133,12 +149,7 @@ def _auto(args: argparse.Namespace) -> int:
         sizes = {n: (p.numel(), p.element_size()) for n, p in w.model.named_parameters()}
 
         def memory_fn(c: auto.Candidate, p: Any, a: Any) -> Any:
-            import memory
-            try:
-                return auto.memory_plan(p, a, args.ranks, recompute=c.recompute or recompute, offload="none",
-                                        budget=parse_bytes(args.memory_budget), param_sizes=sizes)
-            except memory.BudgetError as e:
-                raise PlanError(f"memory/ cannot fit it: {first_line(e, 200)}") from None
+            return _memory_plans(p, a, args.ranks, c.recompute or recompute, args.memory_budget, sizes)
         ranked, plans = auto.choose(cands, args.ranks, (w.example_args, w.example_kwargs, target), batch, plan_one,
                                     cal, memory_fn if recompute == "auto" else None)
     except (*USAGE_ERRORS, auto.NoCandidate, OSError, ValueError) as e:

@@ -559,7 +559,7 @@ class Pipeline:
                 return auto.memory_plan(p, a, self.world, recompute=c.recompute or features[0], offload=features[1],
                                         budget=parse_bytes(budget), param_sizes=sizes)
             except memory.BudgetError as e:
-                raise PipelineError(f"memory/ cannot fit it: {first_line(e, 200)}") from None
+                raise PipelineError(f"memory/ cannot fit it: {first_line(e, 400)}") from None
 
         def run() -> dict[str, Any]:
             ranked, plans = auto.choose(cands, self.world, given, batch_size, plan_one, cal,

@@ -158,3 +158,12 @@ def test_auto_under_a_budget_weighs_recomputation_as_the_pipeline_does(capsys: p
                  "--memory-budget", "700KiB", "--recompute", "none", "--json"]) == 0
     plain = json.loads(capsys.readouterr().out)  # asked not to: no recomputation weighed
     assert {c["recompute"] for c in plain["candidates"]} == {""}
+    # one plan (no auto): with --recompute auto its stages get their memory plans within the budget
+    assert main(["gpt", "--stages", "2", "--cost", "flops", *tiny, "--memory-budget", "1100KiB", "--recompute", "auto",
+                 "--json"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert all(s["memory"] and s["memory_peak"] <= 1100 * 1024 for s in one["stages"])
+    assert main(["gpt", "--stages", "2", "--cost", "flops", *tiny, "--memory-budget", "700KiB", "--recompute",
+                 "auto"]) == 2
+    err = capsys.readouterr().err
+    assert "memory/ cannot fit it" in err and "Fix: give memory_budget >=" in err
