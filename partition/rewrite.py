@@ -24,6 +24,31 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return F.linear(x, weight[lo:hi], None if bias is None else bias[lo:hi])
 
 
+class _LseAndPicked(torch.autograd.Function):
+    """(logsumexp of each row of z, z[row, idx[row]] where `inside` else 0), with the gradient of z in
+    one buffer: the softmax scaled by the first's grad, plus the second's grad at each row's index.
+    Autograd's own (logsumexp's, then gather's) zero-fills a second buffer of z's size and adds it."""
+
+    @staticmethod
+    def forward(ctx: Any, z: torch.Tensor, idx: torch.Tensor, inside: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        lse = torch.logsumexp(z, dim=1)
+        picked = z.gather(1, idx.unsqueeze(1)).squeeze(1).masked_fill(~inside, 0.0)
+        ctx.save_for_backward(z, lse, idx, inside)
+        return lse, picked
+
+    @staticmethod
+    def backward(ctx: Any, g_lse: torch.Tensor | None, g_picked: torch.Tensor | None) -> tuple[Any, ...]:
+        z, lse, idx, inside = ctx.saved_tensors
+        dz = torch.sub(z, lse.unsqueeze(1)).exp_()  # the softmax of each row
+        if g_lse is not None:
+            dz.mul_(g_lse.unsqueeze(1))
+        else:
+            dz.zero_()
+        if g_picked is not None:
+            dz.scatter_add_(1, idx.unsqueeze(1), g_picked.masked_fill(~inside, 0.0).unsqueeze(1).to(dz.dtype))
+        return dz, None, None
+
+
 def vocab_slice(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
                 lo: int, hi: int, stats: torch.Tensor | None) -> torch.Tensor:
     """Logits [lo, hi) of F.linear(h, weight, bias), one row per target, folded into `stats`.
@@ -35,8 +60,7 @@ def vocab_slice(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     z = F.linear(h.reshape(-1, h.shape[-1]), weight[lo:hi], None if bias is None else bias[lo:hi])  # (N, hi-lo)
     t = target.reshape(-1)  # (N,)
     inside = (t >= lo) & (t < hi)
-    picked = z.gather(1, (t - lo).clamp(0, hi - lo - 1).unsqueeze(1)).squeeze(1).masked_fill(~inside, 0.0)
-    lse = torch.logsumexp(z, dim=1)
+    lse, picked = _LseAndPicked.apply(z, (t - lo).clamp(0, hi - lo - 1), inside)
     if stats is None:
         return torch.stack((lse, picked), 1)  # (N, 2)
     return torch.stack((torch.logaddexp(stats[:, 0], lse), stats[:, 1] + picked), 1)
