@@ -86,3 +86,27 @@ def test_with_rewrites_reuses_the_trace_and_leaves_it_as_it_was() -> None:
         assert all(p is params[n] for n, p in b.gm.named_parameters())
         torch.testing.assert_close(b.gm(*b.flat), fresh.gm(*fresh.flat))
         assert b.with_rewrites(rewrites).costs.keys() == b.costs.keys()  # from its own pristine copy
+
+
+def test_a_vocab_slice_s_fused_gradient_is_autograd_s() -> None:
+    """The logits' gradient in one buffer (partition.rewrite._LseAndPicked) against finite differences,
+    with both outputs used and with either alone (its grad None), and in float32 against autograd's own."""
+    from partition.rewrite import _LseAndPicked, vocab_slice
+    torch.manual_seed(0)
+    z = torch.randn(6, 9, dtype=torch.float64, requires_grad=True)
+    idx = torch.tensor([0, 3, 8, 2, 2, 5])
+    inside = torch.tensor([True, True, False, True, False, True])
+    assert torch.autograd.gradcheck(lambda x: _LseAndPicked.apply(x, idx, inside), (z,))
+    assert torch.autograd.gradcheck(lambda x: _LseAndPicked.apply(x, idx, inside)[0], (z,))
+    assert torch.autograd.gradcheck(lambda x: _LseAndPicked.apply(x, idx, inside)[1], (z,))
+    h, w = torch.randn(8, 4, requires_grad=True), torch.randn(12, 4, requires_grad=True)
+    t = torch.randint(0, 12, (8,))
+    stats = vocab_slice(h, w, None, t, 3, 10, None)
+    z32 = torch.nn.functional.linear(h, w[3:10])
+    inside32 = (t >= 3) & (t < 10)
+    ref = torch.stack((torch.logsumexp(z32, 1), z32.gather(1, (t - 3).clamp(0, 6).unsqueeze(1)).squeeze(1)
+                       .masked_fill(~inside32, 0.0)), 1)
+    g = torch.randn(8, 2)
+    torch.testing.assert_close(stats, ref)
+    for a, b in zip(torch.autograd.grad(stats, (h, w), g), torch.autograd.grad(ref, (h, w), g)):
+        torch.testing.assert_close(a, b)
