@@ -71,23 +71,23 @@ def replayed_step(plan: Plan, n_ranks: int, measured: Timeline, calibration: Cal
             own[Action(a.stage, "W", a.mb)] = 0.0
     posts = {r: [e.end - e.start for e in sorted((e for e in measured.posts if e.rank == r), key=lambda e: e.start)]
              for r in range(n_ranks)}
-    S, M = plan.n_stages, plan.microbatches
-    place = placement(plan.schedule, S, n_ranks)
-    program = lower(build(plan.schedule, n_ranks, M, S // n_ranks), S, M, place)
-    zero = [0.0] * S
-    return simulate_program(program, S, f_ms=zero, b_ms=zero, w_ms=zero, comm_ms=stage_costs(plan, False, cal)[3],
-                            place=place, post_ms=cal.post_ms, action_ms=own, posts_ms=posts)
+    zero = [0.0] * plan.n_stages
+    return simulate_schedule(plan.schedule, n_ranks, plan.microbatches, zero, zero, zero,
+                             stage_costs(plan, False, cal)[3], cal.post_ms, action_ms=own, posts_ms=posts)
 
 
 def simulate_schedule(name: str, n_ranks: int, microbatches: int, f: list[float], b: list[float], w: list[float],
-                      comm: list[float], post_ms: float = 0.0) -> Timeline:
+                      comm: list[float], post_ms: float = 0.0, action_ms: dict[Action, float] | None = None,
+                      posts_ms: dict[int, list[float]] | None = None) -> Timeline:
     """The lowered program of schedule `name` on n_ranks for len(f) stages, simulated with these costs
-    (`post_ms`: the host's time posting each batch of messages)."""
+    (`post_ms`: the host's time posting each batch of messages; `action_ms`, `posts_ms`: one step's own
+    times, as pipe.simulate.simulate_program takes them)."""
     S = len(f)
     sched = build(name, n_ranks, microbatches, S // n_ranks)
     place = placement(name, S, n_ranks)
     program = lower(sched, S, microbatches, place)
-    return simulate_program(program, S, f_ms=f, b_ms=b, w_ms=w, comm_ms=comm, place=place, post_ms=post_ms)
+    return simulate_program(program, S, f_ms=f, b_ms=b, w_ms=w, comm_ms=comm, place=place, post_ms=post_ms,
+                            action_ms=action_ms, posts_ms=posts_ms)
 
 
 def layout_costs(plan: Plan, has_w: bool, bytes_per_ms: float | None = None, latency_ms: float | None = None,

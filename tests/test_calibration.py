@@ -135,6 +135,9 @@ def test_a_step_replayed_over_its_own_times_is_the_step() -> None:
         not (e.action.kind == "W" and e.action.stage == 0)]
     got = replayed_step(plan_of("zb-h1", 1), 2, dataclasses.replace(tl, events=fused), TRUE)
     assert not [e for e in got.events if e.action.stage == 0 and e.action.kind == "W" and e.end > e.start]
+    bw = {e.action.mb: e.end - e.start for e in fused if e.action.kind == "BW"}
+    b0 = {e.action.mb: e.end - e.start for e in got.events if e.action.stage == 0 and e.action.kind == "B"}
+    assert b0 == pytest.approx({m: TRUE.gap_ms + d for m, d in bw.items()})  # B took the BW's time
 
 
 def test_a_calibration_file_round_trips_and_a_wrong_one_is_refused(tmp_path: Path) -> None:

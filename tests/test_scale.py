@@ -1,6 +1,7 @@
 """pipe.scale (the ring all-reduce, buckets, a (pp, dp) layout's step) and its command, python -m bench scale."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -49,6 +50,12 @@ def test_one_replica_is_the_plain_lowered_program() -> None:
         assert got.timeline.events == plain.events
         assert got.timeline.collectives == [] and got.allreduce_ms == got.exposed_ms == 0.0
         assert (got.ranks, got.bubble) == (pp, pytest.approx(plain.bubble))
+        # the host's posts carry over from the costs into the layout's simulation
+        posted = predict_layout(dataclasses.replace(c, post_ms=0.3), pp=pp, dp=1, schedule=name, microbatches=M,
+                                v=v, allreduce_bytes_per_ms=1.0)
+        slow = simulate_program(lower(build(name, pp, M, v), pp * v, M, place), pp * v, f_ms=c.f_ms, b_ms=c.b_ms,
+                                w_ms=c.w_ms, comm_ms=c.comm_ms, place=place, post_ms=0.3)
+        assert posted.step_ms == pytest.approx(slow.makespan) and slow.makespan > plain.makespan, name
 
 
 def test_the_step_never_shrinks_as_dp_grows() -> None:
