@@ -174,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
             tag = f"{c['schedule']}-M{c['M']}{'-compiled' if c['compiled'] else ''}{sized}"
             tl = c["timelines"][-1]
             measured_ms = statistics.median(t.makespan for t in c["timelines"])
+            # the step's compute: every rank's actions (F, B, W, BW) summed, messages and waits left out
+            compute_ms = statistics.median(sum(t.busy(r) for r in range(t.n_ranks)) for t in c["timelines"])
             tl.to_png(str(out / f"timeline-{tag}.png"), title=f"{args.model} {tag} (measured)")
             (out / f"trace-{tag}.json").write_text(json.dumps(tl.to_chrome_trace()))
             report = pp.memory_report()
@@ -184,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                 "tokens_per_s": c["mb"] * c["M"] * w.tokens_per_sample * pp.dp / med,
                 "measured_bubble": statistics.median(t.bubble for t in c["timelines"]), "predicted_bubble": pred.bubble,
                 "textbook_bubble": textbook_bubble(c["schedule"], pp.S, c["M"], c["v"]),
-                "measured_step_ms": measured_ms, "predicted_step_ms": pred.makespan,
+                "measured_step_ms": measured_ms, "predicted_step_ms": pred.makespan, "compute_ms": compute_ms,
                 "measured_over_simulated": measured_ms / pred.makespan,
                 "uncalibrated_step_ms": raw.makespan, "calibrated": calibration is not None,
                 "replayed_step_ms": None if replay is None else replay.makespan, "post_ms": post_ms,
@@ -195,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
                 "action_ms": {f"{k}{s}": {"measured": ms, "simulated": simulated.get(f"{k}{s}")}
                               for (k, s), ms in sorted(typicals.items())},
             })
+        for r in rows:  # the split backward's price: compute against 1F1B's on the same microbatches
+            ref = [q["compute_ms"] for q in rows if q["schedule"] == "1f1b" and not q["compiled"]
+                   and (q["microbatches"], q["microbatch_size"]) == (r["microbatches"], r["microbatch_size"])]
+            r["compute_over_1f1b"] = r["compute_ms"] / ref[0] if ref else None
         result = {"command": " ".join(["python -m bench schedules"] + (argv or sys.argv[1:])),
                   "model": args.model, "model_args": overrides, "ranks": world, "data_parallel": args.data_parallel,
                   "launcher": ctx.launcher,
@@ -232,8 +238,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     cal = any(r.get("calibrated") for r in rows)
     head = ("| schedule | M | step (s) | tokens/s | bubble measured | bubble simulated | bubble textbook "
             f"| step simulated (ms) | step measured (ms) | measured / simulated |{' uncalibrated |' if cal else ''}"
-            " measured / replayed | measured / step replayed |\n"
-            f"|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|{'---:|' if cal else ''}---:|---:|")
+            " measured / replayed | measured / step replayed | compute (ms) | compute / 1F1B's |\n"
+            f"|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|{'---:|' if cal else ''}---:|---:|---:|---:|")
     lines = [head]
     for r in rows:
         name = (r["schedule"] + (" (compiled)" if r.get("compiled") else "")
@@ -246,7 +252,9 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
                      + (f" {r['measured_step_ms'] / r['replayed_step_ms']:.2f} |" if r.get("replayed_step_ms")
                         else " - |")
                      + (f" {r['measured_over_step_replays']:.2f} |" if r.get("measured_over_step_replays")
-                        else " - |"))
+                        else " - |")
+                     + f" {r['compute_ms']:.1f} |"
+                     + (f" {r['compute_over_1f1b']:.3f} |" if r.get("compute_over_1f1b") else " - |"))
     return "\n".join(lines)
 
 

@@ -24,13 +24,15 @@ def _linear_input(stage: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.
 def with_param_outputs(stage: torch.fx.GraphModule, param_nodes: dict[str, list[str]], direct: bool = False
                        ) -> tuple[torch.fx.GraphModule, list[tuple[str, list[torch.nn.Parameter]]],
                                   list[torch.nn.Parameter]]:
-    """A copy of `stage` that also returns the output of every node reading a parameter once.
+    """A copy of `stage` that also returns the output of every node whose weight grads W computes.
 
-    Returns (the module, [(node, its parameters)] for the extra outputs in order, and the
-    parameters read by several nodes of the stage, whose grads the B pass computes whole).
-    `direct`: the module returns a third tuple, aligned with the extra outputs: the input of each
-    nn.Linear node (None for other nodes), from which W computes that node's weight grads as two
-    matrix products instead of an autograd call (`backward_weight`).
+    Returns (the module, [(node, its parameters)] for the extra outputs in order, and the parameters
+    whose grads B computes whole: those read by several nodes of the stage (splitting them would count
+    paths twice), and under `direct` those of every node but the nn.Linear ones).
+    `direct`: W computes only the nn.Linear nodes' weight grads, each as two matrix products of the
+    node's input and output grad, and the module returns a third tuple, aligned with the extra
+    outputs: the input of each (`backward_weight`). Otherwise W differentiates every node that reads
+    parameters of its own.
     """
     uses: dict[int, int] = {}
     resolved: dict[str, list[torch.nn.Parameter]] = {}
@@ -41,7 +43,6 @@ def with_param_outputs(stage: torch.fx.GraphModule, param_nodes: dict[str, list[
             uses[id(p)] = uses.get(id(p), 0) + 1
     g = torch.fx.Graph()
     env: dict[str, torch.fx.Node] = {}
-    extra: list[tuple[str, list[torch.nn.Parameter]]] = []
     out_node = None
     for node in stage.graph.nodes:
         if node.op == "output":
@@ -49,19 +50,20 @@ def with_param_outputs(stage: torch.fx.GraphModule, param_nodes: dict[str, list[
             continue
         env[node.name] = g.node_copy(node, lambda n: env[n.name])
     assert out_node is not None
-    for node, ps in resolved.items():
-        if all(uses[id(p)] == 1 for p in ps) and node in env:
-            extra.append((node, ps))
-    multi = list({id(p): p for ps in resolved.values() for p in ps if uses[id(p)] > 1}.values())
-    outs = torch.fx.node.map_arg(out_node.args[0], lambda n: env[n.name])
     nodes = {n.name: n for n in stage.graph.nodes}
+    extra = [(node, ps) for node, ps in resolved.items()
+             if node in env and all(uses[id(p)] == 1 for p in ps)
+             and (not direct or _linear_input(stage, nodes[node]) is not None)]
+    in_w = {id(p) for _, ps in extra for p in ps}
+    in_b = list({id(p): p for ps in resolved.values() for p in ps if id(p) not in in_w}.values())
+    outs = torch.fx.node.map_arg(out_node.args[0], lambda n: env[n.name])
     result: tuple[Any, ...] = (outs, tuple(env[n] for n, _ in extra))
     if direct:
         ins = [_linear_input(stage, nodes[n]) for n, _ in extra]
-        result += (tuple(None if x is None else env[x.name] for x in ins),)
+        result += (tuple(env[x.name] for x in ins if x is not None),)
     g.output(result)
     gm = torch.fx.GraphModule(stage, g, type(stage).__name__ + "ZB")
-    return gm, extra, multi
+    return gm, extra, in_b
 
 
 @dataclass
@@ -69,18 +71,28 @@ class Saved:
     """What one microbatch's forward left for its backward on one stage."""
     roots: list[torch.Tensor]                 # outputs sent on (or the scaled loss on the last stage)
     leaves: list[torch.Tensor | None]         # received inputs (None: not differentiable)
-    param_outs: list[Any] = field(default_factory=list)   # zero-bubble extra outputs, one per node
-    param_grads: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = field(default_factory=list)  # by B
+    param_outs: list[Any] = field(default_factory=list)   # zero-bubble: each W node's output
+    # by B: each W node's (output tensor, its grad); the output None where W needs no graph (B freed it)
+    param_grads: list[list[tuple[torch.Tensor | None, torch.Tensor | None]]] = field(default_factory=list)
     param_ins: list[torch.Tensor | None] = field(default_factory=list)  # direct W: each linear node's input
 
 
-def _accumulate(p: torch.Tensor, g: torch.Tensor | None) -> None:
+def _accumulate(p: torch.Tensor, g: torch.Tensor | None, fresh: bool = False) -> None:
+    """p.grad += g; `fresh`: g is a new tensor nothing else holds, which becomes p.grad as it is
+    (as autograd's own accumulation steals it) instead of being copied."""
     if g is None:
         return
     if p.grad is None:
-        p.grad = g.detach().clone()
+        p.grad = g.detach() if fresh and g.is_contiguous() else g.detach().clone()
     else:
         p.grad.add_(g)
+
+
+def _alone(r: torch.Tensor, others: list[torch.Tensor | None]) -> bool:
+    """Whether `r` (one of `others`) is a tensor of its own: no view, and no other tensor of `others`
+    (the grads an autograd call gave and was given) shares its memory."""
+    ptr = r.untyped_storage().data_ptr()
+    return r._base is None and sum(o is not None and o.untyped_storage().data_ptr() == ptr for o in others) == 1
 
 
 def _roots(saved: Saved, grads: list[torch.Tensor | None]) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
@@ -114,46 +126,108 @@ def _tensors(out: object) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
-def backward_input(saved: Saved, grads: list[torch.Tensor | None], multi: list[torch.nn.Parameter]
-                   ) -> list[torch.Tensor | None]:
-    """B of zero-bubble: grads of the received inputs, and of each parameter-reading node's output.
+def _linear_ok(params: list[torch.nn.Parameter], x: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether W can compute a linear node's weight (and bias) grads as g^T x and g summed over the rows,
+    from its input `x` and the grad of its output `out`: the shapes and dtypes of a plain linear's (no
+    autocast)."""
+    w = [p for p in params if p.dim() == 2]
+    b = [p for p in params if p.dim() == 1]
+    if len(w) != 1 or len(b) > 1 or len(params) != len(w) + len(b) or not x.dim() or not out.dim():
+        return False
+    out_f, in_f = w[0].shape
+    return (out.shape[-1], x.shape[-1]) == (out_f, in_f) and x.dtype == out.dtype == w[0].dtype and (
+        not b or b[0].shape == (out_f,))
 
-    The weight grads themselves wait for `backward_weight`; parameters read by several nodes
-    get their whole grad here (splitting them would count paths twice).
+
+def _direct(saved: Saved, extra: list[tuple[str, list[torch.nn.Parameter]]] | None,
+            outs: list[list[torch.Tensor]]) -> bool:
+    """Whether W will compute every node's weight grads as matrix products (needing no graph)."""
+    ins = saved.param_ins
+    return extra is not None and len(ins) == len(extra) == len(outs) and all(
+        x is not None and len(ts) == 1 and _linear_ok(ps, x, ts[0]) for (_, ps), x, ts in zip(extra, ins, outs))
+
+
+def backward_input(saved: Saved, grads: list[torch.Tensor | None], in_b: list[torch.nn.Parameter],
+                   extra: list[tuple[str, list[torch.nn.Parameter]]] | None = None) -> list[torch.Tensor | None]:
+    """B of zero-bubble: grads of the received inputs, of each W node's output, and whole grads of the
+    parameters `in_b` (`with_param_outputs`); returns the received inputs' grads.
+
+    When W computes every node of `extra` from the input the forward kept (`_direct`), B frees the
+    graph as a full backward does, so that a microbatch waiting for its W holds only those inputs and
+    output grads; otherwise the graph stays for W's autograd calls.
     """
     roots, gs = _roots(saved, grads)
     leaves = [x for x in saved.leaves if x is not None and x.requires_grad]
     outs = [_tensors(o) for o in saved.param_outs]
-    targets: list[torch.Tensor] = leaves + list(multi) + [t for ts in outs for t in ts]
+    whole = [p for p in in_b if p.requires_grad]
+    targets: list[torch.Tensor] = leaves + whole + [t for ts in outs for t in ts]
+    keep = not _direct(saved, extra, outs)
     got: dict[int, torch.Tensor | None] = {}
     if roots and targets:
-        res = torch.autograd.grad(roots, targets, gs, retain_graph=True, allow_unused=True)
+        res = torch.autograd.grad(roots, targets, gs, retain_graph=keep, allow_unused=True)
         got = {id(t): g for t, g in zip(targets, res)}
-    for p in multi:
-        _accumulate(p, got.get(id(p)))
-    saved.param_grads = [[(t, got.get(id(t))) for t in ts] for ts in outs]
-    return _leaf_grads(saved, got)
+        for p in whole:
+            r = got.get(id(p))
+            _accumulate(p, r, fresh=r is not None and _alone(r, [*res, *gs]))
+    saved.param_grads = [[(t if keep else None, got.get(id(t))) for t in ts] for ts in outs]
+    leaf_grads = _leaf_grads(saved, got)
+    saved.leaves = []
+    if not keep:
+        saved.roots.clear()
+        saved.param_outs.clear()
+    return leaf_grads
 
 
-def _linear_grads(params: list[torch.nn.Parameter], x: torch.Tensor, g: torch.Tensor) -> bool:
-    """A linear layer's weight (and bias) grads from its input `x` and output grad `g`: g^T x and the sum
-    of g over the rows, accumulated; False (nothing done) unless the shapes and dtypes are a plain
-    linear's (no autocast)."""
-    w = [p for p in params if p.dim() == 2]
+def _linear_grads(params: list[torch.nn.Parameter], x: torch.Tensor, g: torch.Tensor) -> None:
+    """A linear layer's weight (and bias) grads from its input `x` and output grad `g`, accumulated
+    (`_linear_ok` holds; under no_grad: x is an activation that requires grad)."""
+    weight = next(p for p in params if p.dim() == 2)
     b = [p for p in params if p.dim() == 1]
-    if len(w) != 1 or len(b) > 1 or len(params) != len(w) + len(b) or not x.dim() or not g.dim():
-        return False
-    weight = w[0]
     out_f, in_f = weight.shape
-    if (g.shape[-1], x.shape[-1]) != (out_f, in_f) or not (x.dtype == g.dtype == weight.dtype) or (
-            b and b[0].shape != (out_f,)):
+    g2 = g.reshape(-1, out_f)
+    if weight.requires_grad:
+        x2 = x.reshape(-1, in_f)
+        if weight.grad is None:
+            weight.grad = g2.t().mm(x2)
+        else:  # added inside the product: no pass of its own over the grad
+            weight.grad.addmm_(g2.t(), x2)
+    if b and b[0].requires_grad:
+        _accumulate(b[0], g2.sum(0), fresh=True)
+
+
+def _node_grads(params: list[torch.nn.Parameter], t: torch.Tensor, g: torch.Tensor) -> bool:
+    """A node's weight grads by calling, once, the autograd node that made its output `t`, when that
+    node reads each of the parameters itself (LayerNorm, RMSNorm's scale, an embedding, a convolution,
+    a batch norm): its own backward function, without the engine, whose call first walks the whole
+    retained graph below the node. The call also computes the grad of the node's input, which is
+    dropped. False (nothing done) unless each parameter is exactly one of the node's inputs, the node is
+    a built-in one (a Python autograd.Function's node is not callable) and `t` has no hooks (which only
+    the engine runs: memory/'s, which bring streamed parameters back before the node)."""
+    fn = t.grad_fn
+    if fn is None or not callable(fn) or t._backward_hooks:
         return False
-    with torch.no_grad():  # x is an activation that requires grad: no graph for the products
-        g2 = g.reshape(-1, out_f)
-        if weight.requires_grad:
-            _accumulate(weight, g2.t().mm(x.reshape(-1, in_f)))
-        if b and b[0].requires_grad:
-            _accumulate(b[0], g2.sum(0))
+    want = {id(p) for p in params if p.requires_grad}
+    at: dict[int, int] = {}
+    for i, (nxt, _) in enumerate(fn.next_functions):
+        v = getattr(nxt, "variable", None)  # an AccumulateGrad: a leaf's
+        if v is not None and id(v) in want:
+            if id(v) in at:
+                return False  # the same parameter twice: its grads would need adding
+            at[id(v)] = i
+    if len(at) != len(want):
+        return False
+    grads: list[torch.Tensor | None] = [None] * len(fn._input_metadata)  # one per output of the op
+    grads[t.output_nr] = g
+    res = fn(*grads)  # under no_grad (`backward_weight`)
+    res = res if isinstance(res, tuple) else (res,)
+    for p in params:
+        r0 = res[at[id(p)]] if p.requires_grad else None
+        if r0 is None:
+            continue  # an undefined grad: nothing reached the parameter
+        # what the engine does with an input's grad: sum a broadcast away, cast to its dtype (new tensors)
+        r = r0.sum_to_size(p.shape) if r0.shape != p.shape else r0
+        r = r.to(p.dtype)
+        _accumulate(p, r, fresh=r is not r0 or _alone(r0, [*res, g]))
     return True
 
 
@@ -162,21 +236,27 @@ def backward_weight(saved: Saved, extra: list[tuple[str, list[torch.nn.Parameter
     """W of zero-bubble: each parameter-reading node's weight grads from its stored output grads;
     `ready(params)` after each node's (data parallel: their grads may be final).
 
-    A linear node whose input the forward kept (`Saved.param_ins`) takes two matrix products; other
-    nodes take an autograd call each, which walks the retained graph below the node (the longer the
-    deeper the node sits)."""
+    A linear node whose input the forward kept (`Saved.param_ins`) takes two matrix products; a node
+    whose own autograd node reads its parameters, a call of that node (`_node_grads`); any other
+    node an autograd call, which walks the retained graph below the node (the longer the deeper the
+    node sits)."""
     ins = saved.param_ins or [None] * len(extra)
-    for (_, params), got, x in zip(extra, saved.param_grads, ins):
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = [(t, g) for t, g in got if g is not None]
-        if not pairs:
-            continue
-        if not (x is not None and len(pairs) == 1 and _linear_grads(params, x, pairs[0][1])):
-            res = torch.autograd.grad([t for t, _ in pairs], params, [g for _, g in pairs], retain_graph=True,
-                                      allow_unused=True)
-            for p, gp in zip(params, res):
-                _accumulate(p, gp)
-        if ready is not None:
-            ready(params)
+    with torch.no_grad():  # the products read activations that require grad: no graph for them
+        for (_, params), got, x in zip(extra, saved.param_grads, ins):
+            pairs = [(t, g) for t, g in got if g is not None]
+            if not pairs:
+                continue
+            (t, g), one = pairs[0], len(pairs) == 1
+            if one and x is not None and _linear_ok(params, x, g):
+                _linear_grads(params, x, g)
+            elif not (one and t is not None and _node_grads(params, t, g)):
+                trained = [p for p in params if p.requires_grad]
+                outs = [t for t, _ in pairs if t is not None]  # kept: B kept the graph for this W
+                res = torch.autograd.grad(outs, trained, [g for _, g in pairs], retain_graph=True, allow_unused=True)
+                for p, gp in zip(trained, res):
+                    _accumulate(p, gp)
+            if ready is not None:
+                ready(params)
     saved.roots.clear()
     saved.param_outs.clear()
     saved.param_grads.clear()

@@ -334,10 +334,12 @@ class Pipeline:
             # manage what the forward keeps (holding the input would defeat them)
             direct = recompute == "none" and offload == "none"
             self.plan.notes.append(
-                "zero bubble: W computes each nn.Linear's weight grads as matrix products of the input its forward "
-                "kept and the output grad, and every other parameter node's by an autograd call" if direct else
-                f"zero bubble: W computes every parameter node's weight grads by an autograd call (recompute="
-                f"{recompute!r}, offload={offload!r}: the linear layers' inputs are not kept for it)")
+                "zero bubble: W computes the nn.Linear layers' weight grads, each as matrix products of the input its "
+                "forward kept and the output grad; B computes every other parameter's grads with the input grads "
+                "and frees the graph" if direct else
+                "zero bubble: W computes every parameter node's weight grads by calling its autograd node, or an "
+                f"autograd call where that node does not read the parameters itself (recompute={recompute!r}, "
+                f"offload={offload!r}: the linear layers' inputs are not kept for it)")
             for s in self.local:
                 self._zb[s] = with_param_outputs(self.stages[s], self.io[s].param_nodes, direct=direct)
                 self.memory.set_weight_order(s, [n for n, _ in self._zb[s][1]], self._zb[s][2])
@@ -1271,7 +1273,7 @@ class _StepState:
         grads: list[torch.Tensor | None] = self.ex.recv_grads(s, mb, saved.roots) if s < pp.S - 1 else [None]
         start = self.clock.mark()
         if a.kind == "B" and pp.split_w:  # input grads; W computes the weight grads
-            leaf_grads = backward_input(saved, grads, pp._zb_params(s)[1])
+            leaf_grads = backward_input(saved, grads, pp._zb_params(s)[1], pp._zb_params(s)[0])
         else:  # B without W, or BW (a stage recomputing under zero-bubble): the whole backward
             leaf_grads = backward_full(saved, grads)
             saved.param_outs.clear()

@@ -28,7 +28,7 @@ def test_bench_schedules(tmp_path: Path) -> None:
                        "--cost", "flops", "--out", str(tmp_path), "--calibration", str(given),
                        "--calibrate", str(tmp_path / "fitted.json"), "--microbatch-sizes", "2"], timeout=180).output
     assert "| zb-h1 | 4 |" in out and "uncalibrated |" in out and "measured / replayed |" in out
-    assert "measured / step replayed |" in out
+    assert "measured / step replayed |" in out and "| compute / 1F1B's |" in out
     fitted = Calibration.load(tmp_path / "fitted.json")
     # a point per stage of each schedule (gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv); W in zb-h1 and zbv
     assert fitted.cost == "flops" and fitted.samples["F"] == 2 + 2 + 4 + 2 + 4 and fitted.samples["W"] == 2 + 4
@@ -49,6 +49,10 @@ def test_bench_schedules(tmp_path: Path) -> None:
         assert r["replayed_step_ms"] > 0 and {"F0", "B0", "F1", "B1"} <= set(r["action_ms"])
         assert r["post_ms"] > 0 and r["measured_over_step_replays"] > 0
         assert r["microbatch_size"] == 2 and not r["sized"]  # one size given: the table names none
+        # the step's compute, against 1F1B's on the same microbatches (1F1B's own is 1)
+        assert 0 < r["compute_ms"] < 2 * r["measured_step_ms"]
+        assert r["compute_over_1f1b"] == pytest.approx(r["compute_ms"] / next(
+            q["compute_ms"] for q in rows if q["schedule"] == "1f1b"))
         tag = f"{r['schedule']}-M{r['microbatches']}"
         assert (tmp_path / f"timeline-{tag}.png").read_bytes()[:8] == PNG
         _valid_trace(tmp_path / f"trace-{tag}.json")
