@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     from pipe.launch import measure_allreduce
     from pipe.auto import resize_batch
     from pipe.calibration import Calibration, Observations, fit, observe, typical
-    from pipe.predict import layout_costs, predicted_timeline, replayed_step, replayed_timeline, stage_costs
+    from pipe.predict import (layout_costs, predicted_timeline, replayed_step, replayed_timeline, stage_costs,
+                              w_parts)
     from pipe.scale import predict_layout
     from pipe.simulate import textbook_bubble
 
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                 comm = stage_costs(pp.plan, False)[3]
                 seen.extend(observe(c["timelines"], [st.fwd_ms for st in pp.plan.stages],
                                     [st.bwd_ms for st in pp.plan.stages], comm, pp.place, pp.plan.cost,
-                                    [len(st.nodes) for st in pp.plan.stages]))
+                                    [len(st.nodes) for st in pp.plan.stages], *w_parts(pp.plan)))
             med = statistics.median(c["times"])
             durations: dict[tuple[str, int], list[float]] = {}  # each action's, over the timed steps (and mbs)
             for t in c["timelines"]:

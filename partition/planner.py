@@ -21,7 +21,7 @@ from partition.meta import on_meta, to_meta
 from partition.rewrite import apply_rewrites, splittable_linear, vocab_parallel_why
 from partition.plan import Plan, PlanError, StagePlan, Value, fingerprint, human_bytes, in_flight, parse_bytes
 from partition.solve import Chain, CostModel, InfeasibleBudget, Solution, solve
-from partition.split import example_from_plan, live_values, split_graph
+from partition.split import example_from_plan, live_values, param_nodes_of, split_graph, w_nodes
 from partition.trace import TraceError, flatten_inputs, graph_copy, trace
 
 __all__ = ["plan", "split", "Analysis", "plan_from_bounds", "split_heavy_ops", "calibrate_plan"]
@@ -233,9 +233,21 @@ def _saved_on_stage(costs: dict[str, NodeCost], nodes: Sequence[str], stage_of: 
             saved[sid] = nb
     return sum(saved.values())
 
+def _w_part(a: Analysis, nodes: Sequence[str], apart: bool) -> tuple[float, int]:
+    """(ms, nodes) of a stage's W under zero bubble: with `apart` (neither recompute nor offload) the
+    nn.Linear nodes' weight grads W computes alone (partition.split.w_nodes), half of their backward
+    (a matrix product each, as for the input grad); otherwise W differentiates every node reading
+    parameters of its own, half of the stage's backward."""
+    param_nodes = param_nodes_of(a.gm, nodes)
+    w = w_nodes(a.gm, param_nodes) if apart else list(param_nodes)
+    return sum(a.costs[n].bwd_ms for n in (w if apart else nodes) if n in a.costs) / 2, len(w)
+
+
 def plan_from_bounds(a: Analysis, bounds: Sequence[int], cost_model: CostModel, *, schedule: str,
-                     microbatches: int, stages_per_rank: int, memory_budget: float | None) -> Plan:
-    """The Plan for given block bounds (the solver's, or a baseline's), with predicted figures."""
+                     microbatches: int, stages_per_rank: int, memory_budget: float | None,
+                     w_apart: bool = True) -> Plan:
+    """The Plan for given block bounds (the solver's, or a baseline's), with predicted figures; `w_apart`:
+    a zero-bubble W computes the linear layers' weight grads alone (no recompute or offload)."""
     from partition.solve import evaluate
     sol: Solution = evaluate(a.chain, tuple(bounds), cost_model)
     S = len(bounds) - 1
@@ -267,6 +279,7 @@ def plan_from_bounds(a: Analysis, bounds: Sequence[int], cost_model: CostModel, 
             peak_bytes=float(sol.stage_bytes[s]), send_bytes=int(ch.cut_bytes[hi]),
             recv_bytes=int(ch.cut_bytes[lo]), recv=values,
             shared=[p for p in params_of[s] if holders[p] > 1]))
+        stages[-1].w_ms, stages[-1].w_nodes = _w_part(a, nodes_of[s], w_apart)
     times = list(sol.stage_ms)
     notes = list(a.notes) + [f"stage {s} holds no parameters (the model has too few blocks with parameters, or "
                              "the budget allows no other split): build no optimizer on its rank, as torch's "
@@ -400,7 +413,8 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
                            f"fastest measured split predicts {fastest.bottleneck_ms:.2f} ms for the slowest "
                            f"stage, this one {sol.bottleneck_ms:.2f} ms (pass stable_within=0 for it)")
     return plan_from_bounds(a, sol.bounds, cm, schedule=schedule, microbatches=M,
-                            stages_per_rank=stages_per_rank, memory_budget=budget)
+                            stages_per_rank=stages_per_rank, memory_budget=budget,
+                            w_apart=recompute == "none" and offload == "none")
 
 
 def calibrate_plan(a: Analysis, sol: Solution, n_stages: int, cm: CostModel,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ from partition.rewrite import apply_rewrites, linear_rows, vocab_slice
 from partition.trace import flatten_outputs
 
 __all__ = ["StageIO", "stage_io", "split_graph", "inference_stage", "assemble_outputs", "live_values",
-           "example_from_plan"]
+           "example_from_plan", "linear_input", "w_nodes", "param_nodes_of"]
 
 
 @dataclass
@@ -71,6 +72,37 @@ def _needed(gm: torch.fx.GraphModule, own: set[str], stage_of: dict[str, int], r
             if a.name not in stage_of:
                 todo.append(a)
     return need
+
+
+def linear_input(gm: torch.nn.Module, node: torch.fx.Node) -> torch.fx.Node | None:
+    """The input of `node` when it calls an nn.Linear (exactly that class) on one tensor and trains its
+    weight (autograd then keeps that input for the weight's grad anyway), else None."""
+    if node.op != "call_module" or node.kwargs or len(node.args) != 1 or not isinstance(node.args[0], torch.fx.Node):
+        return None
+    mod = gm.get_submodule(str(node.target))
+    return node.args[0] if type(mod) is torch.nn.Linear and mod.weight.requires_grad else None
+
+
+def w_nodes(gm: torch.fx.GraphModule, param_nodes: dict[str, list[str]]) -> list[str]:
+    """The nodes of a stage whose weight grads a zero-bubble W computes apart from the rest of the backward,
+    as matrix products (pipe.backward, where neither recompute nor offload manage what the forward keeps):
+    its nn.Linear calls (`linear_input`) whose parameters no other node of the stage reads.
+    `param_nodes`: the stage's nodes (names in `gm`) -> the parameters each reads."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    reads = {n: {id(gm.get_parameter(p)): None for p in names} for n, names in param_nodes.items()}
+    uses: dict[int, int] = {}
+    for ids in reads.values():
+        for i in ids:
+            uses[i] = uses.get(i, 0) + 1
+    return [n for n, ids in reads.items() if n in nodes and linear_input(gm, nodes[n]) is not None
+            and all(uses[i] == 1 for i in ids)]
+
+
+def param_nodes_of(gm: torch.fx.GraphModule, names: Iterable[str]) -> dict[str, list[str]]:
+    """The nodes `names` of gm that read parameters -> the parameters each reads (as a stage's
+    StageIO.param_nodes)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    return {n: ps for n in names if n in nodes and (ps := _param_names(gm, nodes[n]))}
 
 
 def _param_names(gm: torch.fx.GraphModule, node: torch.fx.Node) -> list[str]:

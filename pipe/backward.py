@@ -9,16 +9,9 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from partition.split import linear_input, w_nodes
+
 __all__ = ["with_param_outputs", "Saved", "backward_full", "backward_input", "backward_weight"]
-
-
-def _linear_input(stage: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.Node | None:
-    """The input of `node` when it calls an nn.Linear (exactly that class) on one tensor and trains its
-    weight (autograd then keeps that input for the weight's grad anyway), else None."""
-    if node.op != "call_module" or node.kwargs or len(node.args) != 1 or not isinstance(node.args[0], torch.fx.Node):
-        return None
-    mod = stage.get_submodule(str(node.target))
-    return node.args[0] if type(mod) is torch.nn.Linear and mod.weight.requires_grad else None
 
 
 def with_param_outputs(stage: torch.fx.GraphModule, param_nodes: dict[str, list[str]], direct: bool = False
@@ -51,15 +44,15 @@ def with_param_outputs(stage: torch.fx.GraphModule, param_nodes: dict[str, list[
         env[node.name] = g.node_copy(node, lambda n: env[n.name])
     assert out_node is not None
     nodes = {n.name: n for n in stage.graph.nodes}
+    apart = set(w_nodes(stage, param_nodes)) if direct else None
     extra = [(node, ps) for node, ps in resolved.items()
-             if node in env and all(uses[id(p)] == 1 for p in ps)
-             and (not direct or _linear_input(stage, nodes[node]) is not None)]
+             if node in env and all(uses[id(p)] == 1 for p in ps) and (apart is None or node in apart)]
     in_w = {id(p) for _, ps in extra for p in ps}
     in_b = list({id(p): p for ps in resolved.values() for p in ps if id(p) not in in_w}.values())
     outs = torch.fx.node.map_arg(out_node.args[0], lambda n: env[n.name])
     result: tuple[Any, ...] = (outs, tuple(env[n] for n, _ in extra))
     if direct:
-        ins = [_linear_input(stage, nodes[n]) for n, _ in extra]
+        ins = [linear_input(stage, nodes[n]) for n, _ in extra]
         result += (tuple(env[x.name] for x in ins if x is not None),)
     g.output(result)
     gm = torch.fx.GraphModule(stage, g, type(stage).__name__ + "ZB")

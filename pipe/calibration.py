@@ -33,8 +33,15 @@ from pipe.simulate import Timeline
 
 __all__ = ["KINDS", "Calibration", "Line", "Observations", "fit", "observe", "typical"]
 
-# F at the stage's fwd_ms; B (the whole backward: B without W, or BW), B_split (B with W apart) and W at bwd_ms
+# F at the stage's fwd_ms; B (the whole backward: B without W, or BW) at bwd_ms; under zero bubble W at the
+# stage's W part (planned_w) and B_split (B with W apart) at the rest of bwd_ms
 KINDS = ("F", "B", "B_split", "W")
+VERSION = 2  # 1: B_split and W fitted on the whole backward's cost, a stage's W taken as half of it
+
+
+def planned_w(bwd_ms: float, w_ms: float | None) -> float:
+    """A stage's planned W per microbatch (StagePlan.w_ms; not priced: half the backward)."""
+    return bwd_ms / 2 if w_ms is None else min(w_ms, bwd_ms)
 
 
 @dataclass(frozen=True)
@@ -54,28 +61,34 @@ class Line:
 @dataclass(frozen=True)
 class Calibration:
     """The runtime on one machine against the plans' costs. The default is no correction: the plan's
-    costs as they are, a split backward halved between B and W, no gaps, no extra latency."""
+    costs as they are (a split backward's W the plan's W part, B the rest), no gaps, no extra latency."""
 
     f: Line = Line()
     b: Line = Line()
-    b_split: Line = Line(0.5)
-    w: Line = Line(0.5)
+    b_split: Line = Line()
+    w: Line = Line()
     gap_ms: float = 0.0  # host time before each compute action (receiving, hooks), outside its span
     message_ms: float = 0.0  # a message's latency beyond the plan's link figures
     post_ms: float = 0.0  # host time posting one batch of messages (the mean: the blocked posts add up)
     cost: str = ""  # how the plans it was fitted on were costed ("flops", "measured"; "" = any)
     samples: dict[str, int] = field(default_factory=dict)  # the points behind each figure
     machine: str = ""
+    version: int = VERSION
 
     def stage_costs(self, fwd_ms: Sequence[float], bwd_ms: Sequence[float], has_w: bool,
-                    nodes: Sequence[int] | None = None) -> tuple[list[float], list[float], list[float]]:
+                    nodes: Sequence[int] | None = None, w_ms: Sequence[float | None] | None = None,
+                    w_nodes: Sequence[int] | None = None) -> tuple[list[float], list[float], list[float]]:
         """(f, b, w) per stage for the simulator, each compute action with the gap before it; `nodes`:
-        each stage's fx node count. Without a W pass, b is the whole backward and w is 0."""
+        each stage's fx node count; `w_ms`, `w_nodes`: its W part and the nodes W differentiates
+        (StagePlan.w_ms, .w_nodes; default: half the backward, every node). Without a W pass, b is the
+        whole backward and w is 0."""
         n = list(nodes) if nodes is not None else [0] * len(fwd_ms)
         f = [self.gap_ms + self.f(x, k) for x, k in zip(fwd_ms, n)]
         if has_w:
-            return (f, [self.gap_ms + self.b_split(x, k) for x, k in zip(bwd_ms, n)],
-                    [self.gap_ms + self.w(x, k) for x, k in zip(bwd_ms, n)])
+            ws = [planned_w(x, y) for x, y in zip(bwd_ms, w_ms or [None] * len(bwd_ms))]
+            wn = list(w_nodes) if w_nodes is not None else n
+            return (f, [self.gap_ms + self.b_split(x - y, k) for x, y, k in zip(bwd_ms, ws, n)],
+                    [self.gap_ms + (self.w(y, k) if y > 0 or k else 0.0) for y, k in zip(ws, wn)])  # W of nothing: 0
         return f, [self.gap_ms + self.b(x, k) for x, k in zip(bwd_ms, n)], [0.0] * len(bwd_ms)
 
     def check_cost(self, cost: str) -> None:
@@ -94,6 +107,11 @@ class Calibration:
         if set(d) - known:
             raise ValueError(f"a calibration has the keys {sorted(known)}, got also {sorted(set(d) - known)}; "
                              "make it again with python -m bench calibrate")
+        if d.get("version", 1) != VERSION:
+            raise ValueError(f"this calibration is of version {d.get('version', 1)}, fitted when "
+                             + ("a split backward's B and W were both priced at the whole backward's cost"
+                                if d.get("version", 1) == 1 else "by another fxpipe")
+                             + f"; this fxpipe reads version {VERSION}: make it again with python -m bench calibrate")
         given: dict[str, Any] = dict(d)
         given.update({k: Line(**d[k]) for k in ("f", "b", "b_split", "w") if k in d})
         return cls(**given)
@@ -142,11 +160,14 @@ class Observations:
 
 def observe(timelines: Iterable[Timeline], fwd_ms: Sequence[float], bwd_ms: Sequence[float],
             comm_ms: Sequence[float], place: Sequence[int], cost: str = "",
-            nodes: Sequence[int] | None = None) -> Observations:
+            nodes: Sequence[int] | None = None, w_ms: Sequence[float | None] | None = None,
+            w_nodes: Sequence[int] | None = None) -> Observations:
     """Observations from measured steps of one pipeline: its stages' planned costs (and how they were
-    costed), the plan's price of a message across each boundary (comm_ms), its placement, and each
-    stage's fx node count."""
+    costed), the plan's price of a message across each boundary (comm_ms), its placement, each
+    stage's fx node count, and its W part and the nodes W differentiates (as Calibration.stage_costs)."""
     n_nodes = list(nodes) if nodes is not None else [0] * len(place)
+    ws = [planned_w(x, y) for x, y in zip(bwd_ms, w_ms or [None] * len(bwd_ms))]
+    wn = list(w_nodes) if w_nodes is not None else n_nodes
     n_stages = len(place)
     durations: dict[tuple[str, int], list[float]] = {}
     obs = Observations(cost={cost} if cost else set())
@@ -180,8 +201,8 @@ def observe(timelines: Iterable[Timeline], fwd_ms: Sequence[float], bwd_ms: Sequ
     split = any(kind == "W" for kind, _ in durations)
     for (kind, s), ms in durations.items():
         key = {"F": "F", "W": "W", "BW": "B", "B": "B_split" if split else "B"}[kind]
-        obs.points.setdefault(key, []).append((fwd_ms[s] if kind == "F" else bwd_ms[s], n_nodes[s],
-                                               typical(ms)))
+        planned = {"F": fwd_ms[s], "B": bwd_ms[s], "B_split": bwd_ms[s] - ws[s], "W": ws[s]}[key]
+        obs.points.setdefault(key, []).append((planned, wn[s] if key == "W" else n_nodes[s], typical(ms)))
     return obs
 
 
@@ -206,6 +227,9 @@ def _solve(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float] 
     return [float(c) for c in np.linalg.solve(gram, a.T @ y)]
 
 
+_ROUNDING = 1e-9  # a fitted part this close below 0 is 0 (a solve's rounding), not a negative part
+
+
 def _line(points: Sequence[tuple[float, int, float]], default: Line) -> Line:
     """Least squares of measured on planned, nodes and a constant. Where that is not determined (the
     planned costs and node counts do not vary apart, as at one microbatch size) or gives a negative
@@ -217,15 +241,15 @@ def _line(points: Sequence[tuple[float, int, float]], default: Line) -> Line:
     xs = [x for x, _, _ in pts]
     if len(pts) >= 4 and len({n for _, n, _ in pts}) > 1:
         full = _solve([(x, n, 1.0) for x, n, _ in pts], ys)
-        if full is not None and full[0] > 0 and min(full[1:]) >= 0:
-            return Line(full[0], full[2], full[1])
+        if full is not None and full[0] > 0 and min(full[1:]) >= -_ROUNDING:
+            return Line(full[0], max(full[2], 0.0), max(full[1], 0.0))
         two = _solve([(x, n) for x, n, _ in pts], ys)
-        if two is not None and two[0] > 0 and two[1] >= 0:
-            return Line(two[0], 0.0, two[1])
+        if two is not None and two[0] > 0 and two[1] >= -_ROUNDING:
+            return Line(two[0], 0.0, max(two[1], 0.0))
     if len(pts) >= 3 and max(xs) >= 1.25 * min(xs):
         one = _solve([(x, 1.0) for x in xs], ys)
-        if one is not None and one[0] > 0 and one[1] >= 0:
-            return Line(one[0], one[1])
+        if one is not None and one[0] > 0 and one[1] >= -_ROUNDING:
+            return Line(one[0], max(one[1], 0.0))
     return Line(statistics.median(y / x for x, _, y in pts), 0.0)
 
 
@@ -240,7 +264,7 @@ def fit(obs: Observations) -> Calibration:
     base = Calibration()
     lines = {k.lower(): _line(obs.points.get(k, []), getattr(base, k.lower())) for k in KINDS}
     gap = max(0.0, statistics.median(obs.gaps)) if obs.gaps else 0.0
-    return Calibration(**lines, gap_ms=gap,
+    return Calibration(f=lines["f"], b=lines["b"], b_split=lines["b_split"], w=lines["w"], gap_ms=gap,
                        message_ms=max(0.0, statistics.median(obs.latency) - gap) if obs.latency else 0.0,
                        post_ms=statistics.fmean(obs.posts) if obs.posts else 0.0,
                        cost=next(iter(obs.cost), ""),

@@ -15,16 +15,22 @@ __all__ = ["layout_costs", "predicted_timeline", "replayed_step", "replayed_time
 def stage_costs(plan: Plan, has_w: bool, calibration: Calibration | None = None
                 ) -> tuple[list[float], list[float], list[float], list[float]]:
     """(f_ms, b_ms, w_ms, comm_ms) per stage from the plan, corrected by `calibration` (pipe.calibration;
-    default none). Uncalibrated, a W pass splits the backward in half between input and weight grads
-    (each is one matmul per weight matmul of forward). A stage's memory plan (recompute, offload copies:
-    StagePlan.memory_ms) adds to its backward."""
+    default none). A W pass takes the stage's W part (StagePlan.w_ms: the linear layers' weight grads),
+    B the rest of the backward. A stage's memory plan (recompute, offload copies: StagePlan.memory_ms)
+    adds to its backward (to B)."""
     cal = calibration or Calibration()
     # the memory plan's recompute (and copies) run with the backward
     f, b, w = cal.stage_costs([s.fwd_ms for s in plan.stages], [s.bwd_ms + s.memory_ms for s in plan.stages], has_w,
-                              [len(s.nodes) for s in plan.stages])
+                              [len(s.nodes) for s in plan.stages], *w_parts(plan))
     comm = [(plan.latency_ms + s.send_bytes / plan.bytes_per_ms + cal.message_ms) if s.send_bytes else 0.0
             for s in plan.stages[:-1]]
     return f, b, w, comm
+
+
+def w_parts(plan: Plan) -> tuple[list[float | None], list[int]]:
+    """Each stage's planned W per microbatch (None: not priced) and the nodes W differentiates (where
+    not priced: all the stage's)."""
+    return ([s.w_ms for s in plan.stages], [s.w_nodes if s.w_ms is not None else len(s.nodes) for s in plan.stages])
 
 
 def predicted_timeline(plan: Plan, n_ranks: int, schedule: str | None = None,

@@ -225,3 +225,28 @@ def test_a_grad_aliasing_another_is_copied() -> None:
         assert pb._node_grads([bias], z, g)
     assert bias.grad is not None and torch.equal(bias.grad, g)
     assert bias.grad.untyped_storage().data_ptr() != g.untyped_storage().data_ptr()
+
+
+def test_the_plan_prices_the_w_the_runtime_runs() -> None:
+    """The plan's W part of each stage (StagePlan.w_ms) is half the backward of exactly the nodes W
+    differentiates at run time: the linear ones (with_param_outputs direct), or under recompute every
+    parameter node, half the stage; a stage of vocabulary slices alone has no W."""
+    from partition.split import param_nodes_of
+    w = partition.load("gpt", **SMALL)
+    a = partition.Analysis(w.model, w.example_args, cost="flops")
+    for recompute in ("none", "full"):
+        plan = partition.plan(w.model, w.example_args, 2, cost="flops", analysis=a, recompute=recompute)
+        for st, stage in zip(plan.stages, partition.split(w.model, plan)):
+            io = stage_io(stage)
+            extra = with_param_outputs(stage, io.param_nodes, direct=recompute == "none")[1]
+            assert st.w_nodes == (len(extra) if recompute == "none" else len(param_nodes_of(stage, st.nodes)))
+            part = [n for n, _ in extra] if recompute == "none" else st.nodes
+            assert st.w_ms == pytest.approx(sum(a.costs[n].bwd_ms for n in part) / 2)
+            assert 0 < st.w_ms < st.bwd_ms
+    wide = partition.load("gpt_wide_vocab", n_layer=2, d_model=32, n_head=2, seq_len=16, vocab=4096)
+    plan = partition.plan(wide.model, wide.example_args, 2, cost="flops", loss_fn=wide.loss_fn,
+                          example_target=wide.example_target)
+    first, last = plan.stages
+    assert last.nodes == ["lm_head_vocab1", "lm_head_loss"]  # the head's slices spread over both stages
+    assert (last.w_ms, last.w_nodes) == (0.0, 0)
+    assert first.w_nodes == 4 * 2 and "lm_head_vocab0" in first.nodes  # a slice is no W node

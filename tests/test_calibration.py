@@ -14,12 +14,13 @@ import pytest
 
 from partition.plan import Plan, StagePlan
 from pipe.calibration import Calibration, Line, Observations, fit, observe
-from pipe.predict import predicted_timeline, replayed_timeline, simulate_schedule
+from pipe.predict import predicted_timeline, replayed_timeline, simulate_schedule, w_parts
 from pipe.simulate import Timeline
 
 COSTS = {1: ([6.0, 7.5], [12.0, 15.5]), 2: ([3.0, 4.0, 2.5, 3.5], [6.0, 8.0, 5.0, 7.0])}  # v -> (fwd, bwd)
 NODES = {1: [40, 46], 2: [22, 18, 21, 25]}  # v -> fx nodes per stage
 COMM = 0.2  # the plan's price of a message
+W_SHARE = {1: [0.4, 0.3], 2: [0.4, 0.45, 0.35, 0.0]}  # v -> each stage's W part of its backward (a last one without)
 TRUE = Calibration(f=Line(1.2, 0.5, 0.01), b=Line(1.1, 0.8, 0.02), b_split=Line(0.8, 0.6, 0.015),
                    w=Line(0.5, 0.4, 0.005), gap_ms=0.4, message_ms=0.3, post_ms=0.25)
 
@@ -31,7 +32,8 @@ def plan_of(name: str, v: int, size: float = 1.0) -> Plan:
     stages = [StagePlan(index=s, nodes=[f"n{k}" for k in range(NODES[v][s])], params=[], fwd_ms=fwd[s],
                         bwd_ms=bwd[s], param_bytes=0,
                         activation_bytes=0, in_flight=1, peak_bytes=0.0, send_bytes=1 if s < S - 1 else 0,
-                        recv_bytes=0, recv=[], shared=[]) for s in range(S)]
+                        recv_bytes=0, recv=[], shared=[], w_ms=W_SHARE[v][s] * bwd[s], w_nodes=NODES[v][s] // 3)
+              for s in range(S)]
     return Plan(stages=stages, schedule=name, microbatches=8, stages_per_rank=v, cost="flops", memory_budget=None,
                 bottleneck_ms=0.0, imbalance=1.0, model="toy", fingerprint="", tracer="", inputs=[],
                 bytes_per_ms=1e12, latency_ms=COMM)
@@ -49,7 +51,7 @@ def observed(name: str, v: int, size: float = 1.0) -> Observations:
     tl = measured(name, v, size)
     p = plan_of(name, v, size)
     return observe([tl, tl], [s.fwd_ms for s in p.stages], [s.bwd_ms for s in p.stages], [COMM] * (2 * v - 1),
-                   [s % 2 for s in range(2 * v)], "flops", [len(s.nodes) for s in p.stages])
+                   [s % 2 for s in range(2 * v)], "flops", [len(s.nodes) for s in p.stages], *w_parts(p))
 
 
 def test_the_fit_recovers_the_figures_behind_the_steps() -> None:
@@ -81,7 +83,7 @@ def test_nodes_collinear_with_the_costs_fit_planned_and_a_constant() -> None:
             s.nodes = [f"n{k}" for k in range(int(10 * s.fwd_ms))]
         tl = predicted_timeline(p, 2, calibration=truth)
         obs.extend(observe([tl], [s.fwd_ms for s in p.stages], [s.bwd_ms for s in p.stages], [COMM] * (2 * v - 1),
-                           [s % 2 for s in range(2 * v)], "flops", [len(s.nodes) for s in p.stages]))
+                           [s % 2 for s in range(2 * v)], "flops", [len(s.nodes) for s in p.stages], *w_parts(p)))
     got = fit(obs)
     for k in ("f", "b", "b_split", "w"):
         line = getattr(got, k)
@@ -93,7 +95,7 @@ def test_too_few_or_too_close_points_give_a_scale_alone_and_the_unseen_keep_thei
     got = fit(observed("1f1b", 1))  # two stages: two points per kind
     assert got.f.fixed == 0.0 and got.f.per_node == 0.0 and got.f.scale == pytest.approx((1.2 * 6 + 0.5 + 0.4) / 6,
                                                                                          rel=0.1)
-    assert got.b_split == Line(0.5) and got.w == Line(0.5)  # no W ran
+    assert got.b_split == Line() and got.w == Line()  # no W ran: the planned B and W as they are
     assert got.gap_ms == pytest.approx(0.4)
     empty = fit(Observations())
     assert (empty.f, empty.b, empty.gap_ms, empty.message_ms, empty.cost) == (Line(), Line(), 0.0, 0.0, "")
@@ -160,3 +162,33 @@ def test_an_action_s_typical_time_is_its_trimmed_mean() -> None:
     runs = [5.0] * 8 + [7.0, 183.0]  # a slow run counts, a stall (one in ten) does not
     assert typical(runs) == pytest.approx((5.0 * 7 + 7.0) / 8)
     assert typical([2.0, 4.0]) == 3.0 and typical([1.0]) == 1.0
+
+
+def test_a_split_backward_is_priced_by_the_plans_w_part() -> None:
+    """Uncalibrated, W takes the stage's W part (StagePlan.w_ms) and B the rest of the backward (with the
+    memory plan's time); a stage whose W has nothing to do costs only the gap before it; a plan
+    without W parts (an older plan) halves the backward."""
+    p = plan_of("zb-h1", 1)
+    p.stages[0].memory_ms = 1.0
+    p.stages[1].w_ms, p.stages[1].w_nodes = 0.0, 0
+    from pipe.predict import stage_costs
+    f, b, w, _ = stage_costs(p, True, Calibration(gap_ms=0.5))
+    assert w == pytest.approx([0.5 + 0.4 * 12.0, 0.5])
+    assert b == pytest.approx([0.5 + 12.0 + 1.0 - 0.4 * 12.0, 0.5 + 15.5])
+    assert stage_costs(p, False)[1:3] == ([13.0, 15.5], [0.0, 0.0])  # no W pass: the whole backward in B
+    for st in p.stages:
+        st.w_ms = None
+    assert stage_costs(p, True)[1:3] == ([6.5, 7.75], [6.5, 7.75])
+
+
+def test_a_calibration_of_another_version_is_refused(tmp_path: Path) -> None:
+    """A calibration file from before the plan priced W apart (version 1: no version key) names what
+    changed and how to make a new one; a current one round-trips."""
+    path = TRUE.save(tmp_path / "cal.json")
+    assert Calibration.load(path) == TRUE
+    import json
+    old = json.loads(path.read_text())
+    del old["version"]
+    path.write_text(json.dumps(old))
+    with pytest.raises(ValueError, match="version 1.*whole backward.*python -m bench calibrate"):
+        Calibration.load(path)
