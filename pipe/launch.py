@@ -6,6 +6,7 @@ import atexit
 import contextlib
 import datetime
 import gc
+import importlib
 import math
 import os
 import socket
@@ -166,6 +167,11 @@ def init(*, backend: str | None = None, timeout_s: float | None = None) -> Conte
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
     _TIMEOUT_S[0] = timeout_s
+    # torch._dynamo, imported once a process group exists (the first op under a TorchDispatchMode imports
+    # it, as FLOP counting does), takes references to that group that destroy_process_group does not
+    # drop: gloo's threads then outlive it and abort the process at exit ("terminate called without an
+    # active exception"). Imported before, it holds none.
+    importlib.import_module("torch._dynamo")
     if not dist.is_initialized():
         if launcher == "torchrun":
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)

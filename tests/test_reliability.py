@@ -95,6 +95,7 @@ def batch_body(rank: int, world: int, *, runs: dict[str, list[str]]) -> dict[str
                 traceback.print_exc()
         results[name] = {"code": code, "output": buf.getvalue(), "s": time.monotonic() - start,
                          "group": dist.is_initialized()}
+    results["threads"] = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
     return results
 
 
@@ -314,6 +315,14 @@ def test_run_skip_nonfinite_and_a_second_run_into_one_folder(batch: list[dict[st
         assert "--out" in line and "previous run's outputs (summary.json" in line and "--overwrite" in line, line
         assert "Traceback" not in runs["again"]["output"]
     assert again["s"] < 1
+
+
+def test_an_ended_group_leaves_no_gloo_thread(batch: list[dict[str, Any]]) -> None:
+    """After runs that counted FLOPs (a TorchDispatchMode) with the process group up, the run that ends
+    the group leaves none of gloo's threads behind (which would abort the process at exit)."""
+    for runs in batch:
+        assert all(runs[case]["group"] for case in CASES) and not runs["skip"]["group"]  # the skip run ended it
+        assert not [t for t in runs["threads"] if "gloo" in t], runs["threads"]
 
 
 def soak_body(rank: int, world: int, *, steps: int) -> list[int]:
