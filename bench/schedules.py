@@ -8,6 +8,7 @@ torchrun --nproc-per-node 2 -m bench.schedules gpt --microbatches 4,8 --schedule
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     from partition.workload import parse_overrides
     from pipe.launch import measure_allreduce
     from pipe.auto import resize_batch
-    from pipe.calibration import Calibration, Observations, fit, observe, typical
+    from pipe.calibration import Calibration, Observations, fit, observe, step_scale, typical
     from pipe.predict import (layout_costs, predicted_timeline, replayed_step, replayed_timeline, stage_costs,
                               w_parts)
     from pipe.scale import predict_layout
@@ -210,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
             result["calibration"] = calibration.to_dict()
         if args.calibrate:
             fitted = fit(seen)
+            # what the spread of action times adds to a step: the fitted prediction against each step measured
+            fitted = dataclasses.replace(fitted, step_scale=step_scale(
+                (statistics.median(t.makespan for t in c["timelines"]),
+                 predicted_timeline(c["pp"].plan, c["pp"].world, calibration=fitted).makespan)
+                for c in cands if c["pp"].dp == 1 and c["timelines"]))
             print(f"calibration written to {fitted.save(args.calibrate)}: {fitted.describe()}")
         (out / "schedules.json").write_text(json.dumps(result, indent=1))
         table = markdown_table(rows)

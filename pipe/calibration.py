@@ -19,6 +19,7 @@ calibrate` runs it on a bundled model and writes the JSON file that `bench sched
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import statistics
@@ -31,7 +32,7 @@ from pipe.lower import needs
 from pipe.schedules import Action
 from pipe.simulate import Timeline
 
-__all__ = ["KINDS", "Calibration", "Line", "Observations", "fit", "observe", "typical"]
+__all__ = ["KINDS", "Calibration", "Line", "Observations", "fit", "observe", "typical", "step_scale"]
 
 # F at the stage's fwd_ms; B (the whole backward: B without W, or BW) at bwd_ms; under zero bubble W at the
 # stage's W part (planned_w) and B_split (B with W apart) at the rest of bwd_ms
@@ -58,6 +59,10 @@ class Line:
         return self.scale * planned_ms + self.per_node * nodes + self.fixed
 
 
+def _times(line: Line, k: float) -> Line:
+    return Line(line.scale * k, line.fixed * k, line.per_node * k)
+
+
 @dataclass(frozen=True)
 class Calibration:
     """The runtime on one machine against the plans' costs. The default is no correction: the plan's
@@ -74,6 +79,17 @@ class Calibration:
     samples: dict[str, int] = field(default_factory=dict)  # the points behind each figure
     machine: str = ""
     version: int = VERSION
+    # measured step / predicted step over the pipelines it was fitted on (the median): what the spread of
+    # action times adds to a step, whose critical path waits for the slow runs, over their typical times
+    step_scale: float = 1.0
+
+    def predicting(self) -> Calibration:
+        """The figures a prediction uses: the actions' lines, the gap and the posts times step_scale."""
+        return self if self.step_scale == 1.0 else dataclasses.replace(self._scaled(self.step_scale), step_scale=1.0)
+
+    def _scaled(self, k: float) -> Calibration:
+        return dataclasses.replace(self, f=_times(self.f, k), b=_times(self.b, k), b_split=_times(self.b_split, k),
+                                   w=_times(self.w, k), gap_ms=self.gap_ms * k, post_ms=self.post_ms * k)
 
     def stage_costs(self, fwd_ms: Sequence[float], bwd_ms: Sequence[float], has_w: bool,
                     nodes: Sequence[int] | None = None, w_ms: Sequence[float | None] | None = None,
@@ -134,7 +150,8 @@ class Calibration:
             return f"{name} {x.scale:.2f} x planned + {x.per_node * 1e3:.1f} us x nodes + {x.fixed:.2f} ms"
         return (f"{line('F', self.f)}; {line('B', self.b)}; {line('B with W apart', self.b_split)}; "
                 f"{line('W', self.w)}; {self.gap_ms:.2f} ms before each action; {self.message_ms:.2f} ms more per "
-                f"message; {self.post_ms:.2f} ms posting each batch (plans costed by {self.cost or 'any'})")
+                f"message; {self.post_ms:.2f} ms posting each batch; steps {self.step_scale:.3f}x the prediction with "
+                f"those (plans costed by {self.cost or 'any'})")
 
 
 @dataclass
@@ -204,6 +221,13 @@ def observe(timelines: Iterable[Timeline], fwd_ms: Sequence[float], bwd_ms: Sequ
         planned = {"F": fwd_ms[s], "B": bwd_ms[s], "B_split": bwd_ms[s] - ws[s], "W": ws[s]}[key]
         obs.points.setdefault(key, []).append((planned, wn[s] if key == "W" else n_nodes[s], typical(ms)))
     return obs
+
+
+def step_scale(pairs: Iterable[tuple[float, float]]) -> float:
+    """Calibration.step_scale from (measured step, predicted step) pairs, one per pipeline: the median
+    ratio (1 without pairs)."""
+    ratios = [m / p for m, p in pairs if p > 0]
+    return statistics.median(ratios) if ratios else 1.0
 
 
 def typical(values: Sequence[float], cut: float = 0.1) -> float:

@@ -18,7 +18,7 @@ def stage_costs(plan: Plan, has_w: bool, calibration: Calibration | None = None
     default none). A W pass takes the stage's W part (StagePlan.w_ms: the linear layers' weight grads),
     B the rest of the backward. A stage's memory plan (recompute, offload copies: StagePlan.memory_ms)
     adds to its backward (to B)."""
-    cal = calibration or Calibration()
+    cal = (calibration or Calibration()).predicting()
     # the memory plan's recompute (and copies) run with the backward
     f, b, w = cal.stage_costs([s.fwd_ms for s in plan.stages], [s.bwd_ms + s.memory_ms for s in plan.stages], has_w,
                               [len(s.nodes) for s in plan.stages], *w_parts(plan))
@@ -42,7 +42,7 @@ def predicted_timeline(plan: Plan, n_ranks: int, schedule: str | None = None,
     M = microbatches or plan.microbatches
     has_w = any(a.kind == "W" for acts in build(name, n_ranks, M, plan.n_stages // n_ranks).values() for a in acts)
     f, b, w, comm = stage_costs(plan, has_w, calibration)
-    return simulate_schedule(name, n_ranks, M, f, b, w, comm, (calibration or Calibration()).post_ms)
+    return simulate_schedule(name, n_ranks, M, f, b, w, comm, (calibration or Calibration()).predicting().post_ms)
 
 
 def replayed_timeline(plan: Plan, n_ranks: int, action_ms: dict[tuple[str, int], float],
@@ -106,4 +106,4 @@ def layout_costs(plan: Plan, has_w: bool, bytes_per_ms: float | None = None, lat
         lat = (plan.latency_ms if latency_ms is None else latency_ms) + (calibration or Calibration()).message_ms
         comm = [(lat + s.send_bytes / bw) if s.send_bytes else 0.0 for s in plan.stages[:-1]]
     return LayoutCosts(f_ms=f, b_ms=b, w_ms=w, comm_ms=comm, grad_bytes=[float(s.param_bytes) for s in plan.stages],
-                       post_ms=(calibration or Calibration()).post_ms)
+                       post_ms=(calibration or Calibration()).predicting().post_ms)

@@ -34,6 +34,7 @@ def test_bench_schedules(tmp_path: Path) -> None:
     assert fitted.cost == "flops" and fitted.samples["F"] == 2 + 2 + 4 + 2 + 4 and fitted.samples["W"] == 2 + 4
     assert fitted.samples["gaps"] > 0 and fitted.b_split.scale > 0 and fitted.w.scale > 0 and fitted.gap_ms >= 0
     assert fitted.samples["posts"] > 0 and fitted.post_ms > 0  # the runtime timed each batch it posted
+    assert 0.3 < fitted.step_scale < 3  # the fitted prediction against the steps it was fitted on
     assert f"calibration written to {tmp_path / 'fitted.json'}" in out
     data = json.loads((tmp_path / "schedules.json").read_text())
     assert data["ranks"] == 2 and data["versions"]["torch"] and "bench schedules" in data["command"]

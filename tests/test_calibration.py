@@ -192,3 +192,23 @@ def test_a_calibration_of_another_version_is_refused(tmp_path: Path) -> None:
     path.write_text(json.dumps(old))
     with pytest.raises(ValueError, match="version 1.*whole backward.*python -m bench calibrate"):
         Calibration.load(path)
+
+
+def test_the_step_scale_multiplies_what_a_prediction_times_and_not_a_replay() -> None:
+    """Calibration.step_scale (a step's measured time over its prediction, the median over pipelines:
+    what the spread of action times adds to a critical path) scales the actions, the gaps and the posts
+    of a prediction, not the messages, and not a replay of measured times."""
+    from pipe.calibration import step_scale
+    from pipe.predict import replayed_step, stage_costs
+    assert step_scale([(110.0, 100.0), (120.0, 100.0), (300.0, 200.0)]) == pytest.approx(1.2)
+    assert step_scale([]) == 1.0
+    p = plan_of("zb-h1", 1)
+    scaled = dataclasses.replace(TRUE, step_scale=1.5)
+    for got, want in zip(stage_costs(p, True, scaled)[:3], stage_costs(p, True, TRUE)[:3]):
+        assert got == pytest.approx([1.5 * x for x in want])
+    assert stage_costs(p, True, scaled)[3] == stage_costs(p, True, TRUE)[3]  # messages as they are
+    assert scaled.predicting().post_ms == pytest.approx(1.5 * TRUE.post_ms) and scaled.predicting().step_scale == 1
+    assert predicted_timeline(p, 2, calibration=scaled).makespan > 1.4 * predicted_timeline(p, 2, calibration=TRUE
+                                                                                           ).makespan
+    tl = measured("zb-h1", 1)
+    assert replayed_step(p, 2, tl, scaled).makespan == pytest.approx(replayed_step(p, 2, tl, TRUE).makespan)
