@@ -131,6 +131,11 @@ class StageChoice:
     def checkpointed(self) -> bool:
         return self.full or bool(self.regions)
 
+    def recomputed_nodes(self, stage_nodes: int) -> int:
+        """How many of the stage's `stage_nodes` fx nodes run again per microbatch: all under a whole-stage
+        checkpoint, else those of its checkpointed regions and those recomputed on unpack."""
+        return stage_nodes if self.full else sum(len(r) for r in self.regions) + len(self.remat)
+
     def label(self) -> str:
         """Short description for the plan table, e.g. 'remat 12+act' or 'full+states'."""
         text = self.recompute

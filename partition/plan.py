@@ -57,6 +57,7 @@ class StagePlan:
     memory: str = ""                 # memory plan (recompute / offload) chosen by memory/, if any
     memory_peak: float = 0.0         # its predicted peak bytes
     memory_ms: float = 0.0           # what it costs per microbatch (recompute, copies), in the costs' units
+    memory_nodes: int = 0            # fx nodes it runs again per microbatch (recompute)
     # under a zero-bubble schedule, W's part of bwd_ms per microbatch (None: not priced, half) and how many
     # nodes it differentiates: the nn.Linear weight grads (pipe.backward), or every parameter node's
     w_ms: float | None = None

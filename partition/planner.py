@@ -233,6 +233,7 @@ def _saved_on_stage(costs: dict[str, NodeCost], nodes: Sequence[str], stage_of: 
             saved[sid] = nb
     return sum(saved.values())
 
+
 def _w_part(a: Analysis, nodes: Sequence[str], apart: bool) -> tuple[float, int]:
     """(ms, nodes) of a stage's W under zero bubble: with `apart` (neither recompute nor offload) the
     nn.Linear nodes' weight grads W computes alone (partition.split.w_nodes), half of their backward

@@ -1,8 +1,8 @@
 """Cut a traced model into one fx GraphModule per stage, keeping the original parameter names."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch

@@ -157,7 +157,7 @@ def memory_plan(plan: Plan, analysis: Any, world: int, *, recompute: str, offloa
                 param_sizes: dict[str, tuple[int, int]]) -> Plan:
     """`plan` with each stage's memory plan (memory.plan_choices: the least costly recompute/offload
     policy that fits `budget`, on the analysis's graph and costs, for the schedule's lowered program)
-    in its `memory`, `memory_peak` and `memory_ms` (in the plan's cost units). memory.BudgetError
+    in its `memory`, `memory_peak`, `memory_ms` (in the plan's cost units) and `memory_nodes`. memory.BudgetError
     when a stage cannot fit."""
     import memory
     from pipe.lower import lower
@@ -175,6 +175,7 @@ def memory_plan(plan: Plan, analysis: Any, world: int, *, recompute: str, offloa
     for ch in choices:
         st = plan.stages[ch.stage]
         st.memory, st.memory_peak, st.memory_ms = ch.label(), ch.predicted_peak, ch.cost_ms
+        st.memory_nodes = ch.recomputed_nodes(len(st.nodes))
     return plan
 
 

@@ -93,19 +93,25 @@ class Calibration:
 
     def stage_costs(self, fwd_ms: Sequence[float], bwd_ms: Sequence[float], has_w: bool,
                     nodes: Sequence[int] | None = None, w_ms: Sequence[float | None] | None = None,
-                    w_nodes: Sequence[int] | None = None) -> tuple[list[float], list[float], list[float]]:
+                    w_nodes: Sequence[int] | None = None, memory_ms: Sequence[float] | None = None,
+                    memory_nodes: Sequence[int] | None = None) -> tuple[list[float], list[float], list[float]]:
         """(f, b, w) per stage for the simulator, each compute action with the gap before it; `nodes`:
         each stage's fx node count; `w_ms`, `w_nodes`: its W part and the nodes W differentiates
-        (StagePlan.w_ms, .w_nodes; default: half the backward, every node). Without a W pass, b is the
-        whole backward and w is 0."""
-        n = list(nodes) if nodes is not None else [0] * len(fwd_ms)
+        (StagePlan.w_ms, .w_nodes; default: half the backward, every node); `memory_ms`, `memory_nodes`:
+        what its memory plan adds to the backward (StagePlan.memory_ms, .memory_nodes), the nodes it runs
+        again priced as forward ones (each with its per-node part). Without a W pass, b is the whole
+        backward and w is 0."""
+        S = len(fwd_ms)
+        n = list(nodes) if nodes is not None else [0] * S
+        mem = [self.f.scale * x + self.f.per_node * k
+               for x, k in zip(memory_ms or [0.0] * S, memory_nodes or [0] * S)]
         f = [self.gap_ms + self.f(x, k) for x, k in zip(fwd_ms, n)]
         if has_w:
-            ws = [planned_w(x, y) for x, y in zip(bwd_ms, w_ms or [None] * len(bwd_ms))]
+            ws = [planned_w(x, y) for x, y in zip(bwd_ms, w_ms or [None] * S)]
             wn = list(w_nodes) if w_nodes is not None else n
-            return (f, [self.gap_ms + self.b_split(x - y, k) for x, y, k in zip(bwd_ms, ws, n)],
+            return (f, [self.gap_ms + self.b_split(x - y, k) + m for x, y, k, m in zip(bwd_ms, ws, n, mem)],
                     [self.gap_ms + (self.w(y, k) if y > 0 or k else 0.0) for y, k in zip(ws, wn)])  # W of nothing: 0
-        return f, [self.gap_ms + self.b(x, k) for x, k in zip(bwd_ms, n)], [0.0] * len(bwd_ms)
+        return f, [self.gap_ms + self.b(x, k) + m for x, k, m in zip(bwd_ms, n, mem)], [0.0] * S
 
     def check_cost(self, cost: str) -> None:
         """Refuse plans costed otherwise than the plans this calibration was fitted on."""

@@ -17,11 +17,12 @@ def stage_costs(plan: Plan, has_w: bool, calibration: Calibration | None = None
     """(f_ms, b_ms, w_ms, comm_ms) per stage from the plan, corrected by `calibration` (pipe.calibration;
     default none). A W pass takes the stage's W part (StagePlan.w_ms: the linear layers' weight grads),
     B the rest of the backward. A stage's memory plan (recompute, offload copies: StagePlan.memory_ms)
-    adds to its backward (to B)."""
+    adds to its backward (to B), the nodes it runs again (StagePlan.memory_nodes) priced as forward ones."""
     cal = (calibration or Calibration()).predicting()
     # the memory plan's recompute (and copies) run with the backward
-    f, b, w = cal.stage_costs([s.fwd_ms for s in plan.stages], [s.bwd_ms + s.memory_ms for s in plan.stages], has_w,
-                              [len(s.nodes) for s in plan.stages], *w_parts(plan))
+    f, b, w = cal.stage_costs([s.fwd_ms for s in plan.stages], [s.bwd_ms for s in plan.stages], has_w,
+                              [len(s.nodes) for s in plan.stages], *w_parts(plan),
+                              [s.memory_ms for s in plan.stages], [s.memory_nodes for s in plan.stages])
     comm = [(plan.latency_ms + s.send_bytes / plan.bytes_per_ms + cal.message_ms) if s.send_bytes else 0.0
             for s in plan.stages[:-1]]
     return f, b, w, comm

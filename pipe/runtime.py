@@ -626,6 +626,7 @@ class Pipeline:
                 self.plan.stages[c.stage].memory = c.label()
                 self.plan.stages[c.stage].memory_peak = c.predicted_peak
                 self.plan.stages[c.stage].memory_ms = c.cost_ms / to_plan
+                self.plan.stages[c.stage].memory_nodes = c.recomputed_nodes(len(self.plan.stages[c.stage].nodes))
         except ValueError as e:
             error = f"{type(e).__name__}: {e}"
         _agree(error)

@@ -96,9 +96,12 @@ def test_auto_weighs_each_candidates_recompute_within_the_budget() -> None:
     chosen = plans[ranked[0].label]
     assert ranked[0].label == "1f1b M=16 v=1 recompute=auto", auto.table(ranked)  # the fixed cost per action
     assert any(s.memory.startswith(("ckpt", "remat", "full")) and s.memory_ms > 0 for s in chosen.stages)
+    for s in chosen.stages:  # the nodes run again: none where nothing is recomputed, at most the stage's
+        assert (s.memory_nodes > 0) == s.memory.startswith(("ckpt", "remat", "full")) and s.memory_nodes <= len(
+            s.nodes), (s.memory, s.memory_nodes)
     bare = partition.Plan.from_dict(chosen.to_dict())  # its prediction counts the recompute: without, faster
     for s in bare.stages:
-        s.memory_ms = 0.0
+        s.memory_ms, s.memory_nodes = 0.0, 0
     assert predicted_timeline(bare, 2, calibration=cal).makespan < ranked[0].step_ms == pytest.approx(
         predicted_timeline(chosen, 2, calibration=cal).makespan)
     text = auto.table(ranked)

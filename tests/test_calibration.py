@@ -166,8 +166,8 @@ def test_an_action_s_typical_time_is_its_trimmed_mean() -> None:
 
 def test_a_split_backward_is_priced_by_the_plans_w_part() -> None:
     """Uncalibrated, W takes the stage's W part (StagePlan.w_ms) and B the rest of the backward (with the
-    memory plan's time); a stage whose W has nothing to do costs only the gap before it; a plan
-    without W parts (an older plan) halves the backward."""
+    memory plan's time, whose recomputed nodes are priced as forward ones); a stage whose W has nothing
+    to do costs only the gap before it; a plan without W parts (an older plan) halves the backward."""
     p = plan_of("zb-h1", 1)
     p.stages[0].memory_ms = 1.0
     p.stages[1].w_ms, p.stages[1].w_nodes = 0.0, 0
@@ -178,7 +178,12 @@ def test_a_split_backward_is_priced_by_the_plans_w_part() -> None:
     assert stage_costs(p, False)[1:3] == ([13.0, 15.5], [0.0, 0.0])  # no W pass: the whole backward in B
     for st in p.stages:
         st.w_ms = None
-    assert stage_costs(p, True)[1:3] == ([6.5, 7.75], [6.5, 7.75])
+    assert stage_costs(p, True)[1:3] == ([7.0, 7.75], [6.0, 7.75])  # the memory plan's time in B, not W
+    # the nodes a memory plan runs again are priced as forward ones: the F line's scale and per-node part
+    p.stages[0].memory_nodes = 10
+    cal = Calibration(f=Line(2.0, 5.0, 0.1), b_split=Line(1.0, 0.0, 0.01))
+    b0 = stage_costs(p, True, cal)[1][0]
+    assert b0 == pytest.approx(1.0 * 6.0 + 0.01 * 40 + 2.0 * 1.0 + 0.1 * 10)  # no second fixed part
 
 
 def test_a_calibration_of_another_version_is_refused(tmp_path: Path) -> None:
