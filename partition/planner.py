@@ -234,14 +234,16 @@ def _saved_on_stage(costs: dict[str, NodeCost], nodes: Sequence[str], stage_of: 
     return sum(saved.values())
 
 
-def _w_part(a: Analysis, nodes: Sequence[str], apart: bool) -> tuple[float, int]:
+def _w_part(a: Analysis, nodes: Sequence[str], bwd_ms: float, apart: bool) -> tuple[float, int]:
     """(ms, nodes) of a stage's W under zero bubble: with `apart` (neither recompute nor offload) the
     nn.Linear nodes' weight grads W computes alone (partition.split.w_nodes), half of their backward
     (a matrix product each, as for the input grad); otherwise W differentiates every node reading
     parameters of its own, half of the stage's backward."""
     param_nodes = param_nodes_of(a.gm, nodes)
-    w = w_nodes(a.gm, param_nodes) if apart else list(param_nodes)
-    return sum(a.costs[n].bwd_ms for n in (w if apart else nodes) if n in a.costs) / 2, len(w)
+    if not apart:
+        return bwd_ms / 2, len(param_nodes)
+    w = w_nodes(a.gm, param_nodes)
+    return sum(a.costs[n].bwd_ms for n in w) / 2, len(w)
 
 
 def plan_from_bounds(a: Analysis, bounds: Sequence[int], cost_model: CostModel, *, schedule: str,
@@ -280,7 +282,7 @@ def plan_from_bounds(a: Analysis, bounds: Sequence[int], cost_model: CostModel, 
             peak_bytes=float(sol.stage_bytes[s]), send_bytes=int(ch.cut_bytes[hi]),
             recv_bytes=int(ch.cut_bytes[lo]), recv=values,
             shared=[p for p in params_of[s] if holders[p] > 1]))
-        stages[-1].w_ms, stages[-1].w_nodes = _w_part(a, nodes_of[s], w_apart)
+        stages[-1].w_ms, stages[-1].w_nodes = _w_part(a, nodes_of[s], stages[-1].bwd_ms, w_apart)
     times = list(sol.stage_ms)
     notes = list(a.notes) + [f"stage {s} holds no parameters (the model has too few blocks with parameters, or "
                              "the budget allows no other split): build no optimizer on its rank, as torch's "

@@ -53,6 +53,7 @@ def with_param_outputs(stage: torch.fx.GraphModule, param_nodes: dict[str, list[
     result: tuple[Any, ...] = (outs, tuple(env[n] for n, _ in extra))
     if direct:
         ins = [linear_input(stage, nodes[n]) for n, _ in extra]
+        assert all(x is not None for x in ins), ins  # w_nodes: linear nodes alone
         result += (tuple(env[x.name] for x in ins if x is not None),)
     g.output(result)
     gm = torch.fx.GraphModule(stage, g, type(stage).__name__ + "ZB")
@@ -240,7 +241,7 @@ def backward_weight(saved: Saved, extra: list[tuple[str, list[torch.nn.Parameter
             if not pairs:
                 continue
             (t, g), one = pairs[0], len(pairs) == 1
-            if one and x is not None and _linear_ok(params, x, g):
+            if one and x is not None and (t is None or _linear_ok(params, x, g)):  # t None: B checked it
                 _linear_grads(params, x, g)
             elif not (one and t is not None and _node_grads(params, t, g)):
                 trained = [p for p in params if p.requires_grad]

@@ -1274,7 +1274,8 @@ class _StepState:
         grads: list[torch.Tensor | None] = self.ex.recv_grads(s, mb, saved.roots) if s < pp.S - 1 else [None]
         start = self.clock.mark()
         if a.kind == "B" and pp.split_w:  # input grads; W computes the weight grads
-            leaf_grads = backward_input(saved, grads, pp._zb_params(s)[1], pp._zb_params(s)[0])
+            w_nodes, in_b = pp._zb_params(s)
+            leaf_grads = backward_input(saved, grads, in_b, w_nodes)
         else:  # B without W, or BW (a stage recomputing under zero-bubble): the whole backward
             leaf_grads = backward_full(saved, grads)
             saved.param_outs.clear()

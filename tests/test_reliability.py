@@ -95,7 +95,11 @@ def batch_body(rank: int, world: int, *, runs: dict[str, list[str]]) -> dict[str
                 traceback.print_exc()
         results[name] = {"code": code, "output": buf.getvalue(), "s": time.monotonic() - start,
                          "group": dist.is_initialized()}
-    results["threads"] = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+    threads = []
+    for t in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # a thread that ended since the listing
+            threads.append(open(f"/proc/self/task/{t}/comm").read().strip())
+    results["threads"] = sorted(threads)
     return results
 
 
