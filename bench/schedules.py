@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                               w_parts)
     from pipe.scale import predict_layout
     from pipe.simulate import textbook_bubble
+    from partition.costs import measure_once
 
     calibration = Calibration.load(args.calibration) if args.calibration else None
     if calibration is not None:
@@ -94,30 +95,34 @@ def main(argv: list[str] | None = None) -> int:
     overrides = parse_overrides(args.model_arg)
     cands: list[dict[str, Any]] = []
     sizes = [int(x) for x in args.microbatch_sizes.split(",")] if args.microbatch_sizes else [None]
-    for mb, M in [(mb, int(m)) for mb in sizes for m in args.microbatches.split(",")]:
-        for name in args.schedules.split(","):
-            v = args.stages_per_rank if name.startswith("interleaved") else default_stages_per_rank(name)
-            if name.startswith("interleaved") and M % (world // args.data_parallel):
-                say(f"skip {name} M={M}: needs M divisible by {world // args.data_parallel}")
-                continue
-            if name == "dualpipev" and M < 2 * (world // args.data_parallel):
-                say(f"skip {name} M={M}: needs M >= {2 * (world // args.data_parallel)}")
-                continue
-            for compiled in {"off": [False], "on": [True], "both": [False, True]}[args.compile]:
-                w = partition.load(args.model, **overrides)
-                size = mb or w.microbatch_size
-                ex_args, ex_kwargs, ex_target = resize_batch((w.example_args, w.example_kwargs, w.example_target), size)
-                pp = pipe.Pipeline(w.model, ex_args, example_kwargs=ex_kwargs, loss_fn=w.loss_fn,
-                                   microbatches=M, schedule=name, stages_per_rank=v, cost=args.cost,
-                                   leaf_modules=w.leaf_modules, data_parallel=args.data_parallel,
-                                   example_target=None if args.loss_outside else ex_target,
-                                   trace_loss=not args.loss_outside, compile=compiled)
-                params = list(pp.parameters())
-                cands.append({"schedule": name, "M": M, "v": v, "w": w, "pp": pp, "compiled": compiled, "mb": size,
-                              "sized": mb is not None and len(sizes) > 1,
-                              "opt": pp.build_optimizer(torch.optim.AdamW, lr=1e-4) if params else None, "times": [],
-                              "timelines": []})
-                say(f"built {name} M={M} v={v} microbatch {size}{' compiled' if compiled else ''}", flush=True)
+    # the candidates of one model and microbatch size priced by one measurement, as schedule="auto" prices its
+    # candidates: their predictions then differ by their schedules, not by the machine's speed while each was built
+    with measure_once():
+        for mb, M in [(mb, int(m)) for mb in sizes for m in args.microbatches.split(",")]:
+            for name in args.schedules.split(","):
+                v = args.stages_per_rank if name.startswith("interleaved") else default_stages_per_rank(name)
+                if name.startswith("interleaved") and M % (world // args.data_parallel):
+                    say(f"skip {name} M={M}: needs M divisible by {world // args.data_parallel}")
+                    continue
+                if name == "dualpipev" and M < 2 * (world // args.data_parallel):
+                    say(f"skip {name} M={M}: needs M >= {2 * (world // args.data_parallel)}")
+                    continue
+                for compiled in {"off": [False], "on": [True], "both": [False, True]}[args.compile]:
+                    w = partition.load(args.model, **overrides)
+                    size = mb or w.microbatch_size
+                    ex_args, ex_kwargs, ex_target = resize_batch((w.example_args, w.example_kwargs, w.example_target),
+                                                                 size)
+                    pp = pipe.Pipeline(w.model, ex_args, example_kwargs=ex_kwargs, loss_fn=w.loss_fn,
+                                       microbatches=M, schedule=name, stages_per_rank=v, cost=args.cost,
+                                       leaf_modules=w.leaf_modules, data_parallel=args.data_parallel,
+                                       example_target=None if args.loss_outside else ex_target,
+                                       trace_loss=not args.loss_outside, compile=compiled)
+                    params = list(pp.parameters())
+                    cands.append({"schedule": name, "M": M, "v": v, "w": w, "pp": pp, "compiled": compiled, "mb": size,
+                                  "sized": mb is not None and len(sizes) > 1,
+                                  "opt": pp.build_optimizer(torch.optim.AdamW, lr=1e-4) if params else None,
+                                  "times": [], "timelines": []})
+                    say(f"built {name} M={M} v={v} microbatch {size}{' compiled' if compiled else ''}", flush=True)
     allreduce = (1.0, 0.0)
     if args.data_parallel > 1 and cands:
         allreduce = measure_allreduce(ctx.device, cands[0]["pp"].dp_group)

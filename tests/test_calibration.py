@@ -187,8 +187,9 @@ def test_a_split_backward_is_priced_by_the_plans_w_part() -> None:
 
 
 def test_a_calibration_of_another_version_is_refused(tmp_path: Path) -> None:
-    """A calibration file from before the plan priced W apart (version 1: no version key) names what
-    changed and how to make a new one; a current one round-trips."""
+    """A calibration file from before the plan priced W apart (version 1: no version key), or from
+    before FLOP costs counted each op's traffic (2), names what changed and how to make a new one; a
+    current one round-trips."""
     path = TRUE.save(tmp_path / "cal.json")
     assert Calibration.load(path) == TRUE
     import json
@@ -196,6 +197,10 @@ def test_a_calibration_of_another_version_is_refused(tmp_path: Path) -> None:
     del old["version"]
     path.write_text(json.dumps(old))
     with pytest.raises(ValueError, match="version 1.*whole backward.*python -m bench calibrate"):
+        Calibration.load(path)
+    old["version"] = 2  # FLOP-counted plans then priced views and every node's inputs as traffic
+    path.write_text(json.dumps(old))
+    with pytest.raises(ValueError, match="version 2.*views too.*python -m bench calibrate"):
         Calibration.load(path)
 
 

@@ -70,6 +70,61 @@ def test_measured_costs_are_positive_times() -> None:
         assert c.fwd_ms > 0 and c.bwd_ms > 0, (name, c)
 
 
+class _Traffic(torch.nn.Module):
+    """A view, an elementwise add, an embedding over a large table and a matrix product."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10000, 8)
+        self.proj = torch.nn.Linear(8, 8, bias=False)
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        flat = x.flatten(0, 1)
+        return self.proj(flat + self.emb(idx))
+
+
+def test_flop_costs_price_the_traffic_each_op_makes() -> None:
+    """cost="flops" prices FLOPs plus the bytes each aten op reads and writes: a view moves nothing, a
+    lookup reads the rows it returns (not its table), an add's backward passes its grad on untouched
+    (no op), and a node's backward is priced without the accumulation into its inputs' leaves."""
+    from partition.costs import BYTES_PER_MS, FLOP_PER_MS
+    model = _Traffic()
+    x, idx = torch.randn(4, 16, 8), torch.randint(0, 10000, (64,))
+    gm = partition.trace(model, (x, idx))
+    c = node_costs(gm, [x, idx], cost="flops")
+    names = {n.name: n for n in gm.graph.nodes}
+    view = next(k for k, n in names.items() if n.target == "flatten")
+    add = next(k for k, n in names.items() if "add" in str(n.target))
+    assert c[view].fwd_ms == 0.0 and c[view].bwd_ms == 0.0
+    rows = 64 * 8 * 4  # bytes of the 64 rows the lookup returns
+    assert c["emb"].fwd_ms == pytest.approx((2 * rows + 64 * 8) / BYTES_PER_MS)  # rows read, written, int64 indices
+    assert c[add].fwd_ms == pytest.approx(3 * rows / BYTES_PER_MS) and c[add].bwd_ms == 0.0
+    mm = 2 * 64 * 8 * 8  # the product's FLOPs
+    assert c["proj"].fwd_ms == pytest.approx(mm / FLOP_PER_MS + (2 * rows + 8 * 8 * 4) / BYTES_PER_MS, rel=0.05)
+
+
+def test_measure_once_measures_a_graph_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside measure_once() a second model of the same graph and shapes gets a copy of the first's
+    measured costs (no timing), other shapes are measured, and nothing is kept after it."""
+    import partition.costs as costs
+    calls: list[int] = []
+    real = costs._measure
+    monkeypatch.setattr(costs, "_measure", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    model, args = tiny()
+    other, _ = tiny()
+    gm, gm2 = partition.trace(model, args), partition.trace(other, args)
+    with costs.measure_once():
+        first = node_costs(gm, list(args), cost="measured", repeats=2)
+        first["_0"].fwd_ms = -1.0  # the caller's copy: the kept costs are not changed by it
+        second = node_costs(gm2, list(args), cost="measured", repeats=2)
+        assert len(calls) == 1 and second["_0"].fwd_ms > 0
+        assert {k: v.bwd_ms for k, v in first.items()} == {k: v.bwd_ms for k, v in second.items()}
+        node_costs(gm2, [torch.randn(2 * B, 8)], cost="measured", repeats=2)  # another shape
+        assert len(calls) == 2
+    node_costs(gm2, list(args), cost="measured", repeats=2)
+    assert len(calls) == 3
+
+
 def test_unknown_cost_model_is_refused() -> None:
     model, args = tiny()
     with pytest.raises(ValueError, match="'measured' or 'flops'"):

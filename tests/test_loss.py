@@ -204,7 +204,8 @@ def test_plan_spreads_the_head_and_split_needs_the_loss() -> None:
     (vocab,) = [r for r in p.rewrites if list(r[2:]) == ["vocab"]]
     holders = [s.index for s in p.stages if any(n.startswith("lm_head_vocab") for n in s.nodes)]
     assert len(vocab[1]) - 1 == len(holders) >= 2, (vocab, holders)  # one merged slice per stage
-    assert p.bottleneck_ms < 0.8 * plain.bottleneck_ms
+    # the head and its loss cost about three times the 8 layers: whole, they take one stage's cut from the layers
+    assert p.bottleneck_ms < 0.9 * plain.bottleneck_ms
     assert "vocabulary slices" in p.table() and "loss: computed in the last stage (3), traced" in p.table()
     again = partition.Plan.load(p.save("/tmp/fxpipe-vocab-plan.json"))
     assert again == p
