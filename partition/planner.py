@@ -495,13 +495,14 @@ def split_heavy_ops(a: Analysis, sol: Solution, n_stages: int, cm: CostModel) ->
             for name in a.blocks.members[b]:
                 c = a.costs[name]
                 t = c.fwd_ms + c.bwd_ms
-                if splittable_linear(a.gm, nodes[name]) is None:
+                linear = splittable_linear(a.gm, nodes[name])
+                if linear is None or linear[3] < 2:
                     continue
                 ce, why = vocab_parallel_why(a.gm, nodes[name], shapes, dtypes)
                 if ce is not None:  # its cross entropy is sliced with it
                     t += a.costs[ce.name].fwd_ms + a.costs[ce.name].bwd_ms
                 if t >= 0.25 * fair:
-                    parts = min(32, math.ceil(4 * t / fair))  # slices of about a quarter stage
+                    parts = min(32, math.ceil(4 * t / fair), linear[3])  # about a quarter stage, a row at least
                     added.append((name, parts, "vocab") if ce is not None else (name, parts))
                     if ce is None:
                         why = why if a.loss else f"the loss is outside the graph ({a.loss_note})"

@@ -180,3 +180,13 @@ def test_baseline_bounds_become_plans_and_stages() -> None:
     ours = {r["stages"]: r["predicted_bottleneck"] for r in rows if r["method"] == "fxpipe"}
     assert all(r["predicted_bottleneck"] >= ours[r["stages"]] - 1e-9 for r in rows)  # the solver is optimal
     assert torch.get_num_threads() >= 1
+
+
+def test_a_slow_narrow_linear_layer_is_sliced_at_most_once_per_output_feature() -> None:
+    """split_heavy_ops asks a slow linear layer for slices of about a quarter stage: here more than
+    the last layer's 2 output features, which it gets at most (the planner once looked up slices that
+    split_linear had not made)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    p = partition.plan(model, (torch.randn(4, 8),), 2, cost="flops")
+    assert p.n_stages == 2 and all(s.nodes for s in p.stages)
