@@ -333,6 +333,8 @@ class Pipeline:
             # W from the linear layers' inputs, kept from the forward: not where offload or recompute
             # manage what the forward keeps (holding the input would defeat them)
             direct = recompute == "none" and offload == "none"
+            self._zb_direct = direct
+            self._zb_kept: set[int] = set()  # the stages whose B kept the graph for W though planned not to
             self.plan.notes.append(
                 "zero bubble: W computes the nn.Linear layers' weight grads, each as matrix products of the input its "
                 "forward kept and the output grad; B computes every other parameter's grads with the input grads "
@@ -1276,6 +1278,13 @@ class _StepState:
         if a.kind == "B" and pp.split_w:  # input grads; W computes the weight grads
             w_nodes, in_b = pp._zb_params(s)
             leaf_grads = backward_input(saved, grads, in_b, w_nodes)
+            kept = any(t is not None for ts in saved.param_grads for t, _ in ts)
+            if kept and pp._zb_direct and s not in pp._zb_kept:
+                pp._zb_kept.add(s)  # said once per stage, as a fallback must be
+                pp.plan.notes.append(
+                    f"zero bubble: stage {s}'s W takes an autograd call per node, not matrix products, from step "
+                    f"{pp.steps_done + 1}: a linear layer's input, output and weight differ in dtype or shape (under "
+                    "autocast the output is of the low precision), so B keeps the graph for W")
         else:  # B without W, or BW (a stage recomputing under zero-bubble): the whole backward
             leaf_grads = backward_full(saved, grads)
             saved.param_outs.clear()

@@ -250,3 +250,28 @@ def test_the_plan_prices_the_w_the_runtime_runs() -> None:
     assert last.nodes == ["lm_head_vocab1", "lm_head_loss"]  # the head's slices spread over both stages
     assert (last.w_ms, last.w_nodes) == (0.0, 0)
     assert first.w_nodes == 4 * 2 and "lm_head_vocab0" in first.nodes  # a slice is no W node
+
+
+def autocast_body(rank: int, world: int) -> dict[str, list[str]]:
+    import pipe
+    from bench import models
+    pipe.init()
+    w = models.gpt(n_layer=2, d_model=32, n_head=2, seq_len=16, vocab=64)
+    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=2, schedule="zb-h1", cost="flops")
+    args, target = w.make_batch(8, 0)
+    said = lambda: [n for n in pp.plan.notes if "autograd call per node" in n]  # noqa: E731
+    pp.step(*args, target=target)  # full precision: W's matrix products
+    before = said()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        pp.step(*args, target=target)
+        pp.step(*args, target=target)
+    return {"before": before, "after": said()}
+
+
+def test_the_plan_says_when_w_falls_back_to_autograd_calls() -> None:
+    """Planned as matrix products, W falls back to autograd calls under autocast (`test_under_autocast_
+    b_keeps_the_graph_for_w`): the plan's notes say so once per stage, from the step it happened."""
+    from tests.mp import run_ranks
+    (res,) = run_ranks("tests.test_backward:autocast_body", 1, timeout=120)
+    assert res["before"] == [] and len(res["after"]) == 1, res
+    assert "stage 0's W" in res["after"][0] and "from step 2" in res["after"][0] and "autocast" in res["after"][0]
