@@ -34,6 +34,10 @@ class MemoryManager:
         """True when B of `stage` must compute the weight grads too (its W then does nothing)."""
         return False
 
+    def plain(self, stage: int) -> bool:
+        """True when neither recompute nor offload manage what the forward of `stage` keeps."""
+        return True
+
     def before(self, action: Any) -> None:
         pass
 

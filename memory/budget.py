@@ -128,6 +128,16 @@ class StageChoice:
         return self.recompute_ms + self.move_ms
 
     @property
+    def plain(self) -> bool:
+        """Neither recompute nor offload: autograd keeps what the forward saves, as it would alone."""
+        return not (self.recomputes or self.offload_activations or self.offload_states)
+
+    @property
+    def recomputes(self) -> bool:
+        """Runs some of its forward again in the backward (a checkpoint, or saves recomputed on unpack)."""
+        return self.checkpointed or bool(self.remat)
+
+    @property
     def checkpointed(self) -> bool:
         return self.full or bool(self.regions)
 

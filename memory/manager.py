@@ -271,9 +271,14 @@ class PlannedMemory(MemoryManager):
         self._multi[stage] = self.store.group(multi)
 
     def fused_backward(self, stage: int) -> bool:
-        """Under zero-bubble schedules a recomputing stage computes its weight grads in B (one
-        backward per recomputation; a checkpoint recomputes for one backward only), W does nothing."""
-        return self.zero_bubble and self.choices[stage].checkpointed
+        """Under zero-bubble schedules a recomputing stage computes its weight grads in B, and its W does
+        nothing: a checkpoint recomputes for one backward only, and W's matrix products need the linear
+        layers' inputs kept from the forward, which recompute exists not to keep (W's autograd call per
+        node over a graph B kept instead measured 1.5-2x its predicted step)."""
+        return self.zero_bubble and self.choices[stage].recomputes
+
+    def plain(self, stage: int) -> bool:
+        return self.choices[stage].plain
 
     def _region(self, s: int, k: int, sub: torch.fx.GraphModule) -> torch.nn.Module:
         return Checkpointed(sub, entering=functools.partial(self._count_entering, s),

@@ -234,23 +234,18 @@ def _saved_on_stage(costs: dict[str, NodeCost], nodes: Sequence[str], stage_of: 
     return sum(saved.values())
 
 
-def _w_part(a: Analysis, nodes: Sequence[str], bwd_ms: float, apart: bool) -> tuple[float, int]:
-    """(ms, nodes) of a stage's W under zero bubble: with `apart` (neither recompute nor offload) the
-    nn.Linear nodes' weight grads W computes alone (partition.split.w_nodes), half of their backward
-    (a matrix product each, as for the input grad); otherwise W differentiates every node reading
-    parameters of its own, half of the stage's backward."""
-    param_nodes = param_nodes_of(a.gm, nodes)
-    if not apart:
-        return bwd_ms / 2, len(param_nodes)
-    w = w_nodes(a.gm, param_nodes)
+def _w_part(a: Analysis, nodes: Sequence[str]) -> tuple[float, int]:
+    """(ms, nodes) of a stage's W under zero bubble: the nn.Linear nodes' weight grads W computes alone
+    (partition.split.w_nodes), half of their backward (a matrix product each, as for the input grad).
+    A stage whose memory plan recomputes or offloads runs BW instead, W nothing (pipe.auto.memory_plan
+    and the pipeline set its W part to 0 once memory/ has chosen)."""
+    w = w_nodes(a.gm, param_nodes_of(a.gm, nodes))
     return sum(a.costs[n].bwd_ms for n in w) / 2, len(w)
 
 
 def plan_from_bounds(a: Analysis, bounds: Sequence[int], cost_model: CostModel, *, schedule: str,
-                     microbatches: int, stages_per_rank: int, memory_budget: float | None,
-                     w_apart: bool = True) -> Plan:
-    """The Plan for given block bounds (the solver's, or a baseline's), with predicted figures; `w_apart`:
-    a zero-bubble W computes the linear layers' weight grads alone (no recompute or offload)."""
+                     microbatches: int, stages_per_rank: int, memory_budget: float | None) -> Plan:
+    """The Plan for given block bounds (the solver's, or a baseline's), with predicted figures."""
     from partition.solve import evaluate
     sol: Solution = evaluate(a.chain, tuple(bounds), cost_model)
     S = len(bounds) - 1
@@ -282,7 +277,7 @@ def plan_from_bounds(a: Analysis, bounds: Sequence[int], cost_model: CostModel, 
             peak_bytes=float(sol.stage_bytes[s]), send_bytes=int(ch.cut_bytes[hi]),
             recv_bytes=int(ch.cut_bytes[lo]), recv=values,
             shared=[p for p in params_of[s] if holders[p] > 1]))
-        stages[-1].w_ms, stages[-1].w_nodes = _w_part(a, nodes_of[s], stages[-1].bwd_ms, w_apart)
+        stages[-1].w_ms, stages[-1].w_nodes = _w_part(a, nodes_of[s])
     times = list(sol.stage_ms)
     notes = list(a.notes) + [f"stage {s} holds no parameters (the model has too few blocks with parameters, or "
                              "the budget allows no other split): build no optimizer on its rank, as torch's "
@@ -416,8 +411,7 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
                            f"fastest measured split predicts {fastest.bottleneck_ms:.2f} ms for the slowest "
                            f"stage, this one {sol.bottleneck_ms:.2f} ms (pass stable_within=0 for it)")
     return plan_from_bounds(a, sol.bounds, cm, schedule=schedule, microbatches=M,
-                            stages_per_rank=stages_per_rank, memory_budget=budget,
-                            w_apart=recompute == "none" and offload == "none")
+                            stages_per_rank=stages_per_rank, memory_budget=budget)
 
 
 def calibrate_plan(a: Analysis, sol: Solution, n_stages: int, cm: CostModel,

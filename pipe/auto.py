@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Sized
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -28,10 +28,11 @@ from torch.utils import _pytree as pytree
 
 from partition.errors import FxpipeError, first_line
 from partition.plan import Plan, human_bytes
+from partition.split import param_nodes_of
 from pipe.schedules import SCHEDULES, ScheduleError, build, default_stages_per_rank
 
 __all__ = ["Candidate", "NoCandidate", "choose", "grid", "memory_plan", "microbatch_counts", "resize_batch", "search",
-           "table"]
+           "table", "w_part_managed"]
 
 
 class NoCandidate(FxpipeError, ValueError):
@@ -153,6 +154,13 @@ def resize_batch(tree: Any, size: int) -> Any:
     return pytree.tree_unflatten([one(x) for x in leaves], spec)
 
 
+def w_part_managed(stage: Any, choice: Any, param_nodes: Sized) -> tuple[float, int]:
+    """(ms, nodes) of the zero-bubble W of a stage whose memory plan (`choice`) recomputes or offloads:
+    nothing where it recomputes (its B computes the weight grads: memory.fused_backward), else (offload)
+    every parameter node differentiated over the graph B keeps, priced at half the stage's backward."""
+    return (0.0, 0) if choice.recomputes else (stage.bwd_ms / 2, len(param_nodes))
+
+
 def memory_plan(plan: Plan, analysis: Any, world: int, *, recompute: str, offload: str, budget: float | None,
                 param_sizes: dict[str, tuple[int, int]]) -> Plan:
     """`plan` with each stage's memory plan (memory.plan_choices: the least costly recompute/offload
@@ -163,8 +171,8 @@ def memory_plan(plan: Plan, analysis: Any, world: int, *, recompute: str, offloa
     from pipe.lower import lower
     from pipe.schedules import placement
     place = placement(plan.schedule, plan.n_stages, world)
-    programs = lower(build(plan.schedule, world, plan.microbatches, plan.stages_per_rank), plan.n_stages,
-                     plan.microbatches, place)
+    sched = build(plan.schedule, world, plan.microbatches, plan.stages_per_rank)
+    programs = lower(sched, plan.n_stages, plan.microbatches, place)
     costs = {n: memory.NodeCost(c.fwd_ms, c.out_bytes, c.saved_bytes, tuple(c.params), tuple(c.saved.items()),
                                 c.storage) for n, c in analysis.costs.items()}
     choices = memory.plan_choices(recompute=recompute, offload=offload, budget=budget,
@@ -172,10 +180,13 @@ def memory_plan(plan: Plan, analysis: Any, world: int, *, recompute: str, offloa
                                   param_sizes=param_sizes, programs=programs, place=place,
                                   microbatches=plan.microbatches, optim_factor=max(plan.state_factor - 2.0, 0.0),
                                   output_bytes=plan.output_bytes)
+    zero_bubble = any(a.kind == "W" for acts in sched.values() for a in acts)
     for ch in choices:
         st = plan.stages[ch.stage]
         st.memory, st.memory_peak, st.memory_ms = ch.label(), ch.predicted_peak, ch.cost_ms
         st.memory_nodes = ch.recomputed_nodes(len(st.nodes))
+        if zero_bubble and not ch.plain:
+            st.w_ms, st.w_nodes = w_part_managed(st, ch, param_nodes_of(analysis.gm, st.nodes))
     return plan
 
 

@@ -19,7 +19,7 @@ from partition.plan import Plan, PlanError, human_bytes, parse_bytes
 from partition.planner import check_scalar_loss, qualnames
 from partition.signature import check_call
 from partition.split import StageIO
-from partition.split import assemble_outputs, inference_stage, split_graph
+from partition.split import assemble_outputs, inference_stage, param_nodes_of, split_graph
 from partition.loss import attach_loss
 from partition.trace import flatten_inputs, trace, unflatten_outputs
 import memory
@@ -30,6 +30,7 @@ from pipe.lower import forward_only, fuse_backward, lower, validate, with_grad_r
 from pipe.replicas import DP_SHARD, DataParallelError, GradReducer, ShardedStages, pipeline_groups
 from pipe.backward import Saved, backward_full, backward_input, backward_weight, with_param_outputs
 from pipe.schedules import Action, ScheduleError, build, default_stages_per_rank, in_flight_limit, placement
+from pipe.auto import w_part_managed
 from pipe.simulate import Event, Timeline
 from pipe.timing import clock_for
 from pipe.weights import Init, allocate, default_init, empty_like, init_stages, unset
@@ -330,20 +331,23 @@ class Pipeline:
         self._zb: dict[int, tuple[torch.fx.GraphModule, list[tuple[str, list[torch.nn.Parameter]]],
                                   list[torch.nn.Parameter]]] = {}
         if self.split_w:
-            # W from the linear layers' inputs, kept from the forward: not where offload or recompute
-            # manage what the forward keeps (holding the input would defeat them)
-            direct = recompute == "none" and offload == "none"
-            self._zb_direct = direct
+            # W from the linear layers' inputs, kept from the forward, where neither recompute nor offload manage
+            # what it keeps; a recomputing stage runs BW (memory.fused_backward); an offloading one's W
+            # differentiates every parameter node over the graph B keeps
+            fused = [s for s in self.local if self.memory.fused_backward(s)]
+            graph = [s for s in self.local if not self.memory.plain(s) and s not in fused]
             self._zb_kept: set[int] = set()  # the stages whose B kept the graph for W though planned not to
             self.plan.notes.append(
                 "zero bubble: W computes the nn.Linear layers' weight grads, each as matrix products of the input its "
                 "forward kept and the output grad; B computes every other parameter's grads with the input grads "
-                "and frees the graph" if direct else
-                "zero bubble: W computes every parameter node's weight grads by calling its autograd node, or an "
-                f"autograd call where that node does not read the parameters itself (recompute={recompute!r}, "
-                f"offload={offload!r}: the linear layers' inputs are not kept for it)")
+                "and frees the graph"
+                + (f"; stages {fused} recompute: their B computes the weight grads too (BW) and W does nothing"
+                   if fused else "")
+                + (f"; stages {graph} offload: their W computes every parameter node's weight grads by calling its "
+                   "autograd node, or an autograd call where that node does not read the parameters itself (the "
+                   "linear layers' inputs are not kept for it)" if graph else ""))
             for s in self.local:
-                self._zb[s] = with_param_outputs(self.stages[s], self.io[s].param_nodes, direct=direct)
+                self._zb[s] = with_param_outputs(self.stages[s], self.io[s].param_nodes, direct=self.memory.plain(s))
                 self.memory.set_weight_order(s, [n for n, _ in self._zb[s][1]], self._zb[s][2])
         # the module each stage calls; dp_shard="full" shards it (FSDP) and trains its parameters
         self._trained = {s: self._zb[s][0] if self.split_w else self.stages[s] for s in self.local}
@@ -629,6 +633,9 @@ class Pipeline:
                 self.plan.stages[c.stage].memory_peak = c.predicted_peak
                 self.plan.stages[c.stage].memory_ms = c.cost_ms / to_plan
                 self.plan.stages[c.stage].memory_nodes = c.recomputed_nodes(len(self.plan.stages[c.stage].nodes))
+                if self.has_w and not c.plain:
+                    st = self.plan.stages[c.stage]
+                    st.w_ms, st.w_nodes = w_part_managed(st, c, param_nodes_of(self._gm, st.nodes))
         except ValueError as e:
             error = f"{type(e).__name__}: {e}"
         _agree(error)
@@ -1279,7 +1286,7 @@ class _StepState:
             w_nodes, in_b = pp._zb_params(s)
             leaf_grads = backward_input(saved, grads, in_b, w_nodes)
             kept = any(t is not None for ts in saved.param_grads for t, _ in ts)
-            if kept and pp._zb_direct and s not in pp._zb_kept:
+            if kept and s not in pp._zb_kept:
                 pp._zb_kept.add(s)  # said once per stage, as a fallback must be
                 pp.plan.notes.append(
                     f"zero bubble: stage {s}'s W takes an autograd call per node, not matrix products, from step "

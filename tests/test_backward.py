@@ -229,20 +229,30 @@ def test_a_grad_aliasing_another_is_copied() -> None:
 
 def test_the_plan_prices_the_w_the_runtime_runs() -> None:
     """The plan's W part of each stage (StagePlan.w_ms) is half the backward of exactly the nodes W
-    differentiates at run time: the linear ones (with_param_outputs direct), or under recompute every
-    parameter node, half the stage; a stage of vocabulary slices alone has no W."""
-    from partition.split import param_nodes_of
+    differentiates at run time, the linear ones (with_param_outputs direct); a stage whose memory plan
+    recomputes runs BW under zero bubble (memory.fused_backward), its W part 0 once memory/ has chosen
+    (pipe.auto.memory_plan), and keeps it under a schedule without W; a stage of vocabulary slices
+    alone has no W."""
+    from pipe.auto import memory_plan
     w = partition.load("gpt", **SMALL)
     a = partition.Analysis(w.model, w.example_args, cost="flops")
+    sizes = {n: (p.numel(), p.element_size()) for n, p in w.model.named_parameters()}
     for recompute in ("none", "full"):
-        plan = partition.plan(w.model, w.example_args, 2, cost="flops", analysis=a, recompute=recompute)
+        plan = partition.plan(w.model, w.example_args, 2, cost="flops", analysis=a, recompute=recompute,
+                              schedule="zb-h1")
         for st, stage in zip(plan.stages, partition.split(w.model, plan)):
             io = stage_io(stage)
-            extra = with_param_outputs(stage, io.param_nodes, direct=recompute == "none")[1]
-            assert st.w_nodes == (len(extra) if recompute == "none" else len(param_nodes_of(stage, st.nodes)))
-            assert st.w_ms == pytest.approx(sum(a.costs[n].bwd_ms for n, _ in extra) / 2 if recompute == "none"
-                                            else st.bwd_ms / 2)
+            extra = with_param_outputs(stage, io.param_nodes, direct=True)[1]
+            assert st.w_nodes == len(extra)
+            assert st.w_ms == pytest.approx(sum(a.costs[n].bwd_ms for n, _ in extra) / 2)
             assert 0 < st.w_ms < st.bwd_ms
+        for schedule in ("zb-h1", "1f1b"):
+            planned = memory_plan(partition.Plan.from_dict(plan.to_dict()) if schedule == "zb-h1" else
+                                  partition.plan(w.model, w.example_args, 2, cost="flops", analysis=a,
+                                                 recompute=recompute, schedule=schedule),
+                                  a, 2, recompute=recompute, offload="none", budget=None, param_sizes=sizes)
+            fused = recompute == "full" and schedule == "zb-h1"
+            assert all((st.w_ms == 0.0 and st.w_nodes == 0) == fused for st in planned.stages), (recompute, schedule)
     wide = partition.load("gpt_wide_vocab", n_layer=2, d_model=32, n_head=2, seq_len=16, vocab=4096)
     plan = partition.plan(wide.model, wide.example_args, 2, cost="flops", loss_fn=wide.loss_fn,
                           example_target=wide.example_target)
