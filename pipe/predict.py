@@ -1,9 +1,11 @@
 """The simulator fed with a plan's predicted stage costs: the predicted timeline of one step."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from partition.plan import Plan
 from pipe.calibration import Calibration
-from pipe.lower import lower
+from pipe.lower import fuse_backward, lower
 from pipe.schedules import Action, build, placement
 from pipe.scale import LayoutCosts
 from pipe.simulate import Timeline, simulate_program
@@ -38,12 +40,18 @@ def predicted_timeline(plan: Plan, n_ranks: int, schedule: str | None = None,
                        microbatches: int | None = None, calibration: Calibration | None = None) -> Timeline:
     """Simulate the lowered program the runtime runs for `schedule` (default: the plan's) over
     the plan's per-stage costs (corrected by `calibration`): its messages in their batches, matched
-    per pair in order."""
+    per pair in order. Under zero bubble a stage whose memory plan recomputes runs BW, as in the
+    runtime (memory.fused_backward)."""
     name = schedule or plan.schedule
     M = microbatches or plan.microbatches
     has_w = any(a.kind == "W" for acts in build(name, n_ranks, M, plan.n_stages // n_ranks).values() for a in acts)
     f, b, w, comm = stage_costs(plan, has_w, calibration)
-    return simulate_schedule(name, n_ranks, M, f, b, w, comm, (calibration or Calibration()).predicting().post_ms)
+    fused = [s.index for s in plan.stages if s.memory_nodes] if has_w else []
+    whole = stage_costs(plan, False, calibration)[1] if fused else []
+    for s in fused:  # its BW is one whole backward
+        b[s], w[s] = whole[s], 0.0
+    return simulate_schedule(name, n_ranks, M, f, b, w, comm, (calibration or Calibration()).predicting().post_ms,
+                             fused=fused)
 
 
 def replayed_timeline(plan: Plan, n_ranks: int, action_ms: dict[tuple[str, int], float],
@@ -85,7 +93,7 @@ def replayed_step(plan: Plan, n_ranks: int, measured: Timeline, calibration: Cal
 
 def simulate_schedule(name: str, n_ranks: int, microbatches: int, f: list[float], b: list[float], w: list[float],
                       comm: list[float], post_ms: float = 0.0, action_ms: dict[Action, float] | None = None,
-                      posts_ms: dict[int, list[float]] | None = None) -> Timeline:
+                      posts_ms: dict[int, list[float]] | None = None, fused: Sequence[int] = ()) -> Timeline:
     """The lowered program of schedule `name` on n_ranks for len(f) stages, simulated with these costs
     (`post_ms`: the host's time posting each batch of messages; `action_ms`, `posts_ms`: one step's own
     times, as pipe.simulate.simulate_program takes them)."""
@@ -93,6 +101,8 @@ def simulate_schedule(name: str, n_ranks: int, microbatches: int, f: list[float]
     sched = build(name, n_ranks, microbatches, S // n_ranks)
     place = placement(name, S, n_ranks)
     program = lower(sched, S, microbatches, place)
+    if fused:  # B computes the weight grads too (BW: B's time plus W's), W leaves the program
+        program = fuse_backward(program, fused)
     return simulate_program(program, S, f_ms=f, b_ms=b, w_ms=w, comm_ms=comm, place=place, post_ms=post_ms,
                             action_ms=action_ms, posts_ms=posts_ms)
 

@@ -186,6 +186,21 @@ def test_a_split_backward_is_priced_by_the_plans_w_part() -> None:
     assert b0 == pytest.approx(1.0 * 6.0 + 0.01 * 40 + 2.0 * 1.0 + 0.1 * 10)  # no second fixed part
 
 
+def test_a_recomputing_stage_is_predicted_as_the_runtime_runs_it_under_zero_bubble() -> None:
+    """A stage whose memory plan recomputes runs BW under zero bubble (memory.fused_backward): the
+    prediction has no W of it, and its BW costs the whole backward's line with the memory plan's time;
+    the other stage keeps B and W apart. Under 1F1B nothing changes."""
+    p = plan_of("zb-h1", 1)
+    p.stages[0].memory_ms, p.stages[0].memory_nodes, p.stages[0].w_ms, p.stages[0].w_nodes = 1.0, 10, 0.0, 0
+    tl = predicted_timeline(p, 2, calibration=TRUE)
+    kinds = {(e.action.stage, e.action.kind) for e in tl.events}
+    assert kinds == {(0, "F"), (0, "BW"), (1, "F"), (1, "B"), (1, "W")}, kinds
+    from pipe.predict import stage_costs
+    whole = stage_costs(p, False, TRUE)[1][0]
+    assert all(e.end - e.start == pytest.approx(whole) for e in tl.events if e.action.kind == "BW")
+    assert {e.action.kind for e in predicted_timeline(p, 2, "1f1b", calibration=TRUE).events} == {"F", "B"}
+
+
 def test_a_calibration_of_another_version_is_refused(tmp_path: Path) -> None:
     """A calibration file from before the plan priced W apart (version 1: no version key), or from
     before FLOP costs counted each op's traffic (2), names what changed and how to make a new one; a
