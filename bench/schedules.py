@@ -216,11 +216,14 @@ def main(argv: list[str] | None = None) -> int:
             result["calibration"] = calibration.to_dict()
         if args.calibrate:
             fitted = fit(seen)
-            # what the spread of action times adds to a step: the fitted prediction against each step measured
-            fitted = dataclasses.replace(fitted, step_scale=step_scale(
-                (statistics.median(t.makespan for t in c["timelines"]),
-                 predicted_timeline(c["pp"].plan, c["pp"].world, calibration=fitted).makespan)
-                for c in cands if c["pp"].dp == 1 and c["timelines"]))
+            # what the spread of action times adds to a step: the fitted prediction against each step measured,
+            # over all the pipelines and per schedule
+            pairs = [(c["schedule"], statistics.median(t.makespan for t in c["timelines"]),
+                      predicted_timeline(c["pp"].plan, c["pp"].world, calibration=fitted).makespan)
+                     for c in cands if c["pp"].dp == 1 and c["timelines"]]
+            names = sorted({n for n, _, _ in pairs})
+            fitted = dataclasses.replace(fitted, step_scale=step_scale((m, p) for _, m, p in pairs), step_scales={
+                name: step_scale((m, p) for n, m, p in pairs if n == name) for name in names})
             print(f"calibration written to {fitted.save(args.calibrate)}: {fitted.describe()}")
         (out / "schedules.json").write_text(json.dumps(result, indent=1))
         table = markdown_table(rows)

@@ -83,10 +83,15 @@ class Calibration:
     # measured step / predicted step over the pipelines it was fitted on (the median): what the spread of
     # action times adds to a step, whose critical path waits for the slow runs, over their typical times
     step_scale: float = 1.0
+    # the same per schedule it ran (the median over its pipelines): how much the slow runs cost a step depends
+    # on the schedule's chains of actions (interleaved-1f1b's more than 1F1B's); others take step_scale
+    step_scales: dict[str, float] = field(default_factory=dict)
 
-    def predicting(self) -> Calibration:
-        """The figures a prediction uses: the actions' lines, the gap and the posts times step_scale."""
-        return self if self.step_scale == 1.0 else dataclasses.replace(self._scaled(self.step_scale), step_scale=1.0)
+    def predicting(self, schedule: str | None = None) -> Calibration:
+        """The figures a prediction of `schedule` uses: the actions' lines, the gap and the posts times
+        its step scale (step_scales[schedule], else step_scale)."""
+        k = self.step_scales.get(schedule, self.step_scale) if schedule else self.step_scale
+        return self if k == 1.0 else dataclasses.replace(self._scaled(k), step_scale=1.0, step_scales={})
 
     def _scaled(self, k: float) -> Calibration:
         return dataclasses.replace(self, f=_times(self.f, k), b=_times(self.b, k), b_split=_times(self.b_split, k),
@@ -159,7 +164,8 @@ class Calibration:
         return (f"{line('F', self.f)}; {line('B', self.b)}; {line('B with W apart', self.b_split)}; "
                 f"{line('W', self.w)}; {self.gap_ms:.2f} ms before each action; {self.message_ms:.2f} ms more per "
                 f"message; {self.post_ms:.2f} ms posting each batch; steps {self.step_scale:.3f}x the prediction with "
-                f"those (plans costed by {self.cost or 'any'})")
+                f"those" + (" (" + ", ".join(f"{k} {v:.3f}x" for k, v in sorted(self.step_scales.items())) + ")"
+                            if self.step_scales else "") + f" (plans costed by {self.cost or 'any'})")
 
 
 @dataclass

@@ -14,13 +14,13 @@ __all__ = ["layout_costs", "predicted_timeline", "replayed_step", "replayed_time
            "stage_costs"]
 
 
-def stage_costs(plan: Plan, has_w: bool, calibration: Calibration | None = None
+def stage_costs(plan: Plan, has_w: bool, calibration: Calibration | None = None, schedule: str | None = None
                 ) -> tuple[list[float], list[float], list[float], list[float]]:
     """(f_ms, b_ms, w_ms, comm_ms) per stage from the plan, corrected by `calibration` (pipe.calibration;
     default none). A W pass takes the stage's W part (StagePlan.w_ms: the linear layers' weight grads),
     B the rest of the backward. A stage's memory plan (recompute, offload copies: StagePlan.memory_ms)
     adds to its backward (to B), the nodes it runs again (StagePlan.memory_nodes) priced as forward ones."""
-    cal = (calibration or Calibration()).predicting()
+    cal = (calibration or Calibration()).predicting(schedule or plan.schedule)
     # the memory plan's recompute (and copies) run with the backward
     f, b, w = cal.stage_costs([s.fwd_ms for s in plan.stages], [s.bwd_ms for s in plan.stages], has_w,
                               [len(s.nodes) for s in plan.stages], *w_parts(plan),
@@ -45,12 +45,12 @@ def predicted_timeline(plan: Plan, n_ranks: int, schedule: str | None = None,
     name = schedule or plan.schedule
     M = microbatches or plan.microbatches
     has_w = any(a.kind == "W" for acts in build(name, n_ranks, M, plan.n_stages // n_ranks).values() for a in acts)
-    f, b, w, comm = stage_costs(plan, has_w, calibration)
+    f, b, w, comm = stage_costs(plan, has_w, calibration, name)
     fused = [s.index for s in plan.stages if s.memory_nodes] if has_w else []
-    whole = stage_costs(plan, False, calibration)[1] if fused else []
+    whole = stage_costs(plan, False, calibration, name)[1] if fused else []
     for s in fused:  # its BW is one whole backward
         b[s], w[s] = whole[s], 0.0
-    return simulate_schedule(name, n_ranks, M, f, b, w, comm, (calibration or Calibration()).predicting().post_ms,
+    return simulate_schedule(name, n_ranks, M, f, b, w, comm, (calibration or Calibration()).predicting(name).post_ms,
                              fused=fused)
 
 
@@ -117,4 +117,4 @@ def layout_costs(plan: Plan, has_w: bool, bytes_per_ms: float | None = None, lat
         lat = (plan.latency_ms if latency_ms is None else latency_ms) + (calibration or Calibration()).message_ms
         comm = [(lat + s.send_bytes / bw) if s.send_bytes else 0.0 for s in plan.stages[:-1]]
     return LayoutCosts(f_ms=f, b_ms=b, w_ms=w, comm_ms=comm, grad_bytes=[float(s.param_bytes) for s in plan.stages],
-                       post_ms=(calibration or Calibration()).predicting().post_ms)
+                       post_ms=(calibration or Calibration()).predicting(plan.schedule).post_ms)

@@ -237,3 +237,9 @@ def test_the_step_scale_multiplies_what_a_prediction_times_and_not_a_replay() ->
                                                                                            ).makespan
     tl = measured("zb-h1", 1)
     assert replayed_step(p, 2, tl, scaled).makespan == pytest.approx(replayed_step(p, 2, tl, TRUE).makespan)
+    # a schedule the calibration ran takes its own scale, another the median; the file keeps them
+    own = dataclasses.replace(scaled, step_scales={"zb-h1": 1.2})
+    assert stage_costs(p, True, own)[0] == pytest.approx([1.2 * x for x in stage_costs(p, True, TRUE)[0]])
+    assert stage_costs(p, True, own, "1f1b")[0] == pytest.approx([1.5 * x for x in stage_costs(p, True, TRUE)[0]])
+    assert own.predicting("zb-h1").step_scales == {} and Calibration.from_dict(own.to_dict()) == own
+    assert "zb-h1 1.200x" in own.describe()
