@@ -1286,7 +1286,7 @@ class _StepState:
             w_nodes, in_b = pp._zb_params(s)
             leaf_grads = backward_input(saved, grads, in_b, w_nodes)
             kept = any(t is not None for ts in saved.param_grads for t, _ in ts)
-            if kept and s not in pp._zb_kept:
+            if kept and pp.memory.plain(s) and s not in pp._zb_kept:  # (an offloading stage keeps it by design)
                 pp._zb_kept.add(s)  # said once per stage, as a fallback must be
                 pp.plan.notes.append(
                     f"zero bubble: stage {s}'s W takes an autograd call per node, not matrix products, from step "
