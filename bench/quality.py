@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import platform
@@ -25,6 +24,7 @@ from partition.planner import Analysis, calibrate_plan, plan_from_bounds, split_
 from partition.solve import CostModel, balance_by_param_count, balance_by_time, even_split, evaluate, solve
 from partition.split import split_graph, stage_io
 from partition.workload import Workload, parse_overrides
+from pipe.launch import keep_freed_memory
 
 __all__ = ["quality", "layer_spans", "baselines", "measure_stages", "markdown", "plot", "main"]
 
@@ -127,21 +127,6 @@ def measure_stages(runs: dict[Any, Callable[[], tuple[float, float]]], repeats: 
     return {k: (statistics.median(f for f, _ in v), statistics.median(b for _, b in v)) for k, v in times.items()}
 
 
-def steady_malloc() -> bool:
-    """Ask glibc to keep freed memory instead of returning it to the OS (Linux only; process-wide).
-
-    Otherwise every large tensor of a repeated run may be page-faulted in afresh, and times
-    swing by a third with the allocator's state rather than with the work; this benchmark
-    process is its own, so it measures the work.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(libc.mallopt(m_trim_threshold, 1 << 62))
-    except (OSError, AttributeError):
-        return False
-
-
 def quality(model_spec: str | Workload, stages: list[int], *, cost: str = "measured", repeats: int = 20,
             methods: Sequence[str] = METHODS, meta: bool = False, rounds: int = 1, calibrate: bool = False,
             **model_args: Any) -> list[dict[str, Any]]:
@@ -161,7 +146,7 @@ def quality(model_spec: str | Workload, stages: list[int], *, cost: str = "measu
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    steady_malloc()
+    keep_freed_memory()  # a repeated run then measures the work, not the allocator's state
     try:
         return _quality(model_spec, stages, cost=cost, repeats=repeats, methods=methods, meta=meta, rounds=rounds,
                         calibrate=calibrate, **model_args)

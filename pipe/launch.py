@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import datetime
 import gc
 import importlib
@@ -23,7 +24,7 @@ from partition.errors import FxpipeError
 from pipe.comm import _DONE_KEY, _FAILED, _KEPT, _LOST_KEY, _TIMEOUT_S, DEFAULT_TIMEOUT_S
 
 __all__ = ["Context", "LaunchError", "TimeoutSettingError", "DEFAULT_TIMEOUT_S", "init", "context", "finish",
-           "timeout_setting", "measure_allreduce", "measure_link"]
+           "timeout_setting", "measure_allreduce", "measure_link", "keep_freed_memory"]
 
 _MPI: list[Any] = []  # (mpi4py.MPI, whether finish finalizes it) once the rendezvous used MPI
 _LINGER_S = 5.0    # how long finish waits at most for the ranks still naming a failure
@@ -45,6 +46,7 @@ class Context:
     device: torch.device
     backend: str
     launcher: str  # "torchrun", "mpi" or "single"
+    freed_kept: bool = False  # glibc keeps the memory this process frees (keep_freed_memory)
 
 
 _CONTEXT: Context | None = None
@@ -136,7 +138,29 @@ def timeout_setting(value: object, source: str = "timeout_s") -> float:
     return seconds
 
 
-def init(*, backend: str | None = None, timeout_s: float | None = None) -> Context:
+def keep_freed_memory() -> bool:
+    """Ask glibc's malloc to keep the memory this process frees instead of handing it back to the
+    kernel; process-wide, and for the rest of the process. True when glibc took the settings (False
+    without glibc: other C libraries, macOS, Windows).
+
+    torch's CPU tensors come from malloc. By default glibc serves a block above its mmap threshold
+    (128 KiB, raised up to 32 MiB as such blocks are freed) with a fresh mapping and unmaps it when
+    freed, and trims a free top of the heap above twice that: the next microbatch's activations are
+    then page-faulted in again, which measured 10-20% of a pipeline step on CPU (README). This sets
+    M_MMAP_THRESHOLD to 1 GiB and M_TRIM_THRESHOLD to 2 GiB: the resident set stays at the step's
+    peak between steps, as CUDA's caching allocator keeps device memory.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        # mallopt takes a C int: 2^31 - 1 is the largest trim threshold it can set (2^62 became 0, a trim
+        # at every free)
+        return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+    except (OSError, AttributeError):
+        return False
+
+
+def init(*, backend: str | None = None, timeout_s: float | None = None, keep_freed: bool | None = None) -> Context:
     """Start torch.distributed from the launcher's environment; idempotent.
 
     torchrun: RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT. mpirun/mpiexec (MPICH, Open MPI,
@@ -144,7 +168,9 @@ def init(*, backend: str | None = None, timeout_s: float | None = None) -> Conte
     one process. Backend: NCCL when CUDA is available, else gloo. `timeout_s` bounds every
     wait on another rank, so a lost rank ends the others with an error instead of a hang
     (default: $FXPIPE_TIMEOUT, else 300 s). Every survivor of a lost rank exits within the
-    timeout + 30 s, under every launcher (see finish).
+    timeout + 30 s, under every launcher (see finish). `keep_freed`: on CPU, glibc keeps the memory
+    the process frees (keep_freed_memory; default: $FXPIPE_KEEP_FREED, 0 or 1, else 1); the plan's
+    notes say whether it did.
     """
     global _CONTEXT
     if _CONTEXT is not None:
@@ -156,6 +182,12 @@ def init(*, backend: str | None = None, timeout_s: float | None = None) -> Conte
         timeout_s = timeout_setting(env_timeout, "FXPIPE_TIMEOUT")
     else:
         timeout_s = DEFAULT_TIMEOUT_S
+    if keep_freed is None:
+        env_keep = os.environ.get("FXPIPE_KEEP_FREED", "1").strip()
+        if env_keep not in ("0", "1"):
+            raise LaunchError(f"FXPIPE_KEEP_FREED must be 0 or 1, got {env_keep!r}: 1 (the default) keeps the "
+                              "memory a CPU process frees in it, 0 leaves glibc's malloc as it is")
+        keep_freed = env_keep == "1"
     launcher, rank, world, local_rank = _detect()
     cuda = torch.cuda.is_available()
     backend = backend or ("nccl" if cuda else "gloo")
@@ -186,8 +218,9 @@ def init(*, backend: str | None = None, timeout_s: float | None = None) -> Conte
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
                                     world_size=1, timeout=timeout)
     atexit.register(finish)
+    kept = keep_freed and device.type == "cpu" and keep_freed_memory()
     _CONTEXT = Context(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
-                       device=device, backend=backend, launcher=launcher)
+                       device=device, backend=backend, launcher=launcher, freed_kept=kept)
     return _CONTEXT
 
 

@@ -500,6 +500,7 @@ def test_meta_models_on_2_and_4_ranks(tmp_path: Path) -> None:
         notes = r["gpt safetensors 1f1b"]["notes"]
         assert any("built on the meta device" in n and "gpt.safetensors" in n for n in notes), notes
         assert any(n.startswith("parameters per rank, on the host") for n in r["gpt pt zb-h1"]["notes"])
+        assert any(n.startswith("CPU memory: glibc keeps what the process frees") for n in notes), notes
         assert r["gpt dict measured"]["cost"] == "block by block, one block's weights at a time"
         assert r["init"]["losses"][-1] < r["init"]["losses"][0] - 0.3, r["init"]["losses"]
         assert any("seeded per module from seed 5" in n for n in r["init"]["notes"])

@@ -138,6 +138,14 @@ def test_a_bad_fxpipe_timeout_is_refused(value: str, tmp_path: Path, monkeypatch
         launch.timeout_setting(True)
 
 
+def test_a_bad_fxpipe_keep_freed_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pipe.launch as launch
+    monkeypatch.setattr(launch, "_CONTEXT", None)  # as before the first init of a process
+    monkeypatch.setenv("FXPIPE_KEEP_FREED", "yes")
+    with pytest.raises(launch.LaunchError, match=r"FXPIPE_KEEP_FREED must be 0 or 1, got 'yes': 1 \(the default\)"):
+        launch.init()
+
+
 def test_timeout_reaches_init_from_the_flag_before_the_environment(monkeypatch: pytest.MonkeyPatch,
                                                                    tmp_path: Path) -> None:
     import torch
