@@ -103,6 +103,27 @@ def test_flop_costs_price_the_traffic_each_op_makes() -> None:
     assert c["proj"].fwd_ms == pytest.approx(mm / FLOP_PER_MS + (2 * rows + 8 * 8 * 4) / BYTES_PER_MS, rel=0.05)
 
 
+class _Work(torch.nn.Module):
+    """An exp and an add of the same size."""
+
+    def forward(self, q: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return q.exp() + y
+
+
+def test_flop_costs_count_the_work_of_elementwise_functions() -> None:
+    """An exp priced above an add of the same size by _ELEMENT_FLOPS per element."""
+    from partition.costs import _ELEMENT_FLOPS, BYTES_PER_MS, FLOP_PER_MS
+    q, y = torch.randn(2, 4, 32, 16, requires_grad=True), torch.randn(2, 4, 32, 16)
+    gm = partition.trace(_Work(), (q, y))
+    c = node_costs(gm, [q, y], cost="flops")
+    assert [n.name for n in gm.graph.nodes][2:4] == ["exp", "add"]
+    exp, add = c["exp"], c["add"]
+    elements = q.numel()
+    work = _ELEMENT_FLOPS["aten::exp"] * elements / FLOP_PER_MS
+    assert exp.fwd_ms == pytest.approx(work + 8 * elements / BYTES_PER_MS)
+    assert add.fwd_ms == pytest.approx(12 * elements / BYTES_PER_MS)
+
+
 def test_measure_once_measures_a_graph_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Inside measure_once() a second model of the same graph and shapes gets a copy of the first's
     measured costs (no timing), other shapes are measured, and nothing is kept after it."""
