@@ -44,13 +44,17 @@ def one_config(rank: int, world: int, cfg: Config, M: int, steps: int, budget: f
             "recompute_ms": [choices[s].recompute_ms for s in sorted(choices)],
             "kinds": sorted({x.kind for x in pp.program if isinstance(x, Action)}),
             "fallbacks": [n for n in pp.plan.notes if "autograd call per node, not matrix products" in n],
+            # zero bubble: which stages' W takes the matrix products (the stage module returns the linear
+            # layers' inputs as a third output), against the memory plan's label of each
+            "w_direct": {s: (len(pp._zb[s][0].graph.output_node().args[0]) == 3, choices[s].label())
+                         for s in pp._zb},
             "reload_stalls": sum(r["reload_stalls"] for r in report.values())}
 
 
 def memory_body(rank: int, world: int, *, configs: list[Config], M: int, steps: int = 3,
                 nccl_like: bool = False, trace_loss: bool = True) -> dict[str, Any]:
-    """Each config in parity with the plain model. A budget below 1 is that fraction of the plain
-    pipeline's measured peak (the first config must be the plain one); errors are returned as text.
+    """Each config in parity with the plain model. A budget below 1 is that fraction of the measured
+    peak of the latest plain config before it (the first config must be plain); errors are returned as text.
     `nccl_like`: messages through tests.nccl_like (NCCL's matching and per-pair order); `trace_loss`:
     the loss in the graph (the natural call's target inferred), else outside."""
     import torch.distributed as dist
@@ -68,7 +72,7 @@ def memory_body(rank: int, world: int, *, configs: list[Config], M: int, steps: 
         except ValueError as e:
             out["/".join(map(str, cfg))] = {"error": str(e)}
             continue
-        if base is None and cfg[2:4] == ("none", "none"):
+        if cfg[2:4] == ("none", "none"):
             peaks: list[Any] = [None] * world
             dist.all_gather_object(peaks, max(res["peak"].values()))
             base = max(peaks)
@@ -87,6 +91,7 @@ def _check(results: list[dict[str, Any]]) -> dict[str, Any]:
         res["peak"] = {s: p for r in results for s, p in r[name]["peak"].items()}
         res["predicted"] = {s: p for r in results for s, p in r[name]["predicted"].items()}
         res["fallbacks"] = [n for r in results for n in r[name]["fallbacks"]]
+        res["w_direct"] = {s: d for r in results for s, d in r[name]["w_direct"].items()}
         assert len(res["losses"]) == 3
         for r in results:  # the buffers the ledger counted as the program ran are the ones planned from it
             for s, (peak, planned) in r[name]["comm"].items():
@@ -114,6 +119,8 @@ def test_parity_and_budgets_on_2_ranks() -> None:
         ("zb-h1", 1, "auto", "all", 0.7),
         ("1f1b", 1, "auto", "all", 0.3),
         ("1f1b", 1, "auto", "all", 0.05),
+        ("zb-h1", 1, "none", "none", None),  # the base of the budget after it
+        ("zb-h1", 1, "auto", "none", 0.9),
     ]
     # the budgets and the policies they lead to were set with the loss outside the graph; the nccl test
     # below runs the natural call, the loss in the graph
@@ -125,6 +132,11 @@ def test_parity_and_budgets_on_2_ranks() -> None:
     sel = res["1f1b/1/selective/none/None"]  # recomputing on unpack frees memory on every stage
     assert all(sel["peak"][s] < res["1f1b/1/none/none/None"]["peak"][s] for s in sel["peak"])
     assert res["zb-h1/1/auto/all/0.7"]["budget"] is not None
+    # a stage the budget leaves plain keeps W's matrix products beside one that recomputes (and runs BW)
+    assert res["zb-h1/1/none/none/None"]["w_direct"] == {0: (True, "none"), 1: (True, "none")}
+    direct = res["zb-h1/1/auto/none/0.9"]["w_direct"]
+    assert sorted(label == "none" for _, label in direct.values()) == [False, True], direct
+    assert all(d == (label == "none") for d, label in direct.values()), direct
     # checkpoint regions with streamed model state: each region's chunks come back when it is recomputed
     assert all(x.startswith("ckpt") and x.endswith("+states") for x in res["1f1b/1/auto/all/0.3"]["labels"])
     err = res["1f1b/1/auto/all/0.05"]["error"]  # the partitioner or memory/ refuses, naming the least budget
