@@ -146,7 +146,7 @@ def keep_freed_memory() -> bool:
     torch's CPU tensors come from malloc. By default glibc serves a block above its mmap threshold
     (128 KiB, raised up to 32 MiB as such blocks are freed) with a fresh mapping and unmaps it when
     freed, and trims a free top of the heap above twice that: the next microbatch's activations are
-    then page-faulted in again, which measured 10-20% of a pipeline step on CPU (README). This sets
+    then page-faulted in again, which measured up to 20% of a pipeline step on CPU (README). This sets
     M_MMAP_THRESHOLD to 1 GiB and M_TRIM_THRESHOLD to 2 GiB: the resident set stays at the step's
     peak between steps, as CUDA's caching allocator keeps device memory.
     """
