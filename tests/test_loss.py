@@ -267,3 +267,22 @@ def test_a_no_op_cast_keeps_the_head_vocabulary_parallel_and_a_fallback_is_named
     why = "no example_target given, and loss_fn takes none of int64[4, 64], int64[4, 16000], float32[4, 64, 16000]"
     assert f"loss: computed after the last stage (3) by loss_fn, outside the graph ({why}" in outside.table()
     assert any(f"the loss is outside the graph ({why}" in n for n in outside.notes), outside.notes
+
+
+def test_slice_bounds_of_a_count_fall_on_multiples_of_8() -> None:
+    """The bounds vocab_parallel and split_linear cut at (pure): multiples of 8 where every slice keeps
+    at least 8 features, within 4 of the even cut; else the even cut; always rising from 0 to out."""
+    from partition.rewrite import _bounds
+    assert _bounds(3, 16000) == [0, 5336, 10664, 16000]
+    assert _bounds(3, 20) == [0, 7, 13, 20]
+    for out in range(1, 300):
+        for k in range(1, 7):
+            b = _bounds(k, out)
+            n = min(k, out)
+            assert len(b) == n + 1 and b[0] == 0 and b[-1] == out, (k, out, b)
+            assert all(x < y for x, y in zip(b, b[1:])), (k, out, b)
+            even = [round(i * out / n) for i in range(n + 1)]
+            if out >= 8 * n:
+                assert all(x % 8 == 0 for x in b[:-1]) and all(abs(x - e) <= 4 for x, e in zip(b, even)), (k, out, b)
+            else:
+                assert b == even, (k, out, b)
