@@ -28,7 +28,8 @@ __all__ = ["plan", "split", "Analysis", "plan_from_bounds", "split_heavy_ops", "
 
 
 class Analysis:
-    """A traced, costed and coarsened model: everything the solver and the baselines need."""
+    """A traced, costed and coarsened model: everything the solver and the baselines need. `traced`: the
+    model's trace (partition.trace of it, the example and leaf_modules), copied instead of tracing again."""
 
     def __init__(self, model: torch.nn.Module, example_args: Sequence[Any],
                  example_kwargs: dict[str, Any] | None = None, *, cost: str = "measured",
@@ -36,7 +37,8 @@ class Analysis:
                  repeats: int = 5, rewrites: Sequence[Sequence[Any]] = (),
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, example_target: Any = None,
                  progress: Callable[[str], None] | None = None, device: torch.device | str | None = None,
-                 share: Share | None = None, _traced: tuple[torch.fx.GraphModule, str] | None = None) -> None:
+                 share: Share | None = None, traced: torch.fx.GraphModule | None = None,
+                 _traced: tuple[torch.fx.GraphModule, str] | None = None) -> None:
         say = progress or (lambda _: None)
         self.device, self.share = device, share
         self.progress = progress
@@ -53,8 +55,11 @@ class Analysis:
             self.args, self.kwargs, example_target = to_meta(given)
         if _traced is None:
             start = time.perf_counter()
-            say(f"tracing {type(model).__name__} ...")
-            gm = trace(model, given[0], given[1], leaf_modules=leaf_modules)
+            if traced is not None:  # the caller's trace of this model and example (pipe.Pipeline traces once)
+                gm = graph_copy(traced)
+            else:
+                say(f"tracing {type(model).__name__} ...")
+                gm = trace(model, given[0], given[1], leaf_modules=leaf_modules)
             say(f"traced by {gm.meta['fxpipe_tracer']}: {len(gm.graph.nodes)} nodes "
                 f"({time.perf_counter() - start:.1f} s)")
             # with the loss in the graph the last stage returns the loss and the head can be cut
@@ -307,7 +312,7 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
          example_target: Any = None, progress: Callable[[str], None] | None = None,
          stable_within: float = 0.1, device: torch.device | str | None = None, share: Share | None = None,
          stage_share: Share | None = None, calibrate: bool = False,
-         analysis_out: list[Analysis] | None = None) -> Plan:
+         analysis_out: list[Analysis] | None = None, traced: torch.fx.GraphModule | None = None) -> Plan:
     """Balanced stages for `model`, found by the exact solver under a per-stage memory budget.
 
     `example_args`/`example_kwargs` are one microbatch. Memory per stage counts parameters
@@ -341,6 +346,8 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
     GPT of bench memory-scale) instead of one unit's. The plan records how and where.
     `analysis_out`, a list, receives the analysis the plan was cut from (rewrites applied): planning
     other schedules over the same stage count with `analysis=` it reuses the trace and the costs.
+    `traced`: partition.trace of this model, example and leaf_modules, planned from (a copy; it is left as
+    it is) instead of tracing again, as pipe.Pipeline does with the trace its stages are split from.
     """
     if isinstance(n_stages, bool) or not isinstance(n_stages, int) or n_stages < 1:
         raise PlanError(f"n_stages must be a positive integer (one per pipeline stage), got {n_stages!r}; "
@@ -352,7 +359,7 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
     budget = parse_bytes(memory_budget)
     a = analysis or Analysis(model, example_args, example_kwargs, cost=cost, leaf_modules=leaf_modules,
                              max_blocks=max_blocks, loss_fn=loss_fn, example_target=example_target,
-                             progress=progress, device=device, share=share)
+                             progress=progress, device=device, share=share, traced=traced)
     n = len(a.blocks.members)
     if n_stages > n:
         raise PlanError(f"cannot cut {type(model).__name__} into {n_stages} stages: its traced graph has "

@@ -280,14 +280,22 @@ class Pipeline:
         self._programs = programs
         self.has_w = any(a.kind == "W" for a in self.actions)
         self.split_w = self.has_w and self._compile is None  # B and W run apart (compiled stages run BW)
+        traced = None  # every rank traces the model at once, and rank 0 plans from its trace (no second one)
+        if not auto:  # (auto's candidates trace examples resized to their microbatches)
+            error = None
+            try:
+                traced = trace(model, args, kwargs, leaf_modules=self.leaf_modules)
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+            _agree(error)
         self.plan = self._agree_on_plan(model, args, kwargs, plan, cost, memory_budget, (recompute, offload),
-                                        example_target)
+                                        example_target, traced)
         if self.meta:
             release_memory()  # what planning held (fx graphs in reference cycles, the heap it grew)
         if progress is not None:
             progress(f"building this rank's stages{' (materialized from the meta device)' if self.meta else ''} ...")
         try:
-            gm = trace(model, args, kwargs, leaf_modules=self.leaf_modules)
+            gm = traced if traced is not None else trace(model, args, kwargs, leaf_modules=self.leaf_modules)
             why = attach_loss(gm, loss_fn) if self.plan.loss else None
             if why:
                 raise ValueError(f"the plan puts the loss in the last stage, but loss_fn cannot go into the graph: "
@@ -484,7 +492,8 @@ class Pipeline:
 
     def _agree_on_plan(self, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                        plan: Plan | str | Path | None, cost: str, budget: float | str | None,
-                       features: tuple[str, str] = ("none", "none"), example_target: Any = None) -> Plan:
+                       features: tuple[str, str] = ("none", "none"), example_target: Any = None,
+                       traced: torch.fx.GraphModule | None = None) -> Plan:
         if isinstance(plan, (str, Path)):
             from pipe import checkpoint
             # a checkpoint's folder: the plan it was made with (a resume that is bitwise), else a plan file
@@ -493,7 +502,7 @@ class Pipeline:
             link, share, everyone = self._costing(model, cost)
             d = _Broadcast.run(lambda: self._plan_here(
                 model, args, kwargs, cost, budget, features, example_target, link, share, self.schedule_name,
-                self.M, self.v).to_dict(), self.ctx.rank, everyone=everyone)
+                self.M, self.v, traced=traced).to_dict(), self.ctx.rank, everyone=everyone)
             plan = Plan.from_dict(d)
         if not self.trace_loss and plan.loss:
             raise PipelineError("trace_loss=False keeps the loss outside the graph, but the plan given puts it in the "
@@ -527,8 +536,10 @@ class Pipeline:
     def _plan_here(self, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], cost: str,
                    budget: float | str | None, features: tuple[str, str], example_target: Any,
                    link: tuple[float, float], share: Share | None, schedule: str, M: int, v: int,
-                   analysis: Any = None, analysis_out: list[Any] | None = None) -> Plan:
-        """partition.plan for `schedule` with M microbatches and v stages per rank on this pipeline's ranks."""
+                   analysis: Any = None, analysis_out: list[Any] | None = None,
+                   traced: torch.fx.GraphModule | None = None) -> Plan:
+        """partition.plan for `schedule` with M microbatches and v stages per rank on this pipeline's ranks
+        (`traced`: the model's trace for these args, planned from)."""
         S = self.world * v
         plan = partition.plan(
             model, args, S, example_kwargs=kwargs, cost=cost, schedule=schedule, microbatches=M,
@@ -537,7 +548,7 @@ class Pipeline:
             recompute=features[0], offload=features[1], loss_fn=self.loss_fn if self.trace_loss else None,
             example_target=example_target, bytes_per_ms=link[0], latency_ms=link[1], leaf_modules=self.leaf_modules,
             progress=self.progress, state_factor=2.0 + self._state_factor(), device=self.ctx.device, share=share,
-            analysis=analysis, analysis_out=analysis_out)
+            analysis=analysis, analysis_out=analysis_out, traced=traced)
         if not self.trace_loss:
             plan.loss_note = "trace_loss=False"
         return plan

@@ -149,6 +149,30 @@ def test_a_plan_for_another_model_is_refused(gpt: tuple[partition.Workload, part
         partition.split(deeper.model, plan, deeper.example_args)
 
 
+def test_a_plan_made_from_a_copy_of_the_trace_splits_the_trace_and_old_hashes_still_match() -> None:
+    """pipe.Pipeline plans from a copy of its trace and splits the trace itself: a graph torch.export traced,
+    the loss attached to each, names the outputs differently (the trace's namespace holds more names), and
+    the fingerprint leaves the output's name out. A plan hashed with it, as fxpipe did before, still splits."""
+    from partition.loss import attach_loss
+    from partition.plan import fingerprint
+    from partition.trace import graph_copy
+    from tests import zoo
+    w = zoo.workload("constants", "tensor")  # control flow on a value: torch.export traces it
+    gm = partition.trace(w.model, w.example_args, w.example_kwargs)
+    assert gm.meta["fxpipe_tracer"] == "torch.export.export"
+    plan = partition.plan(w.model, w.example_args, 2, example_kwargs=w.example_kwargs, cost="flops",
+                          loss_fn=w.loss_fn, example_target=w.example_target, traced=gm)
+    copy = graph_copy(gm)
+    assert attach_loss(copy, w.loss_fn) is None and attach_loss(gm, w.loss_fn) is None and plan.loss
+    out_names = [next(n.name for n in g.graph.nodes if n.op == "output") for g in (copy, gm)]
+    assert out_names[0] != out_names[1], out_names  # what the old hash counted
+    assert fingerprint(copy, output_name=True) != fingerprint(gm, output_name=True)
+    assert fingerprint(copy) == fingerprint(gm) == plan.fingerprint
+    assert len(partition.split(w.model, plan, gm=graph_copy(gm))) == 2
+    plan.fingerprint = fingerprint(gm, output_name=True)  # a plan saved by an earlier fxpipe
+    assert len(partition.split(w.model, plan, gm=gm)) == 2
+
+
 def test_a_plan_file_that_is_not_json(tmp_path: Path) -> None:
     bad = tmp_path / "plan.json"
     bad.write_text("stages: 2\n")
