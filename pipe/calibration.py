@@ -37,9 +37,9 @@ __all__ = ["KINDS", "Calibration", "Line", "Observations", "fit", "observe", "ty
 # F at the stage's fwd_ms; B (the whole backward: B without W, or BW) at bwd_ms; under zero bubble W at the
 # stage's W part (planned_w) and B_split (B with W apart) at the rest of bwd_ms
 KINDS = ("F", "B", "B_split", "W")
-VERSION = 4  # 1: B_split and W fitted on the whole backward's cost, a stage's W taken as half of it;
+VERSION = 5  # 1: B_split and W fitted on the whole backward's cost, a stage's W taken as half of it;
 # 2: plans costed by FLOP count priced each node's inputs and outputs as memory traffic (views too);
-# 3: FLOP counts left out the work of exp, tanh, erf... beyond their traffic
+# 3: FLOP counts left out the work of exp, tanh, erf... beyond their traffic; 4: and CPU attention's products
 
 
 def planned_w(bwd_ms: float, w_ms: float | None) -> float:
@@ -142,7 +142,9 @@ class Calibration:
                                 2: "FLOP-counted plans priced each node's inputs and outputs as memory traffic, "
                                    "views too",
                                 3: "FLOP-counted plans left out the work of exp, tanh, erf and the like beyond "
-                                   "their memory traffic"}.get(d.get("version", 1), "by another fxpipe")
+                                   "their memory traffic",
+                                4: "FLOP-counted plans priced CPU attention as its memory traffic alone"}.get(
+                                    d.get("version", 1), "by another fxpipe")
                              + f"; this fxpipe reads version {VERSION}: make it again with python -m bench calibrate")
         given: dict[str, Any] = dict(d)
         given.update({k: Line(**d[k]) for k in ("f", "b", "b_split", "w") if k in d})

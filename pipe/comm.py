@@ -221,8 +221,13 @@ def is_dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
 
 
 def _layout(shape: Sequence[int], ref_shape: Sequence[int], ref_stride: Sequence[int]) -> tuple[int, ...] | None:
-    """Dense strides for `shape` in the dim order of (ref_shape, ref_stride); None: contiguous."""
-    if not ref_stride or len(ref_stride) != len(shape) or not is_dense(ref_shape, ref_stride):
+    """Dense strides for `shape` in the dim order of (ref_shape, ref_stride), innermost the smallest stride;
+    None: contiguous. A value that is a slice of a larger tensor (the q of a fused qkv projection) is not
+    dense, but kernels lay out what they make from it by its dim order (attention's output, and so whether
+    a transpose and flatten after it is a view or a copy the next layer saves), so it keeps that order;
+    a broadcast value (a stride of 0) goes contiguous."""
+    if not ref_stride or len(ref_stride) != len(shape) or \
+            any(st == 0 and sz > 1 for sz, st in zip(ref_shape, ref_stride)):
         return None
     order = sorted(range(len(shape)), key=lambda d: (ref_stride[d], -d))  # innermost first
     stride = [0] * len(shape)
@@ -239,7 +244,8 @@ def alloc_layout(shape: Sequence[int], dtype: torch.dtype, device: torch.device,
     """A receive buffer laid out like the producer's value, and the 1-D view of its memory.
 
     Values keep their producer's dim order across the wire (a transposed activation stays
-    transposed), so graph ops such as `view` that depend on layout behave as unsplit.
+    transposed, a slice of a larger tensor keeps its order, densely), so graph ops such as `view` that
+    depend on layout, and the layouts kernels choose, behave as unsplit.
     """
     stride = _layout(shape, ref_shape or shape, ref_stride)
     if stride is None:

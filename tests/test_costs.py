@@ -124,6 +124,26 @@ def test_flop_costs_count_the_work_of_elementwise_functions() -> None:
     assert add.fwd_ms == pytest.approx(12 * elements / BYTES_PER_MS)
 
 
+class _Attend(torch.nn.Module):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_flop_costs_count_attentions_products_on_cpu() -> None:
+    """CPU's fused attention (no formula in torch's FlopCounterMode) costs its two products, Q K^T and P V,
+    forward and 3x them backward, beside its traffic."""
+    from partition.costs import BYTES_PER_MS, FLOP_PER_MS
+    B, H, T, D = 2, 4, 32, 16
+    qkv = [torch.randn(B, H, T, D, requires_grad=True) for _ in range(3)]
+    gm = partition.trace(_Attend(), tuple(qkv))
+    node = next(n.name for n in gm.graph.nodes if n.op == "call_function")
+    c = node_costs(gm, list(qkv), cost="flops")[node]
+    products = 2 * (2 * B * H * T * T * D) / FLOP_PER_MS
+    traffic_ms = 4 * qkv[0].nbytes / BYTES_PER_MS  # at least q, k, v read and the output written
+    assert products + traffic_ms <= c.fwd_ms < products + 2 * traffic_ms, (c.fwd_ms, products)
+    assert 3 * products + traffic_ms <= c.bwd_ms < 3 * products + 4 * traffic_ms, (c.bwd_ms, products)
+
+
 def test_measure_once_measures_a_graph_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Inside measure_once() a second model of the same graph and shapes gets a copy of the first's
     measured costs (no timing), other shapes are measured, and nothing is kept after it."""

@@ -67,3 +67,34 @@ def test_the_exchange_holds_sends_as_long_as_the_ledger_counts_them(M: int) -> N
         assert grads <= 2 and outputs == 0  # sent grads wait at most for the next receive from their peer
         ex.finish()
         assert not ex.sent_grads and not ex.sent_outputs
+
+
+def test_a_value_crosses_the_wire_in_its_producers_dim_order() -> None:
+    """The q of a fused qkv projection is a slice (not dense): it arrives densely in its own dim order, so
+    attention lays its output out as unsplit and the transpose and flatten after it stay a view (on a
+    contiguous q they copy, and the next layer saves the copy: 128 KiB a microbatch more than planned on
+    tests.test_memory_parity's GPT). A transposed dense value keeps its strides; a broadcast one goes
+    contiguous."""
+    from pipe.comm import alloc_layout, to_layout
+    B, T, H, D = 2, 8, 4, 16
+    qkv = torch.randn(B, T, 3 * H * D)
+    q, k, v = qkv.unflatten(-1, (3, H, D)).permute(2, 0, 3, 1, 4)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    assert sdpa(q, k, v).transpose(1, 2).is_contiguous()  # unsplit: a view
+    assert not sdpa(q.contiguous(), k.contiguous(), v.contiguous()).transpose(1, 2).is_contiguous()
+    got = []
+    for t in (q, k, v):
+        buf, wire = alloc_layout(t.shape, t.dtype, torch.device("cpu"), ref_shape=t.shape, ref_stride=t.stride())
+        wire.copy_(to_layout(t, t.shape, t.stride()))  # what the transport moves
+        assert torch.equal(buf, t) and buf.stride() == (T * H * D, D, H * D, 1)  # dense, in q's dim order
+        got.append(buf)
+    out = sdpa(*got)
+    assert out.transpose(1, 2).is_contiguous() and torch.allclose(out, sdpa(q, k, v))
+    x = torch.randn(3, 5).t()  # dense, transposed: the same strides
+    buf, wire = alloc_layout(x.shape, x.dtype, torch.device("cpu"), ref_shape=x.shape, ref_stride=x.stride())
+    wire.copy_(to_layout(x, x.shape, x.stride()))
+    assert buf.stride() == x.stride() and torch.equal(buf, x)
+    b = torch.randn(5).expand(3, 5)  # broadcast: contiguous
+    buf, wire = alloc_layout(b.shape, b.dtype, torch.device("cpu"), ref_shape=b.shape, ref_stride=b.stride())
+    wire.copy_(to_layout(b, b.shape, b.stride()))
+    assert buf.is_contiguous() and torch.equal(buf, b)
