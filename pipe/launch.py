@@ -10,6 +10,7 @@ import gc
 import importlib
 import math
 import os
+import platform
 import socket
 import statistics
 import sys
@@ -150,6 +151,8 @@ def keep_freed_memory() -> bool:
     M_MMAP_THRESHOLD to 1 GiB and M_TRIM_THRESHOLD to 2 GiB: the resident set stays at the step's
     peak between steps, as CUDA's caching allocator keeps device memory.
     """
+    if platform.libc_ver()[0] != "glibc":  # another C library may take one setting and refuse the other
+        return False
     try:
         libc = ctypes.CDLL("libc.so.6")
         m_trim_threshold, m_mmap_threshold = -1, -3

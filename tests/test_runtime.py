@@ -1,4 +1,5 @@
 """The pipeline runtime on 2 and 4 gloo ranks: parity with the unpartitioned model, determinism, errors."""
+import platform
 import sys
 from pathlib import Path
 
@@ -309,7 +310,7 @@ print(kept_after_free(), keep_freed_memory(), kept_after_free())
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc")
 def test_keep_freed_memory_keeps_a_freed_tensor_resident() -> None:
     """By default glibc unmaps a freed 64 MiB block (the next one is page-faulted in again);
     pipe.init's keep_freed_memory keeps it in the process."""
