@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -98,6 +98,8 @@ class StageInfo:
     regions: tuple[Region, ...] = ()  # checkpointable on their own (none under zero-bubble schedules)
     points: tuple[Point, ...] = ()  # memory.timeline's points of the stage's program (() : from n and comm)
     actions: tuple[str, ...] = ()  # its compute actions' kinds in program order (what Point.act indexes)
+    fused_points: tuple[Point, ...] = ()  # under zero bubble, the points with its B a BW and its W gone:
+    # what the stage runs when it recomputes (memory.fused_backward), its activations freed at BW
 
     def timeline(self) -> tuple[Point, ...]:
         return self.points or default_points(self.in_flight, self.comm_bytes)
@@ -478,6 +480,7 @@ def _candidates(st: StageInfo, recompute: str, offload: str, budget: float | Non
     Under 'auto' the offload modes are permissions: a stage offloads only where it pays.
     """
     s = st.index
+    bw = replace(st, points=st.fused_points) if st.fused_points else st  # where a recomputing plan is walked
     acts_ok = offload in ("activations", "all")
     states_ok = offload in ("states", "all") and bool(st.chunkings)
     total_ms = sum(x.fwd_ms for x in st.nodes)
@@ -502,7 +505,11 @@ def _candidates(st: StageInfo, recompute: str, offload: str, budget: float | Non
             elif kind == "remat":
                 if budget is None:
                     continue
-                got = _remat_set(st, budget - state, r is not None)
+                got = _remat_set(bw, budget - state, r is not None)
+                if got == [] and bw is not st:  # it fits once its backward runs as BW, which recomputing
+                    # anything brings (memory.fused_backward): its cheapest node that frees memory
+                    got = sorted((x for x in _remattable(st, r is not None) if x.remat_bytes > 0),
+                                 key=lambda x: x.fwd_ms)[:1]
                 if not got:
                     continue
                 remat = got
@@ -516,7 +523,7 @@ def _candidates(st: StageInfo, recompute: str, offload: str, budget: float | Non
             if act_off:
                 c.move_ms += 2 * (st.act_bytes + st.loss_bytes) / st.copy_bytes_per_ms
             # a whole-stage checkpoint fetches chunks again as it recomputes: bounded by `state` instead
-            _predict(c, st, state, *per_mb, profile=None if kind == "full" else profile,
+            _predict(c, bw if c.recomputes else st, state, *per_mb, profile=None if kind == "full" else profile,
                      work_end=None if kind == "full" else ring[1])
             out.append(c)
         if recompute == "auto" and len(st.regions) > 1:

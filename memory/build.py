@@ -68,8 +68,8 @@ def stage_infos(*, stages: Sequence[dict[str, Any]], costs: dict[str, NodeCost],
                 param_sizes: dict[str, tuple[int, int]], microbatches: int, comm: Sequence[int],
                 time_scale: float = 1.0, copy_bytes_per_ms: float = COPY_BYTES_PER_MS, regions: bool = True,
                 points: Mapping[int, tuple[Point, ...]] | None = None, output_bytes: int = 0,
-                actions: Mapping[int, tuple[str, ...]] | None = None, place: Sequence[int] | None = None
-                ) -> list[StageInfo]:
+                actions: Mapping[int, tuple[str, ...]] | None = None, place: Sequence[int] | None = None,
+                fused_points: Mapping[int, tuple[Point, ...]] | None = None) -> list[StageInfo]:
     """StageInfo per stage (from the plan's stage dicts and the costs).
 
     The plan's activation bytes leave out the model inputs that ops save (token ids, targets: the
@@ -83,7 +83,9 @@ def stage_infos(*, stages: Sequence[dict[str, Any]], costs: dict[str, NodeCost],
     `output_bytes`: the graph's outputs per microbatch (the plan's), what the loss saves when no
     per-node costs are given (no memory feature asked for: the prediction comes from the plan).
     `place`: each stage's rank; a parameter an earlier stage on the same rank reads (a tied weight) is
-    that stage's (the memory manager holds it once per rank, with the first local stage reading it)."""
+    that stage's (the memory manager holds it once per rank, with the first local stage reading it).
+    `fused_points`: under zero bubble, each stage's points with its backward a BW (where a plan that
+    recomputes is walked: memory.fused_backward)."""
     nodes = {n.name: n for n in gm.graph.nodes}
     out = next(n for n in gm.graph.nodes if n.op == "output")
     loss = sum(costs[x.name].out_bytes for x in pytree.tree_leaves(out.args[0])
@@ -132,6 +134,7 @@ def stage_infos(*, stages: Sequence[dict[str, Any]], costs: dict[str, NodeCost],
                                microbatches=microbatches, copy_bytes_per_ms=copy_bytes_per_ms,
                                regions=tuple(cuts),
                                points=(points or {}).get(s, ()),
+                               fused_points=(fused_points or {}).get(s, ()),
                                actions=() if lent else (actions or {}).get(s, ())))
     return infos
 
@@ -151,7 +154,9 @@ def plan_choices(*, recompute: str, offload: str, budget: float | None, stages: 
                         microbatches=microbatches, comm=comm_peaks(programs, place, recv, send, zero_bubble),
                         time_scale=time_scale, copy_bytes_per_ms=copy_bytes_per_ms,
                         regions=not zero_bubble, points=stage_points(programs, place, recv, send, zero_bubble),
-                        actions=stage_actions(programs), place=place, output_bytes=output_bytes)
+                        actions=stage_actions(programs), place=place, output_bytes=output_bytes,
+                        fused_points={s: stage_points(programs, place, recv, send, True, fused=(s,))[s]
+                                      for s in range(len(stages))} if zero_bubble else None)
     return choose(infos, recompute=recompute, offload=offload, budget=budget, optim_factor=optim_factor)
 
 

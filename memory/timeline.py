@@ -22,7 +22,7 @@ streamed chunks' bytes at each, when they stream). The rules are the memory mana
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, Collection, Iterable, Mapping, NamedTuple, Sequence
 
 from memory.buffers import CommBuffers
 
@@ -57,13 +57,23 @@ def _reload_points(items: Sequence[Any]) -> dict[int, list[tuple[int, int]]]:
     return out
 
 
+def _with_bw(items: Sequence[Any], fused: Collection[int]) -> list[Any]:
+    """A rank's program with the B of each stage in `fused` a BW and its W gone (pipe.lower.fuse_backward's
+    pass, on the items as they are)."""
+    return [x._replace(kind="BW") if not _is_batch(x) and x.stage in fused and x.kind == "B" else x
+            for x in items if _is_batch(x) or x.stage not in fused or x.kind != "W"]
+
+
 def stage_points(programs: Mapping[int, Sequence[Any]], place: Sequence[int], recv: Sequence[int],
-                 send: Sequence[int], zero_bubble: bool) -> dict[int, tuple[Point, ...]]:
+                 send: Sequence[int], zero_bubble: bool, fused: Collection[int] = ()
+                 ) -> dict[int, tuple[Point, ...]]:
     """Per stage, the distinct points of its rank's program (`programs`: every rank's lowered program,
-    items compute actions or batches; RELOADs are implied, as if every stage offloaded)."""
+    items compute actions or batches; RELOADs are implied, as if every stage offloaded). `fused`: stages
+    whose backward runs as BW, their W gone (a recomputing stage under zero bubble: memory.fused_backward)."""
     S = len(place)
     seen: dict[int, dict[Point, None]] = {s: {} for s in range(S)}
     for rank, items in programs.items():
+        items = _with_bw(items, fused) if fused else items
         bufs = CommBuffers(place, rank, recv, send, zero_bubble)
         comm, kept, grads, acts = [0] * S, [0] * S, [0] * S, [-1] * S
         on: list[set[int]] = [set() for _ in range(S)]

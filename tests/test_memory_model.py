@@ -95,3 +95,57 @@ def test_timeline_points_follow_the_program_of_1f1b() -> None:
     # without a program: one point, the backward running (its whole working set, not what its end holds)
     from memory.timeline import default_points
     assert peak_of(default_points(2, 10), 1000, 0, 100, work_end=5)[0] == 2 * 1000 + 100 + 10
+
+
+
+def test_a_recomputing_stage_under_zero_bubble_is_walked_with_its_backward_fused() -> None:
+    """Under zb-h1 a stage keeps its microbatches until their W; one that recomputes runs BW instead
+    (memory.fused_backward) and frees them there, keeping S - s as under 1F1B. memory.timeline walks the
+    fused program as pipe.lower.fuse_backward makes it, and memory.budget predicts a recomputing plan on
+    those points (a plain one on the program's own)."""
+    from memory.budget import StageInfo, _candidates
+    from memory.timeline import stage_points
+    from pipe.lower import fuse_backward, lower
+    from pipe.schedules import build
+    S, M = 4, 8
+    programs = lower(build("zb-h1", S, M), S, M)
+    place, recv, send = list(range(S)), [0] + [100] * (S - 1), [100] * (S - 1) + [0]
+    plain = stage_points(programs, place, recv, send, True)
+    for s in range(S):
+        fused = stage_points(programs, place, recv, send, True, fused=(s,))[s]
+        assert set(fused) == set(stage_points(fuse_backward(programs, [s]), place, recv, send, True)[s])
+        assert max(p.kept for p in plain[s]) == S and max(p.kept for p in fused) == S - s
+    last = S - 1
+    fused = stage_points(programs, place, recv, send, True, fused=(last,))[last]
+    st = StageInfo(index=last, nodes=(), act_bytes=10_000, loss_bytes=1_000, in_flight=S, param_bytes=0,
+                   comm_bytes=0, points=plain[last])
+    # a whole-stage checkpoint keeps the loss's saves of its one microbatch and recomputes the rest in BW;
+    # a plain stage keeps all it saves for S microbatches
+    for recompute, acts in (("full", 1_000 + 10_000), ("none", S * 11_000)):
+        walked = _candidates(StageInfo(**{**vars(st), "fused_points": fused}), recompute, "none", None, 2.0)[0]
+        assert walked.recomputes == (recompute == "full")
+        assert walked.parts["activations"] == pytest.approx(acts)
+        unfused = _candidates(st, recompute, "none", None, 2.0)[0]
+        assert (walked.predicted_peak < unfused.predicted_peak) == (recompute == "full")
+
+def test_a_zero_bubble_stage_that_fits_once_its_backward_is_fused_recomputes_one_node() -> None:
+    """zb-h1's last stage holds its microbatches until their W; recomputing anything fuses its backward
+    (BW frees them), which is all this budget needs of it: its cheapest node that frees memory, not the
+    larger set or the whole-stage checkpoint the unfused walk asked for."""
+    import pipe.auto as auto
+    from pipe.schedules import in_flight_limit
+    from tests.test_memory_parity import GPT
+    w = partition.load("gpt", **GPT)
+    S, M = 2, 4
+    a: list = []
+    plan = partition.plan(w.model, w.example_args, S, cost="flops", schedule="zb-h1", microbatches=M,
+                          in_flight_counts=[in_flight_limit("zb-h1", S, M, s, 1) for s in range(S)],
+                          loss_fn=w.loss_fn, analysis_out=a)
+    sizes = {k: (p.numel(), p.element_size()) for k, p in w.model.named_parameters()}
+    plain = [st.memory_peak for st in auto.memory_plan(plan, a[0], S, recompute="none", offload="none", budget=None,
+                                                       param_sizes=sizes).stages]
+    budget = 0.8 * max(plain)
+    got = auto.memory_plan(plan, a[0], S, recompute="auto", offload="none", budget=budget, param_sizes=sizes).stages
+    assert got[-1].memory == "remat 1" and got[-1].memory_nodes == 1, [st.memory for st in got]
+    assert got[-1].memory_peak <= budget < plain[-1]
+    assert got[-1].w_ms == 0.0  # it runs BW: no W of its own
