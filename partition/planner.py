@@ -60,8 +60,9 @@ class Analysis:
             else:
                 say(f"tracing {type(model).__name__} ...")
                 gm = trace(model, given[0], given[1], leaf_modules=leaf_modules)
-            say(f"traced by {gm.meta['fxpipe_tracer']}: {len(gm.graph.nodes)} nodes "
-                f"({time.perf_counter() - start:.1f} s)")
+            took = "traced once, for planning and splitting" if traced is not None else \
+                f"{time.perf_counter() - start:.1f} s"
+            say(f"traced by {gm.meta['fxpipe_tracer']}: {len(gm.graph.nodes)} nodes ({took})")
             # with the loss in the graph the last stage returns the loss and the head can be cut
             # without moving logits; loss_note says why the loss stays outside ("" when it is in)
             self.loss_note, inferred = loss_placement(gm, model, self.args, self.kwargs, loss_fn, example_target)

@@ -283,6 +283,8 @@ class Pipeline:
         traced = None  # every rank traces the model at once, and rank 0 plans from its trace (no second one)
         if not auto:  # (auto's candidates trace examples resized to their microbatches)
             error = None
+            if progress is not None:
+                progress(f"tracing {type(model).__name__} ...")
             try:
                 traced = trace(model, args, kwargs, leaf_modules=self.leaf_modules)
             except Exception as e:
