@@ -166,7 +166,17 @@ def graph_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         out = copy.deepcopy(gm, memo)
     was = next(n.name for n in reversed(gm.graph.nodes) if n.op == "output")
     next(n for n in reversed(out.graph.nodes) if n.op == "output")._rename(was)  # the copy names it "output" (the
-    out.recompile()  # name of the first one, which attach_loss replaced) and plans fingerprint node names
+    # name of the first one, which attach_loss replaced) and plans record node names. The names the graph
+    # has used (erased nodes' too) go with it, so a node added later (a loss attached) is named as it would
+    # be in `gm`: torch.fx's namespace keeps them in private fields, left as they are if it has none
+    ns: Any = getattr(gm.graph, "_graph_namespace", None)
+    mine: Any = getattr(out.graph, "_graph_namespace", None)
+    used, counts = getattr(ns, "_used_names", None), getattr(ns, "_base_count", None)
+    if isinstance(used, set) and isinstance(counts, dict) and type(mine) is type(ns):
+        mine._used_names |= used
+        for base, k in counts.items():
+            mine._base_count[base] = max(k, mine._base_count.get(base, 0))
+    out.recompile()
     for k in ("_in_spec", "_out_spec"):  # torch.export's call structure (flatten_inputs), kept after attach_loss
         if k in vars(gm):                # made the code flat, which GraphModule's copy would drop
             setattr(out, k, getattr(gm, k))
