@@ -219,17 +219,13 @@ def human_bytes(x: float, digits: int = 1) -> str:
     return f"{x:.{digits}f} TiB"
 
 
-def fingerprint(gm: torch.fx.GraphModule, *, output_name: bool = False) -> str:
-    """Hash of the graph's operations and the parameters' names and shapes. Not of the output node's
-    name, which records the graph's naming history rather than the model (a copy of a graph that
-    torch.export traced names the output of a loss attached later output_1, the graph itself output_2);
-    `output_name=True`: with it, as earlier versions of fxpipe hashed plans (still accepted)."""
+def fingerprint(gm: torch.fx.GraphModule) -> str:
+    """Hash of the graph's operations and the parameters' names and shapes."""
     h = hashlib.sha256()
     for node in gm.graph.nodes:
         t = node.target
         target = t if isinstance(t, str) else f"{getattr(t, '__module__', '')}.{getattr(t, '__qualname__', t)}"
-        name = node.name if node.op != "output" or output_name else ""
-        h.update(f"{node.op}|{name}|{target}\n".encode())
+        h.update(f"{node.op}|{node.name}|{target}\n".encode())
     for name, p in gm.named_parameters():
         h.update(f"{name}|{tuple(p.shape)}|{p.dtype}\n".encode())
     return h.hexdigest()[:16]

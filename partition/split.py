@@ -169,7 +169,7 @@ def split_graph(gm: torch.fx.GraphModule, plan: Plan) -> list[torch.fx.GraphModu
     if todo:
         apply_rewrites(gm, todo)
     fp = fingerprint(gm)
-    if plan.fingerprint not in (fp, fingerprint(gm, output_name=True)):  # (a plan hashed with it, from before)
+    if fp != plan.fingerprint:
         raise PlanError(f"the plan was made for another model ({plan.model}, fingerprint {plan.fingerprint}) "
                         f"than this one ({type(gm).__name__}, fingerprint {fp}); re-create it for this "
                         "model with partition.plan(...) or python -m partition")

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from partition.errors import FxpipeError, first_line
 
 __all__ = ["PeerLost", "RemoteError", "guarded", "fail_everywhere", "first_failure", "report_lost", "follow_lost",
-           "DEFAULT_TIMEOUT_S", "Transport", "TorchTransport", "Work", "alloc_layout", "to_layout", "is_dense"]
+           "DEFAULT_TIMEOUT_S", "Transport", "TorchTransport", "Work", "alloc_layout", "to_layout"]
 
 
 class PeerLost(FxpipeError, RuntimeError):
@@ -206,18 +206,6 @@ class _AllOf:
 
     def is_completed(self) -> bool:
         return all(w.is_completed() for w in self.works)
-
-
-def is_dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
-    """True when (shape, stride) covers one block of memory exactly once (any dim order)."""
-    if len(shape) != len(stride):
-        return False
-    expected = 1
-    for size, st in sorted(((sz, st) for sz, st in zip(shape, stride) if sz != 1), key=lambda x: x[1]):
-        if st != expected:
-            return False
-        expected *= size
-    return True
 
 
 def _layout(shape: Sequence[int], ref_shape: Sequence[int], ref_stride: Sequence[int]) -> tuple[int, ...] | None:
