@@ -4,7 +4,11 @@ torchrun --nproc-per-node 2 -m bench.vs_torch [--model gpt] [--rounds 12] [--mod
 Candidates (same model, batch, schedule and microbatches; 1 thread per rank): torch with an even
 split by layers (SplitPoint, what its users write), fxpipe with those same boundaries, fxpipe with
 its own boundaries (the natural call: pipe.Pipeline(model, example_args, loss_fn=...)); plus one
-process on the whole batch for the ideal (t1 / 2) x (M + 1) / M."""
+process on the whole batch for the ideal (t1 / 2) x (M + 1) / M. With --torch-schedules all, torch
+runs each of its seven schedules (those with two stages per rank on an even split into twice as many
+stages, placed as the schedule requires), and with --auto fxpipe runs schedule="auto" on the same
+batch (it chooses the schedule, the microbatch count among the batch's divisors and the stages per
+rank); the table then says how fxpipe's choice measures against torch's fastest schedule."""
 from __future__ import annotations
 
 import argparse
@@ -34,22 +38,42 @@ def layer_bounds(analysis: Any, layer_prefixes: tuple[str, ...], n_stages: int) 
                       n_blocks=len(analysis.blocks.members))
 
 
-def _torch_pipeline(w: Any, rank: int, world: int, M: int) -> tuple[Callable[..., float], list[Any]]:
-    from torch.distributed.pipelining import Schedule1F1B, SplitPoint, pipeline
-    L = len(w.layer_prefixes)
-    spec = {w.layer_prefixes[(k * L) // world]: SplitPoint.BEGINNING for k in range(1, world)}
-    pp = pipeline(w.model, mb_args=w.example_args, split_spec=spec)
-    stage = pp.build_stage(rank, torch.device("cpu"))
-    sched = Schedule1F1B(stage, n_microbatches=M, loss_fn=w.loss_fn)
-    params = list(stage.submod.parameters())
+# torch.distributed.pipelining's seven schedules by fxpipe's names: (class name, stages per rank, placement)
+TORCH_SCHEDULES = {"gpipe": ("ScheduleGPipe", 1, "loop"), "1f1b": ("Schedule1F1B", 1, "loop"),
+                   "interleaved-1f1b": ("ScheduleInterleaved1F1B", 2, "loop"),
+                   "looped-bfs": ("ScheduleLoopedBFS", 2, "loop"),
+                   "interleaved-zb": ("ScheduleInterleavedZeroBubble", 2, "loop"),
+                   "zbv": ("ScheduleZBVZeroBubble", 2, "v"), "dualpipev": ("ScheduleDualPipeV", 2, "v")}
+
+
+def torch_stages(rank: int, world: int, v: int, placement: str) -> tuple[int, ...]:
+    """The stages torch places on `rank`: round robin ("loop"), or down then back up ("v")."""
+    if placement == "v":
+        return (rank, 2 * world - 1 - rank)
+    return tuple(rank + k * world for k in range(v))
+
+
+def _torch_pipeline(w: Any, rank: int, world: int, M: int, schedule: str = "1f1b"
+                    ) -> tuple[Callable[..., float], list[Any]]:
+    import torch.distributed.pipelining as tpp
+    cls, v, placement = TORCH_SCHEDULES[schedule]
+    L, S = len(w.layer_prefixes), world * v
+    spec = {w.layer_prefixes[(k * L) // S]: tpp.SplitPoint.BEGINNING for k in range(1, S)}
+    pp = tpp.pipeline(w.model, mb_args=w.example_args, split_spec=spec)
+    mine = torch_stages(rank, world, v, placement)
+    # torch's traced stages warm up by sending to each neighbouring stage's rank, which under V placement is
+    # this rank itself between its two stages (gloo refuses a send to self); its PipelineStage, over the same
+    # traced submodules, does not
+    stages = [pp.build_stage(i, torch.device("cpu")) if placement == "loop"
+              else tpp.PipelineStage(pp.get_stage_module(i), i, S, torch.device("cpu")) for i in mine]
+    sched = getattr(tpp, cls)(stages[0] if v == 1 else stages, n_microbatches=M, loss_fn=w.loss_fn)
+    params = [p for st in stages for p in st.submod.parameters()]
+    first, last = 0 in mine, S - 1 in mine
 
     def step(args: tuple[Any, ...], target: Any) -> float:
-        if rank == 0:
-            sched.step(*args)
-            return float("nan")
         losses: list[torch.Tensor] = []
-        sched.step(target=target, losses=losses)
-        return float(torch.stack(losses).detach().mean())
+        sched.step(*(args if first else ()), **({"target": target, "losses": losses} if last else {}))
+        return float(torch.stack(losses).detach().mean()) if last else float("nan")
     return step, params
 
 
@@ -61,6 +85,12 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--rounds", type=int, default=12, help="alternating rounds of every candidate")
     p.add_argument("--cost", default="measured", choices=["measured", "flops"])
+    p.add_argument("--torch-schedules", default="1f1b", metavar="LIST",
+                   help=f"torch's schedules to run, comma-separated, or all ({', '.join(TORCH_SCHEDULES)}); "
+                        "default 1f1b")
+    p.add_argument("--auto", action="store_true",
+                   help='add fxpipe with schedule="auto" on the same batch (its own schedule, M and stages per rank)')
+    p.add_argument("--calibration", metavar="FILE", help="auto's predictions with this calibration (bench calibrate)")
     p.add_argument("--ranks", type=int, default=2, help="processes to launch")
     p.add_argument("--launcher", default="torchrun", choices=["torchrun", "mpirun"])
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
@@ -88,22 +118,31 @@ def main(argv: list[str] | None = None) -> int:
 
     w = fresh()
     batch_size = w.microbatch_size * M
+    wanted = list(TORCH_SCHEDULES) if args.torch_schedules == "all" else args.torch_schedules.split(",")
+    unknown = [x for x in wanted if x not in TORCH_SCHEDULES]
+    if unknown:
+        raise SystemExit(f"--torch-schedules: unknown {unknown}; torch's are {', '.join(TORCH_SCHEDULES)} (or all)")
+    wanted = ["1f1b"] + [x for x in wanted if x != "1f1b"]  # 1F1B: what fxpipe's own 1F1B is compared with
     candidates: dict[str, tuple[Callable[..., float], list[Any]]] = {}
-    candidates["torch-even"] = _torch_pipeline(fresh(), rank, world, M)
+    for name in wanted:
+        candidates[f"torch-{name}"] = _torch_pipeline(fresh(), rank, world, M, name)
     wf = fresh()
     a = Analysis(wf.model, wf.example_args, wf.example_kwargs, cost=args.cost)
     flights = tuple(in_flight_limit("1f1b", world, M, s) for s in range(world))
     even = plan_from_bounds(a, layer_bounds(a, wf.layer_prefixes, world), CostModel(in_flight=flights),
                             schedule="1f1b", microbatches=M, stages_per_rank=1, memory_budget=None)
     pipes: dict[str, Any] = {}
-    for name, plan, wl in (("fxpipe-even", even, wf), ("fxpipe-auto", None, fresh())):
+    fx = [("fxpipe-even", even, "1f1b"), ("fxpipe-auto", None, "1f1b")]
+    if args.auto:
+        fx.append(("fxpipe-auto-schedule", None, "auto"))
+    for name, plan, schedule in fx:
+        wl = wf if plan is not None else fresh()
         # fxpipe's own plan from the natural call: no example_target, the loss traced in with an inferred one
-        pl = pipe.Pipeline(wl.model, wl.example_args, loss_fn=wl.loss_fn, microbatches=M, schedule="1f1b",
-                           plan=plan, cost=args.cost)
+        kw: dict[str, Any] = ({"schedule": "auto", "batch_size": batch_size, "calibration": args.calibration}
+                              if schedule == "auto" else {"schedule": schedule, "microbatches": M, "plan": plan})
+        pl = pipe.Pipeline(wl.model, wl.example_args, loss_fn=wl.loss_fn, cost=args.cost, **kw)
         candidates[name] = ((lambda pl: lambda b, t: pl.step(*b, target=t))(pl), list(pl.parameters()))
         pipes[name] = pl
-        if rank == 0 and plan is None:
-            auto_plan = pl.plan
     opts = {k: torch.optim.AdamW(v[1], lr=1e-4) for k, v in candidates.items()}
     samples: dict[str, list[float]] = {k: [] for k in candidates}
     samples["one-process"] = []
@@ -123,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             if r:
                 samples[name].append(float(dt))
-                losses[name].append(loss)
+            losses[name].append(float(loss))
         dist.barrier()
         if single is not None:
             t0 = time.perf_counter()
@@ -132,29 +171,40 @@ def main(argv: list[str] | None = None) -> int:
                 samples["one-process"].append(time.perf_counter() - t0)
             single.model.zero_grad(set_to_none=True)
         dist.barrier()
-    timelines = {k: pipes[k].gather_timeline() for k in ("fxpipe-even", "fxpipe-auto")}
-    if rank == world - 1 and rank != 0:
-        dist.send(torch.tensor([losses["torch-even"][0]], dtype=torch.float64), 0)
+    first_loss = {}  # each candidate's loss on the first (warm-up) batch, from the rank that computed it
+    for name in names:
+        t = torch.tensor([losses[name][0] if losses[name][0] == losses[name][0] else float("-inf")],
+                         dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        first_loss[name] = float(t)
+    timelines = {k: pipes[k].gather_timeline() for k in pipes}
     if rank == 0:
-        torch_loss = torch.zeros(1, dtype=torch.float64)
-        if world > 1:
-            dist.recv(torch_loss, world - 1)
         med = {k: statistics.median(v) for k, v in samples.items() if v}
         ideal = med["one-process"] / world * (M + 1) / M
-        rows = [("torch.distributed.pipelining, even layer split", med["torch-even"]),
-                ("fxpipe, the same boundaries", med["fxpipe-even"]),
-                ("fxpipe, its own boundaries", med["fxpipe-auto"]),
-                (f"ideal: one process / {world} x (M+1)/M", ideal),
-                ("one process, one thread, whole batch", med["one-process"])]
-        print(f"{args.model} {margs}, batch {batch_size} in {M} microbatches, 1F1B, {world} ranks x 1 thread, "
-              f"{args.rounds} alternating rounds (median s/step)")
+        base = med["torch-1f1b"]
+        rows = [(f"torch.distributed.pipelining {n}, even layer split", med[f"torch-{n}"]) for n in wanted]
+        rows += [("fxpipe 1f1b, the same boundaries", med["fxpipe-even"]),
+                 ("fxpipe 1f1b, its own boundaries", med["fxpipe-auto"])]
+        if args.auto:
+            rows.append((f"fxpipe schedule='auto' ({pipes['fxpipe-auto-schedule'].plan.schedule} "
+                         f"M={pipes['fxpipe-auto-schedule'].M} v={pipes['fxpipe-auto-schedule'].v})",
+                         med["fxpipe-auto-schedule"]))
+        rows += [(f"ideal: one process / {world} x (M+1)/M", ideal),
+                 ("one process, one thread, whole batch", med["one-process"])]
+        print(f"{args.model} {margs}, batch {batch_size}, {M} microbatches unless said, {world} ranks x 1 thread, "
+              f"{args.rounds} alternating rounds (median s/step; ratio to torch 1f1b)")
         for label, v in rows:
-            print(f"  {label:48s} {v:7.3f} s")
-        print(f"  ratio fxpipe-even / torch-even   {med['fxpipe-even'] / med['torch-even']:.3f}")
-        print(f"  ratio fxpipe-auto / torch-even   {med['fxpipe-auto'] / med['torch-even']:.3f}")
+            print(f"  {label:58s} {v:7.3f} s  {v / base:6.3f}")
+        print(f"  ratio fxpipe-even / torch-1f1b   {med['fxpipe-even'] / base:.3f}")
+        print(f"  ratio fxpipe-auto / torch-1f1b   {med['fxpipe-auto'] / base:.3f}")
         print(f"  ratio fxpipe-even / ideal        {med['fxpipe-even'] / ideal:.3f}")
         print(f"  ratio fxpipe-auto / ideal        {med['fxpipe-auto'] / ideal:.3f}")
-        print(f"  first-step loss: torch {float(torch_loss):.5f}, fxpipe-even {losses['fxpipe-even'][0]:.5f}")
+        best_torch = min(wanted, key=lambda n: med[f"torch-{n}"])
+        if args.auto:
+            print(f"  ratio fxpipe schedule='auto' / torch's fastest ({best_torch}) "
+                  f"{med['fxpipe-auto-schedule'] / med[f'torch-{best_torch}']:.3f}")
+        print("  first-step loss: " + ", ".join(f"{k} {v:.5f}" for k, v in first_loss.items()))
+        auto_plan = pipes["fxpipe-auto"].plan
         print("  fxpipe auto boundaries: nodes per stage", [len(s.nodes) for s in auto_plan.stages],
               "even:", [len(s.nodes) for s in even.stages])
         print("  fxpipe auto " + next(x for x in auto_plan.table().splitlines() if x.startswith("loss: ")))
@@ -162,11 +212,14 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         for k, tl in timelines.items():
             if tl is not None:
-                tl.to_png(str(out / f"timeline-{k}.png"), title=f"{args.model} {k} 1F1B M={M} (measured)")
+                tl.to_png(str(out / f"timeline-{k}.png"), title=f"{args.model} {k} (measured)")
                 (out / f"trace-{k}.json").write_text(json.dumps(tl.to_chrome_trace()))
         (out / "vs_torch.json").write_text(json.dumps({
             "command": " ".join(sys.argv), "model": args.model, "model_args": margs, "microbatches": M,
-            "ranks": world, "samples_s": samples, "median_s": med, "ideal_s": ideal,
+            "ranks": world, "samples_s": samples, "median_s": med, "ideal_s": ideal, "first_loss": first_loss,
+            "torch_fastest": best_torch, "auto_choice": (pipes["fxpipe-auto-schedule"].plan.schedule,
+                                                          pipes["fxpipe-auto-schedule"].M,
+                                                          pipes["fxpipe-auto-schedule"].v) if args.auto else None,
             "machine": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__}, indent=1))
     dist.barrier()
     dist.destroy_process_group()

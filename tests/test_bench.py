@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.mp import run_command
 
@@ -95,19 +96,29 @@ def test_bench_auto_measures_every_candidate_with_its_recompute_policy(tmp_path:
 
 
 def test_bench_vs_torch(tmp_path: Path) -> None:
-    out = run_command([sys.executable, "-m", "bench", "vs-torch", "gpt", *TINY, "--rounds", "2",
-                       "--cost", "flops", "--out", str(tmp_path)], timeout=180).output
-    assert "torch.distributed.pipelining, even layer split" in out
+    # four layers: torch's V schedule splits them into four stages, two per rank
+    tiny = [a if a != "n_layer=2" else "n_layer=4" for a in TINY]
+    out = run_command([sys.executable, "-m", "bench", "vs-torch", "gpt", *tiny, "--rounds", "2",
+                       "--cost", "flops", "--torch-schedules", "gpipe,zbv", "--auto", "--out", str(tmp_path)],
+                      timeout=180).output
+    assert "torch.distributed.pipelining 1f1b, even layer split" in out
     data = json.loads((tmp_path / "vs_torch.json").read_text())
-    assert set(data["median_s"]) == {"torch-even", "fxpipe-even", "fxpipe-auto", "one-process"}
+    fx = {"fxpipe-even", "fxpipe-auto", "fxpipe-auto-schedule"}
+    assert set(data["median_s"]) == {"torch-1f1b", "torch-gpipe", "torch-zbv", "one-process"} | fx
     assert all(len(v) == 2 for v in data["samples_s"].values())
-    for k in ("fxpipe-even", "fxpipe-auto"):
+    for k in fx:
         assert (tmp_path / f"timeline-{k}.png").read_bytes()[:8] == PNG
         _valid_trace(tmp_path / f"trace-{k}.json")
-    # same model, same batch: torch's first loss equals fxpipe's
-    line = next(x for x in out.splitlines() if "first-step loss" in x)
-    torch_loss, fx_loss = [w.strip(",") for w in line.split() if w[0].isdigit()]
-    assert torch_loss == fx_loss
+    # same model, same batch: every schedule of torch's and fxpipe's, auto's choice too, computes the same loss
+    losses = data["first_loss"]
+    assert set(losses) == set(data["median_s"]) - {"one-process"}
+    for k, v in losses.items():
+        torch.testing.assert_close(v, losses["torch-1f1b"], rtol=1e-5, atol=0, msg=k)
+    schedule, M, v = data["auto_choice"]
+    assert f"fxpipe schedule='auto' ({schedule} M={M} v={v})" in out and 32 % M == 0
+    fastest = data["torch_fastest"]
+    assert data["median_s"][f"torch-{fastest}"] == min(data["median_s"][f"torch-{n}"] for n in ("1f1b", "gpipe", "zbv"))
+    assert f"torch's fastest ({fastest})" in out
 
 
 def test_bench_partition(tmp_path: Path) -> None:
