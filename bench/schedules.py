@@ -161,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                 comm = stage_costs(pp.plan, False)[3]
                 seen.extend(observe(c["timelines"], [st.fwd_ms for st in pp.plan.stages],
                                     [st.bwd_ms for st in pp.plan.stages], comm, pp.place, pp.plan.cost,
-                                    [len(st.nodes) for st in pp.plan.stages], *w_parts(pp.plan)))
+                                    [len(st.nodes) for st in pp.plan.stages], *w_parts(pp.plan),
+                                    program=pp.programs))
             med = statistics.median(c["times"])
             durations: dict[tuple[str, int], list[float]] = {}  # each action's, over the timed steps (and mbs)
             for t in c["timelines"]:

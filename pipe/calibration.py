@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from pipe.lower import needs
+from pipe.lower import Program, message, needs, peer_of
 from pipe.schedules import Action
 from pipe.simulate import Timeline
 
@@ -37,9 +37,10 @@ __all__ = ["KINDS", "Calibration", "Line", "Observations", "fit", "observe", "ty
 # F at the stage's fwd_ms; B (the whole backward: B without W, or BW) at bwd_ms; under zero bubble W at the
 # stage's W part (planned_w) and B_split (B with W apart) at the rest of bwd_ms
 KINDS = ("F", "B", "B_split", "W")
-VERSION = 5  # 1: B_split and W fitted on the whole backward's cost, a stage's W taken as half of it;
+VERSION = 6  # 1: B_split and W fitted on the whole backward's cost, a stage's W taken as half of it;
 # 2: plans costed by FLOP count priced each node's inputs and outputs as memory traffic (views too);
-# 3: FLOP counts left out the work of exp, tanh, erf... beyond their traffic; 4: and CPU attention's products
+# 3: FLOP counts left out the work of exp, tanh, erf... beyond their traffic; 4: and CPU attention's products;
+# 5: one post_ms for every batch, whether its messages had been sent before it was posted or not
 
 
 def planned_w(bwd_ms: float, w_ms: float | None) -> float:
@@ -77,6 +78,9 @@ class Calibration:
     gap_ms: float = 0.0  # host time before each compute action (receiving, hooks), outside its span
     message_ms: float = 0.0  # a message's latency beyond the plan's link figures
     post_ms: float = 0.0  # host time posting one batch of messages (the mean: the blocked posts add up)
+    # host time posting a batch that receives a message its peer had posted before (gloo takes it in the posting
+    # thread, paced by the peer's progress thread; 1.5-2 ms against 0.35-0.45 on 2 busy cores); None: post_ms
+    late_post_ms: float | None = None
     cost: str = ""  # how the plans it was fitted on were costed ("flops", "measured"; "" = any)
     samples: dict[str, int] = field(default_factory=dict)  # the points behind each figure
     machine: str = ""
@@ -96,7 +100,8 @@ class Calibration:
 
     def _scaled(self, k: float) -> Calibration:
         return dataclasses.replace(self, f=_times(self.f, k), b=_times(self.b, k), b_split=_times(self.b_split, k),
-                                   w=_times(self.w, k), gap_ms=self.gap_ms * k, post_ms=self.post_ms * k)
+                                   w=_times(self.w, k), gap_ms=self.gap_ms * k, post_ms=self.post_ms * k,
+                                   late_post_ms=None if self.late_post_ms is None else self.late_post_ms * k)
 
     def stage_costs(self, fwd_ms: Sequence[float], bwd_ms: Sequence[float], has_w: bool,
                     nodes: Sequence[int] | None = None, w_ms: Sequence[float | None] | None = None,
@@ -143,7 +148,9 @@ class Calibration:
                                    "views too",
                                 3: "FLOP-counted plans left out the work of exp, tanh, erf and the like beyond "
                                    "their memory traffic",
-                                4: "FLOP-counted plans priced CPU attention as its memory traffic alone"}.get(
+                                4: "FLOP-counted plans priced CPU attention as its memory traffic alone",
+                                5: "every batch of messages was priced alike, whether its messages had come "
+                                   "before it was posted or not"}.get(
                                     d.get("version", 1), "by another fxpipe")
                              + f"; this fxpipe reads version {VERSION}: make it again with python -m bench calibrate")
         given: dict[str, Any] = dict(d)
@@ -168,7 +175,9 @@ class Calibration:
             return f"{name} {x.scale:.2f} x planned + {x.per_node * 1e3:.1f} us x nodes + {x.fixed:.2f} ms"
         return (f"{line('F', self.f)}; {line('B', self.b)}; {line('B with W apart', self.b_split)}; "
                 f"{line('W', self.w)}; {self.gap_ms:.2f} ms before each action; {self.message_ms:.2f} ms more per "
-                f"message; {self.post_ms:.2f} ms posting each batch; steps {self.step_scale:.3f}x the prediction with "
+                f"message; {self.post_ms:.2f} ms posting each batch"
+                + ("" if self.late_post_ms is None else f", {self.late_post_ms:.2f} ms one whose message had come")
+                + f"; steps {self.step_scale:.3f}x the prediction with "
                 f"those" + (" (" + ", ".join(f"{k} {v:.3f}x" for k, v in sorted(self.step_scales.items())) + ")"
                             if self.step_scales else "") + f" (plans costed by {self.cost or 'any'})")
 
@@ -183,6 +192,7 @@ class Observations:
     gaps: list[float] = field(default_factory=list)
     latency: list[float] = field(default_factory=list)
     posts: list[float] = field(default_factory=list)
+    late_posts: list[float] = field(default_factory=list)  # posts of batches receiving what was sent before
     cost: set[str] = field(default_factory=set)
 
     def extend(self, other: Observations) -> None:
@@ -191,16 +201,19 @@ class Observations:
         self.gaps += other.gaps
         self.latency += other.latency
         self.posts += other.posts
+        self.late_posts += other.late_posts
         self.cost |= other.cost
 
 
 def observe(timelines: Iterable[Timeline], fwd_ms: Sequence[float], bwd_ms: Sequence[float],
             comm_ms: Sequence[float], place: Sequence[int], cost: str = "",
             nodes: Sequence[int] | None = None, w_ms: Sequence[float | None] | None = None,
-            w_nodes: Sequence[int] | None = None) -> Observations:
+            w_nodes: Sequence[int] | None = None, program: Program | None = None) -> Observations:
     """Observations from measured steps of one pipeline: its stages' planned costs (and how they were
     costed), the plan's price of a message across each boundary (comm_ms), its placement, each
-    stage's fx node count, and its W part and the nodes W differentiates (as Calibration.stage_costs)."""
+    stage's fx node count, and its W part and the nodes W differentiates (as Calibration.stage_costs);
+    with the lowered `program` the steps ran, the posts of batches receiving a message its peer had posted
+    before (late_posts) apart from the others."""
     n_nodes = list(nodes) if nodes is not None else [0] * len(place)
     ws = [planned_w(x, y) for x, y in zip(bwd_ms, w_ms or [None] * len(bwd_ms))]
     wn = list(w_nodes) if w_nodes is not None else n_nodes
@@ -209,8 +222,11 @@ def observe(timelines: Iterable[Timeline], fwd_ms: Sequence[float], bwd_ms: Sequ
     obs = Observations(cost={cost} if cost else set())
     for tl in timelines:
         end = {e.action: e.end for e in tl.events}
-        obs.posts += [e.end - e.start for e in tl.posts]
         posts = {r: sorted((e.start, e.end) for e in tl.posts if e.rank == r) for r in range(tl.n_ranks)}
+        late = _late_posts(program, posts, place)
+        for r, spans in posts.items():
+            for (t0, t1), x in zip(spans, late.get(r, [False] * len(spans))):
+                (obs.late_posts if x else obs.posts).append(t1 - t0)
 
         def posting(r: int, lo: float, hi: float) -> float:  # rank r's time posting batches within [lo, hi]
             return sum(min(b, hi) - max(a, lo) for a, b in posts[r] if b > lo and a < hi)
@@ -240,6 +256,21 @@ def observe(timelines: Iterable[Timeline], fwd_ms: Sequence[float], bwd_ms: Sequ
         planned = {"F": fwd_ms[s], "B": bwd_ms[s], "B_split": bwd_ms[s] - ws[s], "W": ws[s]}[key]
         obs.points.setdefault(key, []).append((planned, wn[s] if key == "W" else n_nodes[s], typical(ms)))
     return obs
+
+
+def _late_posts(program: Program | None, posts: dict[int, list[tuple[float, float]]], place: Sequence[int]
+                ) -> dict[int, list[bool]]:
+    """Per rank, which of its measured posts (program order) received a message whose sender had begun
+    posting it before: those whose rank's posts do not match the program's batches one to one are left out."""
+    if program is None:
+        return {}
+    batches = {r: [x for x in items if not isinstance(x, Action)] for r, items in program.items()}
+    if any(len(batches.get(r, [])) != len(spans) for r, spans in posts.items()):
+        return {}
+    sent = {(r, message(a)): start for r, spans in posts.items() for batch, (start, _) in zip(batches[r], spans)
+            for a in batch if a.kind.startswith("SEND")}
+    return {r: [any(a.kind.startswith("RECV") and sent.get((peer_of(a, place), message(a)), start) < start
+                    for a in batch) for batch, (start, _) in zip(batches[r], spans)] for r, spans in posts.items()}
 
 
 def step_scale(pairs: Iterable[tuple[float, float]]) -> float:
@@ -300,7 +331,8 @@ def fit(obs: Observations) -> Calibration:
     """The calibration the observations give: a line per kind of action (the default where none was
     seen), the median host gap, a message's extra latency: the median wait past the plan's price,
     less that gap (the simulator puts the gap before the action), neither below 0, and the mean time
-    posting a batch (a mean: the posts that block behind a busy peer add up over a step)."""
+    posting a batch (a mean: the posts that block behind a busy peer add up over a step), apart for the
+    batches that receive a message sent before they were posted (late_post_ms; None: none seen)."""
     if len(obs.cost) > 1:
         raise ValueError(f"observations of plans costed by {sorted(obs.cost)}: a calibration fits one kind of "
                          "cost; calibrate on plans costed alike")
@@ -310,7 +342,9 @@ def fit(obs: Observations) -> Calibration:
     return Calibration(f=lines["f"], b=lines["b"], b_split=lines["b_split"], w=lines["w"], gap_ms=gap,
                        message_ms=max(0.0, statistics.median(obs.latency) - gap) if obs.latency else 0.0,
                        post_ms=statistics.fmean(obs.posts) if obs.posts else 0.0,
+                       late_post_ms=statistics.fmean(obs.late_posts) if obs.late_posts else None,
                        cost=next(iter(obs.cost), ""),
                        samples={**{k: len(v) for k, v in sorted(obs.points.items())}, "gaps": len(obs.gaps),
-                                "messages": len(obs.latency), "posts": len(obs.posts)},
+                                "messages": len(obs.latency), "posts": len(obs.posts),
+                                "late_posts": len(obs.late_posts)},
                        machine=f"{platform.node()} {platform.processor() or platform.machine()}")

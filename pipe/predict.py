@@ -50,8 +50,8 @@ def predicted_timeline(plan: Plan, n_ranks: int, schedule: str | None = None,
     whole = stage_costs(plan, False, calibration, name)[1] if fused else []
     for s in fused:  # its BW is one whole backward
         b[s], w[s] = whole[s], 0.0
-    return simulate_schedule(name, n_ranks, M, f, b, w, comm, (calibration or Calibration()).predicting(name).post_ms,
-                             fused=fused)
+    cal = (calibration or Calibration()).predicting(name)
+    return simulate_schedule(name, n_ranks, M, f, b, w, comm, cal.post_ms, fused=fused, late_post_ms=cal.late_post_ms)
 
 
 def replayed_timeline(plan: Plan, n_ranks: int, action_ms: dict[tuple[str, int], float],
@@ -93,10 +93,12 @@ def replayed_step(plan: Plan, n_ranks: int, measured: Timeline, calibration: Cal
 
 def simulate_schedule(name: str, n_ranks: int, microbatches: int, f: list[float], b: list[float], w: list[float],
                       comm: list[float], post_ms: float = 0.0, action_ms: dict[Action, float] | None = None,
-                      posts_ms: dict[int, list[float]] | None = None, fused: Sequence[int] = ()) -> Timeline:
+                      posts_ms: dict[int, list[float]] | None = None, fused: Sequence[int] = (),
+                      late_post_ms: float | None = None) -> Timeline:
     """The lowered program of schedule `name` on n_ranks for len(f) stages, simulated with these costs
-    (`post_ms`: the host's time posting each batch of messages; `action_ms`, `posts_ms`: one step's own
-    times, as pipe.simulate.simulate_program takes them)."""
+    (`post_ms`: the host's time posting each batch of messages, `late_post_ms` one receiving a message
+    sent before; `action_ms`, `posts_ms`: one step's own times, as pipe.simulate.simulate_program takes
+    them)."""
     S = len(f)
     sched = build(name, n_ranks, microbatches, S // n_ranks)
     place = placement(name, S, n_ranks)
@@ -104,7 +106,7 @@ def simulate_schedule(name: str, n_ranks: int, microbatches: int, f: list[float]
     if fused:  # B computes the weight grads too (BW: B's time plus W's), W leaves the program
         program = fuse_backward(program, fused)
     return simulate_program(program, S, f_ms=f, b_ms=b, w_ms=w, comm_ms=comm, place=place, post_ms=post_ms,
-                            action_ms=action_ms, posts_ms=posts_ms)
+                            action_ms=action_ms, posts_ms=posts_ms, late_post_ms=late_post_ms)
 
 
 def layout_costs(plan: Plan, has_w: bool, bytes_per_ms: float | None = None, latency_ms: float | None = None,
@@ -116,5 +118,6 @@ def layout_costs(plan: Plan, has_w: bool, bytes_per_ms: float | None = None, lat
         bw = plan.bytes_per_ms if bytes_per_ms is None else bytes_per_ms
         lat = (plan.latency_ms if latency_ms is None else latency_ms) + (calibration or Calibration()).message_ms
         comm = [(lat + s.send_bytes / bw) if s.send_bytes else 0.0 for s in plan.stages[:-1]]
+    cal = (calibration or Calibration()).predicting(plan.schedule)
     return LayoutCosts(f_ms=f, b_ms=b, w_ms=w, comm_ms=comm, grad_bytes=[float(s.param_bytes) for s in plan.stages],
-                       post_ms=(calibration or Calibration()).predicting(plan.schedule).post_ms)
+                       post_ms=cal.post_ms, late_post_ms=cal.late_post_ms)

@@ -277,7 +277,7 @@ class Pipeline:
             raise PipelineError(str(e)) from e
         self.actions: list[Action] = full[self.rank]
         self.program, self.inference_program = programs[self.rank], inference[self.rank]
-        self._programs = programs
+        self.programs = programs  # every rank's, as lowered (self.program: this rank's, with its passes)
         self.has_w = any(a.kind == "W" for a in self.actions)
         self.split_w = self.has_w and self._compile is None  # B and W run apart (compiled stages run BW)
         traced = None  # every rank traces the model at once, and rank 0 plans from its trace (no second one)
@@ -641,7 +641,7 @@ class Pipeline:
                 stages=[asdict(st) for st in self.plan.stages], costs=costs, gm=self._gm, modules=self.stages,
                 param_nodes={s: self.io[s].param_nodes for s in self.local},
                 param_sizes={n: (p.numel(), p.element_size()) for n, p in model.named_parameters()},
-                actions=[(a.stage, a.kind, a.mb) for a in self.actions], programs=self._programs, place=self.place,
+                actions=[(a.stage, a.kind, a.mb) for a in self.actions], programs=self.programs, place=self.place,
                 microbatches=self.M, device=self.ctx.device,
                 optim_factor=max(self.plan.state_factor - 2.0, 0.0) if self._optim_factor is None
                 else self._state_factor(),

@@ -46,7 +46,8 @@ def ring_allreduce_ms(nbytes: float, n: int, bytes_per_ms: float, latency_ms: fl
 class LayoutCosts:
     """Per stage: forward, input-grad backward and weight-grad ms of one microbatch (w 0 without a W
     pass) and grad bytes (the stage's parameters); per boundary (stage s to s+1): the ms of one
-    microbatch's message; the host's time posting one batch of messages (post_ms)."""
+    microbatch's message; the host's time posting one batch of messages (post_ms; late_post_ms: one
+    receiving a message sent before it was posted, None: post_ms)."""
 
     f_ms: Sequence[float]
     b_ms: Sequence[float]
@@ -54,6 +55,7 @@ class LayoutCosts:
     comm_ms: Sequence[float]
     grad_bytes: Sequence[float]
     post_ms: float = 0.0
+    late_post_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,8 @@ def predict_layout(costs: LayoutCosts, *, pp: int, dp: int, schedule: str, micro
     tl = simulate_program(program, n_stages, f_ms=[f + overhead_ms for f in costs.f_ms],
                           b_ms=[b + overhead_ms for b in costs.b_ms],
                           w_ms=[w + (overhead_ms if has_w else 0.0) for w in costs.w_ms], comm_ms=costs.comm_ms,
-                          place=place, reduce_ms=reduce, buckets=buckets, post_ms=costs.post_ms)
+                          place=place, reduce_ms=reduce, buckets=buckets, post_ms=costs.post_ms,
+                          late_post_ms=costs.late_post_ms)
     last_compute = max((e.end for e in tl.events), default=0.0)
     last = max([e.end for e in tl.collectives] + [last_compute])
     return Layout(pp=pp, dp=dp, v=v, schedule=schedule, microbatches=microbatches, step_ms=tl.makespan,

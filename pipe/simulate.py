@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipe.lower import Program, walk
+from pipe.lower import Program, message, peer_of, walk
 from pipe.schedules import (
     Action,
     Schedule,
@@ -279,6 +279,7 @@ def simulate_program(
     post_ms: float = 0.0,
     action_ms: Mapping[Action, float] | None = None,
     posts_ms: Mapping[int, Sequence[float]] | None = None,
+    late_post_ms: float | None = None,
 ) -> Timeline:
     """Run the lowered programs (pipe.lower) the runtime runs, with per-stage costs.
 
@@ -293,8 +294,49 @@ def simulate_program(
     for reload_ms[stage] (the copy time of a microbatch's offloaded activations; default 0).
     A replay of one measured step: `action_ms` gives the actions it names their own times (others keep
     their stage's), `posts_ms[rank]` that rank's batches theirs, in program order (post_ms past the end).
+    `late_post_ms`: a batch that receives a message its peer posted before this batch's post began
+    holds its rank that long instead (gloo takes such a message in the posting thread, at the pace of
+    the peer's, busy, progress thread: pipe.calibration measures both). Which batches those are depends
+    on the times, so the program is simulated again with the late ones priced so, until they stay the
+    same (at most 4 runs).
     Returns the timeline of the compute actions (F, B, W, BW), with the posts (POST) beside.
     """
+    kw: dict[str, Any] = dict(f_ms=f_ms, b_ms=b_ms, w_ms=w_ms, comm_ms=comm_ms, place=place, reload_ms=reload_ms,
+                              reduce_ms=reduce_ms, buckets=buckets, post_ms=post_ms, action_ms=action_ms)
+    if late_post_ms is None or late_post_ms == post_ms or posts_ms is not None:
+        return _simulate_program(program, n_stages, posts_ms=posts_ms, **kw)[0]
+    late: dict[int, list[bool]] = {}
+    for _ in range(4):
+        own = {r: [late_post_ms if x else post_ms for x in late.get(r, [])] for r in program}
+        tl, starts, sent = _simulate_program(program, n_stages, posts_ms=own, **kw)
+        where = list(place) if place is not None else loop_placement(n_stages, len(program))
+        now = {r: [any(a.kind.startswith("RECV") and sent.get((peer_of(a, where), message(a)), t) < t for a in batch)
+                   for batch, t in zip((x for x in program[r] if not isinstance(x, Action)), starts[r])]
+               for r in program}
+        if now == late:
+            break
+        late = now
+    return tl
+
+
+def _simulate_program(
+    program: Program,
+    n_stages: int,
+    *,
+    f_ms: Sequence[float],
+    b_ms: Sequence[float],
+    w_ms: Sequence[float] | None,
+    comm_ms: Sequence[float] | None,
+    place: Sequence[int] | None,
+    reload_ms: Sequence[float] | None,
+    reduce_ms: Sequence[float] | None,
+    buckets: Sequence[int] | None,
+    post_ms: float,
+    action_ms: Mapping[Action, float] | None,
+    posts_ms: Mapping[int, Sequence[float]] | None,
+) -> tuple[Timeline, dict[int, list[float]], dict[tuple[int, tuple[str, int, int]], float]]:
+    """simulate_program's one run; also each rank's batches' post starts, in program order, and when
+    each message's send was posted ((rank, pipe.lower.message) -> the start of its batch's post)."""
     n_ranks = len(program)
     where = list(place) if place is not None else loop_placement(n_stages, n_ranks)
     _check_len("b_ms", b_ms, n_stages, "one per stage, like f_ms")
@@ -320,8 +362,13 @@ def simulate_program(
 
     own = {r: iter(v) for r, v in (posts_ms or {}).items()}
 
+    starts: dict[int, list[float]] = {r: [] for r in program}
+    sent: dict[tuple[int, tuple[str, int, int]], float] = {}
+
     def post(r: int, batch: tuple[Action, ...]) -> float:
         start = free[r]
+        starts[r].append(start)
+        sent.update(((r, message(a)), start) for a in batch if a.kind.startswith("SEND"))
         free[r] += next(own[r], post_ms) if r in own else post_ms
         if free[r] > start:
             posts.append(Event(r, Action(batch[0].stage, "POST", batch[0].mb), start, free[r]))
@@ -369,7 +416,7 @@ def simulate_program(
     if any(pos[r] < len(program[r]) for r in program):
         stuck = {r: str(program[r][pos[r]]) for r in program if pos[r] < len(program[r])}
         raise ScheduleError(f"the program deadlocks: ranks wait at {stuck}; run pipe.lower.validate on it for the grid")
-    return Timeline(events, n_ranks, collectives, posts)
+    return Timeline(events, n_ranks, collectives, posts), starts, sent
 
 
 def textbook_bubble(

@@ -74,6 +74,36 @@ def test_the_fit_recovers_the_figures_behind_the_steps() -> None:
         max(e.end for e in tl.events))
 
 
+def test_posts_receiving_what_was_sent_before_them_are_fitted_apart() -> None:
+    """Steps whose late posts (a batch receiving a message its peer posted before) took 1.1 ms and the
+    others 0.25: with the programs the steps ran, the fit finds both, which predict the steps; without
+    the programs, one mean for all, as before."""
+    from pipe.lower import lower
+    from pipe.schedules import build, placement
+    late = dataclasses.replace(TRUE, late_post_ms=1.1)
+    with_program, without = Observations(), Observations()
+    steps = {}
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("looped-bfs", 2), ("interleaved-zb", 2)):
+        p = plan_of(name, v)
+        tl = predicted_timeline(p, 2, calibration=late)
+        steps[name] = tl.makespan
+        tl = Timeline([dataclasses.replace(e, start=e.start + TRUE.gap_ms) for e in tl.events], 2, posts=tl.posts)
+        place = placement(name, 2 * v, 2)
+        args = ([tl], [s.fwd_ms for s in p.stages], [s.bwd_ms for s in p.stages], [COMM] * (2 * v - 1), place,
+                "flops", [len(s.nodes) for s in p.stages], *w_parts(p))
+        with_program.extend(observe(*args, program=lower(build(name, 2, 8, v), 2 * v, 8, place)))
+        without.extend(observe(*args))
+    got = fit(with_program)
+    assert got.samples["late_posts"] > 0 and got.samples["posts"] > 0
+    assert got.post_ms == pytest.approx(0.25) and got.late_post_ms == pytest.approx(1.1)
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("looped-bfs", 2), ("interleaved-zb", 2)):
+        fitted = dataclasses.replace(TRUE, post_ms=got.post_ms, late_post_ms=got.late_post_ms)
+        assert predicted_timeline(plan_of(name, v), 2, calibration=fitted).makespan == pytest.approx(steps[name])
+    lumped = fit(without)
+    assert lumped.late_post_ms is None and lumped.samples["late_posts"] == 0
+    assert 0.25 < lumped.post_ms < 1.1
+
+
 def test_nodes_collinear_with_the_costs_fit_planned_and_a_constant() -> None:
     truth = Calibration(f=Line(1.2, 0.5), b=Line(1.1, 0.8), b_split=Line(0.8, 0.6), w=Line(0.5, 0.4))
     obs = Observations()

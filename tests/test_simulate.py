@@ -222,6 +222,27 @@ def test_posting_a_batch_holds_its_rank() -> None:
     assert sorted((e["tid"], e["ts"]) for e in trace) == [(0, 1000.0), (0, 1500.0), (1, 0.0), (1, 4500.0)]
 
 
+def test_a_batch_receiving_a_message_sent_before_it_was_posted_holds_its_rank_longer() -> None:
+    """GPipe, 2 ranks, 2 mbs, F = 1 and 3, B = 2, posts 0.5 ms, 1.5 ms a late one (gloo takes a message
+    that came before its receive in the posting thread). Rank 0: 0F0 [0, 1], posts 0SEND_F0 [1, 1.5], 0F1
+    [1.5, 2.5], posts 0SEND_F1 at 2.5, 0RECV_B0 [3, 3.5]. Rank 1: posts 1RECV_F0 [0, 0.5], 1F0 [1.5, 4.5];
+    its 1RECV_F1, posted at 4.5 after rank 0's send at 2.5, is late: [4.5, 6]; 1F1 [6, 9], 1B0 [9, 11],
+    posts 1SEND_B0 [11, 11.5], 1B1 [11.5, 13.5], posts 1SEND_B1 at 13.5. Rank 0's 0RECV_B0 (posted at 3)
+    and 0RECV_B1 (at 13.5, with its send) are not late: 0B0 [11.5, 13.5], 0B1 [14, 16]."""
+    from pipe.lower import lower
+    from pipe.simulate import simulate_program
+    program = lower(build("gpipe", 2, 2), 2, 2)
+    tl = simulate_program(program, 2, f_ms=[1, 3], b_ms=[2, 2], post_ms=0.5, late_post_ms=1.5)
+    got = {str(e.action): (e.start, e.end) for e in tl.events}
+    assert got == {"0F0": (0, 1), "0F1": (1.5, 2.5), "1F0": (1.5, 4.5), "1F1": (6, 9), "1B0": (9, 11),
+                   "1B1": (11.5, 13.5), "0B0": (11.5, 13.5), "0B1": (14, 16)}
+    assert sorted((e.rank, e.start, e.end) for e in tl.posts) == [
+        (0, 1, 1.5), (0, 2.5, 3), (0, 3, 3.5), (0, 13.5, 14), (1, 0, 0.5), (1, 4.5, 6), (1, 11, 11.5), (1, 13.5, 14)]
+    # one price for every post, as before: the late one takes 0.5 and the step 15
+    same = simulate_program(program, 2, f_ms=[1, 3], b_ms=[2, 2], post_ms=0.5, late_post_ms=0.5)
+    assert same == simulate_program(program, 2, f_ms=[1, 3], b_ms=[2, 2], post_ms=0.5) and same.makespan == 15
+
+
 def test_a_fused_backward_costs_b_and_w_and_a_reload_its_copy() -> None:
     from pipe.lower import fuse_backward, lower, with_reloads
     from pipe.simulate import simulate_program
