@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from pipe.lower import Program, message, needs, peer_of
+from pipe.lower import Program, late_batches, needs
 from pipe.schedules import Action
 from pipe.simulate import Timeline
 
@@ -261,16 +261,12 @@ def observe(timelines: Iterable[Timeline], fwd_ms: Sequence[float], bwd_ms: Sequ
 def _late_posts(program: Program | None, posts: dict[int, list[tuple[float, float]]], place: Sequence[int]
                 ) -> dict[int, list[bool]]:
     """Per rank, which of its measured posts (program order) received a message whose sender had begun
-    posting it before: those whose rank's posts do not match the program's batches one to one are left out."""
-    if program is None:
+    posting it before (pipe.lower.late_batches); none told apart without the program, or where a rank's
+    posts do not match its batches one to one."""
+    if program is None or any(sum(not isinstance(x, Action) for x in program.get(r, [])) != len(spans)
+                              for r, spans in posts.items()):
         return {}
-    batches = {r: [x for x in items if not isinstance(x, Action)] for r, items in program.items()}
-    if any(len(batches.get(r, [])) != len(spans) for r, spans in posts.items()):
-        return {}
-    sent = {(r, message(a)): start for r, spans in posts.items() for batch, (start, _) in zip(batches[r], spans)
-            for a in batch if a.kind.startswith("SEND")}
-    return {r: [any(a.kind.startswith("RECV") and sent.get((peer_of(a, place), message(a)), start) < start
-                    for a in batch) for batch, (start, _) in zip(batches[r], spans)] for r, spans in posts.items()}
+    return late_batches(program, place, {r: [a for a, _ in spans] for r, spans in posts.items()})
 
 
 def step_scale(pairs: Iterable[tuple[float, float]]) -> float:

@@ -16,13 +16,13 @@ per pair in issue order, one batch at a time, tags ignored.
 from __future__ import annotations
 
 import re
-from typing import Callable, Sequence, Union
+from typing import Callable, Mapping, Sequence, Union
 
 from pipe.schedules import Action, Schedule, ScheduleError, lock_step, loop_placement, v_placement
 
 __all__ = ["Batch", "Item", "Program", "loop_placement", "v_placement", "lower", "validate",
            "forward_only", "fuse_backward", "with_reloads", "with_grad_reduction", "final_backward",
-           "compute_actions", "format_program", "parse_program", "peer_of", "needs", "message", "walk"]
+           "compute_actions", "format_program", "parse_program", "peer_of", "needs", "message", "walk", "late_batches"]
 
 Batch = tuple[Action, ...]
 Item = Union[Action, Batch]
@@ -246,6 +246,18 @@ def walk(program: Program, n_stages: int, place: Sequence[int], *,
                 moved = True
         if not moved:
             return pos, {k: v for k, v in pending.items() if v}
+
+
+def late_batches(program: Program, place: Sequence[int], starts: Mapping[int, Sequence[float]]
+                 ) -> dict[int, list[bool]]:
+    """Given when each rank began posting each of its batches (`starts[rank]`, program order), which
+    batches receive a message whose sender began posting it earlier: on gloo such a message is taken in
+    the posting thread (pipe.calibration's late_post_ms, the simulator's price for them)."""
+    batches = {r: [x for x in items if not isinstance(x, Action)] for r, items in program.items()}
+    sent = {(r, message(a)): t for r, ts in starts.items() for batch, t in zip(batches[r], ts)
+            for a in batch if a.kind.startswith("SEND")}
+    return {r: [any(a.kind.startswith("RECV") and sent.get((peer_of(a, place), message(a)), t) < t for a in batch)
+                for batch, t in zip(batches[r], ts)] for r, ts in starts.items()}
 
 
 def validate(program: Program, n_stages: int, place: Sequence[int] | None = None) -> None:

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipe.lower import Program, message, peer_of, walk
+from pipe.lower import Program, late_batches, walk
 from pipe.schedules import (
     Action,
     Schedule,
@@ -306,13 +306,11 @@ def simulate_program(
     if late_post_ms is None or late_post_ms == post_ms or posts_ms is not None:
         return _simulate_program(program, n_stages, posts_ms=posts_ms, **kw)[0]
     late: dict[int, list[bool]] = {}
+    where = list(place) if place is not None else loop_placement(n_stages, len(program))
     for _ in range(4):
         own = {r: [late_post_ms if x else post_ms for x in late.get(r, [])] for r in program}
-        tl, starts, sent = _simulate_program(program, n_stages, posts_ms=own, **kw)
-        where = list(place) if place is not None else loop_placement(n_stages, len(program))
-        now = {r: [any(a.kind.startswith("RECV") and sent.get((peer_of(a, where), message(a)), t) < t for a in batch)
-                   for batch, t in zip((x for x in program[r] if not isinstance(x, Action)), starts[r])]
-               for r in program}
+        tl, starts = _simulate_program(program, n_stages, posts_ms=own, **kw)
+        now = late_batches(program, where, starts)
         if now == late:
             break
         late = now
@@ -334,9 +332,8 @@ def _simulate_program(
     post_ms: float,
     action_ms: Mapping[Action, float] | None,
     posts_ms: Mapping[int, Sequence[float]] | None,
-) -> tuple[Timeline, dict[int, list[float]], dict[tuple[int, tuple[str, int, int]], float]]:
-    """simulate_program's one run; also each rank's batches' post starts, in program order, and when
-    each message's send was posted ((rank, pipe.lower.message) -> the start of its batch's post)."""
+) -> tuple[Timeline, dict[int, list[float]]]:
+    """simulate_program's one run, and when each rank began posting each of its batches (program order)."""
     n_ranks = len(program)
     where = list(place) if place is not None else loop_placement(n_stages, n_ranks)
     _check_len("b_ms", b_ms, n_stages, "one per stage, like f_ms")
@@ -363,12 +360,10 @@ def _simulate_program(
     own = {r: iter(v) for r, v in (posts_ms or {}).items()}
 
     starts: dict[int, list[float]] = {r: [] for r in program}
-    sent: dict[tuple[int, tuple[str, int, int]], float] = {}
 
     def post(r: int, batch: tuple[Action, ...]) -> float:
         start = free[r]
         starts[r].append(start)
-        sent.update(((r, message(a)), start) for a in batch if a.kind.startswith("SEND"))
         free[r] += next(own[r], post_ms) if r in own else post_ms
         if free[r] > start:
             posts.append(Event(r, Action(batch[0].stage, "POST", batch[0].mb), start, free[r]))
@@ -416,7 +411,7 @@ def _simulate_program(
     if any(pos[r] < len(program[r]) for r in program):
         stuck = {r: str(program[r][pos[r]]) for r in program if pos[r] < len(program[r])}
         raise ScheduleError(f"the program deadlocks: ranks wait at {stuck}; run pipe.lower.validate on it for the grid")
-    return Timeline(events, n_ranks, collectives, posts), starts, sent
+    return Timeline(events, n_ranks, collectives, posts), starts
 
 
 def textbook_bubble(

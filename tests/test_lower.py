@@ -195,3 +195,19 @@ def test_final_backward_is_the_last_backward_of_the_stage() -> None:
     assert final_backward(program[0], 1) is None  # stage 1 lives on rank 1
     assert Action.from_str("0REDUCE_GRAD7") == Action(0, "REDUCE_GRAD", 7)
     assert str(Action.from_str("0REDUCE_GRAD7")) == "0REDUCE_GRAD7"
+
+
+def test_late_batches_are_those_receiving_what_their_peer_began_posting_earlier() -> None:
+    """GPipe on 2 ranks, 2 mbs: rank 0 posts [0SEND_F0] [0SEND_F1] [0RECV_B0] [0RECV_B1], rank 1 [1RECV_F0]
+    [1RECV_F1] [1SEND_B0] [1SEND_B1]. With rank 1 behind, its 1RECV_F1 (at 5) comes after rank 0's send (at
+    2); rank 0's 0RECV_B1 (at 14) after rank 1's send (at 13); 1RECV_F0 at 0 comes first, and a receive
+    posted at the same time as its send is not late."""
+    from pipe.lower import late_batches
+    program = lower(build("gpipe", 2, 2), 2, 2)
+    assert format_program(program).splitlines() == [
+        "rank 0: 0F0 [0SEND_F0] 0F1 [0SEND_F1] [0RECV_B0] 0B0 [0RECV_B1] 0B1",
+        "rank 1: [1RECV_F0] 1F0 [1RECV_F1] 1F1 1B0 [1SEND_B0] 1B1 [1SEND_B1]"]
+    starts = {0: [1.0, 2.0, 3.0, 14.0], 1: [0.0, 5.0, 11.0, 13.0]}
+    assert late_batches(program, [0, 1], starts) == {0: [False, False, False, True], 1: [False, True, False, False]}
+    starts[0][3] = 13.0
+    assert late_batches(program, [0, 1], starts)[0] == [False, False, False, False]
