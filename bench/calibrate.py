@@ -1,7 +1,7 @@
 """Calibrate the simulator on this machine, once: python -m bench calibrate [MODEL] --out FILE.
 Runs a bundled model (default gpt) under 1f1b, zb-h1 (one stage per rank) and interleaved-1f1b,
-interleaved-zb (two) at microbatches of 1 and 4 samples on 2 ranks, alternating step by step, on
-plans costed by FLOP count (--cost); fits each kind of action's measured duration on its planned
+interleaved-zb (two) at microbatches of 1, 4 and 16 samples on 2 ranks, alternating step by step,
+on plans costed by FLOP count (--cost); fits each kind of action's measured duration on its planned
 cost and its stage's node count, the host's gap between actions, its time posting each batch of
 messages and the messages' extra latency (pipe.calibration), and writes the fit; `bench schedules
 --calibration FILE`, `bench auto` and pipe.Pipeline(calibration=FILE) predict with it."""
@@ -21,9 +21,10 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default="gpt", help="bundled name, package.module:factory or file.py:factory")
     p.add_argument("--model-arg", action="append", default=[], metavar="K=V", help="factory keyword, repeatable")
     p.add_argument("--microbatches", default="8")
-    p.add_argument("--microbatch-sizes", default="1,4", metavar="B1,B2",
-                   help="samples per microbatch, each size running every schedule: sizes that differ let the fit tell "
-                        "an op's fixed cost from its FLOPs")
+    p.add_argument("--microbatch-sizes", default="1,4,16", metavar="B1,B2,...",
+                   help="samples per microbatch, each size running every schedule: sizes that differ let the fit "
+                        "tell an op's fixed cost from its FLOPs; cover the sizes predicted (schedule='auto' at "
+                        "batch 32 on 2 ranks weighs 1 to 16)")
     p.add_argument("--steps", type=int, default=6, help="timed steps per pipeline")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--cost", default="flops", choices=["flops", "measured"],

@@ -9,7 +9,7 @@ the host spends time between actions (receiving, issuing batches), and under zer
 backward runs as two passes (B then W), which together cost more than one. `observe` reads measured
 steps against their plans; `fit` turns observations into a `Calibration`: per kind (F, the whole
 backward B, B when W runs apart, W) a least-squares fit over the stages observed, whose sizes (one
-and two stages per rank) and microbatches (1 and 4 samples) differ, so that what an action costs
+and two stages per rank) and microbatches (1, 4 and 16 samples) differ, so that what an action costs
 whatever its size shows apart: a part per fx node (dispatch, autograd's bookkeeping) and a
 constant. Plans costed by FLOP count (cost="flops") make the best calibration on a machine whose
 speed drifts: their costs do not move between candidates, so the fit carries the machine's speed
