@@ -778,7 +778,7 @@ class Pipeline:
         for ranks, names in sorted(groups.items()):
             for row in self._rows:  # each replica's pipeline: every rank creates every group, in one order
                 glob = [row[r] for r in ranks]
-                g = dist.new_group(glob) if self.ctx.world_size > 1 else None
+                g = group_of(glob, self.ctx.world_size)
                 if self.ctx.rank in glob:
                     out.append((g, [mine[n] for n in names]))
         return out
@@ -1162,6 +1162,27 @@ class Pipeline:
         def shifted(group: list[Event]) -> list[Event]:
             return [Event(e.rank, e.action, e.start - t0, e.end - t0) for e in group]
         return Timeline(shifted(events), self.world, shifted(collectives), shifted(posts))
+
+
+_GROUPS: dict[tuple[int, ...], tuple[Any, Any]] = {}  # global ranks -> (the default group then, their group)
+
+
+def group_of(ranks: Sequence[int], world_size: int) -> Any:
+    """A process group of these global ranks. Every rank calls it for every group, in one order, as
+    dist.new_group asks. The whole world's is the default group; a group made before (for another
+    pipeline in this process, under the same default group) is used again: each new gloo group holds a
+    context, its connections and three threads for the life of the process."""
+    if world_size == 1:
+        return None
+    if sorted(ranks) == list(range(world_size)):
+        return dist.group.WORLD
+    default = dist.distributed_c10d._get_default_group()
+    made = _GROUPS.get(tuple(ranks))
+    if made is not None and made[0] is default:
+        return made[1]
+    group = dist.new_group(list(ranks))
+    _GROUPS[tuple(ranks)] = (default, group)
+    return group
 
 
 def _concat(outputs: list[Any]) -> Any:

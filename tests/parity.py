@@ -55,8 +55,14 @@ def parity_body(rank: int, world: int, *, spec: str, model_args: dict[str, Any],
     (partition.rewrite.vocab_parallel);
     `nccl_like`: messages through tests.nccl_like (NCCL's matching and per-pair order); `compile`:
     Pipeline(compile=...)."""
-    return {f"{name}/v{v}": one_schedule(rank, world, spec, model_args, name, own[0] if own else M, v, steps, fused,
-                                         expect_vocab, nccl_like, compile) for name, v, *own in schedules}
+    out = {f"{name}/v{v}": one_schedule(rank, world, spec, model_args, name, own[0] if own else M, v, steps, fused,
+                                        expect_vocab, nccl_like, compile) for name, v, *own in schedules}
+    # the pipelines built one after another made the tied weights' group once (or used the default group):
+    # the default group and at most the group of ranks 0 and world-1 (the embedding's and the head's)
+    import torch.distributed.distributed_c10d as c10d
+    groups = [sorted(c10d.get_process_group_ranks(g)) for g in c10d._world.pg_map]
+    assert len(groups) <= 2 and all(g in (list(range(world)), [0, world - 1]) for g in groups), groups
+    return out
 
 
 def one_schedule(rank: int, world: int, spec: str, model_args: dict[str, Any], schedule: str, M: int,
