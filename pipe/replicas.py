@@ -34,6 +34,23 @@ class DataParallelError(FxpipeError, ValueError):
     """A data-parallel layout the pipeline cannot run; the message names the values and the fix."""
 
 
+_MESHES: dict[tuple[str, int, int], tuple[Any, Any]] = {}  # (device, pp, dp) -> (the default group then, mesh)
+
+
+def _mesh(device: str, pp: int, dp: int) -> Any:
+    """The ("pp", "dp") mesh, made once per process and default group: every Pipeline with data_parallel=
+    uses it again (each new mesh made two new groups, each a gloo context with its threads for the life
+    of the process)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    default = dist.distributed_c10d._get_default_group()
+    made = _MESHES.get((device, pp, dp))
+    if made is not None and made[0] is default:
+        return made[1]
+    mesh = init_device_mesh(device, (pp, dp), mesh_dim_names=("pp", "dp"))
+    _MESHES[(device, pp, dp)] = (default, mesh)
+    return mesh
+
+
 def pipeline_groups(ctx: launch.Context, mesh: Any, data_parallel: int) -> tuple[Any, Any, Any, list[list[int]]]:
     """(mesh, pp group, dp group, every pipeline's global ranks in pipeline order) for a Pipeline.
 
@@ -52,8 +69,7 @@ def pipeline_groups(ctx: launch.Context, mesh: Any, data_parallel: int) -> tuple
             raise DataParallelError(f"the world size {world} is not divisible into data_parallel={data_parallel} "
                                     f"replicas; launch a multiple of {data_parallel} processes, or another "
                                     "data_parallel=")
-        from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh(ctx.device.type, (world // data_parallel, data_parallel), mesh_dim_names=("pp", "dp"))
+        mesh = _mesh(ctx.device.type, world // data_parallel, data_parallel)
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     if "pp" not in names:
         raise DataParallelError(f"the mesh has dimensions {names or '(unnamed)'} but no 'pp' for the pipeline; build "

@@ -778,7 +778,10 @@ class Pipeline:
         for ranks, names in sorted(groups.items()):
             for row in self._rows:  # each replica's pipeline: every rank creates every group, in one order
                 glob = [row[r] for r in ranks]
-                g = group_of(glob, self.ctx.world_size)
+                if self.pp_group is not None and sorted(glob) == sorted(row):  # a whole pipeline: its own group
+                    g = self.pp_group if self.ctx.rank in glob else None
+                else:
+                    g = group_of(glob, self.ctx.world_size)
                 if self.ctx.rank in glob:
                     out.append((g, [mine[n] for n in names]))
         return out
@@ -1169,9 +1172,10 @@ _GROUPS: dict[tuple[int, ...], tuple[Any, Any]] = {}  # global ranks -> (the def
 
 def group_of(ranks: Sequence[int], world_size: int) -> Any:
     """A process group of these global ranks. Every rank calls it for every group, in one order, as
-    dist.new_group asks. The whole world's is the default group; a group made before (for another
-    pipeline in this process, under the same default group) is used again: each new gloo group holds a
-    context, its connections and three threads for the life of the process."""
+    dist.new_group asks (so that every rank decides alike whether to make one). The whole world's is
+    the default group; a group made before (for another pipeline in this process, under the same
+    default group) is used again: each new gloo group holds a context, its connections and three
+    threads for the life of the process."""
     if world_size == 1:
         return None
     if sorted(ranks) == list(range(world_size)):

@@ -146,6 +146,8 @@ def four_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
         if kw["dp_shard"] == "none":
             kw["dp_bucket_mb"] = 0.01
     user_mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "dp", "tp"))  # "tp": left to the user
+    import torch.distributed.distributed_c10d as c10d
+    user_groups = set(c10d._world.pg_map)
     cases.append(("user mesh", "gpt", GPT, dict(mesh=user_mesh)))
     for case, name, kw, pipe_kw in cases:
         got = _case(name, kw, **pipe_kw)
@@ -179,6 +181,11 @@ def four_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
     res["streamed states"]["notes"] = res["streamed states"].pop("pp").plan.notes
     res["streamed states"].pop("opt")
     res["errors"] = _errors()
+    # the pipelines above made their ("pp", "dp") mesh and their tied weights' groups once: no two groups
+    # of this process's own hold the same ranks (the user's mesh, made above, may repeat them)
+    import torch.distributed.distributed_c10d as c10d
+    ours = [tuple(c10d.get_process_group_ranks(g)) for g in c10d._world.pg_map if g not in user_groups]
+    assert len(ours) == len(set(ours)), sorted(ours)
     return res
 
 
