@@ -25,7 +25,7 @@ from pipe.scale import bucket_cap
 from pipe.schedules import Action
 from pipe.timing import Clock, HostClock
 
-__all__ = ["DataParallelError", "GradReducer", "ShardedStages", "pipeline_groups", "DP_SHARD"]
+__all__ = ["DataParallelError", "GradReducer", "ShardedStages", "pipeline_groups", "group_of", "DP_SHARD"]
 
 DP_SHARD = ("none", "optimizer", "full")
 
@@ -34,21 +34,34 @@ class DataParallelError(FxpipeError, ValueError):
     """A data-parallel layout the pipeline cannot run; the message names the values and the fix."""
 
 
-_MESHES: dict[tuple[str, int, int], tuple[Any, Any]] = {}  # (device, pp, dp) -> (the default group then, mesh)
+_MADE: dict[Any, tuple[Any, Any]] = {}  # key -> (the default group it was made under, the group or mesh)
+
+
+def _once(key: Any, make: Any) -> Any:
+    """make(), once per process and default group: every rank calls it alike, in one order (each new
+    gloo group keeps a context, its connections and three threads for the life of the process)."""
+    default = dist.distributed_c10d._get_default_group()
+    made = _MADE.get(key)
+    if made is None or made[0] is not default:
+        made = _MADE[key] = (default, make())
+    return made[1]
+
+
+def group_of(ranks: Sequence[int], world_size: int) -> Any:
+    """A process group of these global ranks, for every Pipeline of the process. Every rank calls it for
+    every group, in one order, as dist.new_group asks, so every rank decides alike whether to make one.
+    The whole world's is the default group."""
+    if world_size == 1:
+        return None
+    if sorted(ranks) == list(range(world_size)):
+        return dist.group.WORLD
+    return _once(("group", tuple(ranks)), lambda: dist.new_group(list(ranks)))
 
 
 def _mesh(device: str, pp: int, dp: int) -> Any:
-    """The ("pp", "dp") mesh, made once per process and default group: every Pipeline with data_parallel=
-    uses it again (each new mesh made two new groups, each a gloo context with its threads for the life
-    of the process)."""
+    """The ("pp", "dp") mesh every Pipeline with data_parallel= of the process uses."""
     from torch.distributed.device_mesh import init_device_mesh
-    default = dist.distributed_c10d._get_default_group()
-    made = _MESHES.get((device, pp, dp))
-    if made is not None and made[0] is default:
-        return made[1]
-    mesh = init_device_mesh(device, (pp, dp), mesh_dim_names=("pp", "dp"))
-    _MESHES[(device, pp, dp)] = (default, mesh)
-    return mesh
+    return _once(("mesh", device, pp, dp), lambda: init_device_mesh(device, (pp, dp), mesh_dim_names=("pp", "dp")))
 
 
 def pipeline_groups(ctx: launch.Context, mesh: Any, data_parallel: int) -> tuple[Any, Any, Any, list[list[int]]]:

@@ -27,7 +27,7 @@ from memory import MemoryManager
 from pipe import comm, launch
 from pipe.exchange import Exchange
 from pipe.lower import forward_only, fuse_backward, lower, validate, with_grad_reduction, with_reloads
-from pipe.replicas import DP_SHARD, DataParallelError, GradReducer, ShardedStages, pipeline_groups
+from pipe.replicas import DP_SHARD, DataParallelError, GradReducer, ShardedStages, group_of, pipeline_groups
 from pipe.backward import Saved, backward_full, backward_input, backward_weight, with_param_outputs
 from pipe.schedules import Action, ScheduleError, build, default_stages_per_rank, in_flight_limit, placement
 from pipe.auto import w_part_managed
@@ -1165,28 +1165,6 @@ class Pipeline:
         def shifted(group: list[Event]) -> list[Event]:
             return [Event(e.rank, e.action, e.start - t0, e.end - t0) for e in group]
         return Timeline(shifted(events), self.world, shifted(collectives), shifted(posts))
-
-
-_GROUPS: dict[tuple[int, ...], tuple[Any, Any]] = {}  # global ranks -> (the default group then, their group)
-
-
-def group_of(ranks: Sequence[int], world_size: int) -> Any:
-    """A process group of these global ranks. Every rank calls it for every group, in one order, as
-    dist.new_group asks (so that every rank decides alike whether to make one). The whole world's is
-    the default group; a group made before (for another pipeline in this process, under the same
-    default group) is used again: each new gloo group holds a context, its connections and three
-    threads for the life of the process."""
-    if world_size == 1:
-        return None
-    if sorted(ranks) == list(range(world_size)):
-        return dist.group.WORLD
-    default = dist.distributed_c10d._get_default_group()
-    made = _GROUPS.get(tuple(ranks))
-    if made is not None and made[0] is default:
-        return made[1]
-    group = dist.new_group(list(ranks))
-    _GROUPS[tuple(ranks)] = (default, group)
-    return group
 
 
 def _concat(outputs: list[Any]) -> Any:
