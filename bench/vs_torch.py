@@ -3,7 +3,8 @@ torchrun --nproc-per-node 2 -m bench.vs_torch [--model gpt] [--rounds 12] [--mod
 
 Candidates (same model, batch, schedule and microbatches; 1 thread per rank): torch with an even
 split by layers (SplitPoint, what its users write), fxpipe with those same boundaries, fxpipe with
-its own boundaries (the natural call: pipe.Pipeline(model, example_args, loss_fn=...)); plus one
+its own boundaries (the natural call: pipe.Pipeline(model, example_args, loss_fn=...)), and under
+1f1b-overlap (1F1B with one more warm-up forward on every rank but the last); plus one
 process on the whole batch for the ideal: its forward and backward t1 as (t1 / 2) x (M + 1) / M, and
 its optimizer step (AdamW, as every candidate's) halved, each rank stepping half the parameters.
 With --torch-schedules all, torch runs each of its seven schedules (those with two stages per rank on
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     even = plan_from_bounds(a, layer_bounds(a, wf.layer_prefixes, world), CostModel(in_flight=flights),
                             schedule="1f1b", microbatches=M, stages_per_rank=1, memory_budget=None)
     pipes: dict[str, Any] = {}
-    fx = [("fxpipe-even", even, "1f1b"), ("fxpipe-auto", None, "1f1b")]
+    fx = [("fxpipe-even", even, "1f1b"), ("fxpipe-auto", None, "1f1b"), ("fxpipe-overlap", None, "1f1b-overlap")]
     if args.auto:
         fx.append(("fxpipe-auto-schedule", None, "auto"))
     for name, plan, schedule in fx:
@@ -191,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         base = med["torch-1f1b"]
         rows = [(f"torch.distributed.pipelining {n}, even layer split", med[f"torch-{n}"]) for n in wanted]
         rows += [("fxpipe 1f1b, the same boundaries", med["fxpipe-even"]),
-                 ("fxpipe 1f1b, its own boundaries", med["fxpipe-auto"])]
+                 ("fxpipe 1f1b, its own boundaries", med["fxpipe-auto"]),
+                 ("fxpipe 1f1b-overlap, its own boundaries", med["fxpipe-overlap"])]
         if args.auto:
             rows.append((f"fxpipe schedule='auto' ({pipes['fxpipe-auto-schedule'].plan.schedule} "
                          f"M={pipes['fxpipe-auto-schedule'].M} v={pipes['fxpipe-auto-schedule'].v})",
@@ -207,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  ratio fxpipe-auto / torch-1f1b   {med['fxpipe-auto'] / base:.3f}")
         print(f"  ratio fxpipe-even / ideal        {med['fxpipe-even'] / ideal:.3f}")
         print(f"  ratio fxpipe-auto / ideal        {med['fxpipe-auto'] / ideal:.3f}")
+        print(f"  ratio fxpipe-overlap / torch-1f1b {med['fxpipe-overlap'] / base:.3f}")
+        print(f"  ratio fxpipe-overlap / ideal     {med['fxpipe-overlap'] / ideal:.3f}")
         best_torch = min(wanted, key=lambda n: med[f"torch-{n}"])
         if args.auto:
             print(f"  ratio fxpipe schedule='auto' / torch's fastest ({best_torch}) "

@@ -31,6 +31,7 @@ __all__ = [
     "v_placement",
     "max_in_flight",
     "one_f_one_b",
+    "one_f_one_b_overlap",
     "placement",
     "register",
     "validate",
@@ -216,6 +217,24 @@ def one_f_one_b(n_ranks: int, n_microbatches: int, stages_per_rank: int = 1) -> 
         pairs = _warmup_steady_cooldown(warmup, n_microbatches)
         schedule[s] = [Action(s, kind, m) for kind, m in pairs]
     return schedule
+
+
+@register("1f1b-overlap")
+def one_f_one_b_overlap(n_ranks: int, n_microbatches: int, stages_per_rank: int = 1) -> Schedule:
+    """1F1B with one more warm-up forward on every rank but the last: stage s < S-1 runs S-s+1
+    forwards before its first B (1F1B: S-s), the last stage F, B alternately as in 1F1B.
+    In 1F1B's steady state both ends of a boundary trade an F's output for a B's input grads at
+    the same moment, so every step waits for that exchange; one microbatch ahead, a rank's F
+    output is sent a whole step before its peer needs it and the peer runs its F and B back to
+    back: only the grads' arrival, on the rank with slack, remains. The cost is one more
+    microbatch of activations on those stages (min(M, S-s+1)). With equal costs and no
+    communication the step is 1F1B's; pipe.simulate prices the messages that decide between them.
+    """
+    _check_sizes("1f1b-overlap", n_ranks, n_microbatches, stages_per_rank)
+    _one_stage_per_rank("1f1b-overlap", stages_per_rank)
+    return {s: [Action(s, kind, m) for kind, m in
+                _warmup_steady_cooldown(min(n_ranks - s - (s == n_ranks - 1), n_microbatches), n_microbatches)]
+            for s in range(n_ranks)}
 
 
 @register("interleaved-1f1b", stages_per_rank=2)
@@ -607,6 +626,8 @@ def in_flight_limit(
         return n_microbatches
     if name == "1f1b":
         return min(n_microbatches, n_stages - stage)
+    if name == "1f1b-overlap":
+        return min(n_microbatches, n_stages - stage + (stage < n_stages - 1))
     if name == "zb-h1":
         return min(n_microbatches, n_stages)
     n_ranks = n_stages // stages_per_rank

@@ -419,7 +419,7 @@ def textbook_bubble(
 ) -> float:
     """Bubble fraction from the literature, for equal per-stage costs and no communication.
 
-    gpipe, 1f1b (v=1): (S-1)/(M+S-1) (Huang et al. 2019, GPipe; Narayanan et al. 2021,
+    gpipe, 1f1b, 1f1b-overlap (v=1): (S-1)/(M+S-1) (Huang et al. 2019, GPipe; Narayanan et al. 2021,
     "Efficient Large-Scale Language Model Training on GPU Clusters", sec. 2.2).
     interleaved-1f1b, and gpipe breadth first, with v stages per rank on R = S/v ranks:
     (R-1)/(v*M+R-1), from the bubble time (R-1)(f+b)/v of Narayanan et al. 2021, sec. 2.2.2.
@@ -445,7 +445,7 @@ def textbook_bubble(
     r = s // v
     if name in ("interleaved-1f1b", "looped-bfs") or (name == "gpipe" and v > 1):
         return (r - 1) / (v * m + r - 1)
-    if name in ("gpipe", "1f1b") and v == 1:
+    if name in ("gpipe", "1f1b", "1f1b-overlap") and v == 1:
         return (s - 1) / (m + s - 1)
     if name == "zb-h1" and v == 1:
         return (s - 1) / (3 * m + s - 1)
@@ -453,5 +453,5 @@ def textbook_bubble(
         return (r - 1) / (3 * v * m + r - 1)
     raise ScheduleError(
         f"no textbook bubble for schedule {name!r} with stages_per_rank={v}; known: gpipe, looped-bfs, "
-        "interleaved-1f1b and interleaved-zb (any v), 1f1b and zb-h1 (v=1), zbv and dualpipev (v=2)"
+        "interleaved-1f1b and interleaved-zb (any v), 1f1b, 1f1b-overlap and zb-h1 (v=1), zbv and dualpipev (v=2)"
     )

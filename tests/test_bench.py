@@ -103,7 +103,7 @@ def test_bench_vs_torch(tmp_path: Path) -> None:
                       timeout=180).output
     assert "torch.distributed.pipelining 1f1b, even layer split" in out
     data = json.loads((tmp_path / "vs_torch.json").read_text())
-    fx = {"fxpipe-even", "fxpipe-auto", "fxpipe-auto-schedule"}
+    fx = {"fxpipe-even", "fxpipe-auto", "fxpipe-overlap", "fxpipe-auto-schedule"}
     one = {"one-process", "one-process-optimizer"}
     assert set(data["median_s"]) == {"torch-1f1b", "torch-gpipe", "torch-zbv"} | one | fx
     # the ideal: the forward and backward halved with 1F1B's bubble at M=8, the optimizer's step halved

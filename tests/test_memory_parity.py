@@ -153,6 +153,7 @@ def test_memory_features_with_nccl_matching() -> None:
         ("zbv", 2, "full", "activations", None),
         ("dualpipev", 2, "selective", "all", None),
         ("interleaved-zb", 2, "auto", "activations", 0.65),
+        ("1f1b-overlap", 1, "selective", "all", None),
     ]
     res = _check(run_ranks("tests.test_memory_parity:memory_body", 2, timeout=240, configs=configs, M=4,
                            nccl_like=True))
@@ -161,7 +162,8 @@ def test_memory_features_with_nccl_matching() -> None:
     # BW (no W); offloaded activations RELOAD
     for key in ("zb-h1/1/full/activations/None", "zbv/2/full/activations/None", "dualpipev/2/selective/all/None"):
         assert res[key]["kinds"] == ["BW", "F", "RELOAD"], (key, res[key]["kinds"])
-    offloading = ("interleaved-1f1b/2/selective/all/None", "zb-h1/1/full/activations/None",
+    offloading = ("interleaved-1f1b/2/selective/all/None", "1f1b-overlap/1/selective/all/None",
+                  "zb-h1/1/full/activations/None",
                   "zbv/2/full/activations/None", "dualpipev/2/selective/all/None")
     for key in offloading:
         assert res[key]["reload_stalls"] == 0, (key, res[key])  # every backward found its RELOAD done

@@ -137,7 +137,7 @@ def test_auto_ranks_every_candidate_and_keeps_the_fastest_plan(tmp_path: Path,
                  "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     times = [c["step_ms"] for c in got["candidates"] if not c["refused"]]
-    assert times == sorted(times) and len(got["candidates"]) == 24  # 8 schedules x M in 2, 4, 8
+    assert times == sorted(times) and len(got["candidates"]) == 27  # 9 schedules x M in 2, 4, 8
 
 
 def test_auto_under_a_budget_weighs_recomputation_as_the_pipeline_does(capsys: pytest.CaptureFixture[str]) -> None:

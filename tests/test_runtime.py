@@ -9,7 +9,7 @@ from tests.mp import run_command, run_ranks
 
 BIN = Path(sys.executable).parent
 ALL = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 2), ("looped-bfs", 2),
-       ("interleaved-zb", 2)]
+       ("interleaved-zb", 2), ("1f1b-overlap", 1)]
 
 
 def every_schedule(world: int) -> list[tuple[int | str, ...]]:
@@ -35,7 +35,7 @@ def _check(results: list[dict[str, list[float]]]) -> None:
 @pytest.mark.parametrize("world,spec,args", [(2, "gpt", SMALL_GPT), (2, "bench.hf_models:gpt2", HF)],
                          ids=["gpt-2", "hf-gpt2-2"])
 def test_parity_on_plain_gloo(world: int, spec: str, args: dict) -> None:
-    """Plain gloo on 2 ranks: the GPT under five schedules (loop and V placement, breadth first, split
+    """Plain gloo on 2 ranks: the GPT under six schedules (loop and V placement, breadth first, split
     and whole backward), and Hugging Face GPT-2 (tied embedding and head, a ModelOutput). Every schedule
     runs on the GPT on 2, 3 and 4 ranks and on the U-Net through the NCCL-like transport below, which
     matches more strictly (the plain transport on them too took 35 s of the suite's time, GPT-2 on 4
@@ -44,7 +44,7 @@ def test_parity_on_plain_gloo(world: int, spec: str, args: dict) -> None:
     # placement and kind (the NCCL-like runs below take every schedule on it, on 2 ranks too)
     schedules = [("1f1b", 1), ("zb-h1", 1)]
     if spec == "gpt":
-        schedules += [("interleaved-zb", 2), ("dualpipev", 2, 4), ("looped-bfs", 2)]
+        schedules += [("interleaved-zb", 2), ("dualpipev", 2, 4), ("looped-bfs", 2), ("1f1b-overlap", 1)]
     _check(run_ranks("tests.parity:parity_body", world, timeout=240, spec=spec, model_args=args,
                      schedules=schedules, M=4))
 

@@ -25,8 +25,8 @@ from pipe.schedules import (
 )
 from pipe.simulate import simulate, textbook_bubble
 
-V_CHOICES = {"gpipe": (1, 2, 3), "1f1b": (1,), "interleaved-1f1b": (1, 2, 3), "zb-h1": (1,), "zbv": (2,),
-             "looped-bfs": (1, 2, 3), "interleaved-zb": (1, 2, 3), "dualpipev": (2,)}
+V_CHOICES = {"gpipe": (1, 2, 3), "1f1b": (1,), "1f1b-overlap": (1,), "interleaved-1f1b": (1, 2, 3), "zb-h1": (1,),
+             "zbv": (2,), "looped-bfs": (1, 2, 3), "interleaved-zb": (1, 2, 3), "dualpipev": (2,)}
 ZERO_BUBBLE = ("zb-h1", "zbv", "interleaved-zb", "dualpipev")
 
 
@@ -78,6 +78,16 @@ EXPECTED = {
         1F0 1F1 1F2 1B0 1F3 1B1 1B2 1B3
         2F0 2F1 2B0 2F2 2B1 2F3 2B2 2B3
         3F0 3B0 3F1 3B1 3F2 3B2 3F3 3B3
+    """,
+    # One more warm-up forward than 1F1B on every stage but the last.
+    ("1f1b-overlap", 2, 4): """
+        0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3
+        1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3
+    """,
+    ("1f1b-overlap", 3, 4): """
+        0F0 0F1 0F2 0F3 0B0 0B1 0B2 0B3
+        1F0 1F1 1F2 1B0 1F3 1B1 1B2 1B3
+        2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3
     """,
     # Stage s holds back its first s W, so each W trails its B by s microbatches.
     ("zb-h1", 2, 4): """
@@ -197,6 +207,13 @@ def test_in_flight_closed_forms() -> None:
         assert in_flight_limit("1f1b", 4, 6, s) == 4 - s
         assert in_flight_limit("1f1b", 4, 2, s) == min(2, 4 - s)
     assert [in_flight_limit("interleaved-1f1b", 4, 4, s, 2) for s in range(4)] == [4, 3, 2, 1]
+    assert [in_flight_limit("1f1b-overlap", 4, 8, s) for s in range(4)] == [5, 4, 3, 1]
+    assert [in_flight_limit("1f1b-overlap", 4, 3, s) for s in range(4)] == [3, 3, 3, 1]
+    for r in range(1, 6):  # the closed form is what the built schedule keeps
+        for m in range(1, 9):
+            built = build("1f1b-overlap", r, m)
+            assert [max_in_flight(built, s) for s in range(r)] == [in_flight_limit("1f1b-overlap", r, m, s)
+                                                                  for s in range(r)]
 
 
 def test_zb_h1_in_flight_is_1f1b_peak() -> None:

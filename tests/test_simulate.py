@@ -18,7 +18,7 @@ def equal_costs(name: str, r: int, m: int, v: int = 1, w: float | None = None) -
     return simulate(build(name, r, m, v), f_ms=[1.0] * n, b_ms=[1.0] * n, w_ms=w_ms)
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "1f1b-overlap"])
 def test_equal_costs_match_textbook(name: str) -> None:
     for s in range(1, 5):
         for m in range(1, 9):
@@ -62,6 +62,26 @@ def test_zb_h1_bubble_is_a_third_of_1f1b() -> None:
                 assert zb.makespan == pytest.approx(3 * m + s - 1)
                 assert zb.bubble == pytest.approx(textbook_bubble("zb-h1", s, m))
                 assert zb.bubble == pytest.approx((s - 1) / (3 * m + s - 1))
+
+
+def test_1f1b_overlap_takes_the_exchange_off_the_steady_state_by_hand() -> None:
+    """The lowered programs, 2 ranks, 4 mbs, f=1, b=2, 0.5 per message group. Under 1F1B rank 0
+    posts [RECV_B1 SEND_F2] after F2 (ends 8.0), so rank 1's F2 starts at 8.5, and each steady step
+    waits for such an exchange. One forward ahead, rank 0 sent F2 in the batch it posted at 3.0, which
+    completed at 5.0 with rank 1's SEND_B0: rank 1 runs its F and B back to back from 2.5 to 13.5,
+    and rank 0, whose grads come each 0.5 after rank 1's B, ends at 16.0 against 17.5."""
+    from pipe.lower import lower
+    from pipe.simulate import simulate_program
+
+    def run(name: str) -> dict[tuple[int, str], tuple[float, float]]:
+        tl = simulate_program(lower(build(name, 2, 4), 2, 4), 2, f_ms=[1, 1], b_ms=[2, 2], comm_ms=[0.5])
+        return {(e.rank, str(e.action)): (e.start, e.end) for e in tl.events}
+
+    plain, ahead = run("1f1b"), run("1f1b-overlap")
+    assert plain[(1, "1F2")] == (8.5, 9.5) and plain[(0, "0B3")] == (15.5, 17.5)
+    assert [ahead[(1, f"1{k}{m}")] for m in range(4) for k in "FB"] == [
+        (1.5, 2.5), (2.5, 4.5), (4.5, 5.5), (5.5, 7.5), (7.5, 8.5), (8.5, 10.5), (10.5, 11.5), (11.5, 13.5)]
+    assert [ahead[(0, f"0B{m}")] for m in range(4)] == [(5.0, 7.0), (8.5, 10.5), (11.0, 13.0), (14.0, 16.0)]
 
 
 def test_comm_two_stages_by_hand() -> None:
