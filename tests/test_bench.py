@@ -104,11 +104,13 @@ def test_bench_vs_torch(tmp_path: Path) -> None:
     assert "torch.distributed.pipelining 1f1b, even layer split" in out
     data = json.loads((tmp_path / "vs_torch.json").read_text())
     fx = {"fxpipe-even", "fxpipe-auto", "fxpipe-overlap", "fxpipe-auto-schedule"}
-    one = {"one-process", "one-process-optimizer"}
+    one = {"one-process", "one-process-optimizer", "every-rank-at-once"}
     assert set(data["median_s"]) == {"torch-1f1b", "torch-gpipe", "torch-zbv"} | one | fx
     # the ideal: the forward and backward halved with 1F1B's bubble at M=8, the optimizer's step halved
     med = data["median_s"]
     assert data["ideal_s"] == pytest.approx(med["one-process"] / 2 * 9 / 8 + med["one-process-optimizer"] / 2)
+    at_once = med["every-rank-at-once"] * 9 / 8 + med["one-process-optimizer"] / 2  # both ranks computing together
+    assert data["ideal_at_once_s"] == pytest.approx(at_once)
     assert all(len(v) == 2 for v in data["samples_s"].values())
     for k in fx:
         assert (tmp_path / f"timeline-{k}.png").read_bytes()[:8] == PNG
