@@ -3,8 +3,10 @@ Runs a bundled model (default gpt) under 1f1b, zb-h1 (one stage per rank) and in
 interleaved-zb (two) at microbatches of 1, 4 and 16 samples on 2 ranks, alternating step by step,
 on plans costed by FLOP count (--cost); fits each kind of action's measured duration on its planned
 cost and its stage's node count, the host's gap between actions, its time posting each batch of
-messages and the messages' extra latency (pipe.calibration), and writes the fit; `bench schedules
---calibration FILE`, `bench auto` and pipe.Pipeline(calibration=FILE) predict with it."""
+messages and the messages' extra latency (pipe.calibration), and writes the fit with the machine's
+pace while it ran (bench.pace: a fixed forward and backward timed on every rank at once in each round);
+`bench schedules --calibration FILE` predicts with it at its own run's pace, `bench auto` and
+pipe.Pipeline(calibration=FILE) as it is."""
 from __future__ import annotations
 
 import argparse

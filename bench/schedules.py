@@ -2,7 +2,9 @@
 per schedule the step the simulator predicts for the lowered program (pipe.predict) against the
 measured one (the span of the timed actions, device time), and their ratio; beside, the step replayed
 over the actions' typical times and the mean post, and each step replayed over its own times (the
-simulator's model of the schedule alone):
+simulator's model of the schedule alone). With a calibration, each round also times the machine's pace
+(bench.pace), and the predictions run at this run's pace against the calibration's (the table shows them
+at the calibration's pace beside):
 torchrun --nproc-per-node 2 -m bench.schedules gpt --microbatches 4,8 --schedules gpipe,1f1b --out out/bench
 (with --data-parallel N, N replicas of a pipeline over --ranks / N ranks, each on its own batches)"""
 from __future__ import annotations
@@ -58,6 +60,10 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
                         "shows the uncalibrated ratio beside")
     p.add_argument("--calibrate", metavar="FILE",
                    help="fit a calibration (pipe.calibration) from this run's measured steps and write it to FILE")
+    p.add_argument("--pace", action=argparse.BooleanOptionalAction, default=None,
+                   help="time a fixed piece of work on every rank at once in each round (bench.pace): a calibration "
+                        "made with it predicts at this run's pace, and --calibrate records it (default: on with "
+                        "--calibration or --calibrate)")
     p.add_argument("--out", default="out/bench")
     return p
 
@@ -128,8 +134,13 @@ def main(argv: list[str] | None = None) -> int:
         allreduce = measure_allreduce(ctx.device, cands[0]["pp"].dp_group)
         say(f"grad all-reduce over {args.data_parallel} replicas: {allreduce[0] / 1e3:.0f} MB/s, "
             f"latency {allreduce[1] * 1e3:.0f} us", flush=True)
+    from bench.pace import Pace
+    on = args.pace if args.pace is not None else bool(args.calibration or args.calibrate)
+    pace = Pace(ctx.device) if on else None
     total = args.warmup + args.steps
     for step in range(total):
+        if pace is not None:
+            pace.measure()
         for k in range(len(cands)):  # rotate the order each round so drift hits all alike
             c = cands[(k + step) % len(cands)]
             w, pp = c["w"], c["pp"]
@@ -140,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
                 if tl is not None:  # rank 0's
                     c["timelines"].append(tl)
         say(f"round {step + 1}/{total} {'(warm-up)' if step < args.warmup else ''}", flush=True)
+    if pace is not None:
+        del pace.times[:args.warmup]
+    # the calibration at this run's pace, when both were measured (else as it is)
+    paced = calibration.at_pace(pace.ms) if calibration is not None and pace is not None and pace.ms else calibration
     if rank == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -149,13 +164,15 @@ def main(argv: list[str] | None = None) -> int:
             pp, w = c["pp"], c["w"]
             if pp.dp > 1:  # the pipeline and its grad all-reduce (pipe.scale)
                 has_w = any(a.kind == "W" for a in pp.actions)
-                pred, raw = (predict_layout(layout_costs(pp.plan, has_w, calibration=cal), pp=pp.world, dp=pp.dp,
-                                            schedule=c["schedule"], microbatches=c["M"], v=c["v"],
-                                            allreduce_bytes_per_ms=allreduce[0],
-                                            allreduce_latency_ms=allreduce[1]).timeline
-                             for cal in (calibration, None))
+                pred, unpaced, raw = (predict_layout(layout_costs(pp.plan, has_w, calibration=cal), pp=pp.world,
+                                                     dp=pp.dp, schedule=c["schedule"], microbatches=c["M"], v=c["v"],
+                                                     allreduce_bytes_per_ms=allreduce[0],
+                                                     allreduce_latency_ms=allreduce[1]).timeline
+                                      for cal in (paced, calibration, None))
             else:
-                pred = predicted_timeline(pp.plan, pp.world, calibration=calibration)
+                pred = predicted_timeline(pp.plan, pp.world, calibration=paced)
+                unpaced = pred if paced is calibration else predicted_timeline(pp.plan, pp.world,
+                                                                               calibration=calibration)
                 raw = predicted_timeline(pp.plan, pp.world) if calibration is not None else pred
             if args.calibrate:
                 comm = stage_costs(pp.plan, False)[3]
@@ -197,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
                 "measured_step_ms": measured_ms, "predicted_step_ms": pred.makespan, "compute_ms": compute_ms,
                 "measured_over_simulated": measured_ms / pred.makespan,
                 "uncalibrated_step_ms": raw.makespan, "calibrated": calibration is not None,
+                "paced": paced is not calibration, "unpaced_step_ms": unpaced.makespan,
                 "replayed_step_ms": None if replay is None else replay.makespan, "post_ms": post_ms,
                 "measured_over_step_replays": own,
                 "peak_bytes_by_stage": {str(s): max([v for k, v in r.items() if "peak" in k] or [0])
@@ -212,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         result = {"command": " ".join(["python -m bench schedules"] + (argv or sys.argv[1:])),
                   "model": args.model, "model_args": overrides, "ranks": world, "data_parallel": args.data_parallel,
                   "launcher": ctx.launcher,
-                  "threads_per_rank": args.threads, "versions": _versions(), "results": rows}
+                  "threads_per_rank": args.threads, "versions": _versions(), "results": rows,
+                  "pace_ms": None if pace is None else pace.ms, "pace_samples_s": [] if pace is None else pace.times}
         if calibration is not None:
             result["calibration"] = calibration.to_dict()
         if args.calibrate:
@@ -224,11 +243,14 @@ def main(argv: list[str] | None = None) -> int:
                      for c in cands if c["pp"].dp == 1 and c["timelines"]]
             names = sorted({n for n, _, _ in pairs})
             fitted = dataclasses.replace(fitted, step_scale=step_scale((m, p) for _, m, p in pairs), step_scales={
-                name: step_scale((m, p) for n, m, p in pairs if n == name) for name in names})
+                name: step_scale((m, p) for n, m, p in pairs if n == name) for name in names},
+                pace_ms=None if pace is None else pace.ms)
             print(f"calibration written to {fitted.save(args.calibrate)}: {fitted.describe()}")
         (out / "schedules.json").write_text(json.dumps(result, indent=1))
         table = markdown_table(rows)
         (out / "schedules.md").write_text(table + "\n")
+        if pace is not None:
+            print(pace.describe(calibration))
         print(table)
     dist.barrier()
     dist.destroy_process_group()
@@ -252,10 +274,13 @@ def timed_step(pp: Any, opt: torch.optim.Optimizer | None, args: Any, kwargs: di
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     cal = any(r.get("calibrated") for r in rows)
+    paced = any(r.get("paced") for r in rows)
     head = ("| schedule | M | step (s) | tokens/s | bubble measured | bubble simulated | bubble textbook "
-            f"| step simulated (ms) | step measured (ms) | measured / simulated |{' uncalibrated |' if cal else ''}"
+            f"| step simulated (ms) | step measured (ms) | measured / simulated |"
+            f"{' at the calibration pace |' if paced else ''}{' uncalibrated |' if cal else ''}"
             " measured / replayed | measured / step replayed | compute (ms) | compute / 1F1B's |\n"
-            f"|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|{'---:|' if cal else ''}---:|---:|---:|---:|")
+            f"|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|{'---:|' if paced else ''}{'---:|' if cal else ''}"
+            "---:|---:|---:|---:|")
     lines = [head]
     for r in rows:
         name = (r["schedule"] + (" (compiled)" if r.get("compiled") else "")
@@ -264,6 +289,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
                      f"| {r['measured_bubble']:.3f} | {r['predicted_bubble']:.3f} | {r['textbook_bubble']:.3f} "
                      f"| {r['predicted_step_ms']:.1f} | {r['measured_step_ms']:.1f} "
                      f"| {r['measured_over_simulated']:.2f} |"
+                     + (f" {r['measured_step_ms'] / r['unpaced_step_ms']:.2f} |" if paced else "")
                      + (f" {r['measured_step_ms'] / r['uncalibrated_step_ms']:.2f} |" if cal else "")
                      + (f" {r['measured_step_ms'] / r['replayed_step_ms']:.2f} |" if r.get("replayed_step_ms")
                         else " - |")

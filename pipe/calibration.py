@@ -91,6 +91,19 @@ class Calibration:
     # the same per schedule it ran (the median over its pipelines): how much the slow runs cost a step depends
     # on the schedule's chains of actions (interleaved-1f1b's more than 1F1B's); others take step_scale
     step_scales: dict[str, float] = field(default_factory=dict)
+    # the machine's pace while it was fitted (bench.pace: a fixed forward and backward, every rank at once, ms a
+    # round); None: not measured. A benchmark that measures it again predicts at its own pace (`at_pace`)
+    pace_ms: float | None = None
+
+    def at_pace(self, pace_ms: float) -> Calibration:
+        """This calibration on a machine that now runs the pace probe in `pace_ms` (its own: `pace_ms`): the
+        host's work (actions, gaps, posts) scaled by their ratio, the wire's figures as they are. The
+        calibration itself when it has no pace."""
+        if not self.pace_ms or pace_ms <= 0:
+            return self
+        k = pace_ms / self.pace_ms
+        return dataclasses.replace(self, step_scale=self.step_scale * k, pace_ms=pace_ms,
+                                   step_scales={name: v * k for name, v in self.step_scales.items()})
 
     def predicting(self, schedule: str | None = None) -> Calibration:
         """The figures a prediction of `schedule` uses: the actions' lines, the gap and the posts times
@@ -179,7 +192,8 @@ class Calibration:
                 + ("" if self.late_post_ms is None else f", {self.late_post_ms:.2f} ms one whose message had come")
                 + f"; steps {self.step_scale:.3f}x the prediction with "
                 f"those" + (" (" + ", ".join(f"{k} {v:.3f}x" for k, v in sorted(self.step_scales.items())) + ")"
-                            if self.step_scales else "") + f" (plans costed by {self.cost or 'any'})")
+                            if self.step_scales else "") + f" (plans costed by {self.cost or 'any'})"
+                + ("" if self.pace_ms is None else f"; pace {self.pace_ms:.1f} ms"))
 
 
 @dataclass

@@ -23,7 +23,7 @@ def _valid_trace(path: Path) -> None:
 def test_bench_schedules(tmp_path: Path) -> None:
     from pipe.calibration import Calibration, Line
     given = Calibration(f=Line(1.1, 0.2), b_split=Line(0.7, 0.1), w=Line(0.6), gap_ms=0.5, message_ms=0.25,
-                        cost="flops").save(tmp_path / "given.json")
+                        cost="flops", pace_ms=1e5).save(tmp_path / "given.json")
     out = run_command([sys.executable, "-m", "bench", "schedules", "gpt", *TINY, "--microbatches", "4",
                        "--schedules", "gpipe,1f1b,interleaved-1f1b,zb-h1,zbv", "--steps", "2", "--warmup", "1",
                        "--cost", "flops", "--out", str(tmp_path), "--calibration", str(given),
@@ -38,6 +38,10 @@ def test_bench_schedules(tmp_path: Path) -> None:
     assert 0.3 < fitted.step_scale < 3  # the fitted prediction against the steps it was fitted on
     assert f"calibration written to {tmp_path / 'fitted.json'}" in out
     data = json.loads((tmp_path / "schedules.json").read_text())
+    # the pace probe ran in each timed round, the fit records it, and the predictions ran at it: this run's pace
+    # against the given calibration's (100 s a round) shrinks them
+    assert len(data["pace_samples_s"]) == 2 and data["pace_ms"] > 0 and fitted.pace_ms == pytest.approx(data["pace_ms"])
+    assert "pace: " in out and "the calibration's 100000.0 ms" in out and "at the calibration pace |" in out
     assert data["ranks"] == 2 and data["versions"]["torch"] and "bench schedules" in data["command"]
     rows = data["results"]
     assert {(r["schedule"], r["microbatches"]) for r in rows} == {
@@ -47,7 +51,8 @@ def test_bench_schedules(tmp_path: Path) -> None:
         assert 0 <= r["measured_bubble"] < 1 and 0 <= r["predicted_bubble"] < 1
         assert 0 < r["textbook_bubble"] < 1 and r["predicted_step_ms"] > 0
         assert r["measured_over_simulated"] == pytest.approx(r["measured_step_ms"] / r["predicted_step_ms"])
-        assert r["calibrated"] and r["predicted_step_ms"] > r["uncalibrated_step_ms"]  # gaps and latency added
+        assert r["calibrated"] and r["unpaced_step_ms"] > r["uncalibrated_step_ms"]  # gaps and latency added
+        assert r["paced"] and r["predicted_step_ms"] < r["unpaced_step_ms"]
         assert r["replayed_step_ms"] > 0 and {"F0", "B0", "F1", "B1"} <= set(r["action_ms"])
         assert r["post_ms"] > 0 and r["measured_over_step_replays"] > 0
         assert r["microbatch_size"] == 2 and not r["sized"]  # one size given: the table names none

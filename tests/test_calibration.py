@@ -273,3 +273,24 @@ def test_the_step_scale_multiplies_what_a_prediction_times_and_not_a_replay() ->
     assert stage_costs(p, True, own, "1f1b")[0] == pytest.approx([1.5 * x for x in stage_costs(p, True, TRUE)[0]])
     assert own.predicting("zb-h1").step_scales == {} and Calibration.from_dict(own.to_dict()) == own
     assert "zb-h1 1.200x" in own.describe()
+
+
+def test_at_a_pace_the_host_s_work_scales_by_the_pace_against_the_calibration_s() -> None:
+    """Calibration.at_pace: a benchmark that timed the pace probe (bench.pace) at 1.25x the calibration's
+    predicts the actions, gaps and posts 1.25x as long, every schedule's step scale alike, the messages as
+    they are; a calibration without a pace is used as it is; the pace round-trips through the file."""
+    from pipe.predict import stage_costs
+    p = plan_of("zb-h1", 1)
+    cal = dataclasses.replace(TRUE, step_scale=1.1, step_scales={"zb-h1": 1.2}, pace_ms=40.0)
+    fast = cal.at_pace(50.0)
+    assert fast.pace_ms == 50.0 and fast.step_scale == pytest.approx(1.375)
+    assert fast.step_scales == pytest.approx({"zb-h1": 1.5})
+    for got, want in zip(stage_costs(p, True, fast)[:3], stage_costs(p, True, cal)[:3]):
+        assert got == pytest.approx([1.25 * x for x in want])
+    assert stage_costs(p, True, fast)[3] == stage_costs(p, True, cal)[3]
+    assert fast.predicting("zb-h1").post_ms == pytest.approx(1.25 * cal.predicting("zb-h1").post_ms)
+    assert predicted_timeline(p, 2, calibration=fast).makespan > 1.2 * predicted_timeline(p, 2, calibration=cal
+                                                                                         ).makespan
+    assert TRUE.at_pace(50.0) is TRUE and cal.at_pace(0.0) is cal  # no pace to compare with
+    assert Calibration.from_dict(cal.to_dict()) == cal and "pace 40.0 ms" in cal.describe()
+    assert "pace" not in TRUE.describe()
