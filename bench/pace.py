@@ -30,7 +30,8 @@ class Pace:
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         import partition
-        w = partition.load("gpt")
+        with torch.random.fork_rng(devices=[]):  # the factory seeds torch's generator: leave the caller's as it was
+            w = partition.load("gpt")
         self.device = torch.device(device)
         self.model = w.model.to(self.device)
         args, kwargs, target = w.batch(SAMPLES, 0)

@@ -2,9 +2,9 @@
 per schedule the step the simulator predicts for the lowered program (pipe.predict) against the
 measured one (the span of the timed actions, device time), and their ratio; beside, the step replayed
 over the actions' typical times and the mean post, and each step replayed over its own times (the
-simulator's model of the schedule alone). With a calibration, each round also times the machine's pace
-(bench.pace), and the predictions run at this run's pace against the calibration's (the table shows them
-at the calibration's pace beside):
+simulator's model of the schedule alone). With --calibration or --calibrate (or --pace), each round also
+times the machine's pace (bench.pace): a calibration that recorded its own pace predicts at this run's
+(the table shows the ratio at the calibration's pace beside), and --calibrate records it:
 torchrun --nproc-per-node 2 -m bench.schedules gpt --microbatches 4,8 --schedules gpipe,1f1b --out out/bench
 (with --data-parallel N, N replicas of a pipeline over --ranks / N ranks, each on its own batches)"""
 from __future__ import annotations

@@ -5,11 +5,12 @@ Candidates (same model, batch, schedule and microbatches; 1 thread per rank): to
 split by layers (SplitPoint, what its users write), fxpipe with those same boundaries, fxpipe with
 its own boundaries (the natural call: pipe.Pipeline(model, example_args, loss_fn=...)), and under
 1f1b-overlap (1F1B with one more warm-up forward on every rank but the last); plus one
-process on the whole batch for the ideal: its forward and backward t1 as (t1 / 2) x (M + 1) / M, and
-its optimizer step (AdamW, as every candidate's) halved, each rank stepping half the parameters;
-and every rank computing its own copy on its share of the batch at the same moment, which the ideal
-leaves out: the ranks' processes share this machine's caches and memory (each rank's share x (M+1)/M
-with the optimizer's half is "the ranks' ideal at once").
+process on the whole batch for the ideal on S ranks: its forward and backward t1 as (t1 / S) x
+(M + S - 1) / M (1F1B's bubble), and its optimizer step (AdamW, as every candidate's) over S, each rank
+stepping 1/S of the parameters (`pipeline_ideal`); and every rank computing a copy of the model on 1/S
+of the batch at the same moment, which the ideal leaves out: the ranks' processes share this
+machine's caches and memory (that time x (M + S - 1) / M, with the optimizer's share timed alone as
+above, is "the ranks' ideal at once").
 With --torch-schedules all, torch runs each of its seven schedules (those with two stages per rank on
 an even split into twice as many stages, placed as the schedule requires), and with --auto fxpipe
 runs schedule="auto" on the same batch (it chooses the schedule, the microbatch count among the
@@ -104,6 +105,13 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
     return p
 
 
+def pipeline_ideal(compute_s: float, optimizer_s: float, world: int, microbatches: int) -> float:
+    """A pipeline's ideal step on `world` ranks: each rank's share of the compute (`compute_s`, its
+    forward and backward) stretched by 1F1B's bubble, (M + S - 1) / M, and 1/S of the optimizer's step
+    over the whole model (`optimizer_s`)."""
+    return compute_s * (microbatches + world - 1) / microbatches + optimizer_s / world
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     torch.set_num_threads(1)
@@ -124,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
 
     w = fresh()
     batch_size = w.microbatch_size * M
+    if batch_size % world:
+        raise SystemExit(f"the batch ({M} microbatches of {w.microbatch_size}) is {batch_size} samples, which {world} "
+                         f"ranks cannot share evenly for the ideal at once: pass --microbatches a multiple of {world}")
     wanted = list(TORCH_SCHEDULES) if args.torch_schedules == "all" else args.torch_schedules.split(",")
     unknown = [x for x in wanted if x not in TORCH_SCHEDULES]
     if unknown:
@@ -202,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     timelines = {k: pipes[k].gather_timeline() for k in pipes}
     if rank == 0:
         med = {k: statistics.median(v) for k, v in samples.items() if v}
-        ideal = med["one-process"] / world * (M + 1) / M + med["one-process-optimizer"] / world
-        together = med["every-rank-at-once"] * (M + 1) / M + med["one-process-optimizer"] / world
+        ideal = pipeline_ideal(med["one-process"] / world, med["one-process-optimizer"], world, M)
+        together = pipeline_ideal(med["every-rank-at-once"], med["one-process-optimizer"], world, M)
         base = med["torch-1f1b"]
         rows = [(f"torch.distributed.pipelining {n}, even layer split", med[f"torch-{n}"]) for n in wanted]
         rows += [("fxpipe 1f1b, the same boundaries", med["fxpipe-even"]),
@@ -213,8 +224,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((f"fxpipe schedule='auto' ({pipes['fxpipe-auto-schedule'].plan.schedule} "
                          f"M={pipes['fxpipe-auto-schedule'].M} v={pipes['fxpipe-auto-schedule'].v})",
                          med["fxpipe-auto-schedule"]))
-        rows += [(f"ideal: one process / {world}, fwd+bwd x (M+1)/M", ideal),
-                 (f"the same with the {world} ranks computing at once: their share x (M+1)/M", together),
+        rows += [(f"ideal: one process / {world}, fwd+bwd x (M+{world - 1})/M", ideal),
+                 (f"the same with the {world} ranks computing at once: their share x (M+{world - 1})/M", together),
                  ("one process, one thread, whole batch: fwd+bwd", med["one-process"]),
                  ("  and its optimizer step", med["one-process-optimizer"]),
                  (f"every rank at once, 1/{world} of the batch each: fwd+bwd", med["every-rank-at-once"])]

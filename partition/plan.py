@@ -232,15 +232,18 @@ def fingerprint(gm: torch.fx.GraphModule) -> str:
 
 
 def in_flight(schedule: str, n_stages: int, microbatches: int) -> list[int]:
-    """Microbatches whose activations stage s holds at once: 1F1B min(M, S - s), GPipe M,
-    ZB-H1 min(M, S) (a microbatch stays until its deferred W). Interleaved schedules depend
-    on the placement; pipe passes their figures, from the built schedule, explicitly.
+    """Microbatches whose activations stage s holds at once: 1F1B min(M, S - s), 1f1b-overlap one more
+    on every stage but the last, GPipe M, ZB-H1 min(M, S) (a microbatch stays until its deferred W).
+    Interleaved schedules depend on the placement; pipe passes their figures, from the built schedule,
+    explicitly.
     """
     if schedule == "1f1b":
         return [min(microbatches, n_stages - s) for s in range(n_stages)]
+    if schedule == "1f1b-overlap":
+        return [min(microbatches, n_stages - s + (s < n_stages - 1)) for s in range(n_stages)]
     if schedule == "zb-h1":
         return [min(microbatches, n_stages)] * n_stages
     if schedule == "gpipe":
         return [microbatches] * n_stages
-    raise PlanError(f"no in-flight rule for schedule {schedule!r} in partition; known: 1f1b, zb-h1, "
-                    "gpipe; pass in_flight=[...] (one count per stage) for other schedules")
+    raise PlanError(f"no in-flight rule for schedule {schedule!r} in partition; known: 1f1b, 1f1b-overlap, "
+                    "zb-h1, gpipe; pass in_flight=[...] (one count per stage) for other schedules")

@@ -96,7 +96,7 @@ class Calibration:
     pace_ms: float | None = None
 
     def at_pace(self, pace_ms: float) -> Calibration:
-        """This calibration on a machine that now runs the pace probe in `pace_ms` (its own: `pace_ms`): the
+        """This calibration on a machine that now runs the pace probe in `pace_ms` (its own: `self.pace_ms`): the
         host's work (actions, gaps, posts) scaled by their ratio, the wire's figures as they are. The
         calibration itself when it has no pace."""
         if not self.pace_ms or pace_ms <= 0:

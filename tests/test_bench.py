@@ -100,6 +100,13 @@ def test_bench_auto_measures_every_candidate_with_its_recompute_policy(tmp_path:
     assert data["chosen_over_fastest_final"] >= 1.0 and "in the final (" in out
 
 
+def test_the_ideal_stretches_each_rank_s_share_by_1f1b_s_bubble_on_any_number_of_ranks() -> None:
+    from bench.vs_torch import pipeline_ideal
+    assert pipeline_ideal(1.0, 0.4, 2, 8) == pytest.approx(1.0 * 9 / 8 + 0.2)
+    assert pipeline_ideal(1.0, 0.4, 4, 8) == pytest.approx(1.0 * 11 / 8 + 0.1)  # (M + S - 1) / M, S = 4
+    assert pipeline_ideal(2.0, 0.0, 1, 4) == pytest.approx(2.0)  # one rank: no bubble
+
+
 def test_bench_vs_torch(tmp_path: Path) -> None:
     # four layers: torch's V schedule splits them into four stages, two per rank
     tiny = [a if a != "n_layer=2" else "n_layer=4" for a in TINY]
