@@ -12,11 +12,9 @@ compared with (`Calibration.at_pace`): what is left of the difference is the sim
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 __all__ = ["Pace", "SAMPLES", "REPEATS"]
 
@@ -48,16 +46,8 @@ class Pace:
 
     def measure(self) -> float:
         """One round, every rank starting together; the slowest rank's seconds (kept in `times`)."""
-        if dist.is_initialized():
-            dist.barrier()
-        t0 = time.perf_counter()
-        self._work()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        dt = torch.tensor([time.perf_counter() - t0], device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # NCCL reduces device tensors only
-        self.times.append(float(dt))
+        from bench.schedules import slowest_rank_s
+        self.times.append(slowest_rank_s(self._work, self.device))
         return self.times[-1]
 
     @property

@@ -17,6 +17,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ import torch.distributed as dist
 
 from pipe.schedules import SCHEDULES, default_stages_per_rank
 
-__all__ = ["main", "parse_args", "parser", "timed_step"]
+__all__ = ["main", "parse_args", "parser", "slowest_rank_s", "timed_step"]
 
 
 def parser(add_help: bool = True) -> argparse.ArgumentParser:
@@ -257,19 +258,31 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def slowest_rank_s(work: Callable[[], Any], device: torch.device | str) -> float:
+    """`work` run on every rank, all starting together: the slowest rank's seconds (on CUDA, once the
+    device has finished it)."""
+    if dist.is_initialized():
+        dist.barrier()
+    t0 = time.perf_counter()
+    work()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    dt = torch.tensor([time.perf_counter() - t0], device=device)  # NCCL reduces device tensors only
+    if dist.is_initialized():
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+    return float(dt)
+
+
 def timed_step(pp: Any, opt: torch.optim.Optimizer | None, args: Any, kwargs: dict[str, Any], target: Any
                ) -> tuple[float, Any]:
     """One training step of pipeline `pp` (and its optimizer's), all ranks starting together: the
     slowest rank's seconds, and the measured timeline (on rank 0)."""
-    dist.barrier()
-    t0 = time.perf_counter()
-    pp.step(*args, target=target, **kwargs)
-    if opt is not None:
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    dt = torch.tensor([time.perf_counter() - t0], device=pp.ctx.device)  # NCCL reduces device tensors only
-    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-    return float(dt), pp.gather_timeline()
+    def step() -> None:
+        pp.step(*args, target=target, **kwargs)
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return slowest_rank_s(step, pp.ctx.device), pp.gather_timeline()
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:

@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     from partition.solve import CostModel
     from partition.workload import parse_overrides
     from pipe.schedules import in_flight_limit
+    from bench.schedules import slowest_rank_s
 
     ctx = pipe.init()
     rank, world, M = ctx.rank, ctx.world_size, args.microbatches
@@ -174,16 +175,16 @@ def main(argv: list[str] | None = None) -> int:
         b_args, _, target = w.batch(batch_size, r)
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = candidates[name][0](b_args, target)
-            opts[name].step()
-            opts[name].zero_grad(set_to_none=True)
-            dt = torch.tensor([time.perf_counter() - t0])
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            got: list[Any] = []
+
+            def step() -> None:
+                got.append(candidates[name][0](b_args, target))
+                opts[name].step()
+                opts[name].zero_grad(set_to_none=True)
+            dt = slowest_rank_s(step, "cpu")
             if r:
-                samples[name].append(float(dt))
-            losses[name].append(float(loss))
+                samples[name].append(dt)
+            losses[name].append(float(got[0]))
         dist.barrier()
         if single is not None and single_opt is not None:
             t0 = time.perf_counter()
@@ -196,13 +197,10 @@ def main(argv: list[str] | None = None) -> int:
                 samples["one-process-optimizer"].append(time.perf_counter() - t1)
         dist.barrier()
         s_args, _, s_target = w.batch(batch_size // world, r)
-        t0 = time.perf_counter()
-        share.loss_fn(share.model(*s_args), s_target).backward()
-        dt = torch.tensor([time.perf_counter() - t0])
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        dt = slowest_rank_s(lambda: share.loss_fn(share.model(*s_args), s_target).backward(), "cpu")
         share.model.zero_grad(set_to_none=True)
         if r:
-            samples["every-rank-at-once"].append(float(dt))
+            samples["every-rank-at-once"].append(dt)
         dist.barrier()
     first_loss = {}  # each candidate's loss on the first (warm-up) batch, from the rank that computed it
     for name in names:

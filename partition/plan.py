@@ -11,6 +11,7 @@ from typing import Any
 import torch.fx
 
 from partition.errors import FxpipeError
+from partition.flights import CLOSED_FORMS, closed_form
 
 __all__ = ["Plan", "StagePlan", "Value", "PlanError", "parse_bytes", "human_bytes", "fingerprint",
            "in_flight"]
@@ -232,18 +233,12 @@ def fingerprint(gm: torch.fx.GraphModule) -> str:
 
 
 def in_flight(schedule: str, n_stages: int, microbatches: int) -> list[int]:
-    """Microbatches whose activations stage s holds at once: 1F1B min(M, S - s), 1f1b-overlap one more
-    on every stage but the last, GPipe M, ZB-H1 min(M, S) (a microbatch stays until its deferred W).
-    Interleaved schedules depend on the placement; pipe passes their figures, from the built schedule,
-    explicitly.
+    """Microbatches whose activations stage s holds at once, for the schedules with a closed form
+    (partition.flights). Interleaved schedules depend on the placement; pipe passes their figures,
+    from the built schedule, explicitly.
     """
-    if schedule == "1f1b":
-        return [min(microbatches, n_stages - s) for s in range(n_stages)]
-    if schedule == "1f1b-overlap":
-        return [min(microbatches, n_stages - s + (s < n_stages - 1)) for s in range(n_stages)]
-    if schedule == "zb-h1":
-        return [min(microbatches, n_stages)] * n_stages
-    if schedule == "gpipe":
-        return [microbatches] * n_stages
-    raise PlanError(f"no in-flight rule for schedule {schedule!r} in partition; known: 1f1b, 1f1b-overlap, "
-                    "zb-h1, gpipe; pass in_flight=[...] (one count per stage) for other schedules")
+    got = closed_form(schedule, n_stages, microbatches)
+    if got is None:
+        raise PlanError(f"no in-flight rule for schedule {schedule!r} in partition; known: {', '.join(CLOSED_FORMS)}; "
+                        "pass in_flight=[...] (one count per stage) for other schedules")
+    return got

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from partition.errors import FxpipeError
+from partition.flights import closed_form
 
 __all__ = [
     "SCHEDULES",
@@ -622,13 +623,8 @@ def in_flight_limit(
             f"n_stages={n_stages} is not a multiple of stages_per_rank={stages_per_rank}; "
             "use n_stages = n_ranks * stages_per_rank"
         )
-    if name == "gpipe":
-        return n_microbatches
-    if name == "1f1b":
-        return min(n_microbatches, n_stages - stage)
-    if name == "1f1b-overlap":
-        return min(n_microbatches, n_stages - stage + (stage < n_stages - 1))
-    if name == "zb-h1":
-        return min(n_microbatches, n_stages)
+    got = closed_form(name, n_stages, n_microbatches)
+    if got is not None:
+        return got[stage]
     n_ranks = n_stages // stages_per_rank
     return max_in_flight(build(name, n_ranks, n_microbatches, stages_per_rank), stage)

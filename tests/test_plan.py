@@ -134,13 +134,14 @@ def test_in_flight_rules() -> None:
     assert in_flight("1f1b", 4, 2) == [2, 2, 2, 1]
     assert in_flight("gpipe", 3, 5) == [5, 5, 5]
     assert in_flight("zb-h1", 3, 8) == [3, 3, 3]
-    assert in_flight("1f1b-overlap", 4, 8) == [5, 4, 3, 1]  # pipe.schedules.in_flight_limit's closed form
+    assert in_flight("1f1b-overlap", 4, 8) == [5, 4, 3, 1]
     assert in_flight("1f1b-overlap", 4, 3) == [3, 3, 3, 1]
-    from pipe.schedules import in_flight_limit
-    for name in ("1f1b", "1f1b-overlap", "gpipe"):  # partition's rules are pipe's closed forms
+    from pipe.schedules import build, max_in_flight
+    for name in ("1f1b", "1f1b-overlap", "gpipe"):  # the closed forms are what the built schedules keep
         for r in range(1, 6):
             for m in range(1, 9):
-                assert in_flight(name, r, m) == [in_flight_limit(name, r, m, s) for s in range(r)], (name, r, m)
+                built = build(name, r, m)
+                assert in_flight(name, r, m) == [max_in_flight(built, s) for s in range(r)], (name, r, m)
 
 
 def test_a_plan_for_another_model_is_refused(gpt: tuple[partition.Workload, partition.Analysis]) -> None:
