@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from partition.costs import COSTS
+
 __all__ = ["main", "parser"]
 
 
@@ -32,7 +34,7 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--schedules", default=None, help="comma-separated candidates' schedules (default: all)")
     p.add_argument("--memory-budget", default=None, help="per-rank budget, e.g. 40MB: candidates over it are refused")
     p.add_argument("--calibration", metavar="FILE", help="predict with this machine's calibration (bench calibrate)")
-    p.add_argument("--cost", default="measured", choices=["measured", "flops"])
+    p.add_argument("--cost", default="measured", choices=COSTS)
     p.add_argument("--steps", type=int, default=6, help="timed steps per candidate")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--back-to-back", type=int, default=2, metavar="K",

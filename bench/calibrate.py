@@ -12,6 +12,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+# partition.costs.COSTS, written out: this launcher does not load torch
+COSTS = ("measured", "flops", "shaped")
+
 __all__ = ["main", "parser"]
 
 SCHEDULES = "1f1b,zb-h1,interleaved-1f1b,interleaved-zb"
@@ -29,9 +32,9 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
                         "batch 32 on 2 ranks weighs 1 to 16)")
     p.add_argument("--steps", type=int, default=6, help="timed steps per pipeline")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--cost", default="flops", choices=["flops", "measured"],
+    p.add_argument("--cost", default="flops", choices=COSTS,
                    help="how the plans are costed: the calibration applies to plans costed alike (flops: costs that do "
-                        "not move with the machine's drift)")
+                        "not move with the machine's drift; shaped: and products priced by their shapes)")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--launcher", default="torchrun", choices=["torchrun", "mpirun"])
     p.add_argument("--threads", type=int, default=1)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from partition.costs import COSTS
 from pipe.schedules import SCHEDULES, default_stages_per_rank
 from pipe.simulate import Event, Timeline
 
@@ -34,7 +35,7 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--bucket-mb", type=float, default=None, help="grad bucket size (default: pipe.scale.bucket_cap)")
     p.add_argument("--steps", type=int, default=8, help="timed steps")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--cost", default="measured", choices=["measured", "flops"])
+    p.add_argument("--cost", default="measured", choices=COSTS)
     p.add_argument("--ranks", type=int, default=4, help="processes to launch")
     p.add_argument("--launcher", default="torchrun", choices=["torchrun", "mpirun"])
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from partition.costs import COSTS
+
 __all__ = ["main", "parser", "worker"]
 
 PHASES = ("build", "plan", "stages", "first step")
@@ -40,7 +42,7 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--ranks", default="2,4", help="pipeline ranks, comma-separated")
     p.add_argument("--modes", default="eager,meta", help="eager (every rank builds the model) and/or meta")
     p.add_argument("--rounds", type=int, default=1, help="launches per (size, ranks, mode), alternating modes")
-    p.add_argument("--cost", default="measured", choices=["measured", "flops"])
+    p.add_argument("--cost", default="measured", choices=COSTS)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--vocab", type=int, default=512)

@@ -17,7 +17,7 @@ import torch.fx
 
 import partition
 from partition.meta import meta_copy
-from partition.costs import preserve_state
+from partition.costs import COSTS, preserve_state
 from partition.plan import in_flight
 from partition.measure import calibrate as calibrate_stages
 from partition.planner import Analysis, calibrate_plan, plan_from_bounds, split_heavy_ops
@@ -317,7 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--stages", default="2,4", help="comma-separated stage counts")
     ap.add_argument("--accuracy", default="", help="more workloads for the cost-model accuracy table "
                     "(fxpipe's plan only); --model's own fxpipe rows are always in it")
-    ap.add_argument("--cost", choices=("measured", "flops"), default="measured")
+    ap.add_argument("--cost", choices=COSTS, default="measured")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--calibrate", action="store_true", help="with --meta: fxpipe's plan's stages timed whole and "
                     "its costs scaled to them, as partition.plan(calibrate=True)")

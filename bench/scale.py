@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from partition.costs import COSTS
 from pipe.schedules import (SCHEDULES, ScheduleError, build, default_stages_per_rank, default_stages_text,
                             in_flight_limit)
 
@@ -78,7 +79,7 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
                    help="its latency per ring step (default 5)")
     p.add_argument("--bucket-mb", type=float, default=None,
                    help="grad bucket size in MiB (default: pipe.scale.bucket_cap, an eighth of a stage within 1-25)")
-    p.add_argument("--cost", default="measured", choices=["measured", "flops"])
+    p.add_argument("--cost", default="measured", choices=COSTS)
     p.add_argument("--plan", default=None, metavar="FILE",
                    help="a saved partition.Plan (python -m partition ... --out FILE): no planning, pp from it")
     p.add_argument("--out", default="out/bench-scale", metavar="DIR",

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from partition.costs import COSTS
 from pipe.schedules import SCHEDULES, default_stages_per_rank
 
 __all__ = ["main", "parse_args", "parser", "slowest_rank_s", "timed_step"]
@@ -47,7 +48,7 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
                         "each schedule plain and compiled, alternating")
     p.add_argument("--steps", type=int, default=8, help="timed steps per candidate")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--cost", default="measured", choices=["measured", "flops"])
+    p.add_argument("--cost", default="measured", choices=COSTS)
     p.add_argument("--loss-outside", action="store_true",
                    help="keep the loss out of the graph (by default it is traced into the last stage)")
     p.add_argument("--ranks", type=int, default=2, help="processes to launch")

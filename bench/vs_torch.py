@@ -31,6 +31,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from partition.costs import COSTS
+
 __all__ = ["main", "layer_bounds"]
 
 DEFAULTS = {"n_layer": 8, "d_model": 256, "n_head": 8, "seq_len": 128, "vocab": 1000, "microbatch_size": 4,
@@ -91,7 +93,7 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--model-arg", action="append", default=[], metavar="K=V", help="factory keyword, repeatable")
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--rounds", type=int, default=12, help="alternating rounds of every candidate")
-    p.add_argument("--cost", default="measured", choices=["measured", "flops"])
+    p.add_argument("--cost", default="measured", choices=COSTS)
     p.add_argument("--torch-schedules", default="1f1b", metavar="LIST",
                    help=f"torch's schedules to run, comma-separated, or all ({', '.join(TORCH_SCHEDULES)}); "
                         "default 1f1b")

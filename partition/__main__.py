@@ -6,6 +6,7 @@ import json
 import sys
 from typing import Any, Sequence
 
+from partition.costs import COSTS
 from partition.errors import first_line
 from partition.plan import PlanError, parse_bytes
 from partition.planner import plan
@@ -29,8 +30,9 @@ def parser() -> argparse.ArgumentParser:
                    help=f"package.module:factory, path/file.py:factory or a bundled name ({', '.join(BUNDLED)})")
     p.add_argument("--stages", type=int, default=None, metavar="N",
                    help="number of pipeline stages (required, but with --schedule auto)")
-    p.add_argument("--cost", choices=("measured", "flops"), default="measured",
-                   help="time each op on this machine (default) or count FLOPs (deterministic)")
+    p.add_argument("--cost", choices=COSTS, default="measured",
+                   help="time each op on this machine (default), count FLOPs (deterministic), or count FLOPs "
+                        "with each matrix product priced by its shape's measured speed (shaped)")
     p.add_argument("--memory-budget", default=None, metavar="BYTES",
                    help="per-stage memory limit, e.g. 8GiB, 512MB or a number of bytes")
     p.add_argument("--schedule", choices=[*sorted(SCHEDULES), "auto"], default="1f1b",

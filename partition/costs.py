@@ -14,8 +14,14 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["NodeCost", "node_costs", "measure_once", "preserve_state", "param_names", "whole_graph_ms", "time_nodes",
-           "FLOP_PER_MS", "BYTES_PER_MS"]
+from partition.products import PRODUCTS, REFERENCE, product_flops, product_ratio
+
+__all__ = ["COSTS", "NodeCost", "node_costs", "measure_once", "preserve_state", "param_names", "whole_graph_ms",
+           "time_nodes", "FLOP_PER_MS", "BYTES_PER_MS"]
+
+# How a plan's node costs can be found: timed op by op ("measured"), counted ("flops"), or counted with
+# each matrix product priced by its shape's measured speed ("shaped")
+COSTS = ("measured", "flops", "shaped")
 
 # The "flops" cost model's notional device: 20 GFLOP/s and 5 GB/s of memory traffic (a CPU
 # core). Only ratios between nodes matter to the partitioner, and they are deterministic.
@@ -361,17 +367,28 @@ class _Traffic(TorchDispatchMode):
     Views (a reshape that needs no copy, a transpose, a slice) move nothing; an in-place op reads
     and writes its tensor; a new uninitialised tensor is written by the op that fills it. Also the
     work of elementwise functions beyond their traffic (exp, tanh, erf...), as FLOPs (`flops`):
-    _ELEMENT_FLOPS per element of the op's largest tensor; and CPU attention's products (_CPU_ATTENTION)."""
+    _ELEMENT_FLOPS per element of the op's largest tensor; and CPU attention's products (_CPU_ATTENTION).
+    With `shaped`, each matrix product is priced apart (`product_ms`: its measured time over the
+    reference product's, times the reference's notional price; partition.products) and its FLOPs
+    (`product_flops`, to take off the FLOP counter's total) and traffic are not counted."""
 
-    def __init__(self) -> None:
+    def __init__(self, shaped: bool = False, device: torch.device | None = None) -> None:
         super().__init__()
+        self.device = device
         self.bytes = 0
         self.flops = 0.0
+        self.shaped = shaped
+        self.product_ms = 0.0
+        self.product_flops = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         name = func._schema.name
         if func.is_view or name in _ALIASING or name.startswith(("aten::empty", "aten::new_empty")):
+            return out
+        if self.shaped and name in PRODUCTS:
+            self.product_ms += product_ratio(func, args, kwargs or {}, self.device) * _REFERENCE_MS
+            self.product_flops += product_flops(name, args)
             return out
         per = _ELEMENT_FLOPS.get(name)
         if name in _CPU_ATTENTION:
@@ -405,16 +422,22 @@ _ELEMENT_FLOPS = {"aten::exp": 30.0, "aten::exp_": 30.0, "aten::log": 40.0, "ate
 _CPU_ATTENTION = {"aten::_scaled_dot_product_flash_attention_for_cpu": (0, 1.0),
                   "aten::_scaled_dot_product_flash_attention_for_cpu_backward": (1, 3.0)}
 
+# the notional price of partition.products' reference product (float32): its FLOPs and its traffic
+_REFERENCE_MS = (2 * REFERENCE[0] * REFERENCE[1] * REFERENCE[2] / FLOP_PER_MS
+                 + 4 * (REFERENCE[0] * REFERENCE[1] + REFERENCE[1] * REFERENCE[2] + REFERENCE[0] * REFERENCE[2])
+                 / BYTES_PER_MS)
+
 # aten ops that return their input's storage though not declared views (reshape's copy-free path)
 _ALIASING = frozenset({"aten::_unsafe_view", "aten::lift_fresh", "aten::_reshape_alias"})
 # aten ops that read only the rows of a table their indices pick (an embedding reads a few of its rows)
 _GATHERS = frozenset({"aten::embedding", "aten::index_select", "aten::gather", "aten::index"})
 
 
-def _count_flops(gm: torch.fx.GraphModule, node: torch.fx.Node, env: dict[str, Any], cost: NodeCost
-                 ) -> tuple[float, float]:
+def _count_flops(gm: torch.fx.GraphModule, node: torch.fx.Node, env: dict[str, Any], cost: NodeCost,
+                 shaped: bool = False, device: torch.device | None = None) -> tuple[float, float]:
     """The node's forward and backward run in isolation: their FLOPs and the bytes their aten ops
-    read and write (views none), as (fwd, bwd) ms of the notional device."""
+    read and write (views none), as (fwd, bwd) ms of the notional device; with `shaped`, its matrix
+    products priced by their shapes' measured speed on `device` (default: their tensors'; _Traffic)."""
     fn = node_callable(gm, node)
     leaves: list[torch.Tensor] = []  # what the grads are taken of: the node's inputs and parameters
     if isinstance(fn, torch.nn.Module):
@@ -437,21 +460,22 @@ def _count_flops(gm: torch.fx.GraphModule, node: torch.fx.Node, env: dict[str, A
         return pytree.tree_map(fresh, v)
 
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), prep)
-    with torch.enable_grad(), FlopCounterMode(display=False) as fwd, _Traffic() as fwd_bytes:
+    with torch.enable_grad(), FlopCounterMode(display=False) as fwd, _Traffic(shaped, device) as fwd_bytes:
         out = fn(*args, **kwargs)
     outs = [t for t in _tensors(out) if t.requires_grad]
     if not outs:
         return _priced(fwd, fwd_bytes), 0.0
     seeds = [torch.ones_like(t) for t in outs]
     # grads returned, not accumulated: a leaf's accumulation is not part of the node's backward
-    with FlopCounterMode(display=False) as bwd, _Traffic() as bwd_bytes:
+    with FlopCounterMode(display=False) as bwd, _Traffic(shaped, device) as bwd_bytes:
         torch.autograd.grad(outs, leaves, seeds, allow_unused=True)
     return _priced(fwd, fwd_bytes), _priced(bwd, bwd_bytes)
 
 
 def _priced(flops: FlopCounterMode, traffic: _Traffic) -> float:
     """ms on the notional device of what ran under the two counters."""
-    return (flops.get_total_flops() + traffic.flops) / FLOP_PER_MS + traffic.bytes / BYTES_PER_MS
+    return ((flops.get_total_flops() - traffic.product_flops + traffic.flops) / FLOP_PER_MS
+            + traffic.bytes / BYTES_PER_MS + traffic.product_ms)
 
 
 _ONCE: dict[Hashable, dict[str, NodeCost]] | None = None  # measured costs by graph, inside measure_once()
@@ -482,7 +506,8 @@ def _once_key(gm: torch.fx.GraphModule, flat_inputs: list[Any], names: dict[int,
 
 
 def node_costs(gm: torch.fx.GraphModule, flat_inputs: list[Any], *, cost: str = "measured",
-               names: dict[int, str] | None = None, repeats: int = 5, reference: bool = True) -> dict[str, NodeCost]:
+               names: dict[int, str] | None = None, repeats: int = 5, reference: bool = True,
+               device: torch.device | None = None) -> dict[str, NodeCost]:
     """Cost of every call node of `gm` on one example microbatch.
 
     Bytes saved for backward come from one forward pass of the whole graph under
@@ -493,9 +518,12 @@ def node_costs(gm: torch.fx.GraphModule, flat_inputs: list[Any], *, cost: str = 
     cost="flops" counts FLOPs and bytes moved per node in isolation (deterministic); both give
     that count as `ref_ms`, which measured plans break near-ties with (stable across launches);
     `reference=False` skips that count for measured costs (a caller that has it already).
+    cost="shaped" counts as "flops" does but prices each matrix product by its shape's speed on
+    `device` (default: the model's), timed against a reference product once per process
+    (partition.products): on the meta device a plan for another device names it.
     """
-    if cost not in ("measured", "flops"):
-        raise ValueError(f"cost must be 'measured' or 'flops', got {cost!r}")
+    if cost not in COSTS:
+        raise ValueError(f"cost must be one of {', '.join(map(repr, COSTS))}, got {cost!r}")
     names = names if names is not None else param_names(gm)
     key = _once_key(gm, flat_inputs, names, repeats, reference) if cost == "measured" and _ONCE is not None else None
     if key is not None and key in _ONCE:  # type: ignore[operator]
@@ -525,11 +553,11 @@ def node_costs(gm: torch.fx.GraphModule, flat_inputs: list[Any], *, cost: str = 
                     c.saved_inputs.add(storage_owner(sid))
             out[node.name] = c
         for node in gm.graph.nodes:
-            if _is_call(node) and (reference or cost == "flops"):
+            if _is_call(node) and (reference or cost != "measured"):
                 c = out[node.name]
-                fwd_ms, bwd_ms = _count_flops(gm, node, p.env, c)
+                fwd_ms, bwd_ms = _count_flops(gm, node, p.env, c, shaped=cost == "shaped", device=device)
                 c.ref_ms = fwd_ms + bwd_ms
-                if cost == "flops":
+                if cost != "measured":
                     c.fwd_ms, c.bwd_ms = fwd_ms, bwd_ms
         if cost == "measured":
             del p

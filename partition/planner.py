@@ -83,13 +83,15 @@ class Analysis:
         here = next((t.device for t in (*model.parameters(), *model.buffers())), torch.device("cpu"))
         target = torch.device(device) if device is not None else here
         blockwise = cost == "measured" and (self.meta or target != here)
-        self.cost_device = str(target if cost == "measured" else "")
+        self.cost_device = str(target if cost in ("measured", "shaped") else "")
         self.cost_method = ("FLOP count" + (" (meta tensors)" if self.meta else "") if cost == "flops" else
+                            "FLOP count, each matrix product priced by its shape's speed on " + str(target)
+                            if cost == "shaped" else
                             "block by block, one block's weights at a time" if blockwise else "whole graph, op by op")
         say(f"costing {len(self.gm.graph.nodes)} nodes ({cost}{', timing each op' if cost == 'measured' else ''}"
             f"{' block by block on ' + str(target) if blockwise else ''}) ...")
         self.costs = node_costs(self.gm, self.flat, cost="flops" if blockwise else cost, names=self.names,
-                                repeats=repeats)
+                                repeats=repeats, device=target)
         pbytes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
         # block by block; partition.plan(calibrate=True) then times its stages whole (calibrate_plan)
         self.blockwise, self.target_device = blockwise, target

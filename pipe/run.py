@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from partition.costs import COSTS
 from pipe.launch import DEFAULT_TIMEOUT_S, finish, timeout_setting
 from pipe.schedules import SCHEDULES, default_stages_text
 
@@ -92,7 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=_whole("--batch-size", 1, 32), default=None,
                    help="default: microbatch size x microbatches")
     p.add_argument("--lr", type=_positive("--lr", "1e-3"), default=1e-3)
-    p.add_argument("--cost", default="measured", choices=["measured", "flops"])
+    p.add_argument("--cost", default="measured", choices=COSTS)
     p.add_argument("--calibration", default=None, metavar="FILE",
                    help="this machine's calibration for the predictions (python -m bench calibrate writes it)")
     p.add_argument("--plan", default=None, help="a plan.json from python -m partition (default: plan now)")

@@ -533,7 +533,9 @@ class Pipeline:
         blockwise = cost == "measured" and (self.meta or here != self.ctx.device)
         own_device = self.ctx.device.type != "cpu"
         share = Share(self.ctx.rank, self.ctx.world_size, _gather) if blockwise and own_device else None
-        return link or (1e6, 0.05), share, cost == "measured" and (self.ctx.device.type == "cpu" or blockwise)
+        # products priced by shape are timed on every rank at once on a CPU host too, as they will run
+        return link or (1e6, 0.05), share, (cost == "measured" and (self.ctx.device.type == "cpu" or blockwise)
+                                           or cost == "shaped" and self.ctx.device.type == "cpu")
 
     def _plan_here(self, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], cost: str,
                    budget: float | str | None, features: tuple[str, str], example_target: Any,
@@ -647,7 +649,8 @@ class Pipeline:
                 else self._state_factor(),
                 time_scale=FLOP_PER_MS / speeds[0][0], copy_bytes_per_ms=speeds[0][1],
                 output_bytes=self.plan.output_bytes)
-            to_plan = FLOP_PER_MS / speeds[0][0] if self.plan.cost == "flops" else 1.0  # device ms -> plan's
+            # device ms -> plan's (notional ms when counted)
+            to_plan = FLOP_PER_MS / speeds[0][0] if self.plan.cost in ("flops", "shaped") else 1.0
             for c in choices:
                 self.plan.stages[c.stage].memory = c.label()
                 self.plan.stages[c.stage].memory_peak = c.predicted_peak

@@ -46,7 +46,8 @@ def check_step(pp: Any, loss: float, ref: Any, args: Any, kwargs: dict[str, Any]
 
 def parity_body(rank: int, world: int, *, spec: str, model_args: dict[str, Any],
                 schedules: list[tuple[Any, ...]], M: int, steps: int = 3, fused: bool = False,
-                expect_vocab: bool = False, nccl_like: bool = False, compile: Any = False) -> dict[str, list[float]]:
+                expect_vocab: bool = False, nccl_like: bool = False, compile: Any = False,
+                cost: str = "flops") -> dict[str, list[float]]:
     """For each (schedule, stages per rank[, microbatches: M unless given]): `steps` Adam steps in
     parity with the plain model.
 
@@ -54,9 +55,9 @@ def parity_body(rank: int, world: int, *, spec: str, model_args: dict[str, Any],
     `expect_vocab`: and check that the plan spread the LM head and its loss over stages
     (partition.rewrite.vocab_parallel);
     `nccl_like`: messages through tests.nccl_like (NCCL's matching and per-pair order); `compile`:
-    Pipeline(compile=...)."""
+    Pipeline(compile=...); `cost`: how the plans are costed."""
     out = {f"{name}/v{v}": one_schedule(rank, world, spec, model_args, name, own[0] if own else M, v, steps, fused,
-                                        expect_vocab, nccl_like, compile) for name, v, *own in schedules}
+                                        expect_vocab, nccl_like, compile, cost) for name, v, *own in schedules}
     # the pipelines built one after another made the tied weights' group once (or used the default group):
     # the default group and at most the group of ranks 0 and world-1 (the embedding's and the head's)
     import torch.distributed.distributed_c10d as c10d
@@ -67,14 +68,14 @@ def parity_body(rank: int, world: int, *, spec: str, model_args: dict[str, Any],
 
 def one_schedule(rank: int, world: int, spec: str, model_args: dict[str, Any], schedule: str, M: int,
                  v: int, steps: int, fused: bool = False, expect_vocab: bool = False,
-                 nccl_like: bool = False, compile: Any = False) -> list[float]:
+                 nccl_like: bool = False, compile: Any = False, cost: str = "flops") -> list[float]:
     import pipe
     from tests.nccl_like import NcclLike
     pipe.init()
     w = partition.load(spec, **model_args)
     ref = partition.load(spec, **model_args)
     pp = pipe.Pipeline(w.model, w.example_args, example_kwargs=w.example_kwargs, loss_fn=w.loss_fn,
-                       microbatches=M, schedule=schedule, stages_per_rank=v, cost="flops",
+                       microbatches=M, schedule=schedule, stages_per_rank=v, cost=cost,
                        example_target=w.example_target if fused else None, trace_loss=fused,
                        transport=NcclLike() if nccl_like else None, compile=compile)
     if compile:  # said in the plan; under zero bubble every backward is BW (a compiled backward is one function)
@@ -83,6 +84,7 @@ def one_schedule(rank: int, world: int, spec: str, model_args: dict[str, Any], s
         kinds = {x.kind for x in pp.program if isinstance(x, Action)}
         assert kinds == ({"F", "BW"} if pp.has_w else {"F", "B"}), kinds
     assert pp.plan.loss == fused
+    assert pp.plan.cost == cost, (pp.plan.cost, cost)
     if expect_vocab:
         vocab = [r for r in pp.plan.rewrites if list(r[2:]) == ["vocab"]]
         assert vocab, pp.plan.rewrites

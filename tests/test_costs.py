@@ -168,7 +168,7 @@ def test_measure_once_measures_a_graph_once(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_unknown_cost_model_is_refused() -> None:
     model, args = tiny()
-    with pytest.raises(ValueError, match="'measured' or 'flops'"):
+    with pytest.raises(ValueError, match="one of 'measured', 'flops', 'shaped', got 'guess'"):
         partition.plan(model, args, 2, cost="guess")
 
 
@@ -236,3 +236,11 @@ def test_preserve_state_restores_buffers_grads_and_rng() -> None:
         torch.rand(7)
     assert torch.equal(bn.running_mean, torch.zeros(3)) and bn.weight.grad is None
     assert torch.equal(torch.rand(2), expected)
+
+
+def test_the_launchers_that_do_not_load_torch_offer_every_cost() -> None:
+    import bench.__main__ as bench_main
+    import bench.calibrate as calibrate
+    from partition.costs import COSTS
+    assert bench_main.COSTS == calibrate.COSTS == COSTS == ("measured", "flops", "shaped")
+    assert "shaped" in calibrate.parser().format_help()

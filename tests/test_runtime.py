@@ -88,10 +88,11 @@ def test_parity_on_one_rank_hands_stages_over_in_memory() -> None:
 
 
 def test_parity_with_a_split_lm_head() -> None:
-    """A head wider than a fair stage is cut into row slices held by several stages (partition.rewrite)."""
+    """A head wider than a fair stage is cut into row slices held by several stages (partition.rewrite);
+    planned with its products priced by their shapes, timed on the four ranks at once (cost="shaped")."""
     _check(run_ranks("tests.parity:parity_body", 4, timeout=240, spec="gpt_wide_vocab",
                      model_args={"n_layer": 2, "d_model": 64, "vocab": 4000, "seq_len": 32},
-                     schedules=[("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)], M=4))
+                     schedules=[("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)], M=4, cost="shaped"))
 
 
 @pytest.mark.parametrize("world", [2, 4])
