@@ -139,6 +139,33 @@ def test_bench_vs_torch(tmp_path: Path) -> None:
     assert f"torch's fastest ({fastest})" in out
 
 
+def test_bench_vs_torch_refuses_a_batch_the_ranks_cannot_share_on_every_rank(tmp_path: Path) -> None:
+    """3 microbatches of 1 sample on 2 ranks: the ideal at once gives each rank half the batch, so the run is
+    refused before anything is built, with the fix, and the launch ends (no rank left waiting)."""
+    done = run_command([sys.executable, "-m", "bench", "vs-torch", "gpt", *TINY, "--model-arg", "microbatch_size=1",
+                        "--microbatches", "3", "--rounds", "1", "--out", str(tmp_path)], timeout=90, check=False)
+    assert done.returncode != 0
+    assert done.output.count("is 3 samples, which 2 ranks cannot share evenly") == 2, done.output[-3000:]
+    assert "pass --microbatches a multiple of 2" in done.output
+
+
+def test_the_pace_says_when_it_was_not_measured_and_leaves_the_caller_s_generator_alone() -> None:
+    from bench.pace import Pace
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    pace = Pace()
+    assert torch.equal(torch.rand(3), expected)  # building the probe seeded nothing of the caller's
+    assert pace.ms is None and pace.describe() == "pace: not measured"
+    first = pace.measure()
+    assert first > 0 and pace.times == [first] and pace.ms == pytest.approx(first * 1e3)
+    assert pace.describe().startswith(f"pace: {first * 1e3:.1f} ms a round") and "calibration" not in pace.describe()
+
+    class Cal:
+        pace_ms = pace.ms * 2
+    assert "its predictions x 0.500" in pace.describe(Cal())
+
+
 def test_bench_partition(tmp_path: Path) -> None:
     out = run_command([sys.executable, "-m", "bench", "partition", "gpt", *TINY, "--stages", "2",
                        "--cost", "flops", "--out", str(tmp_path)], timeout=180).output
