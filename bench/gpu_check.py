@@ -9,7 +9,8 @@ model, and the CUDA-event timeline (device time) against the host's wall time of
 (3) per memory configuration, the ledger's peak against torch.cuda.max_memory_allocated;
 (4) step times of plain, auto at half the plain peak, selective and full recompute; (5) a
 checkpoint saved on the device resumed bitwise (dropout: the device's random state); (6) the
-widest gpt that trains within a per-stage budget, plain against auto + offload of everything.
+widest gpt that trains within a per-stage budget, plain against auto + offload of everything; (7) the
+model's costs by FLOP count, by shape (cost="shaped") and timed op by op on the device.
 Uses min(2, GPUs) ranks (one process per GPU); with one GPU the single stage runs GPipe so that
 several microbatches are in flight. Writes out/gpu_check/gpu_check.json.
 """
@@ -208,6 +209,35 @@ def checkpoint_check(base: dict[str, Any], M: int, say: Callable[..., None]) -> 
     return row
 
 
+def shaped_check(base: dict[str, Any], say: Callable[..., None]) -> dict[str, Any]:
+    """The timed model's costs on the device three ways (partition.costs): by FLOP count, with products priced by
+    their measured shapes (cost="shaped"), and timed op by op; the linear layers' device ms per priced ms tells
+    how far a FLOP count is from the device's speed and what pricing the shapes takes of that."""
+    import partition
+    from partition.costs import node_costs
+    from partition.trace import flatten_inputs, trace
+    dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    w = partition.load("gpt", **base)
+    model = w.model.to(dev)
+    args = tuple(a.to(dev) if isinstance(a, torch.Tensor) else a for a in w.example_args)
+    gm = trace(model, args, w.example_kwargs)
+    flat = flatten_inputs(gm, args, w.example_kwargs or {})
+    linear = {n.name for n in gm.graph.nodes
+              if n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), torch.nn.Linear)}
+    out: dict[str, Any] = {}
+    for cost in ("flops", "shaped", "measured"):
+        c = node_costs(gm, flat, cost=cost)
+        out[cost] = {"fwd_ms": sum(x.fwd_ms for x in c.values()), "bwd_ms": sum(x.bwd_ms for x in c.values()),
+                     "linear_ms": sum(c[n].fwd_ms + c[n].bwd_ms for n in linear)}
+    out["linear_measured_per_priced"] = {k: out["measured"]["linear_ms"] / max(out[k]["linear_ms"], 1e-12)
+                                         for k in ("flops", "shaped")}
+    say(f"    costs of the model on {dev} (fwd + bwd ms): " + ", ".join(
+        f"{k} {v['fwd_ms']:.2f} + {v['bwd_ms']:.2f}" for k, v in out.items() if isinstance(v, dict) and "fwd_ms" in v)
+        + "; linear layers measured per priced ms: " + ", ".join(
+        f"by {k} {v:.3f}" for k, v in out["linear_measured_per_priced"].items()))
+    return out
+
+
 def worker(dry: bool) -> int:
     import pipe
     ctx = pipe.init()
@@ -230,6 +260,7 @@ def worker(dry: bool) -> int:
         ("scan_memory", lambda: largest(cfg["budget"], {"recompute": "auto", "offload": "all"}, 4, say,
                                         base=cfg["scan"], widths=cfg["widths"], schedule=schedule,
                                         seconds=cfg["scan_s"])),
+        ("shaped", lambda: shaped_check(cfg["timed"], say) if ctx.rank == 0 else {}),
     ]
     for name, fn in steps:
         say(f"[{time.perf_counter() - t_all:6.1f} s] {name}")

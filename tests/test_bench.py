@@ -183,12 +183,14 @@ def test_bench_partition(tmp_path: Path) -> None:
 def test_gpu_check_dry_run_on_cpu() -> None:
     """The one-script GPU check, exercised on CPU with small sizes so it cannot rot between GPU sessions."""
     out = run_command([sys.executable, "bench/gpu_check.py", "--dry-run"], timeout=240).output
-    for part in ("schedules", "checkpoint", "ledger", "time", "scan_plain", "scan_memory"):
+    for part in ("schedules", "checkpoint", "ledger", "time", "scan_plain", "scan_memory", "shaped"):
         assert f"] {part}" in out, out[-3000:]
     assert "largest within" in out and "done in" in out and "Traceback" not in out
     data = json.loads(Path(__file__).resolve().parent.parent.joinpath("out/gpu_check/gpu_check.json").read_text())
     assert data["device"] == "cpu" and data["time"]["ratio"]["none"] == 1.0
     assert [r["schedule"] for r in data["schedules"]] == ["interleaved-1f1b", "zbv"]
+    assert all(data["shaped"][k]["linear_ms"] > 0 for k in ("flops", "shaped", "measured")), data["shaped"]
+    assert "linear layers measured per priced ms: by flops" in out
     assert data["checkpoint"] == {"bitwise_loss": True, "state_equal": True, "device": "cpu"}, data["checkpoint"]
     for r in data["schedules"]:  # parity, and a timeline no longer than the step that contains it
         assert r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4, r
