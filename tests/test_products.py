@@ -34,7 +34,11 @@ def test_a_product_s_flops_are_what_torch_s_counter_counts(op: Any, args: tuple[
 def test_a_shape_is_timed_once_and_a_layout_is_a_shape_of_its_own() -> None:
     a, b = torch.randn(64, 32), torch.randn(32, 48)
     before = ratios_measured()
+    torch.manual_seed(3)
+    expected = torch.rand(2)
+    torch.manual_seed(3)
     r = product_ratio(aten.mm.default, (a, b), {})
+    assert torch.equal(torch.rand(2), expected)  # its random factors come from a generator of its own
     assert ratios_measured() == before + 1
     assert product_ratio(aten.mm.default, (torch.randn(64, 32), torch.randn(32, 48)), {}) == r  # remembered
     assert ratios_measured() == before + 1
