@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     on = args.pace if args.pace is not None else bool(args.calibration or args.calibrate)
     pace = Pace(ctx.device) if on else None
     total = args.warmup + args.steps
+    agreeing: list[float] = []  # seconds per call the ranks take to agree on it, a median each round
     for step in range(total):
         if pace is not None:
             pace.measure()
@@ -152,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                 c["times"].append(dt)
                 if tl is not None:  # rank 0's
                     c["timelines"].append(tl)
+        if cands and step >= args.warmup:
+            agreeing.append(agreement_s(cands[0]["pp"], cands[0]["w"], cands[0]["mb"] * cands[0]["M"], step))
         say(f"round {step + 1}/{total} {'(warm-up)' if step < args.warmup else ''}", flush=True)
     if pace is not None:
         del pace.times[:args.warmup]
@@ -233,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
                   "model": args.model, "model_args": overrides, "ranks": world, "data_parallel": args.data_parallel,
                   "launcher": ctx.launcher,
                   "threads_per_rank": args.threads, "versions": _versions(), "results": rows,
-                  "pace_ms": None if pace is None else pace.ms, "pace_samples_s": [] if pace is None else pace.times}
+                  "pace_ms": None if pace is None else pace.ms, "pace_samples_s": [] if pace is None else pace.times,
+                  "agree_ms": statistics.median(agreeing) * 1e3 if agreeing else None}
         if calibration is not None:
             result["calibration"] = calibration.to_dict()
         if args.calibrate:
@@ -253,10 +257,28 @@ def main(argv: list[str] | None = None) -> int:
         (out / "schedules.md").write_text(table + "\n")
         if pace is not None:
             print(pace.describe(calibration))
+        if agreeing:
+            fastest = min(r["median_step_s"] for r in rows)
+            print(f"the ranks' agreement on each call (pipe.calls, part of every step): {result['agree_ms']:.2f} ms, "
+                  f"{result['agree_ms'] / 1e3 / fastest:.2%} of the fastest step")
         print(table)
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def agreement_s(pp: Any, w: Any, batch_size: int, step: int, repeats: int = 9) -> float:
+    """What each step spends for its ranks to agree on its call (pipe.calls: the call's digest, then one
+    all-gather over the pipeline's group), on batch `step` of `w`: the median of `repeats`, the slowest rank's."""
+    from pipe.calls import agree, call_of
+    from pipe.runtime import PipelineError
+    args, kwargs, target = w.batch(batch_size, step * pp.dp + pp.dp_rank)
+    ranks = list(range(dist.get_world_size())) if pp.pp_group is None else dist.get_process_group_ranks(pp.pp_group)
+
+    def once() -> None:
+        agree(call_of(args, kwargs, target), None, group=pp.pp_group, ranks=ranks, device=pp.ctx.device, what="step",
+              error=PipelineError)
+    return statistics.median(slowest_rank_s(once, pp.ctx.device) for _ in range(repeats))
 
 
 def slowest_rank_s(work: Callable[[], Any], device: torch.device | str) -> float:

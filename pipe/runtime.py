@@ -25,6 +25,7 @@ from partition.trace import flatten_inputs, trace, unflatten_outputs
 import memory
 from memory import MemoryManager
 from pipe import comm, launch
+from pipe.calls import agree, call_of
 from pipe.exchange import Exchange
 from pipe.lower import forward_only, fuse_backward, lower, validate, with_grad_reduction, with_reloads
 from pipe.replicas import DP_SHARD, DataParallelError, GradReducer, ShardedStages, group_of, pipeline_groups
@@ -940,9 +941,31 @@ class Pipeline:
         return full
 
     # ----- one step -----
-    def _check_call(self, mb: tuple[Any, dict[str, Any]], target: Any, training: bool = True) -> None:
-        """Refuse, on every rank alike and before any message, a call the plan was not made for."""
-        check_call(self.plan, mb[0], mb[1], dynamic=self.dynamic, error=PipelineError)
+    def _agreed_call(self, batch: tuple[tuple[Any, ...], dict[str, Any]], target: Any, what: str,
+                     training: bool = True) -> tuple[list[Any], list[Any]]:
+        """The call's microbatches and targets, once every rank of the pipeline has agreed on it
+        (pipe.calls): a call the plan was not made for is refused, and ranks given different batches
+        stop, on every rank before any message."""
+        refused: PipelineError | None = None
+        mbs: list[Any] = []
+        targets: list[Any] = [None] * self.M
+        try:
+            mbs = split_microbatches(batch, self.M)
+            self._check_call(batch, target, training)
+            if target is not None:
+                targets = split_microbatches(target, self.M, "target")
+        except PipelineError as e:
+            refused = e
+        if self.world > 1:
+            agree(call_of(batch[0], batch[1], target), refused, group=self.pp_group, ranks=self._global,
+                  device=self.ctx.device, what=what, error=PipelineError)
+        if refused is not None:
+            raise refused
+        return mbs, targets
+
+    def _check_call(self, batch: tuple[tuple[Any, ...], dict[str, Any]], target: Any, training: bool = True) -> None:
+        """Refuse a call the plan was not made for (`batch`: the whole batch, split in self.M)."""
+        check_call(self.plan, batch[0], batch[1], microbatches=self.M, dynamic=self.dynamic, error=PipelineError)
         if not training:
             return
         if target is None and (self.plan.loss or self._wants_target):
@@ -996,14 +1019,13 @@ class Pipeline:
 
         Gradients accumulate into this rank's parameters (scaled by 1/M); tied parameters'
         gradients are summed over the ranks that hold them. A call whose inputs the plan was not
-        made for is refused on every rank before anything runs. An error raised while the step
+        made for is refused on every rank before anything runs, as are ranks given different batches
+        (pipe.calls: the pipeline's ranks compare a digest of their calls). An error raised while the step
         runs (in the model, the loss, a stage) is re-raised on its rank as itself, with the rank,
         stage and microbatch noted, and every other rank raises RemoteError naming it; a rank
         that dies or stops answering ends the others with PeerLost.
         """
-        mbs = split_microbatches((batch_args, batch_kwargs), self.M)
-        self._check_call(mbs[0], target)
-        targets = split_microbatches(target, self.M, "target") if target is not None else [None] * self.M
+        mbs, targets = self._agreed_call((batch_args, batch_kwargs), target, "step")
         flats = self._flats(mbs, targets)
         dev = self.ctx.device
         exchange = Exchange(self.transport, self.plan, self.place, self.rank, dev, self.dynamic)
@@ -1112,8 +1134,7 @@ class Pipeline:
         if getattr(self.memory, "store", None) is not None:
             raise PipelineError("forward() does not stream offloaded model state; build an inference "
                                 "Pipeline with offload='none' or 'activations'")
-        mbs = split_microbatches((batch_args, batch_kwargs), self.M)
-        self._check_call(mbs[0], None, training=False)
+        mbs, _ = self._agreed_call((batch_args, batch_kwargs), None, "forward", training=False)
         if self.plan.loss and not self._inference:  # stages without the loss, returning the model's outputs
             error = None
             try:

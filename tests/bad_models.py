@@ -144,3 +144,32 @@ def forgotten_target() -> Workload:
     w = _gpt()
     w.make_batch = _NoTarget(w.make_batch)
     return w
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+class _PerRank:
+    """At step 1 on, each rank's batch as a data loader sharded over the world would give it: batch
+    `step * world + rank` (DistributedSampler's default), where a pipeline wants one for all its ranks."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __call__(self, batch_size: int, step: int) -> tuple[tuple[Any, ...], torch.Tensor]:
+        return self.inner(batch_size, step if step == 0 else 2 * step + _rank())
+
+
+def batch_per_rank() -> Workload:
+    """Each rank of the pipeline given its own batch (same shapes, other samples) from step 1."""
+    w = _gpt()
+    w.make_batch = _PerRank(w.make_batch)
+    return w
+
+
+def shape_on_one_rank() -> Workload:
+    """Rank 1 alone given batches twice as long as planned, from step 1."""
+    return _with_batches(lambda a, k, t: ((torch.cat([a[0], a[0]], 1),), k, torch.cat([t, t], 1)) if _rank() == 1
+                         else (a, k, t))

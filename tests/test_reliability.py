@@ -52,6 +52,11 @@ CASES = {
     # a wrong dtype and a missing input take this path too; tests/test_exact.py checks their messages
     "extra input": ([f"{BAD}:extra_input"], ["not planned for: kwargs['attention_mask']", "dropped", "re-plan"]),
     "non-scalar loss": ([f"{BAD}:non_scalar_loss"], ["must return a scalar", "shape [64]", ".mean()"]),
+    # the ranks of one pipeline given different calls: every rank stops before any message (pipe.calls)
+    "a batch per rank": ([f"{BAD}:batch_per_rank"], ["different batches", "rank 0: args[0]", "rank 1: args[0]",
+                                                      "target", "DistributedSampler", "pp.dp_rank"]),
+    "wrong input shape on one rank": ([f"{BAD}:shape_on_one_rank"],
+                                      ["has shape [32, 32]", "[4, 16] per microbatch, so [32, 16] for 8 microbatches"]),
 }
 # errors raised while a step runs, on one rank: that rank names its own error (with its stage and
 # microbatch), every other rank names that rank and the error; nobody reports a lost peer
@@ -143,6 +148,17 @@ def test_bad_input_fails_on_every_rank(case: str, batch: list[dict[str, Any]]) -
         for word in CASES[case][1]:
             assert word in err[-1], f"rank {r}: {word!r} not in {err[-1]!r}"
         assert "Traceback" not in ex["output"], ex["output"][-3000:]
+
+
+def test_a_rank_refusing_its_call_is_named_by_the_others(batch: list[dict[str, Any]]) -> None:
+    """Rank 1 refuses a step the plan was not made for; rank 0, whose call was fine, names rank 1 and its
+    error within seconds instead of waiting on it (both ranks: test_bad_input_fails_on_every_rank)."""
+    err = [line for line in batch[0]["wrong input shape on one rank"]["output"].splitlines()
+           if line.startswith("error (rank")][-1]
+    assert "rank 1 refused this step call" in err and "rank 1's error: PipelineError: input args[0]" in err, err
+    own = [line for line in batch[1]["wrong input shape on one rank"]["output"].splitlines()
+           if line.startswith("error (rank")][-1]
+    assert "refused" not in own, own
 
 
 @pytest.mark.parametrize("case", list(RELAYED))

@@ -1,0 +1,57 @@
+"""pipe.calls: the digest by which the ranks of a pipeline agree on a call (pure; the ranks' agreement
+itself runs in tests/test_reliability.py's launch)."""
+import torch
+
+from pipe.calls import SAMPLE, call_of
+
+
+def _tokens(seed: int, shape: tuple[int, ...] = (8, 16)) -> torch.Tensor:
+    return torch.randint(0, 1000, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_the_same_call_has_the_same_digest_and_another_batch_another() -> None:
+    x, y = _tokens(0), _tokens(1)
+    same = call_of((x.clone(),), {"scale": 0.5}, y.clone())
+    assert call_of((x,), {"scale": 0.5}, y).digest == same.digest
+    assert call_of((x,), {"scale": 0.5}, y).parts == same.parts
+    others = [call_of((_tokens(2),), {"scale": 0.5}, y),            # other samples, same shape
+              call_of((x,), {"scale": 0.5}, _tokens(2)),            # another target
+              call_of((x[:, :8],), {"scale": 0.5}, y),              # another shape
+              call_of((x.int(),), {"scale": 0.5}, y),               # another dtype
+              call_of((x,), {"scale": 0.25}, y),                    # another constant
+              call_of((x,), {"scale": 0.5}, None),                  # no target
+              call_of((x,), {}, y)]                                 # an input missing
+    digests = [c.digest for c in others]
+    assert same.digest not in digests and len(set(digests)) == len(digests)
+    assert all(0 <= d < 2 ** 62 for d in digests)  # fits an int64 with room
+
+
+def test_a_large_tensor_is_sampled_and_a_strided_one_read_as_its_contiguous_copy() -> None:
+    big = torch.randn(64, 3, 32, 32)
+    assert big.numel() > 16 * SAMPLE
+    changed = big.clone()
+    changed.view(-1)[0] += 1  # the first element is always sampled
+    assert call_of((big,), {}).digest != call_of((changed,), {}).digest
+    grid = torch.arange(6000).reshape(60, 100)
+    for view in (grid[:, ::2], grid.t(), grid[5:, 3:]):
+        assert not view.is_contiguous()
+        assert call_of((view,), {}).digest == call_of((view.contiguous(),), {}).digest
+        assert call_of((view,), {}).digest != call_of((view.contiguous() + 1,), {}).digest
+
+
+def test_the_parts_name_each_input_and_the_target_by_path() -> None:
+    c = call_of((torch.zeros(2, 3, dtype=torch.long),), {"mask": torch.ones(2, 3, dtype=torch.bool), "n": 3},
+                {"labels": torch.zeros(2)})
+    assert [p.split(":")[0] for p in c.parts] == ["args[0]", "kwargs['mask']", "kwargs['n']", "target['labels']"]
+    assert c.parts[0].startswith("args[0]: a tensor [2, 3] int64, sampled bytes ")
+    assert c.parts[2] == "kwargs['n']: int 3"
+
+
+class _Opaque:
+    pass
+
+
+def test_an_object_is_compared_by_its_type_not_its_address() -> None:
+    # its repr holds its address, which differs from process to process for the same call
+    a, b = call_of((torch.zeros(2), _Opaque()), {}), call_of((torch.zeros(2), _Opaque()), {})
+    assert a.digest == b.digest and a.parts[1] == "args[1]: a tests.test_calls._Opaque"
