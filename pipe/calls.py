@@ -42,7 +42,7 @@ class Call:
 
 def _sampled(x: torch.Tensor) -> bytes:
     """The bytes of up to SAMPLE of `x`'s elements, evenly spaced ("" for a tensor without plain
-    strided storage: a sparse or nested one, whose shape and dtype alone enter the digest)."""
+    strided storage or values: a sparse, nested or meta one, whose shape and dtype alone enter the digest)."""
     try:
         x, n = x.detach(), x.numel()
         every = -(-n // SAMPLE) if n else 1
@@ -52,7 +52,7 @@ def _sampled(x: torch.Tensor) -> bytes:
             part = x[torch.unravel_index(torch.arange(0, n, every, device=x.device), x.shape)]
         part = part.contiguous().cpu()
         return part.view(torch.uint8).numpy().tobytes() if part.numel() else b""
-    except (RuntimeError, TypeError):
+    except (RuntimeError, TypeError, NotImplementedError):  # NotImplementedError: a meta tensor's
         return b""
 
 
