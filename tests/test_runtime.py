@@ -193,7 +193,8 @@ def test_bad_input_errors_on_every_rank() -> None:
     assert "loss_fn" in no_loss
     assert "3 stages" in world and "world size 2" in world
     assert "not divisible into 4 microbatches" in divisible
-    assert "shape" in shape and "[4, 16]" in shape and "[4, 32]" in shape
+    # the whole batch's figures: 4 microbatches of 4 sequences of 16 tokens, planned for 32
+    assert "has shape [16, 16]" in shape and "[4, 32] per microbatch, so [16, 32] for 4 microbatches" in shape
     assert "got no target" in no_target and "target=y" in no_target
     assert "trace_loss=False keeps the loss outside" in inference and "leave trace_loss out" in inference
 
