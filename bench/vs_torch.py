@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from partition.costs import COSTS
 
-__all__ = ["main", "layer_bounds"]
+__all__ = ["main", "layer_bounds", "stage_actions"]
 
 DEFAULTS = {"n_layer": 8, "d_model": 256, "n_head": 8, "seq_len": 128, "vocab": 1000, "microbatch_size": 4,
             "tie": False}
@@ -53,6 +53,13 @@ TORCH_SCHEDULES = {"gpipe": ("ScheduleGPipe", 1, "loop"), "1f1b": ("Schedule1F1B
                    "looped-bfs": ("ScheduleLoopedBFS", 2, "loop"),
                    "interleaved-zb": ("ScheduleInterleavedZeroBubble", 2, "loop"),
                    "zbv": ("ScheduleZBVZeroBubble", 2, "v"), "dualpipev": ("ScheduleDualPipeV", 2, "v")}
+
+
+def stage_actions(times: dict[str, list[float]]) -> dict[int, tuple[float, float]]:
+    """Each stage's median F and B (ms) from action times by name ("F0", "B1", ...), of a 1F1B pipeline."""
+    stages = sorted({int(k[1:]) for k in times if k[:1] in "FB" and k[1:].isdigit()})
+    return {s: (statistics.median(times[f"F{s}"]), statistics.median(times[f"B{s}"])) for s in stages
+            if f"F{s}" in times and f"B{s}" in times}
 
 
 def torch_stages(rank: int, world: int, v: int, placement: str) -> tuple[int, ...]:
@@ -169,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     samples["one-process-optimizer"] = []  # and its optimizer's step
     samples["every-rank-at-once"] = []  # every rank its own copy on 1/world of the batch, all at once
     losses: dict[str, list[float]] = {k: [] for k in candidates}
+    actions: dict[str, dict[str, list[float]]] = {"fxpipe-even": {}, "fxpipe-auto": {}}  # rank 0's: ms by action
     single = fresh() if rank == 0 else None
     single_opt = torch.optim.AdamW(single.model.parameters(), lr=1e-4) if single is not None else None
     share = fresh()  # what the ranks' processes cost computing together: they share the machine's caches
@@ -186,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
             dt = slowest_rank_s(step, "cpu")
             if r:
                 samples[name].append(dt)
+                if name in ("fxpipe-even", "fxpipe-auto"):  # their stages' actions, to compare the two cuts
+                    tl = pipes[name].gather_timeline()
+                    for e in tl.events if tl is not None else []:
+                        actions[name].setdefault(f"{e.action.kind}{e.action.stage}", []).append(e.end - e.start)
             losses[name].append(float(got[0]))
         dist.barrier()
         if single is not None and single_opt is not None:
@@ -250,6 +262,11 @@ def main(argv: list[str] | None = None) -> int:
         print("  fxpipe auto boundaries: nodes per stage", [len(s.nodes) for s in auto_plan.stages],
               "even:", [len(s.nodes) for s in even.stages])
         print("  fxpipe auto " + next(x for x in auto_plan.table().splitlines() if x.startswith("loss: ")))
+        per_stage = {k: stage_actions(v) for k, v in actions.items()}
+        for k, label in (("fxpipe-even", "the same boundaries"), ("fxpipe-auto", "its own boundaries")):
+            print(f"  fxpipe 1f1b, {label}: each stage's F/B, median ms a microbatch: "
+                  + ", ".join(f"stage {s} {f:.1f}/{b:.1f}" for s, (f, b) in sorted(per_stage[k].items()))
+                  + f"; the slower stage's F+B {max(f + b for f, b in per_stage[k].values()):.1f}")
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         for k, tl in timelines.items():
@@ -259,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         (out / "vs_torch.json").write_text(json.dumps({
             "command": " ".join(sys.argv), "model": args.model, "model_args": margs, "microbatches": M,
             "ranks": world, "samples_s": samples, "median_s": med, "ideal_s": ideal,
-            "ideal_at_once_s": together, "first_loss": first_loss,
+            "ideal_at_once_s": together, "first_loss": first_loss, "stage_f_b_ms": per_stage,
             "torch_fastest": best_torch, "auto_choice": (pipes["fxpipe-auto-schedule"].plan.schedule,
                                                           pipes["fxpipe-auto-schedule"].M,
                                                           pipes["fxpipe-auto-schedule"].v) if args.auto else None,

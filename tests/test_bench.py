@@ -138,6 +138,17 @@ def test_bench_vs_torch(tmp_path: Path) -> None:
     fastest = data["torch_fastest"]
     assert data["median_s"][f"torch-{fastest}"] == min(data["median_s"][f"torch-{n}"] for n in ("1f1b", "gpipe", "zbv"))
     assert f"torch's fastest ({fastest})" in out
+    # the two fxpipe 1F1B cuts' stages, F and B a microbatch, from rank 0's timelines of the timed rounds
+    for k, label in (("fxpipe-even", "the same boundaries"), ("fxpipe-auto", "its own boundaries")):
+        stages = data["stage_f_b_ms"][k]
+        assert set(stages) == {"0", "1"} and all(f > 0 and b > 0 for f, b in stages.values()), stages
+        assert f"fxpipe 1f1b, {label}: each stage's F/B, median ms a microbatch: stage 0 " in out
+
+
+def test_stage_actions_takes_each_stage_s_median_forward_and_backward() -> None:
+    from bench.vs_torch import stage_actions
+    got = stage_actions({"F0": [1.0, 3.0, 2.0], "B0": [4.0], "F1": [5.0], "B1": [6.0, 8.0], "W1": [9.0], "BW0": [7.0]})
+    assert got == {0: (2.0, 4.0), 1: (5.0, 7.0)}
 
 
 def test_bench_vs_torch_refuses_a_batch_the_ranks_cannot_share_on_every_rank(tmp_path: Path) -> None:
