@@ -192,7 +192,8 @@ def save(pp: "Pipeline", path: str | Path, optimizer: torch.optim.Optimizer | No
         tensors.update(model_tensors(pp))
         rng, rng_info = _rng_state(pp.rank, pp.ctx.device)
         tensors.update(rng)
-        info: dict[str, Any] = {"rng": rng_info, "pp_rank": pp.rank, "optimizer": None, "extra": None}
+        info: dict[str, Any] = {"rng": rng_info, "pp_rank": pp.rank, "optimizer": None, "extra": None,
+                                "folder": str(folder.absolute())}
         if optimizer is not None:
             info["optimizer"] = _optimizer_state(pp, optimizer, tensors)
             info["optimizer_class"] = type(optimizer).__name__
@@ -226,6 +227,7 @@ def save(pp: "Pipeline", path: str | Path, optimizer: torch.optim.Optimizer | No
     def commit() -> None:
         if me != 0:
             return
+        _all_seen(folder, everyone)
         manifest: dict[str, Any] = {
             "format": FORMAT, "step": pp.steps_done, "world_size": pp.world, "schedule": pp.schedule_name,
             "microbatches": pp.M, "stages_per_rank": pp.v, "plan": pp.plan.to_dict(),
@@ -242,6 +244,22 @@ def save(pp: "Pipeline", path: str | Path, optimizer: torch.optim.Optimizer | No
         _clean(path, folder, keep)
     everywhere(commit)
     return folder
+
+
+def _all_seen(folder: Path, everyone: list[Any]) -> None:
+    """Refuse to commit a version whose files rank 0 does not see in its folder, each at the size its
+    rank wrote: the ranks were given different folders, or they do not share the filesystem (node-local
+    disks). The manifest and LATEST are then not written, so the previous version stays the one loaded;
+    the files each rank wrote stay where it wrote them."""
+    unseen = [(r, name, i["folder"]) for r, (files, i) in enumerate(everyone) for name, meta in files.items()
+              if not (folder / name).is_file() or (folder / name).stat().st_size != meta["bytes"]]
+    if unseen:
+        r, name, where = unseen[0]
+        more = f" (and {len(unseen) - 1} more file{'s' if len(unseen) > 2 else ''})" if len(unseen) > 1 else ""
+        raise CheckpointError(
+            f"rank {r} wrote {name} to {where}, and rank 0 does not see it in {folder.absolute()}{more}: a checkpoint "
+            f"is one folder every rank writes into, so pass pp.save the same path on every rank, on a filesystem "
+            f"they all share; this version was not committed (the previous one stays the one loaded)")
 
 
 def _clean(path: Path, current: Path, keep: int) -> None:

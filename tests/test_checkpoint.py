@@ -54,6 +54,10 @@ def save_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
     first = _train(pp, opt, w, range(K))
     with pytest.raises(CheckpointError, match=r"extra\['bad'\] is a object"):  # refused on every rank
         pp.save(f"{root}/ckpt", optimizer=opt, extra={"bad": object()})
+    # a folder per rank (node-local disks look the same): refused on every rank, nothing committed
+    with pytest.raises(CheckpointError, match=r"rank 1 wrote __1_0.distcp to .*ckpt_rank1/step-.*rank 0 does not "
+                                              r"see it in .*ckpt_rank0/step-.*same path on every rank"):
+        pp.save(f"{root}/ckpt_rank{rank}", optimizer=opt)
     folder = pp.save(f"{root}/ckpt", optimizer=opt, extra={"epoch": 3, "seen": torch.arange(4), "lr": [0.01]})
     moments = _moments(pp, opt)
     drawn = (torch.rand(3), random.random())  # what the restored random state draws next
@@ -241,6 +245,11 @@ def test_resume_on_any_plan_and_refuse_damage_alike(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     assert (ckpt / "LATEST").read_text().strip() == Path(ref["folder"]).name
     assert sorted(p.name for p in ckpt.iterdir()) == ["LATEST", Path(ref["folder"]).name]
+    # the save into a folder per rank left no LATEST and no manifest: nothing a load would take
+    for r in (0, 1):
+        assert not (tmp_path / f"ckpt_rank{r}" / "LATEST").exists()
+        assert not list((tmp_path / f"ckpt_rank{r}").glob("*/fxpipe.json"))
+    assert list((tmp_path / "ckpt_rank1").glob("*/__1_0.distcp"))  # what rank 1 wrote stays where it wrote it
     # the tied embedding/head (held by both ranks) is written once, aliases point at it
     m = json.loads((Path(ref["folder"]) / "fxpipe.json").read_text())
     assert m["state_keys"]["lm_head.weight"] == m["state_keys"]["tok_emb.weight"] == "tok_emb.weight"
