@@ -1,4 +1,11 @@
-"""Every rank of a pipeline makes the same call: each call's batch agreed on before any message.
+"""Every rank of a pipeline makes the same calls: each pipeline built alike, each call's batch agreed on
+before any message.
+
+`pipe.Pipeline(...)` first compares its arguments, the example's shapes and the model's parameters and
+buffers (sampled) across the ranks (`build_of`): ranks given another schedule, microbatch count or
+budget would deadlock in the first collective that follows, and a model loaded with pretrained weights
+on rank 0 alone (as DDP users do, whose wrapper broadcasts rank 0's) would train the other stages from
+their random init.
 
 Each rank reads what its own stages need from the batch it was given: the first stage the inputs,
 the last the target, a stage reading an input directly (a mask used by every layer) that input. Ranks
@@ -26,7 +33,7 @@ import torch.utils._pytree as pytree
 from partition.signature import describe, input_paths
 from pipe import comm
 
-__all__ = ["SAMPLE", "Call", "call_of", "agree"]
+__all__ = ["SAMPLE", "BATCHES", "BUILDS", "Call", "call_of", "build_of", "agree"]
 
 SAMPLE = 1024  # elements of each tensor whose bytes enter the digest, evenly spaced
 _PLAIN = (bool, int, float, str, bytes, type(None))  # constants compared by value (others by type)
@@ -73,13 +80,25 @@ def call_of(args: Sequence[Any], kwargs: dict[str, Any], target: Any = None) -> 
     return Call(int.from_bytes(h.digest(), "big") >> 2, parts)
 
 
+BATCHES = ("were given different batches", "each rank reads what its own stages need from its own batch (the first "
+           "stage the inputs, the last the target), so they would train on a mixture of them. Give every rank of a "
+           "pipeline the same batch: a data loader sharded over the world's ranks (DistributedSampler's default) "
+           "gives each its own; shard over the data-parallel replicas instead (DistributedSampler(..., "
+           "num_replicas=pp.dp, rank=pp.dp_rank)), or not at all without data_parallel=")
+BUILDS = ("were built differently", "every rank builds the same pipeline: the same model with the same values "
+          "(seed torch alike before building it, and load pretrained weights on every rank or pass weights= a file "
+          "every rank reads) and the same arguments")
+_SHOWN = 4  # differing parts a message lists per rank
+
+
 def agree(call: Call, refused: Exception | None, *, group: Any, ranks: Sequence[int], device: torch.device,
-          what: str, error: type[Exception]) -> None:
+          what: str, error: type[Exception], differ: tuple[str, str] = BATCHES) -> None:
     """Compare this rank's call with the other ranks' of `group` (global ranks `ranks`, in the group's
     order); `refused`: this rank's own error about its call (re-raised here). Raises on every rank when
-    a rank refused its call (that rank's error, the others an `error` naming it) or the calls
-    differ (naming the ranks and the inputs that differ); returns when they agree. One all-gather of
-    two integers a rank; the descriptions are gathered only when something is wrong."""
+    a rank refused its call (that rank's error, the others an `error` naming it) or the calls differ
+    (an `error` naming the ranks and what differs, `differ`: how the ranks differ and the fix);
+    returns when they agree. One all-gather of two integers a rank; the descriptions are gathered only
+    when something is wrong."""
     mine_t = torch.tensor([int(refused is not None), call.digest], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine_t) for _ in ranks]
     with comm.guarded(f"the check that every rank makes the same {what} call"):
@@ -102,13 +121,60 @@ def agree(call: Call, refused: Exception | None, *, group: Any, ranks: Sequence[
                     f"alike, so this rank stops too; rank {r}'s error: {msg}")
     seen: dict[int, list[str]] = {r: parts for r, (_, parts) in zip(ranks, got)}
     common = set.intersection(*[set(parts) for parts in seen.values()])
-    # the inputs that differ between the ranks (all of them in the unlikely case that only the digests do)
-    differ = {p for parts in seen.values() for p in parts} - common or {p for parts in seen.values() for p in parts}
-    lines = "; ".join(f"rank {r}: " + ", ".join(p for p in parts if p in differ) for r, parts in seen.items())
-    raise error(
-        f"the ranks of this pipeline were given different batches for this {what} call ({lines}); each rank "
-        f"reads what its own stages need from its own batch (the first stage the inputs, the last the target), "
-        f"so they would train on a mixture of them. Give every rank of a pipeline the same batch: a data loader "
-        f"sharded over the world's ranks (DistributedSampler's default) gives each its own; shard over the "
-        f"data-parallel replicas instead (DistributedSampler(..., num_replicas=pp.dp, rank=pp.dp_rank)), or not at "
-        f"all without data_parallel=")
+    # what differs between the ranks (everything in the unlikely case that only the digests do)
+    differs = {p for parts in seen.values() for p in parts} - common or {p for parts in seen.values() for p in parts}
+    lines = []
+    for r, parts in seen.items():
+        mine_differ = [p for p in parts if p in differs]
+        more = f" and {len(mine_differ) - _SHOWN} more" if len(mine_differ) > _SHOWN else ""
+        lines.append(f"rank {r}: " + ", ".join(mine_differ[:_SHOWN]) + more)
+    raise error(f"the ranks of this pipeline {differ[0]} for this {what} call ({'; '.join(lines)}); {differ[1]}")
+
+
+def _setting(v: Any) -> str:
+    """A constructor argument as the ranks compare it: plain values (and lists, tuples, dicts of them)
+    by repr, a file by its path, a class or function by its qualified name, a plan by its stages, schedule
+    and graph (not its cost figures, which ranks measuring on their own may see differ), anything else by
+    its type."""
+    from pathlib import PurePath
+    from partition.plan import Plan
+    if isinstance(v, _PLAIN):
+        return repr(v)
+    if isinstance(v, PurePath):
+        return f"path {str(v)!r}"
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_setting(x) for x in v) + "]"
+    if isinstance(v, dict) and all(isinstance(k, str) for k in v) and len(v) <= 64:
+        return "{" + ", ".join(f"{k!r}: {_setting(x)}" for k, x in sorted(v.items())) + "}"
+    if isinstance(v, Plan):  # what the stages are built from; its cost figures may differ by rank harmlessly
+        import json
+        shape = [[st.nodes for st in v.stages], v.schedule, v.microbatches, v.stages_per_rank, v.fingerprint,
+                 v.rewrites, v.loss, v.leaf_modules]
+        return "a plan " + hashlib.blake2b(json.dumps(shape, sort_keys=True, default=str).encode(),
+                                           digest_size=6).hexdigest()
+    if isinstance(v, torch.Tensor):
+        return describe(v)
+    if isinstance(v, type) or callable(v) and hasattr(v, "__qualname__"):
+        return f"{getattr(v, '__module__', '?')}.{v.__qualname__}"
+    return f"a {type(v).__module__}.{type(v).__qualname__}"
+
+
+def build_of(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: dict[str, Any],
+             example_target: Any, settings: dict[str, Any]) -> Call:
+    """The digest and description of a `pipe.Pipeline(model, example_args, ...)` call on one rank: its
+    arguments (`settings`, by name), the example's inputs and target by shape and dtype (their values
+    only shape the trace), the model's class, and every parameter and buffer by name, shape, dtype and
+    up to SAMPLE of its values (a model on the meta device: none)."""
+    h = hashlib.blake2b(digest_size=8)
+    parts = [f"{k}={_setting(v)}" for k, v in settings.items()]
+    aimed = [("example_target" + pytree.keystr(k), x) for k, x in pytree.tree_flatten_with_path(example_target)[0]]
+    for path, x in [(f"example {p}", x) for p, x in input_paths(example_args, example_kwargs)] + aimed:
+        parts.append(f"{path}: {describe(x) if isinstance(x, (torch.Tensor, *_PLAIN)) else _setting(x)}")
+    parts.append(f"model {type(model).__module__}.{type(model).__qualname__}")
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in named:
+            parts.append(f"{kind} {name}: {describe(t)}, sampled bytes "
+                         f"{hashlib.blake2b(_sampled(t), digest_size=6).hexdigest()}")
+    for part in parts:
+        h.update(part.encode())
+    return Call(int.from_bytes(h.digest(), "big") >> 2, parts)

@@ -25,7 +25,7 @@ from partition.trace import flatten_inputs, trace, unflatten_outputs
 import memory
 from memory import MemoryManager
 from pipe import comm, launch
-from pipe.calls import agree, call_of
+from pipe.calls import BUILDS, Call, agree, build_of, call_of
 from pipe.exchange import Exchange
 from pipe.lower import forward_only, fuse_backward, lower, validate, with_grad_reduction, with_reloads
 from pipe.replicas import DP_SHARD, DataParallelError, GradReducer, ShardedStages, group_of, pipeline_groups
@@ -184,6 +184,16 @@ class Pipeline:
                  weights: Any = None, compile: bool | dict[str, Any] = False, batch_size: int | None = None,
                  calibration: Any = None, auto_schedules: Sequence[str] | None = None,
                  trace_loss: bool = True) -> None:
+        # every rank builds the same pipeline: compared first, before anything that talks to the other ranks
+        # (ranks given other arguments would otherwise deadlock in it, or train something else)
+        self._agree_on_build(model, example_args, example_kwargs, example_target, {
+            "loss_fn": loss_fn, "microbatches": microbatches, "schedule": schedule, "plan": plan,
+            "stages_per_rank": stages_per_rank, "cost": cost, "memory_budget": memory_budget,
+            "dynamic_shapes": dynamic_shapes, "recompute": recompute, "offload": offload,
+            "skip_nonfinite": skip_nonfinite, "leaf_modules": tuple(leaf_modules), "optimizer": optimizer,
+            "data_parallel": data_parallel, "dp_shard": dp_shard, "dp_bucket_mb": dp_bucket_mb, "weights": weights,
+            "compile": compile, "batch_size": batch_size, "calibration": calibration,
+            "auto_schedules": auto_schedules, "trace_loss": trace_loss})
         if recompute is None:  # schedule='auto' within a budget weighs recompute for every candidate
             recompute = "auto" if schedule == "auto" and memory_budget is not None and not compile else "none"
         self.recompute = recompute  # the policy asked for (memory/ chooses each stage's: plan table, "memory")
@@ -941,6 +951,22 @@ class Pipeline:
         return full
 
     # ----- one step -----
+    @staticmethod
+    def _agree_on_build(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: dict[str, Any] | None,
+                        example_target: Any, settings: dict[str, Any]) -> None:
+        """Compare this rank's constructor call with every other rank's (pipe.calls.build_of: the arguments,
+        the example's shapes, the model's parameters and buffers sampled); different ones raise on every rank,
+        naming what differs."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        refused, call = None, None
+        try:
+            call = build_of(model, tuple(example_args), dict(example_kwargs or {}), example_target, settings)
+        except Exception as e:  # noqa: BLE001 - one rank's failure must reach the others, never leave them waiting
+            refused = PipelineError(f"describing this rank's pipeline failed: {type(e).__name__}: {e}")
+        agree(call or Call(0, []), refused, group=None, ranks=list(range(dist.get_world_size())),
+              device=launch.context().device, what="Pipeline(...)", error=PipelineError, differ=BUILDS)
+
     def _agreed_call(self, batch: tuple[tuple[Any, ...], dict[str, Any]], target: Any, what: str,
                      training: bool = True) -> tuple[list[Any], list[Any]]:
         """The call's microbatches and targets, once every rank of the pipeline has agreed on it

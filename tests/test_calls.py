@@ -55,3 +55,44 @@ def test_an_object_is_compared_by_its_type_not_its_address() -> None:
     # its repr holds its address, which differs from process to process for the same call
     a, b = call_of((torch.zeros(2), _Opaque()), {}), call_of((torch.zeros(2), _Opaque()), {})
     assert a.digest == b.digest and a.parts[1] == "args[1]: a tests.test_calls._Opaque"
+
+
+def test_a_build_is_compared_by_its_arguments_example_shapes_and_model_values() -> None:
+    from bench.models import GPT, GPTConfig
+    from pipe.calls import build_of
+
+    def model(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        return GPT(GPTConfig(n_layer=1, d_model=16, n_head=2, seq_len=8, vocab=32))
+
+    base = build_of(model(0), (_tokens(0, (2, 8)),), {}, None, {"schedule": "1f1b", "microbatches": 4})
+    # the example's values only shape the trace: another draw of the same shape is the same build
+    assert build_of(model(0), (_tokens(5, (2, 8)),), {}, None, {"schedule": "1f1b", "microbatches": 4}).digest \
+        == base.digest
+    others = {
+        "another seed": build_of(model(1), (_tokens(0, (2, 8)),), {}, None, {"schedule": "1f1b", "microbatches": 4}),
+        "another schedule": build_of(model(0), (_tokens(0, (2, 8)),), {}, None,
+                                     {"schedule": "gpipe", "microbatches": 4}),
+        "another example shape": build_of(model(0), (_tokens(0, (2, 4)),), {}, None,
+                                          {"schedule": "1f1b", "microbatches": 4}),
+    }
+    for name, c in others.items():
+        assert c.digest != base.digest, name
+    assert "schedule='1f1b'" in base.parts and "example args[0]: a tensor [2, 8] int64" in base.parts
+    assert any(p.startswith("parameter tok_emb.weight: a tensor [32, 16] float32, sampled bytes ") for p in base.parts)
+
+
+def test_a_plan_setting_is_compared_by_its_stages_not_its_cost_figures() -> None:
+    import dataclasses
+    import partition
+    from pipe.calls import _setting
+    w = partition.load("gpt", n_layer=2, d_model=16, n_head=2, seq_len=8, vocab=32)
+    p = partition.plan(w.model, w.example_args, 2, cost="flops")
+    timed = dataclasses.replace(p, bottleneck_ms=p.bottleneck_ms * 2, stages=[
+        dataclasses.replace(st, fwd_ms=st.fwd_ms * 3) for st in p.stages])
+    assert _setting(timed) == _setting(p)
+    moved = dataclasses.replace(p, stages=[dataclasses.replace(p.stages[0], nodes=p.stages[0].nodes[:-1]),
+                                           dataclasses.replace(p.stages[1], nodes=p.stages[0].nodes[-1:]
+                                                               + p.stages[1].nodes)])
+    assert _setting(moved) != _setting(p)
+    assert _setting(print) == "builtins.print" and _setting([1, "a"]) == "[1, 'a']"

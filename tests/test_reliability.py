@@ -161,6 +161,56 @@ def test_a_rank_refusing_its_call_is_named_by_the_others(batch: list[dict[str, A
     assert "refused" not in own, own
 
 
+def builds_body(rank: int, world: int) -> dict[str, str]:
+    """pipe.Pipeline built differently by the two ranks, case after case in one launch (each refused on
+    every rank without tearing the group down), then alike and trained: by case, what each rank raised."""
+    import partition
+    import pipe
+    pipe.init()
+    small = {"n_layer": 2, "d_model": 32, "n_head": 2, "seq_len": 16, "vocab": 64}
+    cases: dict[str, Any] = {"microbatches": {"microbatches": 4 if rank == 0 else 8},
+                             "schedule": {"schedule": "1f1b" if rank == 0 else "gpipe"},
+                             "budget": {"memory_budget": None if rank == 0 else "1GiB"},
+                             "pretrained on rank 0": {}, "example shape": {}, "alike": {}}
+    out = {}
+    for name, kw in cases.items():
+        w = partition.load("gpt", **small)
+        example = w.example_args
+        if name == "pretrained on rank 0" and rank == 0:  # DDP's habit: its wrapper broadcasts rank 0's weights
+            with torch.no_grad():
+                w.model.blocks[1].mlp.fc.weight.mul_(0.5)
+        if name == "example shape" and rank == 1:
+            example = (example[0][:, :8],)
+        start = time.monotonic()
+        try:
+            pp = pipe.Pipeline(w.model, example, loss_fn=w.loss_fn, cost="flops", **{"microbatches": 4, **kw})
+            args, target = w.make_batch(16, 0)
+            out[name] = f"trained: {pp.step(*args, target=target)}"
+        except pipe.PipelineError as e:
+            out[name] = str(e)
+        out[name + " s"] = f"{time.monotonic() - start:.1f}"
+    return out
+
+
+def test_ranks_building_different_pipelines_stop_on_every_rank_naming_the_difference() -> None:
+    results = run_ranks("tests.test_reliability:builds_body", 2, timeout=120)
+    assert results[0] == results[1]  # every rank raises the same error, naming both ranks' arguments
+    out = results[0]
+    assert "rank 0: microbatches=4; rank 1: microbatches=8" in out["microbatches"]
+    assert "rank 0: schedule='1f1b'; rank 1: schedule='gpipe'" in out["schedule"]
+    assert "rank 0: memory_budget=None; rank 1: memory_budget='1GiB'" in out["budget"]
+    values = out["pretrained on rank 0"]
+    assert "rank 0: parameter blocks.1.mlp.fc.weight: a tensor [128, 32] float32, sampled bytes " in values
+    assert "rank 1: parameter blocks.1.mlp.fc.weight" in values and "load pretrained weights on every rank" in values
+    assert "tok_emb" not in values  # only what differs
+    assert "rank 0: example args[0]: a tensor [4, 16] int64; rank 1: example args[0]: a tensor [4, 8] int64" \
+        in out["example shape"]
+    for name in ("microbatches", "schedule", "budget", "pretrained on rank 0", "example shape"):
+        assert out[name].startswith("the ranks of this pipeline were built differently"), out[name]
+        assert float(out[name + " s"]) < 10, out  # at once, not at the timeout
+    assert out["alike"].startswith("trained: ")  # the process group outlived the refusals
+
+
 @pytest.mark.parametrize("case", list(RELAYED))
 def test_an_error_in_a_step_is_its_ranks_own_and_named_on_every_rank(case: str, tmp_path: Path) -> None:
     argv, world, failing, words = RELAYED[case]
