@@ -129,6 +129,7 @@ def worker(argv: list[str]) -> int:
         tiny = GPTConfig(n_layer=1, d_model=64, n_head=1, seq_len=a.seq_len, vocab=a.vocab)
         ex, tg = _random_tokens(4, 0, vocab=a.vocab, seq_len=a.seq_len)
         for meta in (False, True):
+            torch.manual_seed(0)  # every rank the same values (pipe.Pipeline compares them)
             with torch.device("meta" if meta else "cpu"):
                 m = GPT(tiny)
             warm = pipe.Pipeline(m, ex, loss_fn=_lm_loss, microbatches=ctx.world_size, cost=a.cost,

@@ -34,6 +34,7 @@ def _pair(batch_size: int, step: int) -> tuple[tuple[Any, ...], torch.Tensor]:
 
 
 def untraceable() -> Workload:
+    torch.manual_seed(0)  # every rank builds the same values (pipe.Pipeline compares them), as the bundled factories
     x, y = _pair(2, 0)
     return Workload(name="untraceable", model=_Branchy(), example_args=x, loss_fn=_mse, make_batch=_pair,
                     microbatch_size=2)
@@ -41,6 +42,7 @@ def untraceable() -> Workload:
 
 def one_block() -> Workload:
     """A single linear layer: the graph cannot be cut into two stages."""
+    torch.manual_seed(0)
     x, _ = _pair(2, 0)
     return Workload(name="one_block", model=torch.nn.Linear(8, 8), example_args=x, loss_fn=_mse,
                     make_batch=_pair, microbatch_size=2)
