@@ -174,6 +174,7 @@ def save(pp: "Pipeline", path: str | Path, optimizer: torch.optim.Optimizer | No
     are removed). Returns the version folder.
     """
     path = Path(path)
+    _same_optimizer(pp, optimizer, "save")
     if optimizer is not None:  # ZeRO (dp_shard="optimizer"): each replica saves its shard's state
         optimizer = memory.local_optimizer(optimizer) or optimizer
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
@@ -246,6 +247,21 @@ def save(pp: "Pipeline", path: str | Path, optimizer: torch.optim.Optimizer | No
     return folder
 
 
+def _same_optimizer(pp: "Pipeline", optimizer: torch.optim.Optimizer | None, what: str) -> None:
+    """Refuse, on every rank, a save or load where the ranks passed optimizer= differently (some none,
+    though they hold parameters): the checkpoint would lack those ranks' optimizer state, found missing
+    only at the next load, or a load would restore it on some ranks alone."""
+    if not in_group():
+        return
+    mine = (None if optimizer is None else type(optimizer).__qualname__, next(iter(pp.parameters()), None) is not None)
+    got: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(got, mine)
+    if len({g for g, params in got if g is not None or params}) > 1:  # a rank without parameters may pass none
+        ranks = ", ".join(f"rank {r}: {g or 'none'}" for r, (g, _) in enumerate(got))
+        raise CheckpointError(f"pp.{what}() is one call every rank makes alike, but the ranks passed optimizer= "
+                              f"differently ({ranks}); pass each rank's optimizer on every rank, or none on any")
+
+
 def _all_seen(folder: Path, everyone: list[Any]) -> None:
     """Refuse to commit a version whose files rank 0 does not see in its folder, each at the size its
     rank wrote: the ranks were given different folders, or they do not share the filesystem (node-local
@@ -291,6 +307,7 @@ def load(pp: "Pipeline", path: str | Path, optimizer: torch.optim.Optimizer | No
     stages hold; the random-number state is restored per rank when the world size is the one
     saved (a bitwise resume under the same plan), else each rank takes rank (r mod saved world)'s.
     """
+    _same_optimizer(pp, optimizer, "load")
     folder: Path = resolve_everywhere(path)
     outer = optimizer
     if optimizer is not None:  # ZeRO (dp_shard="optimizer"): each replica loads its shard's state

@@ -54,6 +54,12 @@ def save_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
     first = _train(pp, opt, w, range(K))
     with pytest.raises(CheckpointError, match=r"extra\['bad'\] is a object"):  # refused on every rank
         pp.save(f"{root}/ckpt", optimizer=opt, extra={"bad": object()})
+    # the optimizer passed on one rank only: its state would be missing from the checkpoint (or restored on one
+    # rank); refused on every rank before anything is written or read
+    for call in (pp.save, pp.load):
+        with pytest.raises(CheckpointError, match=rf"pp.{call.__name__}\(\) is one call .* passed optimizer= "
+                                                  r"differently \(rank 0: AdamW, rank 1: none\)"):
+            call(f"{root}/ckpt", optimizer=opt if rank == 0 else None)
     # a folder per rank (node-local disks look the same): refused on every rank, nothing committed
     with pytest.raises(CheckpointError, match=r"rank 1 wrote __1_0.distcp to .*ckpt_rank1/step-.*rank 0 does not "
                                               r"see it in .*ckpt_rank0/step-.*same path on every rank"):
