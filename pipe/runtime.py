@@ -957,6 +957,7 @@ class Pipeline:
         """Compare this rank's constructor call with every other rank's (pipe.calls.build_of: the arguments,
         the example's shapes, the model's parameters and buffers sampled); different ones raise on every rank,
         naming what differs."""
+        device = launch.context().device  # starts torch.distributed from the launcher's environment if not yet
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return
         refused, call = None, None
@@ -965,7 +966,7 @@ class Pipeline:
         except Exception as e:  # noqa: BLE001 - one rank's failure must reach the others, never leave them waiting
             refused = PipelineError(f"describing this rank's pipeline failed: {type(e).__name__}: {e}")
         agree(call or Call(0, []), refused, group=None, ranks=list(range(dist.get_world_size())),
-              device=launch.context().device, what="Pipeline(...)", error=PipelineError, differ=BUILDS)
+              device=device, what="Pipeline(...)", error=PipelineError, differ=BUILDS)
 
     def _agreed_call(self, batch: tuple[tuple[Any, ...], dict[str, Any]], target: Any, what: str,
                      training: bool = True) -> tuple[list[Any], list[Any]]:
