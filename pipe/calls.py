@@ -159,22 +159,36 @@ def _setting(v: Any) -> str:
     return f"a {type(v).__module__}.{type(v).__qualname__}"
 
 
+def _state_dict(sd: dict[Any, Any]) -> str:
+    """A state dict given as weights=, by one digest of its names, shapes, dtypes and sampled values."""
+    h = hashlib.blake2b(digest_size=6)
+    for k in sorted(sd, key=str):
+        v = sd[k]
+        h.update(f"{k}: {describe(v) if isinstance(v, torch.Tensor) else _setting(v)}".encode())
+        if isinstance(v, torch.Tensor):
+            h.update(_sampled(v))
+    return f"a state dict of {len(sd)} entries, digest {h.hexdigest()}"
+
+
 def build_of(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: dict[str, Any],
              example_target: Any, settings: dict[str, Any]) -> Call:
     """The digest and description of a `pipe.Pipeline(model, example_args, ...)` call on one rank: its
-    arguments (`settings`, by name), the example's inputs and target by shape and dtype (their values
-    only shape the trace), the model's class, and every parameter and buffer by name, shape, dtype and
-    up to SAMPLE of its values (a model on the meta device: none)."""
+    arguments (`settings`, by name; a state dict given as weights= by its values sampled), the example's
+    inputs and target by shape and dtype (their values only shape the trace), the model's class, and
+    every parameter and buffer by name, shape, dtype and, unless weights= gives the values, up to SAMPLE
+    of its values (a model on the meta device: none)."""
     h = hashlib.blake2b(digest_size=8)
-    parts = [f"{k}={_setting(v)}" for k, v in settings.items()]
+    weights = settings.get("weights")
+    parts = [f"{k}={_setting(v) if not (k == 'weights' and isinstance(v, dict)) else _state_dict(v)}"
+             for k, v in settings.items()]
     aimed = [("example_target" + pytree.keystr(k), x) for k, x in pytree.tree_flatten_with_path(example_target)[0]]
     for path, x in [(f"example {p}", x) for p, x in input_paths(example_args, example_kwargs)] + aimed:
         parts.append(f"{path}: {describe(x) if isinstance(x, (torch.Tensor, *_PLAIN)) else _setting(x)}")
     parts.append(f"model {type(model).__module__}.{type(model).__qualname__}")
     for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
-        for name, t in named:
-            parts.append(f"{kind} {name}: {describe(t)}, sampled bytes "
-                         f"{hashlib.blake2b(_sampled(t), digest_size=6).hexdigest()}")
+        for name, t in named:  # with weights=, the values come from there: the model's own are not compared
+            parts.append(f"{kind} {name}: {describe(t)}" + ("" if weights is not None else ", sampled bytes "
+                         f"{hashlib.blake2b(_sampled(t), digest_size=6).hexdigest()}"))
     for part in parts:
         h.update(part.encode())
     return Call(int.from_bytes(h.digest(), "big") >> 2, parts)

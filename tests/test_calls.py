@@ -96,3 +96,18 @@ def test_a_plan_setting_is_compared_by_its_stages_not_its_cost_figures() -> None
                                                                + p.stages[1].nodes)])
     assert _setting(moved) != _setting(p)
     assert _setting(print) == "builtins.print" and _setting([1, "a"]) == "[1, 'a']"
+
+
+def test_with_weights_the_model_s_own_values_are_not_compared_but_the_weights_are() -> None:
+    from pipe.calls import build_of
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)  # two random inits
+    sd = {k: v.clone() for k, v in a.state_dict().items()}
+    given = build_of(a, (torch.zeros(2, 4),), {}, None, {"weights": sd})
+    assert build_of(b, (torch.zeros(2, 4),), {}, None, {"weights": {k: v.clone() for k, v in sd.items()}}).digest \
+        == given.digest  # the values come from weights=
+    other = {k: v + 1 for k, v in sd.items()}
+    assert build_of(b, (torch.zeros(2, 4),), {}, None, {"weights": other}).digest != given.digest
+    assert build_of(b, (torch.zeros(2, 4),), {}, None, {"weights": "model.safetensors"}).digest != given.digest
+    assert build_of(a, (torch.zeros(2, 4),), {}, None, {"weights": None}).digest \
+        != build_of(b, (torch.zeros(2, 4),), {}, None, {"weights": None}).digest
+    assert any(p.startswith("weights=a state dict of 2 entries, digest ") for p in given.parts)
