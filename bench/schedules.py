@@ -270,15 +270,9 @@ def main(argv: list[str] | None = None) -> int:
 def agreement_s(pp: Any, w: Any, batch_size: int, step: int, repeats: int = 9) -> float:
     """What each step spends for its ranks to agree on its call (pipe.calls: the call's digest, then one
     all-gather over the pipeline's group), on batch `step` of `w`: the median of `repeats`, the slowest rank's."""
-    from pipe.calls import agree, call_of
-    from pipe.runtime import PipelineError
     args, kwargs, target = w.batch(batch_size, step * pp.dp + pp.dp_rank)
-    ranks = list(range(dist.get_world_size())) if pp.pp_group is None else dist.get_process_group_ranks(pp.pp_group)
-
-    def once() -> None:
-        agree(call_of(args, kwargs, target), None, group=pp.pp_group, ranks=ranks, device=pp.ctx.device, what="step",
-              error=PipelineError)
-    return statistics.median(slowest_rank_s(once, pp.ctx.device) for _ in range(repeats))
+    return statistics.median(slowest_rank_s(lambda: pp._agree_on_call((args, kwargs), target, "step"), pp.ctx.device)
+                             for _ in range(repeats))
 
 
 def slowest_rank_s(work: Callable[[], Any], device: torch.device | str) -> float:

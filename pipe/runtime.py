@@ -983,12 +983,18 @@ class Pipeline:
                 targets = split_microbatches(target, self.M, "target")
         except PipelineError as e:
             refused = e
-        if self.world > 1:
-            agree(call_of(batch[0], batch[1], target), refused, group=self.pp_group, ranks=self._global,
-                  device=self.ctx.device, what=what, error=PipelineError)
+        self._agree_on_call(batch, target, what, refused)
         if refused is not None:
             raise refused
         return mbs, targets
+
+    def _agree_on_call(self, batch: tuple[tuple[Any, ...], dict[str, Any]], target: Any, what: str,
+                       refused: PipelineError | None = None) -> None:
+        """Compare this rank's call with the pipeline's other ranks' (pipe.calls.agree); `refused`: this
+        rank's own error about it. What each step adds to agree (bench schedules times it)."""
+        if self.world > 1:
+            agree(call_of(batch[0], batch[1], target), refused, group=self.pp_group, ranks=self._global,
+                  device=self.ctx.device, what=what, error=PipelineError)
 
     def _check_call(self, batch: tuple[tuple[Any, ...], dict[str, Any]], target: Any, training: bool = True) -> None:
         """Refuse a call the plan was not made for (`batch`: the whole batch, split in self.M)."""
