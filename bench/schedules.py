@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     pace = Pace(ctx.device) if on else None
     total = args.warmup + args.steps
     agreeing: list[float] = []  # seconds per call the ranks take to agree on it, a median each round
+    clipping: list[float] = []  # seconds of the whole model's clip_grad_norm_, one each round
     for step in range(total):
         if pace is not None:
             pace.measure()
@@ -155,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                     c["timelines"].append(tl)
         if cands and step >= args.warmup:
             agreeing.append(agreement_s(cands[0]["pp"], cands[0]["w"], cands[0]["mb"] * cands[0]["M"], step))
+            clipping.append(clipping_s(cands[0]["pp"], cands[0]["w"], cands[0]["mb"] * cands[0]["M"], step))
         say(f"round {step + 1}/{total} {'(warm-up)' if step < args.warmup else ''}", flush=True)
     if pace is not None:
         del pace.times[:args.warmup]
@@ -237,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
                   "launcher": ctx.launcher,
                   "threads_per_rank": args.threads, "versions": _versions(), "results": rows,
                   "pace_ms": None if pace is None else pace.ms, "pace_samples_s": [] if pace is None else pace.times,
-                  "agree_ms": statistics.median(agreeing) * 1e3 if agreeing else None}
+                  "agree_ms": statistics.median(agreeing) * 1e3 if agreeing else None,
+                  "clip_ms": statistics.median(clipping) * 1e3 if clipping else None}
         if calibration is not None:
             result["calibration"] = calibration.to_dict()
         if args.calibrate:
@@ -261,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
             fastest = min(r["median_step_s"] for r in rows)
             print(f"the ranks' agreement on each call (pipe.calls, part of every step): {result['agree_ms']:.2f} ms, "
                   f"{result['agree_ms'] / 1e3 / fastest:.2%} of the fastest step")
+            print(f"pp.clip_grad_norm_ of {rows[0]['schedule']}'s grads (the whole model's norm, then scaled): "
+                  f"{result['clip_ms']:.2f} ms, {result['clip_ms'] / 1e3 / fastest:.2%} of the fastest step")
         print(table)
     dist.barrier()
     dist.destroy_process_group()
@@ -273,6 +278,17 @@ def agreement_s(pp: Any, w: Any, batch_size: int, step: int, repeats: int = 9) -
     args, kwargs, target = w.batch(batch_size, step * pp.dp + pp.dp_rank)
     return statistics.median(slowest_rank_s(lambda: pp._agree_on_call((args, kwargs), target, "step"), pp.ctx.device)
                              for _ in range(repeats))
+
+
+def clipping_s(pp: Any, w: Any, batch_size: int, step: int) -> float:
+    """What pp.clip_grad_norm_ takes after a step of batch `step` of `w` (run untimed first): the norm over
+    every rank, then every grad scaled (max_norm 0 scales them all); the slowest rank's seconds."""
+    args, kwargs, target = w.batch(batch_size, step * pp.dp + pp.dp_rank)
+    pp.step(*args, target=target, **kwargs)
+    took = slowest_rank_s(lambda: pp.clip_grad_norm_(0.0), pp.ctx.device)
+    for p in pp.parameters():
+        p.grad = None
+    return took
 
 
 def slowest_rank_s(work: Callable[[], Any], device: torch.device | str) -> float:

@@ -93,6 +93,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=_whole("--batch-size", 1, 32), default=None,
                    help="default: microbatch size x microbatches")
     p.add_argument("--lr", type=_positive("--lr", "1e-3"), default=1e-3)
+    p.add_argument("--clip-grad-norm", type=_positive("--clip-grad-norm", "1.0"), default=None, metavar="MAX",
+                   help="clip the whole model's grads to this total norm before each optimizer step "
+                        "(Pipeline.clip_grad_norm_: the norm over every stage and replica); each step prints it")
     p.add_argument("--cost", default="measured", choices=COSTS)
     p.add_argument("--calibration", default=None, metavar="FILE",
                    help="this machine's calibration for the predictions (python -m bench calibrate writes it)")
@@ -227,10 +230,13 @@ def _train(pp: Any, w: Any, args: argparse.Namespace, say: Callable[..., None]) 
     tokens = batch_size * w.tokens_per_sample * pp.dp  # every replica's
     times: list[float] = []
     losses: list[float] = []
+    norms: list[float] = []
     for step in range(args.steps):  # replica r of N trains on batch step * N + r
         b_args, b_kwargs, target = w.batch(batch_size, step * pp.dp + pp.dp_rank)
         t0 = time.perf_counter()
         loss = pp.step(*b_args, target=target, **b_kwargs)
+        if args.clip_grad_norm is not None:  # collective: on every rank, one without parameters too
+            norms.append(float(pp.clip_grad_norm_(args.clip_grad_norm)))
         if opt is not None:
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -239,10 +245,12 @@ def _train(pp: Any, w: Any, args: argparse.Namespace, say: Callable[..., None]) 
         skipped = not math.isfinite(loss)  # only with --skip-nonfinite: else step raised NonFiniteLoss
         if not skipped:
             losses.append(loss)
-        say(f"step {step + 1:4d}/{args.steps} {_bar(step + 1, args.steps)} loss {loss:.4f}  "
+        clipped = f"  grad norm {norms[-1]:.4g}" if norms else ""
+        say(f"step {step + 1:4d}/{args.steps} {_bar(step + 1, args.steps)} loss {loss:.4f}{clipped}  "
             f"{tokens / dt:9.0f} tok/s  {dt * 1e3:7.1f} ms" + ("  (skipped: not finite)" if skipped else ""),
             flush=True)
-    return {"times": times, "losses": losses, "tokens": tokens, "skipped": args.steps - len(losses)}
+    return {"times": times, "losses": losses, "grad_norms": norms, "tokens": tokens,
+            "skipped": args.steps - len(losses)}
 
 
 def _report(pp: Any, args: argparse.Namespace, ctx: Any, run: dict[str, Any], say: Callable[..., None]) -> int:
@@ -262,7 +270,7 @@ def _report(pp: Any, args: argparse.Namespace, ctx: Any, run: dict[str, Any], sa
     summary: dict[str, Any] = {
         "model": args.model, "schedule": pp.schedule_name, "microbatches": pp.M, "stages_per_rank": pp.v,
         "ranks": ctx.world_size, "data_parallel": pp.dp, "dp_shard": pp.dp_shard, "launcher": ctx.launcher,
-        "losses": run["losses"],
+        "losses": run["losses"], "grad_norms": run["grad_norms"],
         "first_loss": first, "last_loss": last,
         "skipped_steps": run["skipped"],
         "median_step_s": statistics.median(warm), "tokens_per_s": run["tokens"] / statistics.median(warm),

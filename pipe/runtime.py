@@ -814,6 +814,32 @@ class Pipeline:
         for _, p in self.named_parameters():
             yield p
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """Clip the grads of the whole model, as torch.nn.utils.clip_grad_norm_ over the unpartitioned
+        model's parameters would: their total norm over every stage (and every replica's shard with
+        dp_shard="full") is computed across ranks, and every rank scales its grads by the same factor.
+        Returns that total norm before clipping, the same on every rank (max_norm=inf: only the norm).
+
+        Collective: every rank of the job calls it, after step() and before the optimizer's step. A weight
+        held on several ranks (tied, or a layer cut into slices) counts once. torch.nn.utils.clip_grad_norm_
+        over pp.parameters() would clip each rank by its own stages' norm instead."""
+        from pipe import grads
+        owner: dict[str, int] = {}
+        for st in self.plan.stages:
+            for name in st.params:
+                owner[name] = min(owner.get(name, self.world), self.place[st.index])
+        named = list(self.named_parameters())
+        reductions = [grads.Reduction(self.pp_group, self._global, adds=True)] if self.world > 1 else []
+        if self.dp_group is not None:
+            reductions.append(grads.Reduction(self.dp_group, dist.get_process_group_ranks(self.dp_group),
+                                              adds=self.dp_shard == "full"))
+        counted = [p for n, p in named if owner.get(n, self.rank) == self.rank]  # held elsewhere too: once
+        return grads.clip_grad_norm_([p for _, p in named], counted, max_norm, norm_type, reductions=reductions,
+                                     rank=self.ctx.rank, device=self.ctx.device, error=PipelineError,
+                                     error_if_nonfinite=error_if_nonfinite, foreach=foreach,
+                                     names={id(p): n for n, p in named})
+
     def build_optimizer(self, factory: Callable[..., torch.optim.Optimizer] | None = None,
                         **kwargs: Any) -> torch.optim.Optimizer:
         """The optimizer of this rank's parameters, `factory(params, **kwargs)` (default: the

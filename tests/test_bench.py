@@ -44,6 +44,7 @@ def test_bench_schedules(tmp_path: Path) -> None:
     assert "pace: " in out and "the calibration's 100000.0 ms" in out and "at the calibration pace |" in out
     assert data["ranks"] == 2 and data["versions"]["torch"] and "bench schedules" in data["command"]
     assert data["agree_ms"] > 0 and "the ranks' agreement on each call (pipe.calls, part of every step)" in out
+    assert data["clip_ms"] > 0 and "pp.clip_grad_norm_ of " in out
     rows = data["results"]
     assert {(r["schedule"], r["microbatches"]) for r in rows} == {
         (s, 4) for s in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")}
@@ -240,6 +241,7 @@ def test_bench_schedules_with_data_parallel(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "schedules.json").read_text())
     assert data["ranks"] == 4 and data["data_parallel"] == 2
     assert data["agree_ms"] > 0  # each pipeline's ranks agree on their replica's batch (not the other's)
+    assert data["clip_ms"] > 0  # the norm over both replicas' pipelines' ranks
     for r in data["results"]:  # a step trains both replicas' batches: 2 x M=4 microbatches of 4 x 16 tokens
         assert r["predicted_step_ms"] > 0 and r["tokens_per_s"] == pytest.approx(2 * 4 * 4 * 16 / r["median_step_s"])
         _valid_trace(tmp_path / f"trace-{r['schedule']}-M4.json")

@@ -1,9 +1,9 @@
 """Pipeline x data parallel on a DeviceMesh: (pp=2, dp=2) on 4 ranks gives the unpartitioned model's
-loss and grads over the concatenation of the replicas' batches, and its parameters after AdamW
-steps, for 1f1b, interleaved-1f1b and zb-h1 on the tied GPT and the U-Net, with unsharded, ZeRO-1
-(dp_shard="optimizer") and FSDP (dp_shard="full") state; a user's mesh with a dimension the pipeline
-ignores; bad layouts refused on every rank; checkpoints saved by two replicas (each sharding) resumed
-by one. One 4-rank launch and one 2-rank launch."""
+loss and grads over the concatenation of the replicas' batches, its grad norm (clip_grad_norm_) and
+its parameters after AdamW steps, for 1f1b, interleaved-1f1b and zb-h1 on the tied GPT and the U-Net,
+with unsharded, ZeRO-1 (dp_shard="optimizer") and FSDP (dp_shard="full") state; a user's mesh with a
+dimension the pipeline ignores; bad layouts refused on every rank; checkpoints saved by two replicas
+(each sharding) resumed by one. One 4-rank launch and one 2-rank launch."""
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ from tests.mp import run_ranks
 GPT = dict(n_layer=2, d_model=32, n_head=2, seq_len=16, vocab=64)
 UNET = dict(depth=2, channels=4)
 M, STEPS = 4, 3
+CLIP = 0.3  # below every step's grad norm of both models: each step clips
 SCHEDULES = {"1f1b": {}, "interleaved": dict(schedule="interleaved-1f1b", stages_per_rank=2),
              "zb-h1": dict(schedule="zb-h1")}
 SHARDS = ("none", "optimizer", "full")
@@ -60,7 +61,7 @@ def _case(name: str, kw: dict[str, Any], **pipe_kw: Any) -> dict[str, Any]:
     opt = pp.build_optimizer(torch.optim.AdamW, lr=1e-2, eps=1e-4)
     ref_opt = torch.optim.AdamW(ref.model.parameters(), lr=1e-2, eps=1e-4)
     ref_params = dict(ref.model.named_parameters())
-    out: dict[str, Any] = {"losses": [], "ref": [], "dp": pp.dp, "world": pp.world}
+    out: dict[str, Any] = {"losses": [], "ref": [], "norms": [], "dp": pp.dp, "world": pp.world}
     for step in range(STEPS):
         args, target = _batch(w, step, pp.dp_rank)
         out["losses"].append(pp.step(*args, target=target))
@@ -69,6 +70,9 @@ def _case(name: str, kw: dict[str, Any], **pipe_kw: Any) -> dict[str, Any]:
         loss = ref.loss_fn(ref.model(*cat_args), torch.cat([p[1] for p in parts]))
         loss.backward()
         out["ref"].append(float(loss.detach()))
+        # the whole model's grad norm (FSDP: over the replicas' shards too), and the grads clipped by it
+        out["norms"].append((float(pp.clip_grad_norm_(CLIP)),
+                             float(torch.nn.utils.clip_grad_norm_(ref.model.parameters(), CLIP))))
         if step == 0:  # every grad, by name
             for n, p in pp.named_parameters():
                 torch.testing.assert_close(_full(p.grad), ref_params[n].grad, rtol=1e-4, atol=1e-5, msg=_named(n))
@@ -209,6 +213,7 @@ def test_pipeline_times_data_parallel_on_4_ranks(tmp_path: Path) -> None:
         streamed = r["streamed states"]
         torch.testing.assert_close(torch.tensor(streamed["losses"]), torch.tensor(streamed["ref"]),
                                    rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(*torch.tensor(streamed["norms"]).T, rtol=1e-5, atol=0)
     cases = [k for k in res[0] if k not in ("errors", "streamed states")
              and not k.startswith(("loaded into", "two steps"))]
     assert len(cases) == 2 * len(SCHEDULES) * len(SHARDS) + 1
@@ -218,6 +223,9 @@ def test_pipeline_times_data_parallel_on_4_ranks(tmp_path: Path) -> None:
             assert got["dp"] == 2 and got["world"] == 2, case
             torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(got["ref"]), rtol=1e-5, atol=1e-5,
                                        msg=_named(case))
+            norms = torch.tensor(got["norms"])
+            torch.testing.assert_close(norms[:, 0], norms[:, 1], rtol=1e-5, atol=0, msg=_named(case))
+            assert bool((norms[:, 1] > CLIP).all()) and got["norms"] == res[0][case]["norms"], (case, got["norms"])
             for s, mem in got["memory"].items():  # the prediction counts what each rank keeps (the last step's peak)
                 assert mem["peak_total"] <= mem["predicted_peak"] <= 1.05 * mem["peak_total"], (case, s, mem)
                 assert mem["dp_shard_params"] == (2 if case.endswith("full") else 1), (case, mem)
