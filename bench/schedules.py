@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     total = args.warmup + args.steps
     agreeing: list[float] = []  # seconds per call the ranks take to agree on it, a median each round
     clipping: list[float] = []  # seconds of the whole model's clip_grad_norm_, one each round
+    evaluating: list[tuple[float, float]] = []  # seconds of pp.evaluate, and of pp.forward then the loss
     for step in range(total):
         if pace is not None:
             pace.measure()
@@ -157,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         if cands and step >= args.warmup:
             agreeing.append(agreement_s(cands[0]["pp"], cands[0]["w"], cands[0]["mb"] * cands[0]["M"], step))
             clipping.append(clipping_s(cands[0]["pp"], cands[0]["w"], cands[0]["mb"] * cands[0]["M"], step))
+            evaluating.append(evaluation_s(cands[0]["pp"], cands[0]["w"], cands[0]["mb"] * cands[0]["M"], step))
         say(f"round {step + 1}/{total} {'(warm-up)' if step < args.warmup else ''}", flush=True)
     if pace is not None:
         del pace.times[:args.warmup]
@@ -240,7 +242,9 @@ def main(argv: list[str] | None = None) -> int:
                   "threads_per_rank": args.threads, "versions": _versions(), "results": rows,
                   "pace_ms": None if pace is None else pace.ms, "pace_samples_s": [] if pace is None else pace.times,
                   "agree_ms": statistics.median(agreeing) * 1e3 if agreeing else None,
-                  "clip_ms": statistics.median(clipping) * 1e3 if clipping else None}
+                  "clip_ms": statistics.median(clipping) * 1e3 if clipping else None,
+                  "evaluate_ms": statistics.median(e for e, _ in evaluating) * 1e3 if evaluating else None,
+                  "forward_loss_ms": statistics.median(f for _, f in evaluating) * 1e3 if evaluating else None}
         if calibration is not None:
             result["calibration"] = calibration.to_dict()
         if args.calibrate:
@@ -266,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{result['agree_ms'] / 1e3 / fastest:.2%} of the fastest step")
             print(f"pp.clip_grad_norm_ of {rows[0]['schedule']}'s grads (the whole model's norm, then scaled): "
                   f"{result['clip_ms']:.2f} ms, {result['clip_ms'] / 1e3 / fastest:.2%} of the fastest step")
+            print(f"the loss of a batch without grads, {rows[0]['schedule']}: pp.evaluate "
+                  f"{result['evaluate_ms']:.1f} ms, pp.forward then the loss on every rank "
+                  f"{result['forward_loss_ms']:.1f} ms (a step: {rows[0]['median_step_s'] * 1e3:.1f} ms)")
         print(table)
     dist.barrier()
     dist.destroy_process_group()
@@ -289,6 +296,17 @@ def clipping_s(pp: Any, w: Any, batch_size: int, step: int) -> float:
     for p in pp.parameters():
         p.grad = None
     return took
+
+
+def evaluation_s(pp: Any, w: Any, batch_size: int, step: int) -> tuple[float, float]:
+    """The loss of batch `step` of `w` without grads: pp.evaluate's seconds, and those of pp.forward (the
+    output on every rank) then the loss function on it; the slowest rank's each. None of the model's
+    state changes (a plan with the loss in its graph builds its inference stages at the first forward)."""
+    args, kwargs, target = w.batch(batch_size, step * pp.dp + pp.dp_rank)
+    evaluate = slowest_rank_s(lambda: pp.evaluate(*args, target=target, **kwargs), pp.ctx.device)
+    with torch.no_grad():
+        forward = slowest_rank_s(lambda: pp.loss_fn(pp.forward(*args, **kwargs), target), pp.ctx.device)
+    return evaluate, forward
 
 
 def slowest_rank_s(work: Callable[[], Any], device: torch.device | str) -> float:

@@ -22,6 +22,7 @@ from pipe.schedules import SCHEDULES, default_stages_text
 
 __all__ = ["main", "parse_args", "error_line", "OUTPUTS"]
 
+HELD_OUT = 1_000_000  # --eval-every: replica r evaluates batch HELD_OUT + r (training batches count from 0)
 OUTPUTS = ("summary.json", "trace.json", "timeline.json", "timeline.png")  # what a run writes to --out
 _EPILOG = (f"--out: a folder that already holds a previous run's outputs ({', '.join(OUTPUTS)}) is refused "
            f"before anything runs, unless --overwrite is given. --timeout: also FXPIPE_TIMEOUT (seconds); "
@@ -96,6 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clip-grad-norm", type=_positive("--clip-grad-norm", "1.0"), default=None, metavar="MAX",
                    help="clip the whole model's grads to this total norm before each optimizer step "
                         "(Pipeline.clip_grad_norm_: the norm over every stage and replica); each step prints it")
+    p.add_argument("--eval-every", type=_whole("--eval-every", 1, 10), default=None, metavar="N",
+                   help="every N steps, the loss of a held-out batch without grads (Pipeline.evaluate; replica r "
+                        f"evaluates batch {HELD_OUT:,} + r, never trained on), printed and in summary.json")
     p.add_argument("--cost", default="measured", choices=COSTS)
     p.add_argument("--calibration", default=None, metavar="FILE",
                    help="this machine's calibration for the predictions (python -m bench calibrate writes it)")
@@ -126,6 +130,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.timeout = timeout_setting(env, "FXPIPE_TIMEOUT")
         except ValueError as e:
             p.error(str(e))
+    if args.eval_every is not None and args.offload in ("states", "all"):
+        p.error(f"--eval-every evaluates without streaming offloaded model state, which --offload {args.offload} "
+                "streams; use --offload none or activations with it, or drop --eval-every")
     previous = [name for name in OUTPUTS if (Path(args.out) / name).exists()]
     if previous and not args.overwrite:
         p.error(f"--out {args.out} already holds a previous run's outputs ({', '.join(previous)}); "
@@ -231,6 +238,7 @@ def _train(pp: Any, w: Any, args: argparse.Namespace, say: Callable[..., None]) 
     times: list[float] = []
     losses: list[float] = []
     norms: list[float] = []
+    evaluated: list[tuple[int, float]] = []
     for step in range(args.steps):  # replica r of N trains on batch step * N + r
         b_args, b_kwargs, target = w.batch(batch_size, step * pp.dp + pp.dp_rank)
         t0 = time.perf_counter()
@@ -246,10 +254,14 @@ def _train(pp: Any, w: Any, args: argparse.Namespace, say: Callable[..., None]) 
         if not skipped:
             losses.append(loss)
         clipped = f"  grad norm {norms[-1]:.4g}" if norms else ""
-        say(f"step {step + 1:4d}/{args.steps} {_bar(step + 1, args.steps)} loss {loss:.4f}{clipped}  "
+        if args.eval_every is not None and (step + 1) % args.eval_every == 0:  # untimed, after the update
+            e_args, e_kwargs, e_target = w.batch(batch_size, HELD_OUT + pp.dp_rank)
+            evaluated.append((step + 1, pp.evaluate(*e_args, target=e_target, **e_kwargs)))
+        held = f"  eval loss {evaluated[-1][1]:.4f}" if evaluated and evaluated[-1][0] == step + 1 else ""
+        say(f"step {step + 1:4d}/{args.steps} {_bar(step + 1, args.steps)} loss {loss:.4f}{clipped}{held}  "
             f"{tokens / dt:9.0f} tok/s  {dt * 1e3:7.1f} ms" + ("  (skipped: not finite)" if skipped else ""),
             flush=True)
-    return {"times": times, "losses": losses, "grad_norms": norms, "tokens": tokens,
+    return {"times": times, "losses": losses, "grad_norms": norms, "eval_losses": evaluated, "tokens": tokens,
             "skipped": args.steps - len(losses)}
 
 
@@ -270,7 +282,7 @@ def _report(pp: Any, args: argparse.Namespace, ctx: Any, run: dict[str, Any], sa
     summary: dict[str, Any] = {
         "model": args.model, "schedule": pp.schedule_name, "microbatches": pp.M, "stages_per_rank": pp.v,
         "ranks": ctx.world_size, "data_parallel": pp.dp, "dp_shard": pp.dp_shard, "launcher": ctx.launcher,
-        "losses": run["losses"], "grad_norms": run["grad_norms"],
+        "losses": run["losses"], "grad_norms": run["grad_norms"], "eval_losses": run["eval_losses"],
         "first_loss": first, "last_loss": last,
         "skipped_steps": run["skipped"],
         "median_step_s": statistics.median(warm), "tokens_per_s": run["tokens"] / statistics.median(warm),

@@ -1184,6 +1184,42 @@ class Pipeline:
                             f"(rank {self._global[self.place[stage]]}); lower the learning rate, check the data, or "
                             "pass skip_nonfinite=True to drop such steps (their grads are cleared)")
 
+    def evaluate(self, *batch_args: Any, target: Any = None, **batch_kwargs: Any) -> float:
+        """The batch's mean loss without grads (a validation step); same call on every rank, the same
+        loss returned on every rank (with data parallel replicas, the mean over their batches).
+
+        The training stages run their forwards in the schedule's forward order under no_grad, the loss
+        computed where step() computes it; only the loss travels back (pp.forward would send the model's
+        whole output to every rank). Grads, the optimizer and the step count are left as they are."""
+        if getattr(self.memory, "store", None) is not None:
+            raise PipelineError("evaluate() does not stream offloaded model state; evaluate with a Pipeline built "
+                                "with offload='none' or 'activations'")
+        mbs, targets = self._agreed_call((batch_args, batch_kwargs), target, "evaluate")
+        run = _StepState(self, self._flats(mbs, targets), targets, Exchange(
+            self.transport, self.plan, self.place, self.rank, self.ctx.device, self.dynamic), inference=True,
+            evaluating=True)
+        with torch.no_grad(), self._failures(run, "evaluation"):
+            for x in self.inference_program:
+                if isinstance(x, Action):
+                    run.current = x
+                    run.forward(x)
+                else:
+                    run.ex.issue(x)
+            run.current = None
+            run.ex.finish()
+            if self.sharded is not None:  # no backward frees the parameters the forwards gathered
+                self.sharded.reshard()
+            loss = torch.as_tensor(run.loss_sum, dtype=torch.float64).reshape(1).to(self.ctx.device)
+            last = self._global[self.place[self.S - 1]]
+            if self.world > 1:
+                with comm.guarded("the loss broadcast", last):
+                    dist.broadcast(loss, src=last, group=self.pp_group)
+            if self.dp_group is not None:
+                with comm.guarded("the data-parallel all-reduce of the loss"):
+                    dist.all_reduce(loss, group=self.dp_group)
+                    loss.div_(self.dp)
+        return float(loss.item())
+
     def forward(self, *batch_args: Any, **batch_kwargs: Any) -> Any:
         """Inference without grads: the model's output for the whole batch, on every rank.
 
@@ -1268,9 +1304,10 @@ class _StepState:
     """The state of one step on one rank: microbatch inputs, messages, saved activations."""
 
     def __init__(self, pp: Pipeline, flats: list[list[Any]], targets: list[Any], exchange: Exchange,
-                 inference: bool = False) -> None:
+                 inference: bool = False, evaluating: bool = False) -> None:
         self.pp, self.flats, self.targets, self.ex = pp, flats, targets, exchange
-        self.inference = inference
+        self.inference = inference and not evaluating  # the model's outputs
+        self.evaluating = evaluating  # the loss, without grads: the training stages' forwards, nothing kept
         # inference: the last stage's output per mb; with the loss in the graph, {model output leaf: value}
         # per mb of what this rank's stages computed
         self.outputs: list[Any] = [None] * len(flats)
@@ -1365,6 +1402,8 @@ class _StepState:
             self.ex.send_activations(s, mb, outs)
             roots = outs
             self.finite += [(s, torch.isfinite(o).all()) for o in outs if o.is_floating_point()]
+        if self.evaluating:  # no backward follows
+            return
         self.saved[(s, mb)] = Saved(roots=roots, leaves=[x if x.is_floating_point() else None for x in leaves],
                                     param_outs=list(param_outs), param_ins=list(ins[0]) if ins else [])
         self._record(a, start)

@@ -45,6 +45,7 @@ def test_bench_schedules(tmp_path: Path) -> None:
     assert data["ranks"] == 2 and data["versions"]["torch"] and "bench schedules" in data["command"]
     assert data["agree_ms"] > 0 and "the ranks' agreement on each call (pipe.calls, part of every step)" in out
     assert data["clip_ms"] > 0 and "pp.clip_grad_norm_ of " in out
+    assert data["evaluate_ms"] > 0 and data["forward_loss_ms"] > 0 and "pp.evaluate " in out
     rows = data["results"]
     assert {(r["schedule"], r["microbatches"]) for r in rows} == {
         (s, 4) for s in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")}

@@ -1,9 +1,10 @@
 """Pipeline x data parallel on a DeviceMesh: (pp=2, dp=2) on 4 ranks gives the unpartitioned model's
-loss and grads over the concatenation of the replicas' batches, its grad norm (clip_grad_norm_) and
-its parameters after AdamW steps, for 1f1b, interleaved-1f1b and zb-h1 on the tied GPT and the U-Net,
-with unsharded, ZeRO-1 (dp_shard="optimizer") and FSDP (dp_shard="full") state; a user's mesh with a
-dimension the pipeline ignores; bad layouts refused on every rank; checkpoints saved by two replicas
-(each sharding) resumed by one. One 4-rank launch and one 2-rank launch."""
+loss and grads over the concatenation of the replicas' batches, its grad norm (clip_grad_norm_), its
+parameters after AdamW steps and its loss on held-out batches (evaluate), for 1f1b, interleaved-1f1b
+and zb-h1 on the tied GPT and the U-Net, with unsharded, ZeRO-1 (dp_shard="optimizer") and FSDP
+(dp_shard="full") state; a user's mesh with a dimension the pipeline ignores; bad layouts refused on
+every rank; checkpoints saved by two replicas (each sharding) resumed by one. One 4-rank launch and
+one 2-rank launch."""
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,15 @@ def _case(name: str, kw: dict[str, Any], **pipe_kw: Any) -> dict[str, Any]:
         ref_opt.zero_grad(set_to_none=True)
     for n, p in pp.named_parameters():
         torch.testing.assert_close(_full(p.detach()), ref_params[n].detach(), rtol=1e-4, atol=1e-5, msg=_named(n))
+    if pipe_kw.get("offload") != "states":  # (evaluate refuses streamed states, as forward does)
+        args, target = _batch(w, 99, pp.dp_rank)  # a held-out batch per replica: the mean loss over both
+        parts = [_batch(ref, 99, j) for j in range(pp.dp)]
+        with torch.no_grad():
+            held = ref.loss_fn(ref.model(*(torch.cat([p[0][i] for p in parts]) for i in range(len(args)))),
+                               torch.cat([p[1] for p in parts]))
+        out["evaluated"] = (pp.evaluate(*args, target=target), float(held))
+    if pp.dp_shard == "full":  # gathered for the forwards, sharded again after them
+        assert all(isinstance(p, torch.distributed.tensor.DTensor) for p in pp.parameters())
     if pp.reducer is not None:  # grads set to None free the buckets: the reducer holds none between steps
         assert all(b.flat is None and all(r() is None for r in b.views) for b in pp.reducer.buckets)
     out["sharding"] = _sharding(pp, opt)
@@ -223,6 +233,7 @@ def test_pipeline_times_data_parallel_on_4_ranks(tmp_path: Path) -> None:
             assert got["dp"] == 2 and got["world"] == 2, case
             torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(got["ref"]), rtol=1e-5, atol=1e-5,
                                        msg=_named(case))
+            torch.testing.assert_close(*got["evaluated"], rtol=1e-5, atol=1e-6, msg=_named(case))
             norms = torch.tensor(got["norms"])
             torch.testing.assert_close(norms[:, 0], norms[:, 1], rtol=1e-5, atol=0, msg=_named(case))
             assert bool((norms[:, 1] > CLIP).all()) and got["norms"] == res[0][case]["norms"], (case, got["norms"])

@@ -23,7 +23,7 @@ def test_run_command(launcher: str, tmp_path: Path) -> None:
     the unpartitioned model's over both replicas' batches."""
     shard = "optimizer" if launcher == "mpiexec" else "full"
     argv = ["-m", "pipe.run", *TINY, "--steps", "5", "--data-parallel", "2", "--dp-shard", shard,
-            "--clip-grad-norm", str(CLIP), "--out", str(tmp_path)]
+            "--clip-grad-norm", str(CLIP), "--eval-every", "2", "--out", str(tmp_path)]
     if launcher == "mpiexec":
         # each rank's exit status, and a Python traceback from a rank that a signal ends (both only in the output:
         # this case once failed 3 of 6 clean-clone runs with a rank killed after the run, not reproduced since)
@@ -47,8 +47,11 @@ def test_run_command(launcher: str, tmp_path: Path) -> None:
     assert summary["ranks"] == 4 and summary["data_parallel"] == 2 and summary["dp_shard"] == shard
     assert 0 <= summary["measured_bubble"] < 1 and 0 <= summary["predicted_bubble"] < 1
     import torch
-    losses, norms = _dp_reference(5)
+    losses, norms, held = _dp_reference(5)
     torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-5)
+    assert [s for s, _ in summary["eval_losses"]] == [2, 4] and sum("eval loss" in s for s in steps) == 2
+    torch.testing.assert_close(torch.tensor([x for _, x in summary["eval_losses"]]), torch.tensor(held),
+                               rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.tensor(summary["grad_norms"]), torch.tensor(norms), rtol=1e-5, atol=0)
     assert min(norms) > CLIP, norms  # every step clipped
     trace = json.loads((tmp_path / "trace.json").read_text())
@@ -185,6 +188,20 @@ def test_a_folder_with_a_previous_run_is_refused_unless_overwrite(tmp_path: Path
     assert parse_args(["gpt", "--out", str(tmp_path), "--overwrite"]).overwrite
 
 
+@pytest.mark.parametrize("argv,words", [
+    (["--eval-every", "2", "--offload", "states"], ["--eval-every", "--offload states", "none or activations"]),
+    (["--eval-every", "0"], ["--eval-every", "whole number >= 1", "'0'"]),
+    (["--clip-grad-norm", "-1"], ["--clip-grad-norm", "positive", "'-1'"]),
+    (["--clip-grad-norm", "nan"], ["--clip-grad-norm", "positive", "'nan'"])])
+def test_bad_clip_and_eval_options_are_refused(argv: list[str], words: list[str], tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from pipe.run import parse_args
+    with pytest.raises(SystemExit):
+        parse_args(["gpt", *argv, "--out", str(tmp_path)])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert all(w in line for w in words), line
+
+
 def test_help_says_what_out_and_timeout_do(capsys: pytest.CaptureFixture[str]) -> None:
     from pipe.run import parse_args
     with pytest.raises(SystemExit):
@@ -194,14 +211,16 @@ def test_help_says_what_out_and_timeout_do(capsys: pytest.CaptureFixture[str]) -
     assert "FXPIPE_TIMEOUT" in text and "300" in text
 
 
-def _dp_reference(steps: int) -> tuple[list[float], list[float]]:
+def _dp_reference(steps: int) -> tuple[list[float], list[float], list[float]]:
     """One process over both replicas' batches (replica r of 2 trains on batch step * 2 + r), AdamW as
-    pipe.run builds it, grads clipped to CLIP: the losses and the grad norms."""
+    pipe.run builds it, grads clipped to CLIP: the losses, the grad norms, and after every second step the
+    loss of both replicas' held-out batches (HELD_OUT + r)."""
+    from pipe.run import HELD_OUT
     import torch
     import partition
     w = partition.load("gpt", n_layer=2, d_model=32, n_head=2, seq_len=16, vocab=64)
     opt = torch.optim.AdamW(w.model.parameters(), lr=1e-3)
-    out, norms = [], []
+    out, norms, held = [], [], []
     for step in range(steps):
         parts = [w.batch(w.microbatch_size * 4, step * 2 + r) for r in range(2)]
         loss = w.loss_fn(w.model(torch.cat([p[0][0] for p in parts])), torch.cat([p[2] for p in parts]))
@@ -210,4 +229,9 @@ def _dp_reference(steps: int) -> tuple[list[float], list[float]]:
         opt.step()
         opt.zero_grad(set_to_none=True)
         out.append(float(loss.detach()))
-    return out, norms
+        if (step + 1) % 2 == 0:
+            parts = [w.batch(w.microbatch_size * 4, HELD_OUT + r) for r in range(2)]
+            with torch.no_grad():
+                held.append(float(w.loss_fn(w.model(torch.cat([p[0][0] for p in parts])),
+                                            torch.cat([p[2] for p in parts]))))
+    return out, norms, held

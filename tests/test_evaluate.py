@@ -1,0 +1,101 @@
+"""Pipeline.evaluate: a batch's mean loss without grads, against the unpartitioned model's under no_grad,
+on 2 ranks in one launch (the loss outside the graph and in it, a head in vocabulary slices, zero bubble,
+V placement, interleaved, recompute, offloaded activations, the NCCL-semantics transport), leaving the
+grads and the step count as they were; refused calls on every rank. The data-parallel case (the mean
+over the replicas' batches) is in test_data_parallel."""
+from typing import Any
+
+import torch
+
+from tests.mp import run_ranks
+
+GPT = dict(n_layer=2, d_model=32, n_head=2, seq_len=16, vocab=64)
+WIDE = dict(n_layer=2, d_model=32, n_head=2, seq_len=16, vocab=2000)
+M = 4
+CASES = {  # name: (workload, its arguments, Pipeline's, the loss in the graph)
+    "loss outside, 1f1b": ("gpt", GPT, {}, False),
+    "loss in the graph, zb-h1": ("gpt", GPT, dict(schedule="zb-h1"), True),
+    "vocabulary slices": ("gpt_wide_vocab", WIDE, {}, True),
+    "zbv": ("gpt", GPT, dict(schedule="zbv"), True),
+    "interleaved, nccl-like": ("gpt", GPT, dict(schedule="interleaved-1f1b", stages_per_rank=2, nccl_like=True),
+                               False),
+    "recompute": ("gpt", GPT, dict(recompute="full"), True),
+    "offloaded activations": ("gpt", GPT, dict(offload="activations"), False),
+}
+
+
+def _reference(ref: Any, args: Any, kwargs: dict[str, Any], target: Any) -> float:
+    """The unpartitioned model's mean loss over the M microbatches, without grads."""
+    from pipe.runtime import split_microbatches
+    with torch.no_grad():
+        return sum(float(ref.loss_fn(ref.model(*a, **k), t)) for (a, k), t in
+                   zip(split_microbatches((args, kwargs), M), split_microbatches(target, M, "target"))) / M
+
+
+def _case(spec: str, model_args: dict[str, Any], pipe_kw: dict[str, Any], fused: bool) -> dict[str, Any]:
+    """Evaluate before training, after a step (its grads untouched), and after the optimizer's step."""
+    import partition
+    import pipe
+    from tests.nccl_like import NcclLike
+    w, ref = partition.load(spec, **model_args), partition.load(spec, **model_args)
+    nccl_like = pipe_kw.pop("nccl_like", False)
+    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, cost="flops",
+                       example_target=w.example_target if fused else None, trace_loss=fused,
+                       transport=NcclLike() if nccl_like else None, **pipe_kw)
+    assert pp.plan.loss == fused
+    opt = torch.optim.SGD(list(pp.parameters()), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.model.parameters(), lr=0.5)
+    out: dict[str, Any] = {"losses": [], "rewrites": [list(r) for r in pp.plan.rewrites]}
+    held = 10  # a held-out batch
+    args, kwargs, target = w.batch(w.microbatch_size * M, held)
+    out["losses"].append((pp.evaluate(*args, target=target, **kwargs), _reference(ref, args, kwargs, target)))
+    assert all(p.grad is None for p in pp.parameters()) and pp.steps_done == 0
+    b_args, b_kwargs, b_target = w.batch(w.microbatch_size * M, 0)
+    pp.step(*b_args, target=b_target, **b_kwargs)
+    ref.loss_fn(ref.model(*b_args, **b_kwargs), b_target).backward()
+    grads = {n: p.grad.clone() for n, p in pp.named_parameters() if p.grad is not None}
+    out["losses"].append((pp.evaluate(*args, target=target, **kwargs), _reference(ref, args, kwargs, target)))
+    assert {n: p.grad for n, p in pp.named_parameters() if p.grad is not None}.keys() == grads.keys()
+    assert all(torch.equal(p.grad, grads[n]) for n, p in pp.named_parameters() if p.grad is not None)
+    assert pp.steps_done == 1
+    opt.step()
+    ref_opt.step()
+    out["losses"].append((pp.evaluate(*args, target=target, **kwargs), _reference(ref, args, kwargs, target)))
+    return out
+
+
+def _refusals() -> dict[str, str]:
+    import partition
+    import pipe
+    out = {}
+    for case, kw in [("no target", {}), ("streamed states", dict(offload="states"))]:
+        w = partition.load("gpt", **GPT)
+        pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, cost="flops", **kw)
+        args, kwargs, target = w.batch(w.microbatch_size * M, 0)
+        try:
+            pp.evaluate(*args, target=None if case == "no target" else target, **kwargs)
+            out[case] = "no error"
+        except pipe.PipelineError as e:
+            out[case] = str(e)
+    return out
+
+
+def two_body(rank: int, world: int) -> dict[str, Any]:
+    import pipe
+    pipe.init()
+    res: dict[str, Any] = {name: _case(*case) for name, case in CASES.items()}
+    res["refused"] = _refusals()
+    return res
+
+
+def test_evaluate_on_2_ranks_is_the_whole_models_loss_without_grads() -> None:
+    res = run_ranks("tests.test_evaluate:two_body", 2, timeout=240)
+    for name in CASES:
+        assert res[0][name]["losses"] == res[1][name]["losses"], name  # the same loss on every rank
+        got = torch.tensor(res[0][name]["losses"])
+        torch.testing.assert_close(got[:, 0], got[:, 1], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        assert abs(got[2, 1] - got[0, 1]) > 1e-3, (name, got)  # evaluated after the SGD step: another loss
+    assert any(r[-1:] == ["vocab"] for r in res[0]["vocabulary slices"]["rewrites"])
+    for r in res:
+        assert "got no target" in r["refused"]["no target"] and "target=" in r["refused"]["no target"], r
+        assert "evaluate() does not stream" in r["refused"]["streamed states"], r
