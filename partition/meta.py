@@ -35,10 +35,12 @@ def to_meta(tree: Any) -> Any:
 def meta_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of `model` with every parameter and buffer on the meta device, tied tensors still tied
     (`model.to("meta")` would replace each module's tensors apart, untying them)."""
+    from torch.distributed.tensor import DTensor
     memo: dict[int, Any] = {}
     for t in (*model.parameters(), *model.buffers()):
-        if id(t) not in memo:
-            m = torch.empty_like(t, device="meta")
+        if id(t) not in memo:  # a sharded (FSDP) tensor as the whole one
+            m = torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, DTensor) else \
+                torch.empty_like(t, device="meta")
             memo[id(t)] = torch.nn.Parameter(m, t.requires_grad) if isinstance(t, torch.nn.Parameter) else m
     return copy.deepcopy(model, memo)
 

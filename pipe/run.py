@@ -98,7 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="clip the whole model's grads to this total norm before each optimizer step "
                         "(Pipeline.clip_grad_norm_: the norm over every stage and replica); each step prints it")
     p.add_argument("--eval-every", type=_whole("--eval-every", 1, 10), default=None, metavar="N",
-                   help="every N steps, the loss of a held-out batch without grads (Pipeline.evaluate; replica r "
+                   help="every N steps, the loss of a held-out batch in eval mode (Pipeline.eval().evaluate; replica r "
                         f"evaluates batch {HELD_OUT:,} + r, never trained on), printed and in summary.json")
     p.add_argument("--cost", default="measured", choices=COSTS)
     p.add_argument("--calibration", default=None, metavar="FILE",
@@ -256,7 +256,8 @@ def _train(pp: Any, w: Any, args: argparse.Namespace, say: Callable[..., None]) 
         clipped = f"  grad norm {norms[-1]:.4g}" if norms else ""
         if args.eval_every is not None and (step + 1) % args.eval_every == 0:  # untimed, after the update
             e_args, e_kwargs, e_target = w.batch(batch_size, HELD_OUT + pp.dp_rank)
-            evaluated.append((step + 1, pp.evaluate(*e_args, target=e_target, **e_kwargs)))
+            evaluated.append((step + 1, pp.eval().evaluate(*e_args, target=e_target, **e_kwargs)))
+            pp.train()
         held = f"  eval loss {evaluated[-1][1]:.4f}" if evaluated and evaluated[-1][0] == step + 1 else ""
         say(f"step {step + 1:4d}/{args.steps} {_bar(step + 1, args.steps)} loss {loss:.4f}{clipped}{held}  "
             f"{tokens / dt:9.0f} tok/s  {dt * 1e3:7.1f} ms" + ("  (skipped: not finite)" if skipped else ""),

@@ -24,7 +24,7 @@ from partition.loss import attach_loss
 from partition.trace import flatten_inputs, trace, unflatten_outputs
 import memory
 from memory import MemoryManager
-from pipe import comm, launch
+from pipe import comm, launch, modes
 from pipe.calls import BUILDS, Call, agree, build_of, call_of
 from pipe.exchange import Exchange
 from pipe.lower import forward_only, fuse_backward, lower, validate, with_grad_reduction, with_reloads
@@ -35,7 +35,7 @@ from pipe.auto import w_part_managed
 from pipe.simulate import Event, Timeline
 from pipe.timing import clock_for
 from pipe.weights import Init, allocate, default_init, empty_like, init_stages, unset
-from partition.meta import on_meta, retarget, to_meta
+from partition.meta import meta_copy, on_meta, retarget, to_meta
 from partition.measure import Share, release_memory
 
 __all__ = ["NonFiniteLoss", "Pipeline", "PipelineError", "split_microbatches"]
@@ -321,6 +321,11 @@ class Pipeline:
         self._gm = gm
         # forward() on a plan with the loss in the graph: each stage without it (built at the first call)
         self._inference: dict[int, tuple[torch.fx.GraphModule, list[int], list[Any]]] = {}
+        # the mode the stages were traced in, the mode evaluate() and forward() run in (pp.train / pp.eval), and
+        # the stages of the other mode, split from a trace made in it (built at the first call in it)
+        self._traced_mode = self.training = model.training
+        self._example = (args, kwargs)
+        self._other_mode: dict[str, Any] = {}
         self.local = [s for s in range(self.S) if self.place[s] == self.rank]
         if self.plan.loss and not isinstance(example_target, torch.Tensor):  # the shape the plan recorded
             v = self.plan.inputs[-1]
@@ -372,6 +377,8 @@ class Pipeline:
                 self.memory.set_weight_order(s, [n for n, _ in self._zb[s][1]], self._zb[s][2])
         # the module each stage calls; dp_shard="full" shards it (FSDP) and trains its parameters
         self._trained = {s: self._zb[s][0] if self.split_w else self.stages[s] for s in self.local}
+        if self.dp_shard == "full" and not self.meta:  # what another mode's trace copies, taken before sharding
+            self._other_mode["model"] = meta_copy(model)
         self.sharded = self._shard(offload) if self.dp_shard == "full" else None
         self._call = {s: self.memory.wrap_stage(s, self._compiled(self._trained[s])) for s in self.local}
         if self._compile is not None:
@@ -1004,7 +1011,7 @@ class Pipeline:
         targets: list[Any] = [None] * self.M
         try:
             mbs = split_microbatches(batch, self.M)
-            self._check_call(batch, target, training)
+            self._check_call(batch, target, training, step=what == "step")
             if target is not None:
                 targets = split_microbatches(target, self.M, "target")
         except PipelineError as e:
@@ -1019,14 +1026,24 @@ class Pipeline:
         """Compare this rank's call with the pipeline's other ranks' (pipe.calls.agree); `refused`: this
         rank's own error about it. What each step adds to agree (bench schedules times it)."""
         if self.world > 1:
-            agree(call_of(batch[0], batch[1], target), refused, group=self.pp_group, ranks=self._global,
-                  device=self.ctx.device, what=what, error=PipelineError)
+            call = call_of(batch[0], batch[1], target)  # and the pipeline's mode (pp.train / pp.eval)
+            mode = "train" if self.training else "eval"
+            call = Call(call.digest ^ int(not self.training), call.parts + [f"mode: {mode}"])
+            agree(call, refused, group=self.pp_group, ranks=self._global, device=self.ctx.device, what=what,
+                  error=PipelineError)
 
-    def _check_call(self, batch: tuple[tuple[Any, ...], dict[str, Any]], target: Any, training: bool = True) -> None:
+    def _check_call(self, batch: tuple[tuple[Any, ...], dict[str, Any]], target: Any, training: bool = True,
+                    step: bool = False) -> None:
         """Refuse a call the plan was not made for (`batch`: the whole batch, split in self.M)."""
         check_call(self.plan, batch[0], batch[1], microbatches=self.M, dynamic=self.dynamic, error=PipelineError)
         if not training:
             return
+        if step and self.training != self._traced_mode:
+            mode, traced = ("training", "eval") if self.training else ("eval", "training")
+            raise PipelineError(f"step() in {mode} mode, but this pipeline's stages were traced in {traced} mode (the "
+                                f"model's mode when it was built), and step() trains the stages as traced; call "
+                                f"pp.{'eval' if self.training else 'train'}() before step(), or build the Pipeline "
+                                f"from the model in {mode} mode")
         if target is None and (self.plan.loss or self._wants_target):
             raise PipelineError("step() got no target, but this pipeline's loss reads one (loss_fn(output, target) "
                                 "is planned into its last stage); call pp.step(*inputs, target=y) with the batch's "
@@ -1184,9 +1201,58 @@ class Pipeline:
                             f"(rank {self._global[self.place[stage]]}); lower the learning rate, check the data, or "
                             "pass skip_nonfinite=True to drop such steps (their grads are cleared)")
 
+    # ----- modes -----
+    def train(self, mode: bool = True) -> "Pipeline":
+        """The mode evaluate() and forward() run the model in, as nn.Module.train(mode) sets it; returns
+        the pipeline. The stages were traced in the mode the model had when the pipeline was built (a
+        `self.training` read in its forward is a constant of the graph): in the other mode they run as
+        cut from a trace made in it (built at the first call in it, by the same plan), with their modules'
+        own flags set to it while they run. step() trains in the mode of the trace only."""
+        self.training = bool(mode)
+        return self
+
+    def eval(self) -> "Pipeline":
+        """train(False): evaluate() and forward() in eval mode (dropout off, batch norm's running statistics)."""
+        return self.train(False)
+
+    def _in_mode(self, inference: bool) -> tuple[dict[int, Any] | None, dict[int, Any] | None]:
+        """In the mode the stages were traced in: (None, None). Else this rank's stages cut from a trace
+        in the current mode, (each stage as step calls it, each as forward calls it when the loss is in the
+        graph: without it); built once, a failure raised on every rank."""
+        if self.training == self._traced_mode:
+            return None, None
+        if "stages" not in self._other_mode:
+            error = None
+            try:
+                model = self._other_mode.setdefault("model", self._model if self.meta else meta_copy(self._model))
+                gm = modes.traced_in_mode(model, *self._example, self.training, leaf_modules=self.leaf_modules,
+                                          loss_fn=self.loss_fn, loss=self.plan.loss, device=self.ctx.device)
+                self._other_mode["stages"] = modes.stages_in_mode(gm, self.plan, self._trained)
+                self._other_mode["gm"] = gm
+            except (PlanError, ValueError, TypeError) as e:
+                error = (f"{type(e).__name__}: in {'training' if self.training else 'eval'} mode the model traces "
+                         f"otherwise than the plan's graph ({e}); build a Pipeline from the model in that mode")
+            _agree(error)
+        if inference and self.plan.loss and "inference" not in self._other_mode:
+            error = None
+            try:
+                self._other_mode["inference"] = {s: inference_stage(self._other_mode["gm"], self.plan, s,
+                                                                    self._trained[s]) for s in self.local}
+            except PlanError as e:
+                error = f"PipelineError: forward() on this pipeline: {e}"
+            _agree(error)
+        return self._other_mode["stages"], self._other_mode.get("inference") if inference else None
+
+    def _flags(self, other: bool) -> contextlib.AbstractContextManager[None]:
+        """In the other mode than the trace's: every module of this rank's stages in the pipeline's mode for
+        the call (their own flags restored after); in the trace's mode the flags stay as the user set them."""
+        return modes.in_mode([self._trained[s] for s in self.local], self.training) if other \
+            else contextlib.nullcontext()
+
     def evaluate(self, *batch_args: Any, target: Any = None, **batch_kwargs: Any) -> float:
-        """The batch's mean loss without grads (a validation step); same call on every rank, the same
-        loss returned on every rank (with data parallel replicas, the mean over their batches).
+        """The batch's mean loss without grads (a validation step) in the pipeline's mode (pp.eval() for
+        eval mode); same call on every rank, the same loss returned on every rank (with data parallel
+        replicas, the mean over their batches).
 
         The training stages run their forwards in the schedule's forward order under no_grad, the loss
         computed where step() computes it; only the loss travels back (pp.forward would send the model's
@@ -1195,10 +1261,14 @@ class Pipeline:
             raise PipelineError("evaluate() does not stream offloaded model state; evaluate with a Pipeline built "
                                 "with offload='none' or 'activations'")
         mbs, targets = self._agreed_call((batch_args, batch_kwargs), target, "evaluate")
+        stages, _ = self._in_mode(inference=False)
         run = _StepState(self, self._flats(mbs, targets), targets, Exchange(
             self.transport, self.plan, self.place, self.rank, self.ctx.device, self.dynamic), inference=True,
-            evaluating=True)
-        with torch.no_grad(), self._failures(run, "evaluation"):
+            evaluating=True, stages=stages)
+        with torch.no_grad(), self._failures(run, "evaluation"), self._flags(stages is not None):
+            if stages is not None and self.sharded is not None:  # gathered as the stages' own forward would
+                for s in self.local:
+                    self._trained[s].unshard()  # type: ignore[operator]
             for x in self.inference_program:
                 if isinstance(x, Action):
                     run.current = x
@@ -1237,12 +1307,14 @@ class Pipeline:
             except PlanError as e:
                 error = f"PipelineError: forward() on this pipeline: {e}"
             _agree(error)
+        stages, inference = self._in_mode(inference=True)  # (None, None) in the mode of the trace
         flats = self._flats(mbs, [None] * self.M)
         exchange = Exchange(self.transport, self.plan, self.place, self.rank, self.ctx.device, self.dynamic)
-        run = _StepState(self, flats, [None] * self.M, exchange, inference=True)
+        run = _StepState(self, flats, [None] * self.M, exchange, inference=True, stages=stages,
+                         inference_stages=inference)
         last = self.place[self.S - 1]
-        with torch.no_grad(), self._failures(run, "inference"):
-            if self.sharded is not None and self._inference:  # gathered as the stages' own forward would
+        with torch.no_grad(), self._failures(run, "inference"), self._flags(stages is not None):
+            if self.sharded is not None and (self._inference or stages):  # gathered as the stages' forward would
                 for s in self.local:
                     self._trained[s].unshard()  # type: ignore[operator]
             for x in self.inference_program:
@@ -1304,10 +1376,15 @@ class _StepState:
     """The state of one step on one rank: microbatch inputs, messages, saved activations."""
 
     def __init__(self, pp: Pipeline, flats: list[list[Any]], targets: list[Any], exchange: Exchange,
-                 inference: bool = False, evaluating: bool = False) -> None:
+                 inference: bool = False, evaluating: bool = False, stages: dict[int, Any] | None = None,
+                 inference_stages: dict[int, Any] | None = None) -> None:
         self.pp, self.flats, self.targets, self.ex = pp, flats, targets, exchange
         self.inference = inference and not evaluating  # the model's outputs
         self.evaluating = evaluating  # the loss, without grads: the training stages' forwards, nothing kept
+        # in the mode the stages were not traced in: this rank's stages (module, model inputs) cut from a trace
+        # in the pipeline's mode, and (the loss in the graph) those without the loss, for the model's outputs
+        self.stages = stages
+        self.inference_stages = inference_stages if inference_stages is not None else pp._inference
         # inference: the last stage's output per mb; with the loss in the graph, {model output leaf: value}
         # per mb of what this rank's stages computed
         self.outputs: list[Any] = [None] * len(flats)
@@ -1366,8 +1443,8 @@ class _StepState:
         leaves = [t.requires_grad_(True) if t.is_floating_point() else t
                   for t in (self.ex.recv_activations(s, mb) if s > 0 else [])]
         start = self.clock.mark()
-        if self.inference and pp._inference:  # a plan with the loss in the graph: the stage without it
-            module, inputs, extras = pp._inference[s]
+        if self.inference and self.inference_stages:  # a plan with the loss in the graph: the stage without it
+            module, inputs, extras = self.inference_stages[s]
             outs = list(module(*leaves, *[self.flats[mb][i] for i in inputs]))
             sent = len(outs) - len(extras)
             if not io.last:
@@ -1378,11 +1455,15 @@ class _StepState:
             return
         model_inputs = [self.flats[mb][i] for i in io.inputs]
         args = leaves + model_inputs
-        with pp.memory.forward(s, mb, model_inputs):
-            if pp.split_w:
-                outs, param_outs, *ins = pp._call[s](*args)  # ins: the linear layers' inputs (direct W)
-            else:
-                outs, param_outs, ins = pp._call[s](*args), (), []
+        if self.stages is not None:  # the other mode's stage, without grads: no memory or W split to manage
+            module, inputs = self.stages[s]
+            outs, param_outs, ins = module(*leaves, *[self.flats[mb][i] for i in inputs]), (), []
+        else:
+            with pp.memory.forward(s, mb, model_inputs):
+                if pp.split_w:
+                    outs, param_outs, *ins = pp._call[s](*args)  # ins: the linear layers' inputs (direct W)
+                else:
+                    outs, param_outs, ins = pp._call[s](*args), (), []
         outs = list(outs)
         if self.inference:
             if io.last:

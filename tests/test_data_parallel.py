@@ -90,6 +90,10 @@ def _case(name: str, kw: dict[str, Any], **pipe_kw: Any) -> dict[str, Any]:
             held = ref.loss_fn(ref.model(*(torch.cat([p[0][i] for p in parts]) for i in range(len(args)))),
                                torch.cat([p[1] for p in parts]))
         out["evaluated"] = (pp.evaluate(*args, target=target), float(held))
+        # in eval mode: stages cut from an eval-mode trace (no dropout here, so the same loss), run on every
+        # sharding (FSDP: gathered for them, sharded again after)
+        out["evaluated in eval mode"] = (pp.eval().evaluate(*args, target=target), float(held))
+        pp.train()
     if pp.dp_shard == "full":  # gathered for the forwards, sharded again after them
         assert all(isinstance(p, torch.distributed.tensor.DTensor) for p in pp.parameters())
     if pp.reducer is not None:  # grads set to None free the buckets: the reducer holds none between steps
@@ -234,6 +238,7 @@ def test_pipeline_times_data_parallel_on_4_ranks(tmp_path: Path) -> None:
             torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(got["ref"]), rtol=1e-5, atol=1e-5,
                                        msg=_named(case))
             torch.testing.assert_close(*got["evaluated"], rtol=1e-5, atol=1e-6, msg=_named(case))
+            torch.testing.assert_close(*got["evaluated in eval mode"], rtol=1e-5, atol=1e-6, msg=_named(case))
             norms = torch.tensor(got["norms"])
             torch.testing.assert_close(norms[:, 0], norms[:, 1], rtol=1e-5, atol=0, msg=_named(case))
             assert bool((norms[:, 1] > CLIP).all()) and got["norms"] == res[0][case]["norms"], (case, got["norms"])

@@ -1,7 +1,8 @@
 """Pipeline.evaluate: a batch's mean loss without grads, against the unpartitioned model's under no_grad,
 on 2 ranks in one launch (the loss outside the graph and in it, a head in vocabulary slices, zero bubble,
 V placement, interleaved, recompute, offloaded activations, the NCCL-semantics transport), leaving the
-grads and the step count as they were; refused calls on every rank. The data-parallel case (the mean
+grads and the step count as they were; refused calls on every rank; eval mode (pp.eval()) on a model
+with dropout, against the plain model's eval mode, the loss in the graph and outside it. The data-parallel case (the mean
 over the replicas' batches) is in test_data_parallel."""
 from typing import Any
 
@@ -80,11 +81,44 @@ def _refusals() -> dict[str, str]:
     return out
 
 
+def _modes(fused: bool) -> dict[str, Any]:
+    """A GPT with dropout, built in training mode: in eval mode (its `self.training` read in forward traced
+    as a constant, so the stages are cut from an eval-mode trace) evaluate() and forward() give the plain
+    model's eval-mode loss and output; back in training mode dropout draws again; step() in eval mode is
+    refused; the user's model keeps its flags."""
+    import partition
+    import pipe
+    kw = dict(GPT, dropout=0.3)
+    w, ref = partition.load("gpt", **kw), partition.load("gpt", **kw)
+    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, cost="flops",
+                       example_target=w.example_target if fused else None, trace_loss=fused)
+    args, kwargs, target = w.batch(w.microbatch_size * M, 3)
+    out: dict[str, Any] = {"train": [pp.evaluate(*args, target=target, **kwargs) for _ in range(2)]}
+    assert pp.eval() is pp and not pp.training
+    out["eval"] = [pp.evaluate(*args, target=target, **kwargs) for _ in range(2)]
+    output = pp.forward(*args, **kwargs)
+    ref.model.eval()
+    out["ref"] = _reference(ref, args, kwargs, target)
+    with torch.no_grad():
+        torch.testing.assert_close(output, ref.model(*args, **kwargs), rtol=1e-5, atol=1e-5)
+    try:
+        pp.step(*args, target=target, **kwargs)
+        out["step"] = "no error"
+    except pipe.PipelineError as e:
+        out["step"] = str(e)
+    out["flags"] = all(m.training for m in w.model.modules())  # the user's model, untouched
+    pp.train()
+    out["again"] = pp.evaluate(*args, target=target, **kwargs)
+    pp.step(*args, target=target, **kwargs)  # trains again
+    return out
+
+
 def two_body(rank: int, world: int) -> dict[str, Any]:
     import pipe
     pipe.init()
     res: dict[str, Any] = {name: _case(*case) for name, case in CASES.items()}
     res["refused"] = _refusals()
+    res["modes"] = {fused: _modes(fused) for fused in (False, True)}
     return res
 
 
@@ -96,6 +130,13 @@ def test_evaluate_on_2_ranks_is_the_whole_models_loss_without_grads() -> None:
         torch.testing.assert_close(got[:, 0], got[:, 1], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
         assert abs(got[2, 1] - got[0, 1]) > 1e-3, (name, got)  # evaluated after the SGD step: another loss
     assert any(r[-1:] == ["vocab"] for r in res[0]["vocabulary slices"]["rewrites"])
+    for fused in (False, True):
+        for r in res:
+            got = r["modes"][fused]
+            assert got["eval"][0] == got["eval"][1] and got["train"][0] != got["train"][1], got  # dropout off, on
+            torch.testing.assert_close(got["eval"][0], got["ref"], rtol=1e-5, atol=1e-6)
+            assert got["again"] != got["eval"][0] and got["flags"], got
+            assert "step() in eval mode" in got["step"] and "pp.train()" in got["step"], got["step"]
     for r in res:
         assert "got no target" in r["refused"]["no target"] and "target=" in r["refused"]["no target"], r
         assert "evaluate() does not stream" in r["refused"]["streamed states"], r
