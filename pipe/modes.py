@@ -12,9 +12,10 @@ import torch.fx
 
 from partition.loss import attach_loss
 from partition.meta import retarget, to_meta
-from partition.plan import Plan
-from partition.split import split_graph, stage_io
-from partition.trace import trace
+from partition.plan import Plan, PlanError
+from partition.rewrite import apply_rewrites
+from partition.split import live_values, subgraph
+from partition.trace import flatten_outputs, trace
 
 __all__ = ["in_mode", "traced_in_mode", "stages_in_mode"]
 
@@ -48,12 +49,45 @@ def traced_in_mode(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str
     return gm
 
 
-def stages_in_mode(gm: torch.fx.GraphModule, plan: Plan, roots: Mapping[int, torch.nn.Module]
-                   ) -> dict[int, tuple[torch.fx.GraphModule, list[int]]]:
+def stages_in_mode(gm: torch.fx.GraphModule, trained: torch.fx.GraphModule, plan: Plan,
+                   roots: Mapping[int, torch.nn.Module]) -> dict[int, tuple[torch.fx.GraphModule, list[int]]]:
     """The stages `roots` names (stage -> the module holding its parameters and submodules under the
-    model's names) cut from `gm` by `plan`: each called as the training stage is (received values, then
-    the model inputs at the returned positions). PlanError when `gm`'s operations differ from the plan's
-    graph (the mode changed the model's control flow)."""
-    cut = split_graph(gm, plan)
-    return {s: (torch.fx.GraphModule(root, cut[s].graph, f"Stage{s}InMode"), list(stage_io(cut[s]).inputs))
-            for s, root in roots.items()}
+    model's names), cut from `gm` by `plan`, each called as the training stage is (received values, then
+    the model inputs at the returned positions). `trained`: the graph the plan cut. `gm` may lack some of
+    its operations (torch.export drops a dropout in eval mode: the identity), and a value that crossed a
+    cut from one of them crosses from its input then; PlanError when `gm` has an operation `trained` has
+    not, or another, or its cuts would send other values than the plan's."""
+    present = {n.name for n in gm.graph.nodes}
+    todo = [r for r in plan.rewrites if str(r[0]) in present]
+    if todo:
+        apply_rewrites(gm, todo)
+    names = {n.name: n for n in gm.graph.nodes}
+    known = {n.name: n for n in trained.graph.nodes}
+    other = [n for n, node in names.items()
+             if n not in known or (node.op, node.target) != (known[n].op, known[n].target)]
+    if other:
+        raise PlanError(f"its graph has operations the plan's graph has not ({', '.join(other[:5])})")
+    dropped = set(known) - set(names)
+
+    def passed_on(name: str) -> str:
+        """The value a dropped operation passed on: its first input's, through dropped ones."""
+        while name in dropped and known[name].all_input_nodes:
+            name = known[name].all_input_nodes[0].name
+        return name
+
+    S = plan.n_stages
+    stage_of = {n: st.index for st in plan.stages for n in st.nodes if n in names}
+    recv = live_values(gm, stage_of, S)
+    for s in range(1, S):
+        want = [passed_on(v.name) for v in plan.stages[s].recv]
+        if want != recv[s]:
+            raise PlanError(f"stage {s} would receive {', '.join(recv[s][:4])}, where the plan sends it "
+                            f"{', '.join(v.name for v in plan.stages[s].recv[:4])}")
+    leaves, _ = flatten_outputs(gm)
+    out = {}
+    for s, root in roots.items():
+        sends = leaves if s == S - 1 else [names[r] for r in recv[s + 1]]
+        cut, inputs, _ = subgraph(gm, {n for n in plan.stages[s].nodes if n in names}, stage_of, recv[s], sends,
+                                  f"Stage{s}InMode")
+        out[s] = (torch.fx.GraphModule(root, cut.graph, f"Stage{s}InMode"), inputs)
+    return out

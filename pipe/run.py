@@ -255,15 +255,30 @@ def _train(pp: Any, w: Any, args: argparse.Namespace, say: Callable[..., None]) 
             losses.append(loss)
         clipped = f"  grad norm {norms[-1]:.4g}" if norms else ""
         if args.eval_every is not None and (step + 1) % args.eval_every == 0:  # untimed, after the update
-            e_args, e_kwargs, e_target = w.batch(batch_size, HELD_OUT + pp.dp_rank)
-            evaluated.append((step + 1, pp.eval().evaluate(*e_args, target=e_target, **e_kwargs)))
-            pp.train()
+            evaluated.append((step + 1, _held_out_loss(pp, w, batch_size, say)))
         held = f"  eval loss {evaluated[-1][1]:.4f}" if evaluated and evaluated[-1][0] == step + 1 else ""
         say(f"step {step + 1:4d}/{args.steps} {_bar(step + 1, args.steps)} loss {loss:.4f}{clipped}{held}  "
             f"{tokens / dt:9.0f} tok/s  {dt * 1e3:7.1f} ms" + ("  (skipped: not finite)" if skipped else ""),
             flush=True)
     return {"times": times, "losses": losses, "grad_norms": norms, "eval_losses": evaluated, "tokens": tokens,
             "skipped": args.steps - len(losses)}
+
+
+def _held_out_loss(pp: Any, w: Any, batch_size: int, say: Callable[..., None]) -> float:
+    """The loss of this replica's held-out batch in eval mode; in training mode, said once and in the plan's
+    notes, where the model traces otherwise in eval mode than the plan's graph (pipe.runtime.ModeError)."""
+    from pipe.runtime import ModeError
+    e_args, e_kwargs, e_target = w.batch(batch_size, HELD_OUT + pp.dp_rank)
+    if not any(n.startswith("--eval-every: ") for n in pp.plan.notes):
+        try:
+            return float(pp.eval().evaluate(*e_args, target=e_target, **e_kwargs))
+        except ModeError as e:
+            note = f"--eval-every: the held-out loss in training mode, not eval mode: {e}"
+            pp.plan.notes.append(note)
+            say(note, flush=True)
+        finally:
+            pp.train()
+    return float(pp.evaluate(*e_args, target=e_target, **e_kwargs))
 
 
 def _report(pp: Any, args: argparse.Namespace, ctx: Any, run: dict[str, Any], say: Callable[..., None]) -> int:

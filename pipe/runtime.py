@@ -77,8 +77,9 @@ def _compile_options(compile: Any, recompute: str, dynamic: bool) -> dict[str, A
     return options
 
 
-def _agree(error: str | None) -> None:
-    """Raise on every rank of the job when any rank failed, naming the first failing (global) rank."""
+def _agree(error: str | None, cls: type[PipelineError] | None = None) -> None:
+    """Raise `cls` (PipelineError) on every rank of the job when any rank failed, naming the first failing
+    (global) rank."""
     world = dist.get_world_size()
     errors: list[Any] = [None] * world
     if world > 1:
@@ -87,7 +88,7 @@ def _agree(error: str | None) -> None:
         errors = [error]
     for r, e in enumerate(errors):
         if e is not None:
-            raise PipelineError(f"rank {r} failed while setting up the pipeline: {e}")
+            raise (cls or PipelineError)(f"rank {r} failed while setting up the pipeline: {e}")
 
 
 def _gather(obj: Any) -> list[Any]:
@@ -95,6 +96,11 @@ def _gather(obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+class ModeError(PipelineError):
+    """The model cannot run in the mode asked (pp.train / pp.eval) by the pipeline's plan: traced in it, its
+    graph is not the one the plan cut."""
 
 
 class NonFiniteLoss(FxpipeError, FloatingPointError):
@@ -1227,12 +1233,12 @@ class Pipeline:
                 model = self._other_mode.setdefault("model", self._model if self.meta else meta_copy(self._model))
                 gm = modes.traced_in_mode(model, *self._example, self.training, leaf_modules=self.leaf_modules,
                                           loss_fn=self.loss_fn, loss=self.plan.loss, device=self.ctx.device)
-                self._other_mode["stages"] = modes.stages_in_mode(gm, self.plan, self._trained)
+                self._other_mode["stages"] = modes.stages_in_mode(gm, self._gm, self.plan, self._trained)
                 self._other_mode["gm"] = gm
             except (PlanError, ValueError, TypeError) as e:
                 error = (f"{type(e).__name__}: in {'training' if self.training else 'eval'} mode the model traces "
                          f"otherwise than the plan's graph ({e}); build a Pipeline from the model in that mode")
-            _agree(error)
+            _agree(error, ModeError)
         if inference and self.plan.loss and "inference" not in self._other_mode:
             error = None
             try:
