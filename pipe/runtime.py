@@ -1138,15 +1138,7 @@ class Pipeline:
                         dist.all_reduce(g.to_local() if isinstance(g, DTensor) else g, group=group)
                         if id(p) in held:
                             g.add_(held[id(p)])
-            loss = torch.as_tensor(run.loss_sum, dtype=torch.float64).reshape(1).to(dev)
-            last = self._global[self.place[self.S - 1]]
-            if self.world > 1:
-                with comm.guarded("the loss broadcast", last):
-                    dist.broadcast(loss, src=last, group=self.pp_group)
-            if self.dp_group is not None:
-                with comm.guarded("the data-parallel all-reduce of the loss"):
-                    dist.all_reduce(loss, group=self.dp_group)
-                    loss.div_(self.dp)
+            loss = self._mean_loss(run)
         self.timeline, self.collectives, self.posts = run.events()
         self.steps_done += 1
         value = float(loss.item())
@@ -1275,26 +1267,25 @@ class Pipeline:
             if stages is not None and self.sharded is not None:  # gathered as the stages' own forward would
                 for s in self.local:
                     self._trained[s].unshard()  # type: ignore[operator]
-            for x in self.inference_program:
-                if isinstance(x, Action):
-                    run.current = x
-                    run.forward(x)
-                else:
-                    run.ex.issue(x)
-            run.current = None
-            run.ex.finish()
+            run.forwards(self.inference_program)
             if self.sharded is not None:  # no backward frees the parameters the forwards gathered
                 self.sharded.reshard()
-            loss = torch.as_tensor(run.loss_sum, dtype=torch.float64).reshape(1).to(self.ctx.device)
-            last = self._global[self.place[self.S - 1]]
-            if self.world > 1:
-                with comm.guarded("the loss broadcast", last):
-                    dist.broadcast(loss, src=last, group=self.pp_group)
-            if self.dp_group is not None:
-                with comm.guarded("the data-parallel all-reduce of the loss"):
-                    dist.all_reduce(loss, group=self.dp_group)
-                    loss.div_(self.dp)
+            loss = self._mean_loss(run)
         return float(loss.item())
+
+    def _mean_loss(self, run: "_StepState") -> torch.Tensor:
+        """The step's mean loss, from the last stage's rank to every rank of the pipeline, then averaged over
+        the replicas (float64, shape [1])."""
+        loss = torch.as_tensor(run.loss_sum, dtype=torch.float64).reshape(1).to(self.ctx.device)
+        last = self._global[self.place[self.S - 1]]
+        if self.world > 1:
+            with comm.guarded("the loss broadcast", last):
+                dist.broadcast(loss, src=last, group=self.pp_group)
+        if self.dp_group is not None:
+            with comm.guarded("the data-parallel all-reduce of the loss"):
+                dist.all_reduce(loss, group=self.dp_group)
+                loss.div_(self.dp)
+        return loss
 
     def forward(self, *batch_args: Any, **batch_kwargs: Any) -> Any:
         """Inference without grads: the model's output for the whole batch, on every rank.
@@ -1323,14 +1314,7 @@ class Pipeline:
             if self.sharded is not None and (self._inference or stages):  # gathered as the stages' forward would
                 for s in self.local:
                     self._trained[s].unshard()  # type: ignore[operator]
-            for x in self.inference_program:
-                if isinstance(x, Action):
-                    run.current = x
-                    run.forward(x)
-                else:
-                    exchange.issue(x)
-            run.current = None
-            exchange.finish()
+            run.forwards(self.inference_program)
             if self.sharded is not None:  # inference has no backward to free the gathered parameters
                 self.sharded.reshard()
             if self._inference:  # each rank holds the outputs its stages computed: every rank gathers them
@@ -1429,6 +1413,17 @@ class _StepState:
             mem.after(x)
             if self.reducer is not None:
                 self.reducer.after(x)
+        self.current = None
+        self.ex.finish()
+
+    def forwards(self, program: list[Any]) -> None:
+        """Run a forward-only program (pipe.lower.forward_only): its forwards, and its batches of messages."""
+        for x in program:
+            if isinstance(x, Action):
+                self.current = x
+                self.forward(x)
+            else:
+                self.ex.issue(x)
         self.current = None
         self.ex.finish()
 
