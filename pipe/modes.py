@@ -4,20 +4,27 @@ trace made in that mode, its modules' own flags (dropout, batch norm) set to it 
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from difflib import SequenceMatcher
 from typing import Any, Callable
 
 import torch
 import torch.fx
 
 from partition.loss import attach_loss
-from partition.meta import retarget, to_meta
+from partition.meta import on_meta, retarget, to_meta
 from partition.plan import Plan, PlanError
 from partition.rewrite import apply_rewrites
 from partition.split import live_values, subgraph
 from partition.trace import flatten_outputs, trace
 
-__all__ = ["in_mode", "traced_in_mode", "stages_in_mode"]
+__all__ = ["in_mode", "matched", "traced_in_mode", "stages_in_mode"]
+
+# what a mode may drop (a dropout and the output it picks), and what may stand for it in another (a copy)
+_DROPOUT = {torch.ops.aten.native_dropout.default, torch.ops.aten.dropout.default, torch.nn.functional.dropout,
+            operator.getitem}
+_COPIES = {torch.ops.aten.clone.default, torch.ops.aten.alias.default}
 
 
 @contextlib.contextmanager
@@ -37,57 +44,90 @@ def in_mode(modules: Iterable[torch.nn.Module], training: bool) -> Iterator[None
 def traced_in_mode(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any], training: bool, *,
                    leaf_modules: Any, loss_fn: Callable[..., Any] | None, loss: bool,
                    device: torch.device) -> torch.fx.GraphModule:
-    """`model` (a meta copy: partition.meta.meta_copy) traced in mode `training` on meta copies of the
-    example, its factory calls made for `device`, with the loss attached when the plan has it in its
-    graph. ValueError when the loss cannot go into it."""
+    """`model` traced in mode `training` (its flags as they were after), a model on the meta device (a copy:
+    partition.meta.meta_copy) on meta copies of the example with its factory calls made for `device`, with
+    the loss attached when the plan has it in its graph. ValueError when the loss cannot go into it."""
+    meta = on_meta(model)
     with in_mode([model], training):
-        gm = trace(model, to_meta(tuple(args)), to_meta(dict(kwargs)), leaf_modules=leaf_modules)
-    retarget(gm, device)
+        gm = trace(model, to_meta(tuple(args)) if meta else tuple(args), to_meta(dict(kwargs)) if meta else
+                   dict(kwargs), leaf_modules=leaf_modules)
+    if meta:
+        retarget(gm, device)
     why = attach_loss(gm, loss_fn) if loss and loss_fn is not None else None
     if why:
         raise ValueError(f"loss_fn cannot go into the graph traced in {'training' if training else 'eval'} mode: {why}")
     return gm
 
 
-def stages_in_mode(gm: torch.fx.GraphModule, trained: torch.fx.GraphModule, plan: Plan,
-                   roots: Mapping[int, torch.nn.Module]) -> dict[int, tuple[torch.fx.GraphModule, list[int]]]:
+def matched(fresh: torch.fx.GraphModule, gm: torch.fx.GraphModule) -> tuple[dict[str, str], set[str]]:
+    """`gm`'s nodes -> the names of the nodes of `fresh` (the model traced in the plan's mode, before any
+    rewrite) they stand for, and the nodes of `fresh` that `gm` has none for. The graphs are aligned in
+    program order by operation; where they differ only a dropout or a copy may give way, to a copy
+    (torch.export in eval mode) or to nothing. PlanError otherwise."""
+    a, b = list(fresh.graph.nodes), list(gm.graph.nodes)
+    to: dict[str, str] = {}
+    gone: set[str] = set()
+    ops = SequenceMatcher(a=[(n.op, str(n.target)) for n in a], b=[(n.op, str(n.target)) for n in b], autojunk=False)
+    for tag, i1, i2, j1, j2 in ops.get_opcodes():
+        was, now = a[i1:i2], b[j1:j2]
+        if tag == "equal":
+            to.update((y.name, x.name) for x, y in zip(was, now))
+            continue
+        values = [n for n in was if not all(u in was for u in n.users)]  # what the block passes on
+        if not (all(n.target in _DROPOUT | _COPIES for n in was) and all(n.target in _COPIES for n in now)
+                and len(now) in (0, len(values))):
+            raise PlanError(f"its graph has {', '.join(n.name for n in now[:4]) or 'nothing'} where the plan's graph "
+                            f"has {', '.join(n.name for n in was[:4]) or 'nothing'}")
+        to.update((y.name, x.name) for x, y in zip(values, now))
+        gone |= {n.name for n in was} - {to[y.name] for y in now}
+    return to, gone
+
+
+def stages_in_mode(gm: torch.fx.GraphModule, fresh: torch.fx.GraphModule, trained: torch.fx.GraphModule,
+                   plan: Plan, roots: Mapping[int, torch.nn.Module]
+                   ) -> dict[int, tuple[torch.fx.GraphModule, list[int]]]:
     """The stages `roots` names (stage -> the module holding its parameters and submodules under the
     model's names), cut from `gm` by `plan`, each called as the training stage is (received values, then
-    the model inputs at the returned positions). `trained`: the graph the plan cut. `gm` may lack some of
-    its operations (torch.export drops a dropout in eval mode: the identity), and a value that crossed a
-    cut from one of them crosses from its input then; PlanError when `gm` has an operation `trained` has
-    not, or another, or its cuts would send other values than the plan's."""
-    present = {n.name for n in gm.graph.nodes}
-    todo = [r for r in plan.rewrites if str(r[0]) in present]
+    the model inputs at the returned positions). `fresh`: the model traced in the plan's mode; `trained`:
+    the graph the plan cut (rewritten). Nodes are matched as `matched` does; a value that crossed a cut
+    from a node `gm` lacks crosses from that node's input. PlanError where the cuts would send other
+    values than the plan's, or a rewritten node is named otherwise."""
+    to, gone = matched(fresh, gm)
+    back = {v: k for k, v in to.items()}
+    todo = [r for r in plan.rewrites if str(r[0]) in back]
+    renamed = [str(r[0]) for r in todo if back[str(r[0])] != str(r[0])]
+    if renamed:
+        raise PlanError(f"the plan rewrites {', '.join(renamed)}, which its graph names otherwise")
     if todo:
         apply_rewrites(gm, todo)
-    names = {n.name: n for n in gm.graph.nodes}
     known = {n.name: n for n in trained.graph.nodes}
-    other = [n for n, node in names.items()
-             if n not in known or (node.op, node.target) != (known[n].op, known[n].target)]
-    if other:
-        raise PlanError(f"its graph has operations the plan's graph has not ({', '.join(other[:5])})")
-    dropped = set(known) - set(names)
+    for n in gm.graph.nodes:  # the rewrites' own nodes are named alike in both
+        to.setdefault(n.name, n.name)
+    strange = [n.name for n in gm.graph.nodes if to[n.name] not in known]
+    if strange:
+        raise PlanError(f"its nodes {', '.join(strange[:4])} are not in the plan's graph")
 
     def passed_on(name: str) -> str:
-        """The value a dropped operation passed on: its first input's, through dropped ones."""
-        while name in dropped and known[name].all_input_nodes:
+        """The value a node `gm` lacks passed on: its first input's, through such nodes."""
+        while name in gone and known[name].all_input_nodes:
             name = known[name].all_input_nodes[0].name
         return name
 
     S = plan.n_stages
-    stage_of = {n: st.index for st in plan.stages for n in st.nodes if n in names}
+    planned = {n: st.index for st in plan.stages for n in st.nodes}
+    stage_of = {n.name: planned[to[n.name]] for n in gm.graph.nodes if to[n.name] in planned}
     recv = live_values(gm, stage_of, S)
     for s in range(1, S):
         want = [passed_on(v.name) for v in plan.stages[s].recv]
-        if want != recv[s]:
+        if want != [to[r] for r in recv[s]]:
             raise PlanError(f"stage {s} would receive {', '.join(recv[s][:4])}, where the plan sends it "
                             f"{', '.join(v.name for v in plan.stages[s].recv[:4])}")
+    names = {n.name: n for n in gm.graph.nodes}
     leaves, _ = flatten_outputs(gm)
     out = {}
     for s, root in roots.items():
         sends = leaves if s == S - 1 else [names[r] for r in recv[s + 1]]
-        cut, inputs, _ = subgraph(gm, {n for n in plan.stages[s].nodes if n in names}, stage_of, recv[s], sends,
+        cut, inputs, _ = subgraph(gm, {n for n, t in stage_of.items() if t == s}, stage_of, recv[s], sends,
                                   f"Stage{s}InMode")
         out[s] = (torch.fx.GraphModule(root, cut.graph, f"Stage{s}InMode"), inputs)
     return out

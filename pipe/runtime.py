@@ -1222,10 +1222,11 @@ class Pipeline:
         if "stages" not in self._other_mode:
             error = None
             try:
-                model = self._other_mode.setdefault("model", self._model if self.meta else meta_copy(self._model))
-                gm = modes.traced_in_mode(model, *self._example, self.training, leaf_modules=self.leaf_modules,
-                                          loss_fn=self.loss_fn, loss=self.plan.loss, device=self.ctx.device)
-                self._other_mode["stages"] = modes.stages_in_mode(gm, self._gm, self.plan, self._trained)
+                model = self._other_mode.get("model", self._model)  # (under FSDP a meta copy made before sharding)
+                gm, fresh = (modes.traced_in_mode(model, *self._example, mode, leaf_modules=self.leaf_modules,
+                                                  loss_fn=self.loss_fn, loss=self.plan.loss, device=self.ctx.device)
+                             for mode in (self.training, self._traced_mode))  # (fresh: before the plan's rewrites)
+                self._other_mode["stages"] = modes.stages_in_mode(gm, fresh, self._gm, self.plan, self._trained)
                 self._other_mode["gm"] = gm
             except (PlanError, ValueError, TypeError) as e:
                 error = (f"{type(e).__name__}: in {'training' if self.training else 'eval'} mode the model traces "

@@ -175,3 +175,23 @@ def shape_on_one_rank() -> Workload:
     """Rank 1 alone given batches twice as long as planned, from step 1."""
     return _with_batches(lambda a, k, t: ((torch.cat([a[0], a[0]], 1),), k, torch.cat([t, t], 1)) if _rank() == 1
                          else (a, k, t))
+
+
+class _TrainOnlyNoise(torch.nn.Module):
+    """Two layers, the second only in training mode: its eval-mode graph is not the one a plan cuts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.a(x))
+        return self.b(x) + x if self.training else x
+
+
+def mode_branch() -> Workload:
+    """Traced in training mode, a model whose eval mode skips a layer: refused in eval mode (ModeError)."""
+    torch.manual_seed(0)
+    x, _ = _pair(2, 0)
+    return Workload(name="mode_branch", model=_TrainOnlyNoise(), example_args=x, loss_fn=_mse, make_batch=_pair,
+                    microbatch_size=2)

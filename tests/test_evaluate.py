@@ -2,8 +2,9 @@
 on 2 ranks in one launch (the loss outside the graph and in it, a head in vocabulary slices, zero bubble,
 V placement, interleaved, recompute, offloaded activations, the NCCL-semantics transport), leaving the
 grads and the step count as they were; refused calls on every rank; eval mode (pp.eval()) on a model
-with dropout, against the plain model's eval mode, the loss in the graph and outside it. The data-parallel case (the mean
-over the replicas' batches) is in test_data_parallel."""
+with dropout, against the plain model's eval mode, the loss in the graph and outside it, and Hugging Face
+GPT-2 and T5 (torch.export) with dropout; a model whose eval mode skips a layer refused. The
+data-parallel case (the mean over the replicas' batches) is in test_data_parallel."""
 from typing import Any
 
 import torch
@@ -113,12 +114,51 @@ def _modes(fused: bool) -> dict[str, Any]:
     return out
 
 
+def _hugging_face(name: str) -> dict[str, Any]:
+    """A Hugging Face model traced by torch.export with dropout 0.2: in eval mode export drops the dropouts
+    (for copies) and names the operations after them otherwise; the loss is the plain model's in eval mode."""
+    import partition
+    w, ref = partition.load(name), partition.load(name)
+    for m in (w.model, ref.model):
+        for mod in m.modules():
+            if isinstance(mod, torch.nn.Dropout):
+                mod.p = 0.2
+    import pipe
+    pp = pipe.Pipeline(w.model, w.example_args, example_kwargs=w.example_kwargs, loss_fn=w.loss_fn,
+                       microbatches=2, cost="flops")
+    args, kwargs, target = w.batch(w.microbatch_size * 2, 1)
+    train = [pp.evaluate(*args, target=target, **kwargs) for _ in range(2)]
+    evaluated = [pp.eval().evaluate(*args, target=target, **kwargs) for _ in range(2)]
+    ref.model.eval()
+    from pipe.runtime import split_microbatches
+    with torch.no_grad():
+        want = sum(float(ref.loss_fn(ref.model(*a, **k), t)) for (a, k), t in
+                   zip(split_microbatches((args, kwargs), 2), split_microbatches(target, 2, "target"))) / 2
+    return {"train": train, "eval": evaluated, "ref": want}
+
+
+def _refused_mode() -> str:
+    """A model whose eval mode skips a layer: refused on every rank."""
+    import pipe
+    from tests.bad_models import mode_branch
+    w = mode_branch()
+    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=2, cost="flops")
+    args, _, target = w.batch(4, 0)
+    try:
+        pp.eval().evaluate(*args, target=target)
+        return "no error"
+    except pipe.PipelineError as e:
+        return f"{type(e).__name__}: {e}"
+
+
 def two_body(rank: int, world: int) -> dict[str, Any]:
     import pipe
     pipe.init()
     res: dict[str, Any] = {name: _case(*case) for name, case in CASES.items()}
     res["refused"] = _refusals()
     res["modes"] = {fused: _modes(fused) for fused in (False, True)}
+    res["hugging face"] = {name: _hugging_face(f"bench.hf_models:{name}") for name in ("gpt2", "t5")}
+    res["mode refused"] = _refused_mode()
     return res
 
 
@@ -137,6 +177,14 @@ def test_evaluate_on_2_ranks_is_the_whole_models_loss_without_grads() -> None:
             torch.testing.assert_close(got["eval"][0], got["ref"], rtol=1e-5, atol=1e-6)
             assert got["again"] != got["eval"][0] and got["flags"], got
             assert "step() in eval mode" in got["step"] and "pp.train()" in got["step"], got["step"]
+    for name in ("gpt2", "t5"):
+        for r in res:
+            got = r["hugging face"][name]
+            assert got["eval"][0] == got["eval"][1] and got["train"][0] != got["train"][1], (name, got)
+            torch.testing.assert_close(got["eval"][0], got["ref"], rtol=1e-5, atol=1e-6)
+    for r in res:
+        assert r["mode refused"].startswith("ModeError: ") and "in eval mode the model traces otherwise" in \
+            r["mode refused"] and "build a Pipeline from the model in that mode" in r["mode refused"], r["mode refused"]
     for r in res:
         assert "got no target" in r["refused"]["no target"] and "target=" in r["refused"]["no target"], r
         assert "evaluate() does not stream" in r["refused"]["streamed states"], r

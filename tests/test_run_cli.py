@@ -64,7 +64,7 @@ def test_run_command(launcher: str, tmp_path: Path) -> None:
 
 def test_a_hugging_face_causal_lm_whose_loss_reads_logits_trains_with_the_loss_in_the_graph(tmp_path: Path) -> None:
     """... under --schedule auto over 1f1b and zb-h1: the candidates (M 2 or 4 of a batch of 4) ranked,
-    the fastest run; --eval-every, said to evaluate in training mode."""
+    the fastest run; --eval-every in eval mode."""
     cmd = [str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "pipe.run",
            "bench.hf_models:gpt2_lm", "--model-arg", "n_embd=32", "--model-arg", "seq_len=16", "--steps", "3",
            "--schedule", "auto", "--auto-schedules", "1f1b,zb-h1", "--batch-size", "4", "--cost", "flops",
@@ -80,10 +80,25 @@ def test_a_hugging_face_causal_lm_whose_loss_reads_logits_trains_with_the_loss_i
     assert "loss: computed in the last stage (1), traced into the graph" in out
     losses = [float(line.split("loss ")[1].split()[0]) for line in out.splitlines() if line.startswith("step ")]
     assert len(losses) == 3 and all(4.0 < x < 7.0 for x in losses), losses  # ln(256) = 5.5 at the start
-    # torch.export's graph in eval mode is not the plan's (its operations are named otherwise): the held-out
-    # loss in training mode, said (this model has no dropout, so the two would agree)
-    assert "--eval-every: the held-out loss in training mode, not eval mode" in out
+    # in eval mode torch.export's graph lacks the dropouts (p=0 here) and names later operations otherwise:
+    # matched to the plan's all the same
+    assert "--eval-every: the held-out loss in training mode" not in out
     assert [s for s, _ in summary["eval_losses"]] == [2] and 4.0 < summary["eval_losses"][0][1] < 7.0
+    assert "eval loss" in [line for line in out.splitlines() if line.startswith("step ")][1]
+
+
+def test_eval_every_says_when_it_evaluates_in_training_mode(tmp_path: Path) -> None:
+    """A model whose eval mode skips a layer is refused in it (pipe.runtime.ModeError): the held-out loss
+    in training mode, said in the output and in the plan's notes."""
+    cmd = [str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "pipe.run",
+           "tests/bad_models.py:mode_branch", "--steps", "2", "--microbatches", "2", "--eval-every", "1",
+           "--cost", "flops", "--out", str(tmp_path)]
+    out = run_command(cmd, timeout=120).output
+    said = "--eval-every: the held-out loss in training mode, not eval mode: rank 0 failed"
+    lines = [line for line in out.splitlines() if said in line]  # once when it happened, once in the plan's notes
+    assert len(lines) == 2 and lines[1].startswith("note: ") and "build a Pipeline from the model" in lines[0], out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [s for s, _ in summary["eval_losses"]] == [1, 2]
 
 
 def test_the_readme_recipe_runs_as_written(tmp_path: Path) -> None:
