@@ -1,10 +1,10 @@
 """Pipeline.evaluate: a batch's mean loss without grads, against the unpartitioned model's under no_grad,
 on 2 ranks in one launch (the loss outside the graph and in it, a head in vocabulary slices, zero bubble,
-V placement, interleaved, recompute, offloaded activations, the NCCL-semantics transport), leaving the
-grads and the step count as they were; refused calls on every rank; eval mode (pp.eval()) on a model
-with dropout, against the plain model's eval mode, the loss in the graph and outside it, and Hugging Face
-GPT-2 and T5 (torch.export) with dropout; a model whose eval mode skips a layer refused. The
-data-parallel case (the mean over the replicas' batches) is in test_data_parallel."""
+V placement, interleaved, recompute, offloaded activations, compiled stages, the NCCL-semantics
+transport), leaving the grads and the step count as they were; refused calls on every rank; eval mode
+(pp.eval()) on a model with dropout, against the plain model's eval mode, the loss in the graph and
+outside it, and Hugging Face GPT-2 and T5 (torch.export) with dropout; a model whose eval mode skips a
+layer refused. The data-parallel case (the mean over the replicas' batches) is in test_data_parallel."""
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ CASES = {  # name: (workload, its arguments, Pipeline's, the loss in the graph)
                                False),
     "recompute": ("gpt", GPT, dict(recompute="full"), True),
     "offloaded activations": ("gpt", GPT, dict(offload="activations"), False),
+    "compiled": ("gpt", GPT, dict(schedule="zb-h1", compile={"backend": "aot_eager"}), True),
 }
 
 
