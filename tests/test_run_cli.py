@@ -106,7 +106,7 @@ def test_the_readme_recipe_runs_as_written(tmp_path: Path) -> None:
     readme = (ROOT / "README.md").read_text()
     code = readme.split("## Use it")[1].split("```python")[1].split("```")[0]
     script = tmp_path / "recipe.py"
-    script.write_text(code + "\nimport os, math\nassert step == 19 and math.isfinite(loss)\n"
+    script.write_text(code + "\nimport os, math\nassert step == 19 and math.isfinite(loss + val_loss)\n"
                       "assert pp.load('ckpt', optimizer=opt) == 20  # as the comment says\n"
                       "open(f\"done-{os.environ['RANK']}\", 'w').write(str(loss))\n")
     cmd = [str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", str(free_port()), str(script)]
