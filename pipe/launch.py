@@ -236,6 +236,9 @@ def finish() -> None:
     the job. Where mpi4py was imported before init (its exit hook finalizes), abort the job."""
     if _FAILED[0]:
         _linger()
+        if _MPI:  # said, so that mpiexec's report of the ranks it then kills is not read as their own failure
+            print(f"fxpipe: rank {_CONTEXT.rank if _CONTEXT else '?'} saw the job fail and leaves without "
+                  "MPI_Finalize: mpiexec ends the job's other ranks", file=sys.stderr, flush=True)
         if _MPI and not _MPI[1]:
             sys.stdout.flush()
             sys.stderr.flush()
