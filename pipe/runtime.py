@@ -1233,13 +1233,19 @@ class Pipeline:
                          f"otherwise than the plan's graph ({e}); build a Pipeline from the model in that mode")
             _agree(error, ModeError)
         if inference and self.plan.loss and "inference" not in self._other_mode:
-            error = None
-            try:
-                self._other_mode["inference"] = {s: inference_stage(self._other_mode["gm"], self.plan, s,
-                                                                    self._trained[s]) for s in self.local}
-            except PlanError as e:
-                error = f"PipelineError: forward() on this pipeline: {e}"
-            _agree(error)
+            error, gm = None, self._other_mode["gm"]
+            known = {n.name: (n.op, n.target) for n in self._gm.graph.nodes}
+            if any(known.get(n.name) != (n.op, n.target) for n in gm.graph.nodes):  # inference_stage cuts by name
+                error = ("forward() in this mode, the loss in the graph: the mode's graph names its operations "
+                         "otherwise than the plan's (torch.export), and the stages without the loss are cut by name; "
+                         "evaluate() works, or build a Pipeline from the model in that mode")
+            else:
+                try:
+                    self._other_mode["inference"] = {s: inference_stage(gm, self.plan, s, self._trained[s])
+                                                     for s in self.local}
+                except PlanError as e:
+                    error = f"PipelineError: forward() on this pipeline: {e}"
+            _agree(error, ModeError)
         return self._other_mode["stages"], self._other_mode.get("inference") if inference else None
 
     def _flags(self, other: bool) -> contextlib.AbstractContextManager[None]:

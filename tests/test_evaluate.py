@@ -135,7 +135,12 @@ def _hugging_face(name: str) -> dict[str, Any]:
     with torch.no_grad():
         want = sum(float(ref.loss_fn(ref.model(*a, **k), t)) for (a, k), t in
                    zip(split_microbatches((args, kwargs), 2), split_microbatches(target, 2, "target"))) / 2
-    return {"train": train, "eval": evaluated, "ref": want}
+    try:  # the stages without the loss are cut by name: refused where export renamed operations
+        pp.forward(*args, **kwargs)
+        forward = "ran"
+    except pipe.PipelineError as e:
+        forward = f"{type(e).__name__}: {e}"
+    return {"train": train, "eval": evaluated, "ref": want, "loss in graph": pp.plan.loss, "forward": forward}
 
 
 def _refused_mode() -> str:
@@ -183,6 +188,9 @@ def test_evaluate_on_2_ranks_is_the_whole_models_loss_without_grads() -> None:
             got = r["hugging face"][name]
             assert got["eval"][0] == got["eval"][1] and got["train"][0] != got["train"][1], (name, got)
             torch.testing.assert_close(got["eval"][0], got["ref"], rtol=1e-5, atol=1e-6)
+            if got["loss in graph"]:
+                assert got["forward"].startswith("ModeError") and "names its operations" in got["forward"], got
+    assert res[0]["hugging face"]["gpt2"]["loss in graph"], res[0]["hugging face"]["gpt2"]  # the refusal was met
     for r in res:
         assert r["mode refused"].startswith("ModeError: ") and "in eval mode the model traces otherwise" in \
             r["mode refused"] and "build a Pipeline from the model in that mode" in r["mode refused"], r["mode refused"]
