@@ -10,9 +10,12 @@ model, and the CUDA-event timeline (device time) against the host's wall time of
 (4) step times of plain, auto at half the plain peak, selective and full recompute; (5) a
 checkpoint saved on the device resumed bitwise (dropout: the device's random state); (6) the
 widest gpt that trains within a per-stage budget, plain against auto + offload of everything; (7) the
-model's costs by FLOP count, by shape (cost="shaped") and timed op by op on the device.
-Uses min(2, GPUs) ranks (one process per GPU); with one GPU the single stage runs GPipe so that
-several microbatches are in flight. Writes out/gpu_check/gpu_check.json.
+model's costs by FLOP count, by shape (cost="shaped") and timed op by op on the device; (8)
+pp.clip_grad_norm_ and pp.eval().evaluate against torch's clipping and eval mode on the unpartitioned
+model; (9) compile=True (inductor) against the model and against the same schedule uncompiled:
+parity, the compilation's seconds, the step's speed-up.
+Uses min(2, GPUs) ranks (one process per GPU; --ranks to choose); with one GPU the single stage runs
+GPipe so that several microbatches are in flight. Writes out/gpu_check/gpu_check.json after each part.
 """
 from __future__ import annotations
 
@@ -39,12 +42,16 @@ GPU: dict[str, Any] = {
     "timed": {"n_layer": 8, "d_model": 1024, "n_head": 16, "seq_len": 256, "vocab": 8192, "microbatch_size": 4,
               "tie": False},
     "scan": {"n_layer": 4, "n_head": 16, "seq_len": 64, "vocab": 8192, "microbatch_size": 2, "tie": False},
-    "widths": [1024, 1536, 2048, 3072, 4096, 6144], "budget": 1 << 30, "scan_s": 100.0}
+    "widths": [1024, 1536, 2048, 3072, 4096, 6144], "budget": 1 << 30, "scan_s": 40.0,
+    "compiled": {"n_layer": 4, "d_model": 1024, "n_head": 16, "seq_len": 256, "vocab": 8192, "microbatch_size": 4,
+                 "tie": False}, "compile": True}
 DRY: dict[str, Any] = {
     "timed": {"n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 32, "vocab": 256, "microbatch_size": 2,
               "tie": False},
     "scan": {"n_layer": 2, "n_head": 4, "seq_len": 16, "vocab": 128, "microbatch_size": 2, "tie": False},
-    "widths": [32, 64, 128], "budget": 4 << 20, "scan_s": 30.0}
+    "widths": [32, 64, 128], "budget": 4 << 20, "scan_s": 30.0,
+    "compiled": {"n_layer": 2, "d_model": 32, "n_head": 2, "seq_len": 16, "vocab": 64, "microbatch_size": 2,
+                 "tie": False}, "compile": {"backend": "aot_eager"}}
 
 
 def copy_speeds(say: Callable[..., None]) -> dict[str, float]:
@@ -99,13 +106,40 @@ def copy_speeds(say: Callable[..., None]) -> dict[str, float]:
     return out
 
 
+def reference_step(w: Any, model: torch.nn.Module, args: tuple[Any, ...], target: torch.Tensor, M: int,
+                   dev: torch.device, backward: bool = True) -> float:
+    """The unpartitioned model's loss over the batch (mean of the microbatches' losses, as a pipeline's step),
+    its grads accumulated in `model` (with `backward`)."""
+    from pipe.runtime import split_microbatches
+    loss = 0.0
+    mbs = split_microbatches(tuple(a.to(dev) for a in args), M)
+    for a, t in zip(mbs, split_microbatches(target.to(dev), M, "target")):
+        with torch.set_grad_enabled(backward):
+            part = w.loss_fn(model(*a), t) / M
+        if backward:
+            part.backward()
+        loss += float(part.detach())
+    return loss
+
+
+def grad_error(pp: Any, model: torch.nn.Module) -> tuple[float, float]:
+    """Over this rank's parameters, by name: the largest |grad - reference grad|, and that over the largest
+    |reference grad| (0.0 when no grads)."""
+    ref = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    pairs = [(p.grad, ref[n]) for n, p in pp.named_parameters() if p.grad is not None and n in ref]
+    if not pairs:
+        return 0.0, 0.0
+    err = max(float((g - r).abs().max()) for g, r in pairs)
+    scale = max(float(r.abs().max()) for _, r in pairs)
+    return err, err / max(scale, 1e-30)
+
+
 def schedules_check(base: dict[str, Any], M: int, say: Callable[..., None]) -> list[dict[str, Any]]:
     """interleaved-1f1b and zbv: parity with the unpartitioned model (loss, every grad by name),
     and the device timeline (CUDA events on CUDA) against the wall time of the step."""
     import partition
     import pipe
     from pipe.launch import context
-    from pipe.runtime import split_microbatches
     dev = context().device
     rows = []
     for schedule in ("interleaved-1f1b", "zbv"):
@@ -124,16 +158,8 @@ def schedules_check(base: dict[str, Any], M: int, say: Callable[..., None]) -> l
             walls.append((time.perf_counter() - t0) * 1e3)
             tl = pp.gather_timeline()
             spans.append(tl.makespan if tl is not None else 0.0)
-            ref_loss = 0.0
-            mbs = split_microbatches(tuple(a.to(dev) for a in args), M)
-            for a, t in zip(mbs, split_microbatches(target.to(dev), M, "target")):
-                part = w.loss_fn(ref.model(*a), t) / M
-                part.backward()
-                ref_loss += float(part.detach())
-            ref_grads = {n: p.grad for n, p in ref.model.named_parameters()}
-            grad_err = max(float((g - r).abs().max()) for n, g, r in
-                           ((n, p.grad, ref_grads[n]) for n, p in pp.named_parameters())
-                           if g is not None and r is not None)
+            ref_loss = reference_step(w, ref.model, args, target, M, dev)
+            grad_err = grad_error(pp, ref.model)[0]
             for p in list(pp.parameters()) + list(ref.model.parameters()):
                 p.grad = None
         row = {"schedule": schedule, "ranks": dist.get_world_size(), "loss_err": abs(loss - ref_loss),
@@ -144,6 +170,110 @@ def schedules_check(base: dict[str, Any], M: int, say: Callable[..., None]) -> l
             + (f", bubble {tl.bubble:.3f}" if tl is not None else ""))
         del w, ref, pp
     return rows
+
+
+def clip_eval_check(base: dict[str, Any], M: int, schedule: str, say: Callable[..., None]) -> dict[str, Any]:
+    """pp.clip_grad_norm_ against torch.nn.utils.clip_grad_norm_ over the unpartitioned model (the norm, and
+    every clipped grad by name), and pp.eval().evaluate with dropout against the model in eval mode: on the
+    device, through the job's backend (NCCL: no CPU tensor may reach a collective)."""
+    import partition
+    import pipe
+    from pipe.launch import context
+    dev = context().device
+    w = partition.load("gpt", **base)
+    ref = partition.load("gpt", **base)
+    ref.model.to(dev)
+    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, schedule=schedule, cost="flops")
+    args, _, target = w.batch(w.microbatch_size * M, 0)
+    loss = pp.step(*args, target=target)
+    ref_loss = reference_step(w, ref.model, args, target, M, dev)
+    max_norm = 0.1
+    norm = float(pp.clip_grad_norm_(max_norm))
+    ref_norm = float(torch.nn.utils.clip_grad_norm_(list(ref.model.parameters()), max_norm))
+    clipped_err = grad_error(pp, ref.model)
+    del pp, w, ref
+    d = partition.load("gpt", **{**base, "dropout": 0.1})
+    dref = partition.load("gpt", **{**base, "dropout": 0.1})
+    dref.model.to(dev).eval()
+    pe = pipe.Pipeline(d.model, d.example_args, loss_fn=d.loss_fn, microbatches=M, schedule=schedule, cost="flops")
+    args, _, target = d.batch(d.microbatch_size * M, 1)
+    val = pe.eval().evaluate(*args, target=target)
+    ref_val = reference_step(d, dref.model, args, target, M, dev, backward=False)
+    pe.train()
+    row = {"step_loss_err": abs(float(loss) - ref_loss), "norm": norm, "ref_norm": ref_norm,
+           "norm_rel_err": abs(norm - ref_norm) / max(ref_norm, 1e-30), "clipped_grad_err": clipped_err[0],
+           "clipped_grad_rel_err": clipped_err[1], "eval_loss": val, "ref_eval_loss": ref_val,
+           "eval_loss_err": abs(val - ref_val)}
+    say(f"    clip_grad_norm_({max_norm}): total norm {norm:.6g} (torch on the whole model {ref_norm:.6g}, relative "
+        f"error {row['norm_rel_err']:.1e}), clipped grads max error {clipped_err[0]:.2e} ({clipped_err[1]:.1e} of the "
+        f"largest); eval-mode loss with dropout 0.1 {val:.6f} vs {ref_val:.6f} (|diff| {row['eval_loss_err']:.1e})")
+    return row
+
+
+def compile_check(base: dict[str, Any], M: int, schedules: tuple[str, ...], compile: Any, steps: int,
+                  say: Callable[..., None]) -> list[dict[str, Any]]:
+    """compile=`compile` (True: torch.compile's inductor, Triton kernels on CUDA) against the unpartitioned model (loss,
+    grads by name) and against the same schedule uncompiled: the first step's seconds (the compilation) and
+    the median step of each, timed alternately."""
+    import statistics
+    import partition
+    import pipe
+    from pipe.launch import context
+    dev = context().device
+    rows = []
+    for schedule in schedules:
+        ref = partition.load("gpt", **base)
+        ref.model.to(dev)
+        built: dict[bool, tuple[Any, Any]] = {}
+        first: dict[bool, float] = {}
+        for compiled in (False, True):
+            w = partition.load("gpt", **base)
+            pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, schedule=schedule,
+                               cost="flops", compile=compile if compiled else False)
+            built[compiled] = (w, pp)
+        args, _, target = built[True][0].batch(built[True][0].microbatch_size * M, 0)
+        losses: dict[bool, float] = {}
+        errs: dict[bool, tuple[float, float]] = {}
+        ref_loss = reference_step(built[True][0], ref.model, args, target, M, dev)
+        for compiled, (w, pp) in built.items():
+            t0 = time.perf_counter()
+            losses[compiled] = float(pp.step(*args, target=target))
+            _sync(dev)
+            first[compiled] = time.perf_counter() - t0
+            errs[compiled] = grad_error(pp, ref.model)
+            for p in pp.parameters():
+                p.grad = None
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for i in range(steps):
+            b, _, t = built[True][0].batch(built[True][0].microbatch_size * M, i + 1)
+            for compiled in ((False, True) if i % 2 == 0 else (True, False)):
+                pp = built[compiled][1]
+                _sync(dev)
+                t0 = time.perf_counter()
+                pp.step(*b, target=t)
+                _sync(dev)
+                times[compiled].append(time.perf_counter() - t0)
+                for p in pp.parameters():
+                    p.grad = None
+        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        row = {"schedule": schedule, "ref_loss": ref_loss, "loss_err": {str(k): abs(v - ref_loss) for k, v in
+                                                                        losses.items()},
+               "grad_err": {str(k): v for k, v in errs.items()}, "first_step_s": {str(k): v for k, v in first.items()},
+               "median_step_ms": {str(k): v for k, v in med.items()}, "speedup": med[False] / med[True],
+               "notes": [n for n in built[True][1].plan.notes if "compile" in n]}
+        rows.append(row)
+        say(f"    {schedule:8s} compiled: |loss - ref| {abs(losses[True] - ref_loss):.1e} "
+            f"(plain {abs(losses[False] - ref_loss):.1e}), "
+            f"grads {errs[True][1]:.1e} of the largest (plain {errs[False][1]:.1e}); first step {first[True]:.1f} s "
+            f"(plain {first[False]:.2f} s); median step {med[True]:.1f} ms against {med[False]:.1f} ms plain: "
+            f"x{row['speedup']:.2f}")
+        del built, ref
+    return rows
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def ledger_vs_allocator(base: dict[str, Any], M: int, schedule: str, say: Callable[..., None]) -> list[dict[str, Any]]:
@@ -261,6 +391,9 @@ def worker(dry: bool) -> int:
                                         base=cfg["scan"], widths=cfg["widths"], schedule=schedule,
                                         seconds=cfg["scan_s"])),
         ("shaped", lambda: shaped_check(cfg["timed"], say) if ctx.rank == 0 else {}),
+        ("clip_eval", lambda: clip_eval_check(cfg["timed"], 4, schedule, say)),
+        ("compile", lambda: compile_check(cfg["compiled"], 4, ("1f1b", "zb-h1") if world > 1 else ("gpipe", "zbv"),
+                                          cfg["compile"], 4, say)),
     ]
     for name, fn in steps:
         say(f"[{time.perf_counter() - t_all:6.1f} s] {name}")
@@ -269,28 +402,35 @@ def worker(dry: bool) -> int:
         except Exception as e:  # report and go on: one failing part must not hide the others
             result[name] = {"error": f"{type(e).__name__}: {e}"[:400]}
             say(f"    failed: {result[name]['error']}")
-            if dist.is_initialized():
+            if world > 1:
                 raise  # a rank may be stuck in a collective: stop the whole check
         dist.barrier()
+        if ctx.rank == 0:  # what was measured so far survives a check stopped at its time limit
+            write(result)
     if "scan_plain" in result and "scan_memory" in result:
         a, b = result["scan_plain"].get("params", 0), result["scan_memory"].get("params", 0)
         say(f"largest within {cfg['budget'] / 2**20:.0f} MiB per stage: plain {a / 1e6:.1f} M params, "
             f"auto + offload all {b / 1e6:.1f} M: x{b / max(a, 1):.2f}")
     say(f"done in {time.perf_counter() - t_all:.0f} s")
     if ctx.rank == 0:
-        out = Path("out/gpu_check")
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "gpu_check.json").write_text(json.dumps(result, indent=1, default=str))
-        say(f"wrote {out / 'gpu_check.json'}")
+        say(f"wrote {write(result)}")
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def write(result: dict[str, Any]) -> Path:
+    out = Path("out/gpu_check")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.json").write_text(json.dumps(result, indent=1, default=str))
+    return out / "gpu_check.json"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench/gpu_check.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="run on CPU with small sizes (checks the script)")
+    p.add_argument("--ranks", type=int, default=None, help="processes (default: min(2, GPUs); 2 with --dry-run)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -301,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import subprocess
     import socket
-    ranks = min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 2
+    ranks = args.ranks or (min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 2)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -197,7 +197,8 @@ def test_bench_partition(tmp_path: Path) -> None:
 def test_gpu_check_dry_run_on_cpu() -> None:
     """The one-script GPU check, exercised on CPU with small sizes so it cannot rot between GPU sessions."""
     out = run_command([sys.executable, "bench/gpu_check.py", "--dry-run"], timeout=240).output
-    for part in ("schedules", "checkpoint", "ledger", "time", "scan_plain", "scan_memory", "shaped"):
+    for part in ("schedules", "checkpoint", "ledger", "time", "scan_plain", "scan_memory", "shaped", "clip_eval",
+                 "compile"):
         assert f"] {part}" in out, out[-3000:]
     assert "largest within" in out and "done in" in out and "Traceback" not in out
     data = json.loads(Path(__file__).resolve().parent.parent.joinpath("out/gpu_check/gpu_check.json").read_text())
@@ -209,6 +210,13 @@ def test_gpu_check_dry_run_on_cpu() -> None:
     for r in data["schedules"]:  # parity, and a timeline no longer than the step that contains it
         assert r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4, r
         assert all(0 < t <= wall for t, wall in zip(r["timeline_ms"], r["wall_ms"])), r
+    clip = data["clip_eval"]  # the whole model's norm and eval-mode loss, as torch's on the unpartitioned model
+    assert clip["norm"] > 0.1 and clip["norm_rel_err"] < 1e-5 and clip["clipped_grad_rel_err"] < 1e-5, clip
+    assert clip["step_loss_err"] < 1e-5 and clip["eval_loss_err"] < 1e-5, clip
+    assert [r["schedule"] for r in data["compile"]] == ["1f1b", "zb-h1"]
+    for r in data["compile"]:  # the dry run compiles with aot_eager: parity, and both timed
+        assert max(r["loss_err"].values()) < 1e-5 and max(e for e, _ in r["grad_err"].values()) < 1e-4, r
+        assert all(t > 0 for t in r["median_step_ms"].values()) and r["notes"], r
 
 
 def test_bench_data_parallel(tmp_path: Path) -> None:
