@@ -42,7 +42,7 @@ GPU: dict[str, Any] = {
     "timed": {"n_layer": 8, "d_model": 1024, "n_head": 16, "seq_len": 256, "vocab": 8192, "microbatch_size": 4,
               "tie": False},
     "scan": {"n_layer": 4, "n_head": 16, "seq_len": 64, "vocab": 8192, "microbatch_size": 2, "tie": False},
-    "widths": [1024, 1536, 2048, 3072, 4096, 6144], "budget": 1 << 30, "scan_s": 40.0,
+    "widths": [256, 512, 1024, 1536, 2048, 3072, 4096], "budget": 1 << 30, "scan_s": 40.0,
     "compiled": {"n_layer": 4, "d_model": 1024, "n_head": 16, "seq_len": 256, "vocab": 8192, "microbatch_size": 4,
                  "tie": False}, "compile": True}
 DRY: dict[str, Any] = {
@@ -199,14 +199,19 @@ def clip_eval_check(base: dict[str, Any], M: int, schedule: str, say: Callable[.
     args, _, target = d.batch(d.microbatch_size * M, 1)
     val = pe.eval().evaluate(*args, target=target)
     ref_val = reference_step(d, dref.model, args, target, M, dev, backward=False)
+    out = pe.forward(*args)  # in eval mode too: the output on this rank's device, as the model's there
+    with torch.no_grad():
+        ref_out = dref.model(*(a.to(dev) for a in args))
     pe.train()
     row = {"step_loss_err": abs(float(loss) - ref_loss), "norm": norm, "ref_norm": ref_norm,
            "norm_rel_err": abs(norm - ref_norm) / max(ref_norm, 1e-30), "clipped_grad_err": clipped_err[0],
            "clipped_grad_rel_err": clipped_err[1], "eval_loss": val, "ref_eval_loss": ref_val,
-           "eval_loss_err": abs(val - ref_val)}
+           "eval_loss_err": abs(val - ref_val), "forward_device": str(out.device),
+           "forward_err": float((out.to(dev) - ref_out).abs().max())}
     say(f"    clip_grad_norm_({max_norm}): total norm {norm:.6g} (torch on the whole model {ref_norm:.6g}, relative "
         f"error {row['norm_rel_err']:.1e}), clipped grads max error {clipped_err[0]:.2e} ({clipped_err[1]:.1e} of the "
-        f"largest); eval-mode loss with dropout 0.1 {val:.6f} vs {ref_val:.6f} (|diff| {row['eval_loss_err']:.1e})")
+        f"largest); eval-mode loss with dropout 0.1 {val:.6f} vs {ref_val:.6f} (|diff| {row['eval_loss_err']:.1e}); "
+        f"pp.forward in eval mode on {out.device}, max |out - model's| {row['forward_err']:.1e}")
     return row
 
 
@@ -368,7 +373,7 @@ def shaped_check(base: dict[str, Any], say: Callable[..., None]) -> dict[str, An
     return out
 
 
-def worker(dry: bool) -> int:
+def worker(dry: bool, parts: list[str] | None = None) -> int:
     import pipe
     ctx = pipe.init()
     say: Callable[..., None] = (lambda *a, **k: print(*a, **k, flush=True)) if ctx.rank == 0 else (lambda *a, **k: None)
@@ -395,7 +400,12 @@ def worker(dry: bool) -> int:
         ("compile", lambda: compile_check(cfg["compiled"], 4, ("1f1b", "zb-h1") if world > 1 else ("gpipe", "zbv"),
                                           cfg["compile"], 4, say)),
     ]
+    unknown = sorted(set(parts or []) - {name for name, _ in steps})
+    if unknown:
+        raise SystemExit(f"gpu_check: no part {unknown}; the parts: {', '.join(name for name, _ in steps)}")
     for name, fn in steps:
+        if parts is not None and name not in parts:
+            continue
         say(f"[{time.perf_counter() - t_all:6.1f} s] {name}")
         try:
             result[name] = fn()
@@ -431,10 +441,13 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="run on CPU with small sizes (checks the script)")
     p.add_argument("--ranks", type=int, default=None, help="processes (default: min(2, GPUs); 2 with --dry-run)")
+    p.add_argument("--parts", default=None, metavar="A,B",
+                   help="run only these parts (names as printed: copies, schedules, checkpoint, ledger, time, "
+                        "scan_plain, scan_memory, shaped, clip_eval, compile)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        return worker(args.dry_run)
+        return worker(args.dry_run, args.parts.split(",") if args.parts else None)
     if not torch.cuda.is_available() and not args.dry_run:
         print("gpu_check: skipped: no CUDA GPU on this machine (torch.cuda.is_available() is False); run it on a "
               "GPU machine, or pass --dry-run to exercise the script on CPU")
@@ -446,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", str(port),
-           str(Path(__file__).resolve()), "--worker"] + (["--dry-run"] if args.dry_run else [])
+           str(Path(__file__).resolve()), "--worker"] + (["--dry-run"] if args.dry_run else []) + (
+               ["--parts", args.parts] if args.parts else [])
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1" if args.dry_run else "8"))
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
     print("$ " + " ".join(cmd), flush=True)

@@ -152,21 +152,17 @@ def timed(rounds: int, M: int, say: Any, base: dict[str, Any] = LONG, schedule: 
             wl, pp = _build(base, M, schedule, v=v, plan=same, offload="all", **kw)
             name += "+offload"
         runs[name] = (wl, pp, torch.optim.Adam(list(pp.parameters()), lr=1e-4))
+    from bench.schedules import slowest_rank_s
     samples: dict[str, list[float]] = {k: [] for k in runs}
     names = list(runs)
     for r in range(rounds + 1):  # round 0 warms up
         b, _, target = w.batch(w.microbatch_size * M, 100 + r)
         for name in names[r % len(names):] + names[:r % len(names)]:
             wl, pp, o = runs[name]
-            dist.barrier()
-            t0 = time.perf_counter()
-            pp.step(*b, target=target)
-            o.step()
-            o.zero_grad(set_to_none=True)
-            dt = torch.tensor([time.perf_counter() - t0])
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            dt = slowest_rank_s(lambda: (pp.step(*b, target=target), o.step(), o.zero_grad(set_to_none=True)),
+                                pp.ctx.device)
             if r:
-                samples[name].append(float(dt))
+                samples[name].append(dt)
     med = {k: statistics.median(v) for k, v in samples.items()}
     peaks = {k: max(_peaks(v[1]).values()) for k, v in runs.items()}
     plans = {k: [st.memory or "none" for st in v[1].plan.stages] for k, v in runs.items()}

@@ -198,16 +198,39 @@ def _claim(name: str, value: Any, fn_owner: dict[Any, str]) -> None:
 
 
 def _clock(module: Any, inputs: list[Any]) -> Callable[[], float]:
-    """perf_counter, after waiting for the GPU when the work runs there (kernels start asynchronously)."""
+    """perf_counter, after waiting for the GPU when the work runs there (kernels start asynchronously);
+    the GPU brought to its working clock first (_warm_up)."""
     owner = getattr(module, "__self__", module)
     params = list(owner.parameters()) if isinstance(owner, torch.nn.Module) else []
-    if not any(t.is_cuda for t in _tensors((params, inputs))):
+    cuda = next((t.device for t in _tensors((params, inputs)) if t.is_cuda), None)
+    if cuda is None:
         return time.perf_counter
+    _warm_up(cuda)
 
     def now() -> float:
         torch.cuda.synchronize()
         return time.perf_counter()
     return now
+
+
+_WARM: dict[torch.device, float] = {}  # each GPU's last warm-up (perf_counter seconds)
+
+
+def _warm_up(device: torch.device, seconds: float = 0.5, stays: float = 10.0) -> None:
+    """Keep `device` busy with matrix products for `seconds`, unless it was warmed in the last `stays`.
+    An idle GPU runs at a low clock and takes a while under load to reach its working one: a process's
+    first costs were priced at the idle clock, 1.67x the times its steps then took (an H200: each
+    action of bench schedules' first run, against the same costs measured in a busy process)."""
+    now = time.perf_counter()
+    if now - _WARM.get(device, -stays) < stays:
+        return
+    a = torch.randn(4096, 4096, device=device)
+    end = now + seconds
+    while time.perf_counter() < end:
+        for _ in range(8):
+            a = torch.tanh(a @ a)
+        torch.cuda.synchronize(device)
+    _WARM[device] = time.perf_counter()
 
 
 def _forward(gm: torch.fx.GraphModule, flat_inputs: list[Any], *, observe_saved: bool,

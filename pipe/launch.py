@@ -207,19 +207,21 @@ def init(*, backend: str | None = None, timeout_s: float | None = None, keep_fre
     # drop: gloo's threads then outlive it and abort the process at exit ("terminate called without an
     # active exception"). Imported before, it holds none.
     importlib.import_module("torch._dynamo")
+    # NCCL's communicator bound to this rank's device at once (else every barrier guesses it from the rank)
+    bound: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
     if not dist.is_initialized():
         if launcher == "torchrun":
-            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **bound)
         elif launcher == "mpi":
             addr, port = _mpi_rendezvous(rank)
             store = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **bound)
         else:
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 s.bind(("127.0.0.1", 0))
                 port = int(s.getsockname()[1])
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                    world_size=1, timeout=timeout)
+                                    world_size=1, timeout=timeout, **bound)
     atexit.register(finish)
     kept = keep_freed and device.type == "cpu" and keep_freed_memory()
     _CONTEXT = Context(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,

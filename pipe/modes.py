@@ -11,15 +11,16 @@ from typing import Any, Callable
 
 import torch
 import torch.fx
+import torch.utils._pytree
 
 from partition.loss import attach_loss
-from partition.meta import on_meta, retarget, to_meta
+from partition.meta import meta_copy, on_meta, retarget, to_meta
 from partition.plan import Plan, PlanError
 from partition.rewrite import apply_rewrites
 from partition.split import live_values, subgraph
 from partition.trace import flatten_outputs, trace
 
-__all__ = ["in_mode", "matched", "traced_in_mode", "stages_in_mode"]
+__all__ = ["in_mode", "matched", "traceable", "traced_in_mode", "stages_in_mode"]
 
 # what a mode may drop (a dropout and the output it picks), and what may stand for it in another (a copy)
 _DROPOUT = {torch.ops.aten.native_dropout.default, torch.ops.aten.dropout.default, torch.nn.functional.dropout,
@@ -39,6 +40,17 @@ def in_mode(modules: Iterable[torch.nn.Module], training: bool) -> Iterator[None
     finally:
         for m, flag in flags.items():
             m.training = flag
+
+
+def traceable(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) -> torch.nn.Module:
+    """`model` to trace on the example `args`, `kwargs`: itself where its parameters and buffers are all on
+    the example's device (or all on meta), else a meta copy (partition.meta.meta_copy). A pipeline moves its stages'
+    parameters, which are the model's own, to its device: on a GPU the model then holds this rank's
+    stages there and the other ranks' where they were, and cannot run on the example."""
+    leaves = torch.utils._pytree.tree_leaves((tuple(args), dict(kwargs)))
+    example = {t.device for t in leaves if isinstance(t, torch.Tensor)} or {torch.device("cpu")}
+    held = {t.device for t in (*model.parameters(), *model.buffers())}
+    return model if held <= example or held == {torch.device("meta")} else meta_copy(model)
 
 
 def traced_in_mode(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any], training: bool, *,

@@ -1222,7 +1222,10 @@ class Pipeline:
         if "stages" not in self._other_mode:
             error = None
             try:
-                model = self._other_mode.get("model", self._model)  # (under FSDP a meta copy made before sharding)
+                # under FSDP a meta copy made before sharding; on a GPU, where the stages' parameters were moved
+                # off the model's device, a meta copy
+                model = self._other_mode.get("model")
+                model = modes.traceable(self._model, *self._example) if model is None else model
                 gm, fresh = (modes.traced_in_mode(model, *self._example, mode, leaf_modules=self.leaf_modules,
                                                   loss_fn=self.loss_fn, loss=self.plan.loss, device=self.ctx.device)
                              for mode in (self.training, self._traced_mode))  # (fresh: before the plan's rewrites)
@@ -1295,7 +1298,7 @@ class Pipeline:
         return loss
 
     def forward(self, *batch_args: Any, **batch_kwargs: Any) -> Any:
-        """Inference without grads: the model's output for the whole batch, on every rank.
+        """Inference without grads: the model's output for the whole batch, on every rank (on its device).
 
         Every rank makes the same call. Microbatches run through the stages in the schedule's
         forward order; tensor outputs are concatenated along dim 0, 0-dim ones (a loss) averaged.
@@ -1330,13 +1333,15 @@ class Pipeline:
                     parts = [None] * self.world
                     with comm.guarded("the gather of the output"):
                         dist.all_gather_object(parts, run.outputs, group=self.pp_group)
-                return _concat([assemble_outputs(self._gm, {k: v for p in parts for k, v in (p[mb] or {}).items()})
-                                for mb in range(self.M)])
+                return _placed(_concat([assemble_outputs(self._gm, {k: v for p in parts for k, v in
+                                                                   (p[mb] or {}).items()}) for mb in range(self.M)]),
+                               self.ctx.device)
             box: list[Any] = [_concat(run.outputs) if self.rank == last else None]
-            if self.world > 1:
+            if self.world > 1:  # (pickled: through the host, where a device tensor would name the sender's device)
+                box = [_placed(box[0], torch.device("cpu"))]
                 with comm.guarded("the broadcast of the output", last):
                     dist.broadcast_object_list(box, src=self._global[last], group=self.pp_group)
-        return box[0]
+        return _placed(box[0], self.ctx.device)
 
     def gather_timeline(self) -> Timeline | None:
         """The last step's measured timeline of every rank, on rank 0 (a collective call)."""
@@ -1355,6 +1360,11 @@ class Pipeline:
         return Timeline(shifted(events), self.world, shifted(collectives), shifted(posts))
 
 
+def _placed(tree: Any, device: torch.device) -> Any:
+    """`tree` with its tensors on `device`."""
+    return pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, tree)
+
+
 def _concat(outputs: list[Any]) -> Any:
     """Microbatch outputs as one batch: tensors concatenated along dim 0, 0-dim tensors averaged."""
     flat = [pytree.tree_flatten(o) for o in outputs]
@@ -1363,7 +1373,7 @@ def _concat(outputs: list[Any]) -> Any:
     for column in zip(*[f[0] for f in flat]):
         x = column[0]
         if isinstance(x, torch.Tensor):
-            leaves.append(torch.cat(column, 0).cpu() if x.dim() else torch.stack(column).mean().cpu())
+            leaves.append(torch.cat(column, 0) if x.dim() else torch.stack(column).mean())
         else:
             leaves.append(x)
     return pytree.tree_unflatten(leaves, spec)
@@ -1459,7 +1469,8 @@ class _StepState:
                 self.ex.send_activations(s, mb, outs[:sent])
             if extras:
                 mine = self.outputs[mb] = self.outputs[mb] or {}
-                mine.update({i: x.cpu() if isinstance(x, torch.Tensor) else x for i, x in zip(extras, outs[sent:])})
+                mine.update({i: x.cpu() if isinstance(x, torch.Tensor) and pp.world > 1 else x  # (gathered as objects)
+                             for i, x in zip(extras, outs[sent:])})
             return
         model_inputs = [self.flats[mb][i] for i in io.inputs]
         args = leaves + model_inputs

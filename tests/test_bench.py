@@ -212,7 +212,8 @@ def test_gpu_check_dry_run_on_cpu() -> None:
         assert all(0 < t <= wall for t, wall in zip(r["timeline_ms"], r["wall_ms"])), r
     clip = data["clip_eval"]  # the whole model's norm and eval-mode loss, as torch's on the unpartitioned model
     assert clip["norm"] > 0.1 and clip["norm_rel_err"] < 1e-5 and clip["clipped_grad_rel_err"] < 1e-5, clip
-    assert clip["step_loss_err"] < 1e-5 and clip["eval_loss_err"] < 1e-5, clip
+    assert clip["step_loss_err"] < 1e-5 and clip["eval_loss_err"] < 1e-5 and clip["forward_err"] < 1e-5, clip
+    assert clip["forward_device"] == "cpu"
     assert [r["schedule"] for r in data["compile"]] == ["1f1b", "zb-h1"]
     for r in data["compile"]:  # the dry run compiles with aot_eager: parity, and both timed
         assert max(r["loss_err"].values()) < 1e-5 and max(e for e, _ in r["grad_err"].values()) < 1e-4, r

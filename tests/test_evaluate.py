@@ -197,3 +197,25 @@ def test_evaluate_on_2_ranks_is_the_whole_models_loss_without_grads() -> None:
     for r in res:
         assert "got no target" in r["refused"]["no target"] and "target=" in r["refused"]["no target"], r
         assert "evaluate() does not stream" in r["refused"]["streamed states"], r
+
+
+def test_another_modes_trace_uses_a_meta_copy_where_the_model_is_split_over_devices() -> None:
+    """On a GPU a pipeline has moved its stages' parameters (the model's own) to the device, the rest of the
+    model staying where it was: the trace in the other mode is then made on a meta copy, with the graph the
+    whole model on one device gives (here the "other device" is meta, as no GPU is at hand)."""
+    from pipe import modes
+    import partition
+    from partition.meta import on_meta
+    w = partition.load("gpt", **{**GPT, "dropout": 0.1, "tie": True})
+    args, kwargs = w.example_args, w.example_kwargs or {}
+    assert modes.traceable(w.model, args, kwargs) is w.model  # all on the example's device: the model itself
+    kw = dict(leaf_modules=w.leaf_modules, loss_fn=w.loss_fn, loss=True, device=torch.device("cpu"))
+    whole = modes.traced_in_mode(w.model, args, kwargs, False, **kw)
+    w.model.blocks[1].to("meta")  # "another device": one block's parameters moved off the example's
+    copy = modes.traceable(w.model, args, kwargs)
+    assert copy is not w.model and on_meta(copy) and all(p.is_meta for p in copy.parameters())
+    assert copy.lm_head.weight is copy.tok_emb.weight  # tied stays tied
+    assert not w.model.tok_emb.weight.is_meta  # the model itself untouched
+    split = modes.traced_in_mode(copy, args, kwargs, False, **kw)
+    ops = [[(n.op, str(n.target)) for n in g.graph.nodes] for g in (whole, split)]
+    assert ops[0] == ops[1] and not any("dropout" in t for _, t in ops[1])  # eval mode: no dropout
