@@ -305,7 +305,8 @@ def evaluation_s(pp: Any, w: Any, batch_size: int, step: int) -> tuple[float, fl
     args, kwargs, target = w.batch(batch_size, step * pp.dp + pp.dp_rank)
     evaluate = slowest_rank_s(lambda: pp.evaluate(*args, target=target, **kwargs), pp.ctx.device)
     with torch.no_grad():
-        forward = slowest_rank_s(lambda: pp.loss_fn(pp.forward(*args, **kwargs), target), pp.ctx.device)
+        on = target.to(pp.ctx.device)  # pp.forward's output is on the rank's device
+        forward = slowest_rank_s(lambda: pp.loss_fn(pp.forward(*args, **kwargs), on), pp.ctx.device)
     return evaluate, forward
 
 
