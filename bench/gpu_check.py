@@ -13,7 +13,8 @@ widest gpt that trains within a per-stage budget, plain against auto + offload o
 model's costs by FLOP count, by shape (cost="shaped") and timed op by op on the device; (8)
 pp.clip_grad_norm_ and pp.eval().evaluate against torch's clipping and eval mode on the unpartitioned
 model; (9) compile=True (inductor) against the model and against the same schedule uncompiled:
-parity, the compilation's seconds, the step's speed-up.
+parity, the compilation's seconds, the step's speed-up; (10) measured costs of the whole graph against
+the pipeline's (unit by unit for a model left on the CPU) and its steps' actions.
 Uses min(2, GPUs) ranks (one process per GPU; --ranks to choose); with one GPU the single stage runs
 GPipe so that several microbatches are in flight. Writes out/gpu_check/gpu_check.json after each part.
 """
@@ -281,6 +282,47 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def costs_check(base: dict[str, Any], M: int, schedule: str, say: Callable[..., None]) -> dict[str, Any]:
+    """A model's measured costs three ways on the device: the whole graph op by op (the model moved there
+    first), the pipeline's plan (a model left on the CPU is measured unit by unit on the device,
+    partition.measure), and the forward and backward actions of its steps (CUDA events), per microbatch."""
+    import statistics
+    import partition
+    import pipe
+    from partition.costs import node_costs
+    from partition.trace import flatten_inputs, trace
+    from pipe.launch import context
+    dev = context().device
+    w = partition.load("gpt", **base)
+    model = w.model.to(dev)
+    args = tuple(a.to(dev) for a in w.example_args)
+    gm = trace(model, args, {})
+    c = node_costs(gm, flatten_inputs(gm, args, {}), cost="measured")
+    whole = (sum(x.fwd_ms for x in c.values()), sum(x.bwd_ms for x in c.values()))
+    del w, model, gm, c
+    w = partition.load("gpt", **base)
+    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, schedule=schedule,
+                       cost="measured")
+    plan = (sum(st.fwd_ms for st in pp.plan.stages), sum(st.bwd_ms for st in pp.plan.stages))
+    b, _, target = w.batch(w.microbatch_size * M, 0)
+    for _ in range(3):
+        pp.step(*b, target=target)
+    tl = pp.gather_timeline()
+    acted: dict[str, float] = {}
+    if tl is not None:
+        for kind in ("F", "B"):
+            per: dict[int, list[float]] = {}  # each stage's median over the microbatches, summed over the stages
+            for e in tl.events:
+                if e.action.kind == kind:
+                    per.setdefault(e.action.stage, []).append(e.end - e.start)
+            acted[kind] = sum(statistics.median(v) for v in per.values())
+    row = {"whole_graph_ms": whole, "plan_ms": plan, "plan_method": pp.plan.cost_method, "actions_ms": acted}
+    say(f"    fwd + bwd ms per microbatch: whole graph op by op {whole[0]:.2f} + {whole[1]:.2f}; the pipeline's "
+        f"plan ({pp.plan.cost_method}) {plan[0]:.2f} + {plan[1]:.2f}; its steps' F + B actions "
+        f"{acted.get('F', 0):.2f} + {acted.get('B', 0):.2f}")
+    return row
+
+
 def ledger_vs_allocator(base: dict[str, Any], M: int, schedule: str, say: Callable[..., None]) -> list[dict[str, Any]]:
     """Each config alone on the device: the ledger's peak (this rank's stages) against the allocator's."""
     rows = []
@@ -397,6 +439,7 @@ def worker(dry: bool, parts: list[str] | None = None) -> int:
                                         seconds=cfg["scan_s"])),
         ("shaped", lambda: shaped_check(cfg["timed"], say) if ctx.rank == 0 else {}),
         ("clip_eval", lambda: clip_eval_check(cfg["timed"], 4, schedule, say)),
+        ("costs", lambda: costs_check(cfg["timed"], M, schedule, say)),
         ("compile", lambda: compile_check(cfg["compiled"], 4, ("1f1b", "zb-h1") if world > 1 else ("gpipe", "zbv"),
                                           cfg["compile"], 4, say)),
     ]
@@ -443,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", type=int, default=None, help="processes (default: min(2, GPUs); 2 with --dry-run)")
     p.add_argument("--parts", default=None, metavar="A,B",
                    help="run only these parts (names as printed: copies, schedules, checkpoint, ledger, time, "
-                        "scan_plain, scan_memory, shaped, clip_eval, compile)")
+                        "scan_plain, scan_memory, shaped, clip_eval, costs, compile)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -198,39 +199,16 @@ def _claim(name: str, value: Any, fn_owner: dict[Any, str]) -> None:
 
 
 def _clock(module: Any, inputs: list[Any]) -> Callable[[], float]:
-    """perf_counter, after waiting for the GPU when the work runs there (kernels start asynchronously);
-    the GPU brought to its working clock first (_warm_up)."""
+    """perf_counter, after waiting for the GPU when the work runs there (kernels start asynchronously)."""
     owner = getattr(module, "__self__", module)
     params = list(owner.parameters()) if isinstance(owner, torch.nn.Module) else []
-    cuda = next((t.device for t in _tensors((params, inputs)) if t.is_cuda), None)
-    if cuda is None:
+    if not any(t.is_cuda for t in _tensors((params, inputs))):
         return time.perf_counter
-    _warm_up(cuda)
 
     def now() -> float:
         torch.cuda.synchronize()
         return time.perf_counter()
     return now
-
-
-_WARM: dict[torch.device, float] = {}  # each GPU's last warm-up (perf_counter seconds)
-
-
-def _warm_up(device: torch.device, seconds: float = 0.5, stays: float = 10.0) -> None:
-    """Keep `device` busy with matrix products for `seconds`, unless it was warmed in the last `stays`.
-    An idle GPU runs at a low clock and takes a while under load to reach its working one: a process's
-    first costs were priced at the idle clock, 1.67x the times its steps then took (an H200: each
-    action of bench schedules' first run, against the same costs measured in a busy process)."""
-    now = time.perf_counter()
-    if now - _WARM.get(device, -stays) < stays:
-        return
-    a = torch.randn(4096, 4096, device=device)
-    end = now + seconds
-    while time.perf_counter() < end:
-        for _ in range(8):
-            a = torch.tanh(a @ a)
-        torch.cuda.synchronize(device)
-    _WARM[device] = time.perf_counter()
 
 
 def _forward(gm: torch.fx.GraphModule, flat_inputs: list[Any], *, observe_saved: bool,
@@ -311,19 +289,32 @@ def _backward_ms(p: _Pass, clock: Callable[[], float] = time.perf_counter,
     return out
 
 
-def _clean_once(module: Callable[..., Any], inputs: list[Any],
-                clock: Callable[[], float] = time.perf_counter) -> tuple[float, float]:
-    """Forward and backward ms of one uninstrumented call, backward from ones on its float outputs."""
+def _clean_once(module: Callable[..., Any], inputs: list[Any], clock: Callable[[], float] = time.perf_counter,
+                calls: int = 1) -> tuple[float, float]:
+    """Forward and backward ms of one uninstrumented call, backward from ones on its float outputs; with
+    `calls` > 1, per call of that many made back to back between two reads of the clock (forwards, then
+    their backwards): on a GPU the host then runs ahead of the device as in a step, and the latency of
+    starting the device and of waiting for it is shared by the calls instead of priced into each."""
     with torch.enable_grad():
         t0 = clock()
-        out = module(*inputs)
+        outs = [_grad_outputs(module(*inputs)) for _ in range(calls)]
         t1 = clock()
-    outs = _grad_outputs(out)
-    grads = [torch.ones_like(t) for t in outs]
+    grads = [[torch.ones_like(t) for t in o] for o in outs]
     t2 = clock()
-    if outs:
-        torch.autograd.backward(outs, grads)
-    return (t1 - t0) * 1e3, (clock() - t2) * 1e3
+    for o, g in zip(outs, grads):
+        if o:
+            torch.autograd.backward(o, g)
+    return (t1 - t0) * 1e3 / calls, (clock() - t2) * 1e3 / calls
+
+
+def back_to_back(clean_ms: float, synced: bool, target_ms: float = 2.0, most: int = 16) -> int:
+    """How many calls _clean_once makes of a graph whose one call took `clean_ms` (forward and backward):
+    one where the clock does not wait for a device (`synced` False: the CPU), else enough to fill
+    `target_ms`, at most `most`. On an H200 a model's costs measured unit by unit (partition.measure),
+    each unit timed alone between two waits, came to 1.6x the whole graph's (bench/gpu_check.py: costs)."""
+    if not synced or clean_ms <= 0:
+        return 1
+    return max(1, min(most, math.ceil(target_ms / clean_ms)))
 
 
 def whole_graph_ms(module: Callable[..., Any], inputs: list[Any], repeats: int = 5,
@@ -367,12 +358,15 @@ def _measure(gm: torch.fx.GraphModule, flat_inputs: list[Any], costs: dict[str, 
     bwd_runs: list[dict[str, float]] = []
     clean: list[tuple[float, float]] = []
     clock = _clock(gm, flat_inputs)
+    calls = 1  # the clean pass's calls back to back, from the warm-up round's time
     for i in range(repeats + 1):
         p = _forward(gm, flat_inputs, observe_saved=False, clock=clock)
         bwd = _backward_ms(p, clock, shared)
         fwd = p.fwd_ms
         del p  # its values would crowd the clean pass's memory
-        whole = _clean_once(gm.forward, flat_inputs, clock)
+        whole = _clean_once(gm.forward, flat_inputs, clock, calls)
+        if not i:
+            calls = back_to_back(sum(whole), clock is not time.perf_counter)
         if i:  # the first round warms up
             fwd_runs.append(fwd)
             bwd_runs.append(bwd)

@@ -198,7 +198,7 @@ def test_gpu_check_dry_run_on_cpu() -> None:
     """The one-script GPU check, exercised on CPU with small sizes so it cannot rot between GPU sessions."""
     out = run_command([sys.executable, "bench/gpu_check.py", "--dry-run"], timeout=240).output
     for part in ("schedules", "checkpoint", "ledger", "time", "scan_plain", "scan_memory", "shaped", "clip_eval",
-                 "compile"):
+                 "costs", "compile"):
         assert f"] {part}" in out, out[-3000:]
     assert "largest within" in out and "done in" in out and "Traceback" not in out
     data = json.loads(Path(__file__).resolve().parent.parent.joinpath("out/gpu_check/gpu_check.json").read_text())
@@ -214,6 +214,9 @@ def test_gpu_check_dry_run_on_cpu() -> None:
     assert clip["norm"] > 0.1 and clip["norm_rel_err"] < 1e-5 and clip["clipped_grad_rel_err"] < 1e-5, clip
     assert clip["step_loss_err"] < 1e-5 and clip["eval_loss_err"] < 1e-5 and clip["forward_err"] < 1e-5, clip
     assert clip["forward_device"] == "cpu"
+    costs = data["costs"]  # on the CPU the pipeline measures the whole graph too
+    assert costs["plan_method"] == "whole graph, op by op" and min(costs["whole_graph_ms"] + costs["plan_ms"]) > 0
+    assert set(costs["actions_ms"]) == {"F", "B"} and min(costs["actions_ms"].values()) > 0, costs
     assert [r["schedule"] for r in data["compile"]] == ["1f1b", "zb-h1"]
     for r in data["compile"]:  # the dry run compiles with aot_eager: parity, and both timed
         assert max(r["loss_err"].values()) < 1e-5 and max(e for e, _ in r["grad_err"].values()) < 1e-4, r

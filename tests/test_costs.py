@@ -244,3 +244,29 @@ def test_the_launchers_that_do_not_load_torch_offer_every_cost() -> None:
     from partition.costs import COSTS
     assert bench_main.COSTS == calibrate.COSTS == COSTS == ("measured", "flops", "shaped")
     assert "shaped" in calibrate.parser().format_help()
+
+
+def test_clean_runs_back_to_back_are_priced_per_call() -> None:
+    """A GPU's clean pass of a small graph (a unit of partition.measure) runs several calls between two
+    waits for the device, each priced at its share; the CPU's clock waits for nothing and makes one."""
+    import time
+    from partition.costs import _clean_once, back_to_back
+
+    class Slow(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            time.sleep(0.02)
+            return x * self.w
+
+    m = Slow()
+    fwd, bwd = _clean_once(m, [torch.ones(3)], calls=3)
+    assert m.calls == 3 and 18 <= fwd < 40 and bwd < 10, (fwd, bwd)  # per call, not the three together
+    assert torch.equal(m.w.grad, torch.full((3,), 3.0))  # each call's backward ran
+    assert back_to_back(0.1, synced=False) == 1  # the CPU
+    assert back_to_back(0.1, synced=True) == 16 and back_to_back(0.5, synced=True) == 4
+    assert back_to_back(2.5, synced=True) == 1 and back_to_back(0.0, synced=True) == 1
