@@ -336,7 +336,7 @@ def ledger_vs_allocator(base: dict[str, Any], M: int, schedule: str, say: Callab
         except ValueError as e:
             say(f"    {recompute:9s} {offload:11s} refused: {str(e).splitlines()[0][:160]}")
             continue
-        s_per_step = train_steps(w, pp, M, 3)
+        s_per_step = train_steps(w, pp, M, 3, warmup=1)  # (the first step allocates, pinned host memory too)
         report = pp.memory_report()
         ledger = sum(r["peak_total"] for r in report.values())
         cuda = max((r.get("cuda_peak_allocated", 0) for r in report.values()), default=0)

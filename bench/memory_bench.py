@@ -62,15 +62,23 @@ def _peaks(pp: Any) -> dict[int, int]:
     return {s: v for p in parts for s, v in p.items()}
 
 
-def train_steps(w: Any, pp: Any, M: int, steps: int) -> float:
-    """`steps` Adam steps of pipeline `pp` on workload `w`'s batches 0, 1, ...; seconds per step."""
+def train_steps(w: Any, pp: Any, M: int, steps: int, warmup: int = 0) -> float:
+    """`warmup` then `steps` Adam steps of pipeline `pp` on workload `w`'s batches 0, 1, ...; seconds per
+    step of the last `steps` (on CUDA once the device has finished them)."""
     opt = torch.optim.Adam(list(pp.parameters()), lr=1e-4)
+    cuda = pp.ctx.device.type == "cuda"
     t0 = time.perf_counter()
-    for step in range(steps):
+    for step in range(warmup + steps):
+        if step == warmup:
+            if cuda:
+                torch.cuda.synchronize(pp.ctx.device)
+            t0 = time.perf_counter()
         b, _, target = w.batch(w.microbatch_size * M, step)
         pp.step(*b, target=target)
         opt.step()
         opt.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.synchronize(pp.ctx.device)
     return (time.perf_counter() - t0) / steps
 
 

@@ -13,36 +13,33 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
-from partition.errors import FxpipeError, first_line
+from partition.errors import first_line
 import partition
 from partition.plan import Plan, PlanError, human_bytes, parse_bytes
-from partition.planner import check_scalar_loss, qualnames
+from partition.planner import qualnames
 from partition.signature import check_call
 from partition.split import StageIO
 from partition.split import assemble_outputs, inference_stage, param_nodes_of, split_graph
 from partition.loss import attach_loss
-from partition.trace import flatten_inputs, trace, unflatten_outputs
+from partition.trace import flatten_inputs, trace
 import memory
 from memory import MemoryManager
 from pipe import comm, launch, modes
 from pipe.calls import BUILDS, Call, agree, build_of, call_of
+from pipe.errors import ModeError, NonFiniteLoss, PipelineError
 from pipe.exchange import Exchange
 from pipe.lower import forward_only, fuse_backward, lower, validate, with_grad_reduction, with_reloads
 from pipe.replicas import DP_SHARD, DataParallelError, GradReducer, ShardedStages, group_of, pipeline_groups
-from pipe.backward import Saved, backward_full, backward_input, backward_weight, with_param_outputs
+from pipe.backward import with_param_outputs
 from pipe.schedules import Action, ScheduleError, build, default_stages_per_rank, in_flight_limit, placement
 from pipe.auto import w_part_managed
 from pipe.simulate import Event, Timeline
-from pipe.timing import clock_for
+from pipe.step import StepState, concat_outputs, placed
 from pipe.weights import Init, allocate, default_init, empty_like, init_stages, unset
 from partition.meta import meta_copy, on_meta, retarget, to_meta
 from partition.measure import Share, release_memory
 
 __all__ = ["NonFiniteLoss", "Pipeline", "PipelineError", "split_microbatches"]
-
-
-class PipelineError(FxpipeError, ValueError):
-    """A request the pipeline cannot run; the message names the constraint, the values and the fix."""
 
 
 def split_microbatches(tree: Any, n: int, what: str = "batch") -> list[Any]:
@@ -96,15 +93,6 @@ def _gather(obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
-
-
-class ModeError(PipelineError):
-    """The model cannot run in the mode asked (pp.train / pp.eval) by the pipeline's plan: traced in it, its
-    graph is not the one the plan cut."""
-
-
-class NonFiniteLoss(FxpipeError, FloatingPointError):
-    """The loss of a step was NaN or infinite."""
 
 
 def _calibration(given: Any, plan: Any, cost: str) -> Any:
@@ -1111,7 +1099,7 @@ class Pipeline:
         flats = self._flats(mbs, targets)
         dev = self.ctx.device
         exchange = Exchange(self.transport, self.plan, self.place, self.rank, dev, self.dynamic)
-        run = _StepState(self, flats, targets, exchange)
+        run = StepState(self, flats, targets, exchange)
         with self._failures(run, f"step {self.steps_done}"):
             over = getattr(self.memory, "over_budget", None)
             if over is not None:  # the optimizer's first step measured more state than the budget allows
@@ -1147,7 +1135,7 @@ class Pipeline:
         return value
 
     @contextlib.contextmanager
-    def _failures(self, run: "_StepState", when: str) -> Iterator[None]:
+    def _failures(self, run: "StepState", when: str) -> Iterator[None]:
         """Classify what fails inside: this rank's own error is re-raised as itself (noted with the
         rank, stage and microbatch) after telling every rank; failed communication is RemoteError
         when another rank failed first, else PeerLost."""
@@ -1182,7 +1170,7 @@ class Pipeline:
             comm.fail_everywhere(f"{where} failed in {when} with {type(e).__name__}: {first_line(e, 300)}")
             raise
 
-    def _non_finite(self, value: float, run: "_StepState") -> None:
+    def _non_finite(self, value: float, run: "StepState") -> None:
         """Name the first stage whose outputs were not finite; stop, or skip the step if asked."""
         mine = min([s for s, ok in run.finite if not bool(ok)] + [self.S - 1])
         firsts: list[Any] = [None] * self.world
@@ -1270,7 +1258,7 @@ class Pipeline:
                                 "with offload='none' or 'activations'")
         mbs, targets = self._agreed_call((batch_args, batch_kwargs), target, "evaluate")
         stages, _ = self._in_mode(inference=False)
-        run = _StepState(self, self._flats(mbs, targets), targets, Exchange(
+        run = StepState(self, self._flats(mbs, targets), targets, Exchange(
             self.transport, self.plan, self.place, self.rank, self.ctx.device, self.dynamic), inference=True,
             evaluating=True, stages=stages)
         with torch.no_grad(), self._failures(run, "evaluation"), self._flags(stages is not None):
@@ -1283,7 +1271,7 @@ class Pipeline:
             loss = self._mean_loss(run)
         return float(loss.item())
 
-    def _mean_loss(self, run: "_StepState") -> torch.Tensor:
+    def _mean_loss(self, run: "StepState") -> torch.Tensor:
         """The step's mean loss, from the last stage's rank to every rank of the pipeline, then averaged over
         the replicas (float64, shape [1])."""
         loss = torch.as_tensor(run.loss_sum, dtype=torch.float64).reshape(1).to(self.ctx.device)
@@ -1317,7 +1305,7 @@ class Pipeline:
         stages, inference = self._in_mode(inference=True)  # (None, None) in the mode of the trace
         flats = self._flats(mbs, [None] * self.M)
         exchange = Exchange(self.transport, self.plan, self.place, self.rank, self.ctx.device, self.dynamic)
-        run = _StepState(self, flats, [None] * self.M, exchange, inference=True, stages=stages,
+        run = StepState(self, flats, [None] * self.M, exchange, inference=True, stages=stages,
                          inference_stages=inference)
         last = self.place[self.S - 1]
         with torch.no_grad(), self._failures(run, "inference"), self._flags(stages is not None):
@@ -1333,15 +1321,15 @@ class Pipeline:
                     parts = [None] * self.world
                     with comm.guarded("the gather of the output"):
                         dist.all_gather_object(parts, run.outputs, group=self.pp_group)
-                return _placed(_concat([assemble_outputs(self._gm, {k: v for p in parts for k, v in
+                return placed(concat_outputs([assemble_outputs(self._gm, {k: v for p in parts for k, v in
                                                                    (p[mb] or {}).items()}) for mb in range(self.M)]),
                                self.ctx.device)
-            box: list[Any] = [_concat(run.outputs) if self.rank == last else None]
+            box: list[Any] = [concat_outputs(run.outputs) if self.rank == last else None]
             if self.world > 1:  # (pickled: through the host, where a device tensor would name the sender's device)
-                box = [_placed(box[0], torch.device("cpu"))]
+                box = [placed(box[0], torch.device("cpu"))]
                 with comm.guarded("the broadcast of the output", last):
                     dist.broadcast_object_list(box, src=self._global[last], group=self.pp_group)
-        return _placed(box[0], self.ctx.device)
+        return placed(box[0], self.ctx.device)
 
     def gather_timeline(self) -> Timeline | None:
         """The last step's measured timeline of every rank, on rank 0 (a collective call)."""
@@ -1358,195 +1346,3 @@ class Pipeline:
         def shifted(group: list[Event]) -> list[Event]:
             return [Event(e.rank, e.action, e.start - t0, e.end - t0) for e in group]
         return Timeline(shifted(events), self.world, shifted(collectives), shifted(posts))
-
-
-def _placed(tree: Any, device: torch.device) -> Any:
-    """`tree` with its tensors on `device`."""
-    return pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, tree)
-
-
-def _concat(outputs: list[Any]) -> Any:
-    """Microbatch outputs as one batch: tensors concatenated along dim 0, 0-dim tensors averaged."""
-    flat = [pytree.tree_flatten(o) for o in outputs]
-    spec = flat[0][1]
-    leaves = []
-    for column in zip(*[f[0] for f in flat]):
-        x = column[0]
-        if isinstance(x, torch.Tensor):
-            leaves.append(torch.cat(column, 0) if x.dim() else torch.stack(column).mean())
-        else:
-            leaves.append(x)
-    return pytree.tree_unflatten(leaves, spec)
-
-
-class _StepState:
-    """The state of one step on one rank: microbatch inputs, messages, saved activations."""
-
-    def __init__(self, pp: Pipeline, flats: list[list[Any]], targets: list[Any], exchange: Exchange,
-                 inference: bool = False, evaluating: bool = False, stages: dict[int, Any] | None = None,
-                 inference_stages: dict[int, Any] | None = None) -> None:
-        self.pp, self.flats, self.targets, self.ex = pp, flats, targets, exchange
-        self.inference = inference and not evaluating  # the model's outputs
-        self.evaluating = evaluating  # the loss, without grads: the training stages' forwards, nothing kept
-        # in the mode the stages were not traced in: this rank's stages (module, model inputs) cut from a trace
-        # in the pipeline's mode, and (the loss in the graph) those without the loss, for the model's outputs
-        self.stages = stages
-        self.inference_stages = inference_stages if inference_stages is not None else pp._inference
-        # inference: the last stage's output per mb; with the loss in the graph, {model output leaf: value}
-        # per mb of what this rank's stages computed
-        self.outputs: list[Any] = [None] * len(flats)
-        self.saved: dict[tuple[int, int], Saved] = {}
-        self.finite: list[tuple[int, torch.Tensor]] = []  # (stage, all outputs finite), read only on NaN
-        self.loss_sum: torch.Tensor | float = 0.0
-        self.clock = clock_for(pp.ctx.device)  # device time: CUDA events on CUDA, read after the step
-        self.clock.begin()
-        self.handlers = {"F": self.forward, "B": self.backward, "W": self.weight, "BW": self.backward}
-        self.reducer = pp.reducer
-        # actions that compute nothing: memory (RELOAD) and data-parallel (REDUCE_GRAD, arming the reducer)
-        self.side_handlers: dict[str, Callable[[int, int], None]] = {"RELOAD": pp.memory.reload}
-        if self.reducer is not None:
-            self.side_handlers["REDUCE_GRAD"] = self.reducer.arm
-        self.current: Action | None = None  # the action running, named when it fails
-
-    def execute(self, program: list[Any]) -> None:
-        """Run this rank's lowered program: compute actions through the handlers (and the memory
-        manager around them), memory actions through theirs, batches of messages through the exchange."""
-        mem = self.pp.memory
-        for x in program:
-            if not isinstance(x, Action):
-                start = self.clock.mark()
-                self.ex.issue(x)
-                self.clock.span(Action(x[0].stage, "POST", x[0].mb), start, self.clock.mark())
-                mem.posted(x)
-                continue
-            if x.kind in self.side_handlers:
-                self.side_handlers[x.kind](x.stage, x.mb)
-                continue
-            self.current = x
-            mem.before(x)
-            if self.reducer is not None:
-                self.reducer.before(x)
-            self.handlers[x.kind](x)
-            mem.after(x)
-            if self.reducer is not None:
-                self.reducer.after(x)
-        self.current = None
-        self.ex.finish()
-
-    def forwards(self, program: list[Any]) -> None:
-        """Run a forward-only program (pipe.lower.forward_only): its forwards, and its batches of messages."""
-        for x in program:
-            if isinstance(x, Action):
-                self.current = x
-                self.forward(x)
-            else:
-                self.ex.issue(x)
-        self.current = None
-        self.ex.finish()
-
-    def _record(self, a: Action, start: object) -> None:
-        self.clock.span(a, start, self.clock.mark())
-
-    def events(self) -> tuple[list[Event], list[Event], list[Event]]:
-        """This step's timed compute actions, grad collectives and batch posts (ms); on CUDA this waits
-        for the device once."""
-        every = [Event(self.pp.rank, a, start, end) for a, start, end in self.clock.resolve()]
-        return ([e for e in every if e.action.kind not in ("REDUCE_GRAD", "POST")],
-                [e for e in every if e.action.kind == "REDUCE_GRAD"],
-                [e for e in every if e.action.kind == "POST"])
-
-    def forward(self, a: Action) -> None:
-        pp, s, mb = self.pp, a.stage, a.mb
-        io = pp.io[s]
-        leaves = [t.requires_grad_(True) if t.is_floating_point() else t
-                  for t in (self.ex.recv_activations(s, mb) if s > 0 else [])]
-        start = self.clock.mark()
-        if self.inference and self.inference_stages:  # a plan with the loss in the graph: the stage without it
-            module, inputs, extras = self.inference_stages[s]
-            outs = list(module(*leaves, *[self.flats[mb][i] for i in inputs]))
-            sent = len(outs) - len(extras)
-            if not io.last:
-                self.ex.send_activations(s, mb, outs[:sent])
-            if extras:
-                mine = self.outputs[mb] = self.outputs[mb] or {}
-                mine.update({i: x.cpu() if isinstance(x, torch.Tensor) and pp.world > 1 else x  # (gathered as objects)
-                             for i, x in zip(extras, outs[sent:])})
-            return
-        model_inputs = [self.flats[mb][i] for i in io.inputs]
-        args = leaves + model_inputs
-        if self.stages is not None:  # the other mode's stage, without grads: no memory or W split to manage
-            module, inputs = self.stages[s]
-            outs, param_outs, ins = module(*leaves, *[self.flats[mb][i] for i in inputs]), (), []
-        else:
-            with pp.memory.forward(s, mb, model_inputs):
-                if pp.split_w:
-                    outs, param_outs, *ins = pp._call[s](*args)  # ins: the linear layers' inputs (direct W)
-                else:
-                    outs, param_outs, ins = pp._call[s](*args), (), []
-        outs = list(outs)
-        if self.inference:
-            if io.last:
-                self.outputs[mb] = unflatten_outputs(outs, io.out_spec)
-            else:
-                self.ex.send_activations(s, mb, outs)
-            return
-        if io.last:
-            if pp.plan.loss:  # the stage computed it
-                loss = outs[0]
-            else:
-                with pp.memory.forward(s, mb, [self.targets[mb]]):  # the loss's saved tensors count (and offload)
-                    loss = self._loss(unflatten_outputs(outs, io.out_spec), self.targets[mb])
-            self.loss_sum = self.loss_sum + loss.detach().double() / pp.M  # stays on device: no sync
-            roots = [loss / pp.M]
-        else:
-            self.ex.send_activations(s, mb, outs)
-            roots = outs
-            self.finite += [(s, torch.isfinite(o).all()) for o in outs if o.is_floating_point()]
-        if self.evaluating:  # no backward follows
-            return
-        self.saved[(s, mb)] = Saved(roots=roots, leaves=[x if x.is_floating_point() else None for x in leaves],
-                                    param_outs=list(param_outs), param_ins=list(ins[0]) if ins else [])
-        self._record(a, start)
-
-    def _loss(self, output: Any, target: Any) -> torch.Tensor:
-        """loss_fn on the model's output; a loss that is not one number, or fails for want of a
-        target, is refused with the fix."""
-        try:
-            loss = self.pp.loss_fn(output, target)
-        except Exception as e:  # the user's loss raised
-            if target is None:
-                raise PipelineError(f"loss_fn(output, target) failed with target=None ({type(e).__name__}: "
-                                    f"{first_line(e)}); pass the batch's target: "
-                                    "pp.step(*inputs, target=y)") from e
-            raise
-        check_scalar_loss(loss, "in the step", PipelineError)
-        return loss
-
-    def backward(self, a: Action) -> None:
-        pp, s, mb = self.pp, a.stage, a.mb
-        saved = self.saved[(s, mb)]
-        grads: list[torch.Tensor | None] = self.ex.recv_grads(s, mb, saved.roots) if s < pp.S - 1 else [None]
-        start = self.clock.mark()
-        if a.kind == "B" and pp.split_w:  # input grads; W computes the weight grads
-            w_nodes, in_b = pp._zb_params(s)
-            leaf_grads = backward_input(saved, grads, in_b, w_nodes)
-            kept = any(t is not None for ts in saved.param_grads for t, _ in ts)
-            if kept and pp.memory.plain(s) and s not in pp._zb_kept:  # (an offloading stage keeps it by design)
-                pp._zb_kept.add(s)  # said once per stage, as a fallback must be
-                pp.plan.notes.append(
-                    f"zero bubble: stage {s}'s W takes an autograd call per node, not matrix products, from step "
-                    f"{pp.steps_done + 1}: a linear layer's input, output and weight differ in dtype or shape (under "
-                    "autocast the output is of the low precision), so B keeps the graph for W")
-        else:  # B without W, or BW (a stage recomputing under zero-bubble): the whole backward
-            leaf_grads = backward_full(saved, grads)
-            saved.param_outs.clear()
-            del self.saved[(s, mb)]
-        if s > 0:
-            self.ex.send_grads(s, mb, leaf_grads)
-        self._record(a, start)
-
-    def weight(self, a: Action) -> None:
-        start = self.clock.mark()
-        saved = self.saved.pop((a.stage, a.mb))
-        backward_weight(saved, self.pp._zb_params(a.stage)[0], None if self.reducer is None else self.reducer.ready)
-        self._record(a, start)
