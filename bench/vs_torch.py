@@ -69,8 +69,8 @@ def torch_stages(rank: int, world: int, v: int, placement: str) -> tuple[int, ..
     return tuple(rank + k * world for k in range(v))
 
 
-def _torch_pipeline(w: Any, rank: int, world: int, M: int, schedule: str = "1f1b"
-                    ) -> tuple[Callable[..., float], list[Any]]:
+def _torch_pipeline(w: Any, rank: int, world: int, M: int, schedule: str = "1f1b",
+                    device: torch.device = torch.device("cpu")) -> tuple[Callable[..., float], list[Any]]:
     import torch.distributed.pipelining as tpp
     cls, v, placement = TORCH_SCHEDULES[schedule]
     L, S = len(w.layer_prefixes), world * v
@@ -80,14 +80,15 @@ def _torch_pipeline(w: Any, rank: int, world: int, M: int, schedule: str = "1f1b
     # torch's traced stages warm up by sending to each neighbouring stage's rank, which under V placement is
     # this rank itself between its two stages (gloo refuses a send to self); its PipelineStage, over the same
     # traced submodules, does not
-    stages = [pp.build_stage(i, torch.device("cpu")) if placement == "loop"
-              else tpp.PipelineStage(pp.get_stage_module(i), i, S, torch.device("cpu")) for i in mine]
+    stages = [pp.build_stage(i, device) if placement == "loop"
+              else tpp.PipelineStage(pp.get_stage_module(i).to(device), i, S, device) for i in mine]
     sched = getattr(tpp, cls)(stages[0] if v == 1 else stages, n_microbatches=M, loss_fn=w.loss_fn)
     params = [p for st in stages for p in st.submod.parameters()]
     first, last = 0 in mine, S - 1 in mine
 
     def step(args: tuple[Any, ...], target: Any) -> float:
         losses: list[torch.Tensor] = []
+        args, target = tuple(a.to(device) for a in args), target.to(device)  # torch's stages take them there
         sched.step(*(args if first else ()), **({"target": target, "losses": losses} if last else {}))
         return float(torch.stack(losses).detach().mean()) if last else float("nan")
     return step, params
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.schedules import slowest_rank_s
 
     ctx = pipe.init()
-    rank, world, M = ctx.rank, ctx.world_size, args.microbatches
+    rank, world, M, dev = ctx.rank, ctx.world_size, args.microbatches, ctx.device
     margs = dict(DEFAULTS) if args.model == "gpt" else {}
     margs.update(parse_overrides(args.model_arg))
 
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = ["1f1b"] + [x for x in wanted if x != "1f1b"]  # 1F1B: what fxpipe's own 1F1B is compared with
     candidates: dict[str, tuple[Callable[..., float], list[Any]]] = {}
     for name in wanted:
-        candidates[f"torch-{name}"] = _torch_pipeline(fresh(), rank, world, M, name)
+        candidates[f"torch-{name}"] = _torch_pipeline(fresh(), rank, world, M, name, dev)
     wf = fresh()
     a = Analysis(wf.model, wf.example_args, wf.example_kwargs, cost=args.cost)
     flights = tuple(in_flight_limit("1f1b", world, M, s) for s in range(world))
@@ -178,8 +179,18 @@ def main(argv: list[str] | None = None) -> int:
     losses: dict[str, list[float]] = {k: [] for k in candidates}
     actions: dict[str, dict[str, list[float]]] = {"fxpipe-even": {}, "fxpipe-auto": {}}  # rank 0's: ms by action
     single = fresh() if rank == 0 else None
+    if single is not None:
+        single.model.to(dev)
     single_opt = torch.optim.AdamW(single.model.parameters(), lr=1e-4) if single is not None else None
     share = fresh()  # what the ranks' processes cost computing together: they share the machine's caches
+    share.model.to(dev)
+
+    def on(*xs: Any) -> Any:
+        return tuple(x.to(dev) if isinstance(x, torch.Tensor) else on(*x) for x in xs)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
     names = list(candidates)
     for r in range(args.rounds + 1):  # round 0 warms up
         b_args, _, target = w.batch(batch_size, r)
@@ -191,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                 got.append(candidates[name][0](b_args, target))
                 opts[name].step()
                 opts[name].zero_grad(set_to_none=True)
-            dt = slowest_rank_s(step, "cpu")
+            dt = slowest_rank_s(step, dev)
             if r:
                 samples[name].append(dt)
                 if name in ("fxpipe-even", "fxpipe-auto"):  # their stages' actions, to compare the two cuts
@@ -201,17 +212,22 @@ def main(argv: list[str] | None = None) -> int:
             losses[name].append(float(got[0]))
         dist.barrier()
         if single is not None and single_opt is not None:
+            d_args, d_target = on(b_args, target)
+            sync()
             t0 = time.perf_counter()
-            single.loss_fn(single.model(*b_args), target).backward()
+            single.loss_fn(single.model(*d_args), d_target).backward()
+            sync()
             t1 = time.perf_counter()
             single_opt.step()
             single_opt.zero_grad(set_to_none=True)
+            sync()
             if r:
                 samples["one-process"].append(t1 - t0)
                 samples["one-process-optimizer"].append(time.perf_counter() - t1)
         dist.barrier()
         s_args, _, s_target = w.batch(batch_size // world, r)
-        dt = slowest_rank_s(lambda: share.loss_fn(share.model(*s_args), s_target).backward(), "cpu")
+        s_args, s_target = on(s_args, s_target)
+        dt = slowest_rank_s(lambda: share.loss_fn(share.model(*s_args), s_target).backward(), dev)
         share.model.zero_grad(set_to_none=True)
         if r:
             samples["every-rank-at-once"].append(dt)
@@ -219,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     first_loss = {}  # each candidate's loss on the first (warm-up) batch, from the rank that computed it
     for name in names:
         t = torch.tensor([losses[name][0] if losses[name][0] == losses[name][0] else float("-inf")],
-                         dtype=torch.float64)
+                         dtype=torch.float64, device=dev)  # (NCCL reduces device tensors only)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         first_loss[name] = float(t)
     timelines = {k: pipes[k].gather_timeline() for k in pipes}

@@ -1,9 +1,13 @@
 """The pipeline's errors (pipe.runtime and pipe.step raise them; pipe exports them)."""
 from __future__ import annotations
 
+from typing import Any
+
+import torch.distributed as dist
+
 from partition.errors import FxpipeError
 
-__all__ = ["ModeError", "NonFiniteLoss", "PipelineError"]
+__all__ = ["ModeError", "NonFiniteLoss", "PipelineError", "agree_everywhere"]
 
 
 class PipelineError(FxpipeError, ValueError):
@@ -17,3 +21,17 @@ class ModeError(PipelineError):
 
 class NonFiniteLoss(FxpipeError, FloatingPointError):
     """The loss of a step was NaN or infinite."""
+
+
+def agree_everywhere(error: str | None, cls: type[PipelineError] | None = None) -> None:
+    """Raise `cls` (PipelineError) on every rank of the job when any rank failed, naming the first failing
+    (global) rank."""
+    world = dist.get_world_size()
+    errors: list[Any] = [None] * world
+    if world > 1:
+        dist.all_gather_object(errors, error)
+    else:
+        errors = [error]
+    for r, e in enumerate(errors):
+        if e is not None:
+            raise (cls or PipelineError)(f"rank {r} failed while setting up the pipeline: {e}")

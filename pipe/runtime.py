@@ -15,18 +15,18 @@ from torch.distributed.tensor import DTensor
 
 from partition.errors import first_line
 import partition
-from partition.plan import Plan, PlanError, human_bytes, parse_bytes
+from partition.plan import Plan, human_bytes, parse_bytes
 from partition.planner import qualnames
 from partition.signature import check_call
 from partition.split import StageIO
-from partition.split import assemble_outputs, inference_stage, param_nodes_of, split_graph
+from partition.split import param_nodes_of, split_graph
 from partition.loss import attach_loss
 from partition.trace import flatten_inputs, trace
 import memory
 from memory import MemoryManager
-from pipe import comm, launch, modes
+from pipe import comm, inference, launch
 from pipe.calls import BUILDS, Call, agree, build_of, call_of
-from pipe.errors import ModeError, NonFiniteLoss, PipelineError
+from pipe.errors import ModeError, NonFiniteLoss, PipelineError, agree_everywhere
 from pipe.exchange import Exchange
 from pipe.lower import forward_only, fuse_backward, lower, validate, with_grad_reduction, with_reloads
 from pipe.replicas import DP_SHARD, DataParallelError, GradReducer, ShardedStages, group_of, pipeline_groups
@@ -34,12 +34,12 @@ from pipe.backward import with_param_outputs
 from pipe.schedules import Action, ScheduleError, build, default_stages_per_rank, in_flight_limit, placement
 from pipe.auto import w_part_managed
 from pipe.simulate import Event, Timeline
-from pipe.step import StepState, concat_outputs, placed
+from pipe.step import StepState
 from pipe.weights import Init, allocate, default_init, empty_like, init_stages, unset
 from partition.meta import meta_copy, on_meta, retarget, to_meta
 from partition.measure import Share, release_memory
 
-__all__ = ["NonFiniteLoss", "Pipeline", "PipelineError", "split_microbatches"]
+__all__ = ["ModeError", "NonFiniteLoss", "Pipeline", "PipelineError", "split_microbatches"]
 
 
 def split_microbatches(tree: Any, n: int, what: str = "batch") -> list[Any]:
@@ -72,20 +72,6 @@ def _compile_options(compile: Any, recompute: str, dynamic: bool) -> dict[str, A
     if dynamic:
         options.setdefault("dynamic", True)
     return options
-
-
-def _agree(error: str | None, cls: type[PipelineError] | None = None) -> None:
-    """Raise `cls` (PipelineError) on every rank of the job when any rank failed, naming the first failing
-    (global) rank."""
-    world = dist.get_world_size()
-    errors: list[Any] = [None] * world
-    if world > 1:
-        dist.all_gather_object(errors, error)
-    else:
-        errors = [error]
-    for r, e in enumerate(errors):
-        if e is not None:
-            raise (cls or PipelineError)(f"rank {r} failed while setting up the pipeline: {e}")
 
 
 def _gather(obj: Any) -> list[Any]:
@@ -294,7 +280,7 @@ class Pipeline:
                 traced = trace(model, args, kwargs, leaf_modules=self.leaf_modules)
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
-            _agree(error)
+            agree_everywhere(error)
         self.plan = self._agree_on_plan(model, args, kwargs, plan, cost, memory_budget, (recompute, offload),
                                         example_target, traced)
         if self.meta:
@@ -311,7 +297,7 @@ class Pipeline:
             error = None
         except (ValueError, TypeError) as e:
             error = f"{type(e).__name__}: {e}"
-        _agree(error)
+        agree_everywhere(error)
         self._gm = gm
         # forward() on a plan with the loss in the graph: each stage without it (built at the first call)
         self._inference: dict[int, tuple[torch.fx.GraphModule, list[int], list[Any]]] = {}
@@ -433,7 +419,7 @@ class Pipeline:
             copies, made = allocate([stages[s] for s in self.local], device)
         except ValueError as e:
             error = f"{type(e).__name__}: {e}"
-        _agree(error)
+        agree_everywhere(error)
         if self.rank == 0:
             for k, b in model.named_buffers():
                 if id(b) not in self._placed:
@@ -487,7 +473,7 @@ class Pipeline:
                 init_stages(model, self._made, w.fn, w.seed)
             except Exception as e:  # the user's init function
                 error = f"the init function failed on this rank's stages ({type(e).__name__}: {first_line(e)})"
-            _agree(error)
+            agree_everywhere(error)
             what = "the init function"
         if not self.meta:
             return
@@ -673,7 +659,7 @@ class Pipeline:
                     st.w_ms, st.w_nodes = w_part_managed(st, c, param_nodes_of(self._gm, st.nodes))
         except ValueError as e:
             error = f"{type(e).__name__}: {e}"
-        _agree(error)
+        agree_everywhere(error)
         assert mm is not None
         return mm
 
@@ -1201,50 +1187,6 @@ class Pipeline:
         """train(False): evaluate() and forward() in eval mode (dropout off, batch norm's running statistics)."""
         return self.train(False)
 
-    def _in_mode(self, inference: bool) -> tuple[dict[int, Any] | None, dict[int, Any] | None]:
-        """In the mode the stages were traced in: (None, None). Else this rank's stages cut from a trace
-        in the current mode, (each stage as step calls it, each as forward calls it when the loss is in the
-        graph: without it); built once, a failure raised on every rank."""
-        if self.training == self._traced_mode:
-            return None, None
-        if "stages" not in self._other_mode:
-            error = None
-            try:
-                # under FSDP a meta copy made before sharding; on a GPU, where the stages' parameters were moved
-                # off the model's device, a meta copy
-                model = self._other_mode.get("model")
-                model = modes.traceable(self._model, *self._example) if model is None else model
-                gm, fresh = (modes.traced_in_mode(model, *self._example, mode, leaf_modules=self.leaf_modules,
-                                                  loss_fn=self.loss_fn, loss=self.plan.loss, device=self.ctx.device)
-                             for mode in (self.training, self._traced_mode))  # (fresh: before the plan's rewrites)
-                self._other_mode["stages"] = modes.stages_in_mode(gm, fresh, self._gm, self.plan, self._trained)
-                self._other_mode["gm"] = gm
-            except (PlanError, ValueError, TypeError) as e:
-                error = (f"{type(e).__name__}: in {'training' if self.training else 'eval'} mode the model traces "
-                         f"otherwise than the plan's graph ({e}); build a Pipeline from the model in that mode")
-            _agree(error, ModeError)
-        if inference and self.plan.loss and "inference" not in self._other_mode:
-            error, gm = None, self._other_mode["gm"]
-            known = {n.name: (n.op, n.target) for n in self._gm.graph.nodes}
-            if any(known.get(n.name) != (n.op, n.target) for n in gm.graph.nodes):  # inference_stage cuts by name
-                error = ("forward() in this mode, the loss in the graph: the mode's graph names its operations "
-                         "otherwise than the plan's (torch.export), and the stages without the loss are cut by name; "
-                         "evaluate() works, or build a Pipeline from the model in that mode")
-            else:
-                try:
-                    self._other_mode["inference"] = {s: inference_stage(gm, self.plan, s, self._trained[s])
-                                                     for s in self.local}
-                except PlanError as e:
-                    error = f"PipelineError: forward() on this pipeline: {e}"
-            _agree(error, ModeError)
-        return self._other_mode["stages"], self._other_mode.get("inference") if inference else None
-
-    def _flags(self, other: bool) -> contextlib.AbstractContextManager[None]:
-        """In the other mode than the trace's: every module of this rank's stages in the pipeline's mode for
-        the call (their own flags restored after); in the trace's mode the flags stay as the user set them."""
-        return modes.in_mode([self._trained[s] for s in self.local], self.training) if other \
-            else contextlib.nullcontext()
-
     def evaluate(self, *batch_args: Any, target: Any = None, **batch_kwargs: Any) -> float:
         """The batch's mean loss without grads (a validation step) in the pipeline's mode (pp.eval() for
         eval mode); same call on every rank, the same loss returned on every rank (with data parallel
@@ -1253,23 +1195,7 @@ class Pipeline:
         The training stages run their forwards in the schedule's forward order under no_grad, the loss
         computed where step() computes it; only the loss travels back (pp.forward would send the model's
         whole output to every rank). Grads, the optimizer and the step count are left as they are."""
-        if getattr(self.memory, "store", None) is not None:
-            raise PipelineError("evaluate() does not stream offloaded model state; evaluate with a Pipeline built "
-                                "with offload='none' or 'activations'")
-        mbs, targets = self._agreed_call((batch_args, batch_kwargs), target, "evaluate")
-        stages, _ = self._in_mode(inference=False)
-        run = StepState(self, self._flats(mbs, targets), targets, Exchange(
-            self.transport, self.plan, self.place, self.rank, self.ctx.device, self.dynamic), inference=True,
-            evaluating=True, stages=stages)
-        with torch.no_grad(), self._failures(run, "evaluation"), self._flags(stages is not None):
-            if stages is not None and self.sharded is not None:  # gathered as the stages' own forward would
-                for s in self.local:
-                    self._trained[s].unshard()  # type: ignore[operator]
-            run.forwards(self.inference_program)
-            if self.sharded is not None:  # no backward frees the parameters the forwards gathered
-                self.sharded.reshard()
-            loss = self._mean_loss(run)
-        return float(loss.item())
+        return inference.evaluate(self, batch_args, batch_kwargs, target)
 
     def _mean_loss(self, run: "StepState") -> torch.Tensor:
         """The step's mean loss, from the last stage's rank to every rank of the pipeline, then averaged over
@@ -1291,45 +1217,7 @@ class Pipeline:
         Every rank makes the same call. Microbatches run through the stages in the schedule's
         forward order; tensor outputs are concatenated along dim 0, 0-dim ones (a loss) averaged.
         """
-        if getattr(self.memory, "store", None) is not None:
-            raise PipelineError("forward() does not stream offloaded model state; build an inference "
-                                "Pipeline with offload='none' or 'activations'")
-        mbs, _ = self._agreed_call((batch_args, batch_kwargs), None, "forward", training=False)
-        if self.plan.loss and not self._inference:  # stages without the loss, returning the model's outputs
-            error = None
-            try:
-                self._inference = {s: inference_stage(self._gm, self.plan, s, self._trained[s]) for s in self.local}
-            except PlanError as e:
-                error = f"PipelineError: forward() on this pipeline: {e}"
-            _agree(error)
-        stages, inference = self._in_mode(inference=True)  # (None, None) in the mode of the trace
-        flats = self._flats(mbs, [None] * self.M)
-        exchange = Exchange(self.transport, self.plan, self.place, self.rank, self.ctx.device, self.dynamic)
-        run = StepState(self, flats, [None] * self.M, exchange, inference=True, stages=stages,
-                         inference_stages=inference)
-        last = self.place[self.S - 1]
-        with torch.no_grad(), self._failures(run, "inference"), self._flags(stages is not None):
-            if self.sharded is not None and (self._inference or stages):  # gathered as the stages' forward would
-                for s in self.local:
-                    self._trained[s].unshard()  # type: ignore[operator]
-            run.forwards(self.inference_program)
-            if self.sharded is not None:  # inference has no backward to free the gathered parameters
-                self.sharded.reshard()
-            if self._inference:  # each rank holds the outputs its stages computed: every rank gathers them
-                parts: list[Any] = [run.outputs]
-                if self.world > 1:
-                    parts = [None] * self.world
-                    with comm.guarded("the gather of the output"):
-                        dist.all_gather_object(parts, run.outputs, group=self.pp_group)
-                return placed(concat_outputs([assemble_outputs(self._gm, {k: v for p in parts for k, v in
-                                                                   (p[mb] or {}).items()}) for mb in range(self.M)]),
-                               self.ctx.device)
-            box: list[Any] = [concat_outputs(run.outputs) if self.rank == last else None]
-            if self.world > 1:  # (pickled: through the host, where a device tensor would name the sender's device)
-                box = [placed(box[0], torch.device("cpu"))]
-                with comm.guarded("the broadcast of the output", last):
-                    dist.broadcast_object_list(box, src=self._global[last], group=self.pp_group)
-        return placed(box[0], self.ctx.device)
+        return inference.forward(self, batch_args, batch_kwargs)
 
     def gather_timeline(self) -> Timeline | None:
         """The last step's measured timeline of every rank, on rank 0 (a collective call)."""

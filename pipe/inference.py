@@ -1,0 +1,134 @@
+"""Inference and validation on a pipeline (pp.evaluate, pp.forward), in either mode: in the mode the stages
+were not traced in, this rank's stages cut from a trace made in it (pipe.modes), their modules' flags set
+to it while they run."""
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from partition.plan import PlanError
+from partition.split import assemble_outputs, inference_stage
+from pipe import comm, modes
+from pipe.errors import ModeError, PipelineError, agree_everywhere
+from pipe.exchange import Exchange
+from pipe.step import StepState, concat_outputs, placed
+
+if TYPE_CHECKING:
+    from pipe.runtime import Pipeline
+
+__all__ = ["evaluate", "flags", "forward", "stages_in_mode_of"]
+
+
+def stages_in_mode_of(pp: Pipeline, inference: bool) -> tuple[dict[int, Any] | None, dict[int, Any] | None]:
+    """In the mode the stages were traced in: (None, None). Else this rank's stages cut from a trace
+    in the current mode, (each stage as step calls it, each as forward calls it when the loss is in the
+    graph: without it); built once, a failure raised on every rank."""
+    if pp.training == pp._traced_mode:
+        return None, None
+    if "stages" not in pp._other_mode:
+        error = None
+        try:
+            # under FSDP a meta copy made before sharding; on a GPU, where the stages' parameters were moved
+            # off the model's device, a meta copy
+            model = pp._other_mode.get("model")
+            model = modes.traceable(pp._model, *pp._example) if model is None else model
+            gm, fresh = (modes.traced_in_mode(model, *pp._example, mode, leaf_modules=pp.leaf_modules,
+                                              loss_fn=pp.loss_fn, loss=pp.plan.loss, device=pp.ctx.device)
+                         for mode in (pp.training, pp._traced_mode))  # (fresh: before the plan's rewrites)
+            pp._other_mode["stages"] = modes.stages_in_mode(gm, fresh, pp._gm, pp.plan, pp._trained)
+            pp._other_mode["gm"] = gm
+        except (PlanError, ValueError, TypeError) as e:
+            error = (f"{type(e).__name__}: in {'training' if pp.training else 'eval'} mode the model traces "
+                     f"otherwise than the plan's graph ({e}); build a Pipeline from the model in that mode")
+        agree_everywhere(error, ModeError)
+    if inference and pp.plan.loss and "inference" not in pp._other_mode:
+        error, gm = None, pp._other_mode["gm"]
+        known = {n.name: (n.op, n.target) for n in pp._gm.graph.nodes}
+        if any(known.get(n.name) != (n.op, n.target) for n in gm.graph.nodes):  # inference_stage cuts by name
+            error = ("forward() in this mode, the loss in the graph: the mode's graph names its operations "
+                     "otherwise than the plan's (torch.export), and the stages without the loss are cut by name; "
+                     "evaluate() works, or build a Pipeline from the model in that mode")
+        else:
+            try:
+                pp._other_mode["inference"] = {s: inference_stage(gm, pp.plan, s, pp._trained[s])
+                                               for s in pp.local}
+            except PlanError as e:
+                error = f"PipelineError: forward() on this pipeline: {e}"
+        agree_everywhere(error, ModeError)
+    return pp._other_mode["stages"], pp._other_mode.get("inference") if inference else None
+
+
+def flags(pp: Pipeline, other: bool) -> contextlib.AbstractContextManager[None]:
+    """In the other mode than the trace's: every module of this rank's stages in the pipeline's mode for
+    the call (their own flags restored after); in the trace's mode the flags stay as the user set them."""
+    return modes.in_mode([pp._trained[s] for s in pp.local], pp.training) if other \
+        else contextlib.nullcontext()
+
+
+def evaluate(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, Any], target: Any) -> float:
+    """Pipeline.evaluate: the training stages' forwards under no_grad over the forward-only program, in the
+    pipeline's mode, the loss where step() computes it, then the mean loss on every rank."""
+    if getattr(pp.memory, "store", None) is not None:
+        raise PipelineError("evaluate() does not stream offloaded model state; evaluate with a Pipeline built "
+                            "with offload='none' or 'activations'")
+    mbs, targets = pp._agreed_call((batch_args, batch_kwargs), target, "evaluate")
+    stages, _ = stages_in_mode_of(pp, inference=False)
+    run = StepState(pp, pp._flats(mbs, targets), targets, Exchange(
+        pp.transport, pp.plan, pp.place, pp.rank, pp.ctx.device, pp.dynamic), inference=True,
+        evaluating=True, stages=stages)
+    with torch.no_grad(), pp._failures(run, "evaluation"), flags(pp, stages is not None):
+        if stages is not None and pp.sharded is not None:  # gathered as the stages' own forward would
+            for s in pp.local:
+                pp._trained[s].unshard()  # type: ignore[operator]
+        run.forwards(pp.inference_program)
+        if pp.sharded is not None:  # no backward frees the parameters the forwards gathered
+            pp.sharded.reshard()
+        loss = pp._mean_loss(run)
+    return float(loss.item())
+
+
+def forward(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, Any]) -> Any:
+    """Pipeline.forward: the stages without the loss (when the plan has it in its graph) over the
+    forward-only program, then the model's output gathered to every rank and placed on its device."""
+    if getattr(pp.memory, "store", None) is not None:
+        raise PipelineError("forward() does not stream offloaded model state; build an inference "
+                            "Pipeline with offload='none' or 'activations'")
+    mbs, _ = pp._agreed_call((batch_args, batch_kwargs), None, "forward", training=False)
+    if pp.plan.loss and not pp._inference:  # stages without the loss, returning the model's outputs
+        error = None
+        try:
+            pp._inference = {s: inference_stage(pp._gm, pp.plan, s, pp._trained[s]) for s in pp.local}
+        except PlanError as e:
+            error = f"PipelineError: forward() on this pipeline: {e}"
+        agree_everywhere(error)
+    stages, inference = stages_in_mode_of(pp, inference=True)  # (None, None) in the mode of the trace
+    flats = pp._flats(mbs, [None] * pp.M)
+    exchange = Exchange(pp.transport, pp.plan, pp.place, pp.rank, pp.ctx.device, pp.dynamic)
+    run = StepState(pp, flats, [None] * pp.M, exchange, inference=True, stages=stages,
+                    inference_stages=inference)
+    last = pp.place[pp.S - 1]
+    with torch.no_grad(), pp._failures(run, "inference"), flags(pp, stages is not None):
+        if pp.sharded is not None and (pp._inference or stages):  # gathered as the stages' forward would
+            for s in pp.local:
+                pp._trained[s].unshard()  # type: ignore[operator]
+        run.forwards(pp.inference_program)
+        if pp.sharded is not None:  # inference has no backward to free the gathered parameters
+            pp.sharded.reshard()
+        if pp._inference:  # each rank holds the outputs its stages computed: every rank gathers them
+            parts: list[Any] = [run.outputs]
+            if pp.world > 1:
+                parts = [None] * pp.world
+                with comm.guarded("the gather of the output"):
+                    dist.all_gather_object(parts, run.outputs, group=pp.pp_group)
+            return placed(concat_outputs([assemble_outputs(pp._gm, {k: v for p in parts for k, v in
+                                                                     (p[mb] or {}).items()}) for mb in range(pp.M)]),
+                          pp.ctx.device)
+        box: list[Any] = [concat_outputs(run.outputs) if pp.rank == last else None]
+        if pp.world > 1:  # (pickled: through the host, where a device tensor would name the sender's device)
+            box = [placed(box[0], torch.device("cpu"))]
+            with comm.guarded("the broadcast of the output", last):
+                dist.broadcast_object_list(box, src=pp._global[last], group=pp.pp_group)
+    return placed(box[0], pp.ctx.device)
