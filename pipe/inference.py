@@ -124,7 +124,7 @@ def forward(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, A
                 with comm.guarded("the gather of the output"):
                     dist.all_gather_object(parts, run.outputs, group=pp.pp_group)
             return placed(concat_outputs([assemble_outputs(pp._gm, {k: v for p in parts for k, v in
-                                                                     (p[mb] or {}).items()}) for mb in range(pp.M)]),
+                                                                    (p[mb] or {}).items()}) for mb in range(pp.M)]),
                           pp.ctx.device)
         box: list[Any] = [concat_outputs(run.outputs) if pp.rank == last else None]
         if pp.world > 1:  # (pickled: through the host, where a device tensor would name the sender's device)

@@ -1,0 +1,482 @@
+"""A Pipeline's set-up: the plan agreed by every rank, the stages materialized or moved and filled with the
+model's values, the memory manager, FSDP sharding, the grad reducer and the tied weights' groups; each a
+function of the pipeline being built (pipe.runtime.Pipeline.__init__ calls them in order)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx
+
+from partition.errors import first_line
+import partition
+from partition.plan import Plan, human_bytes, parse_bytes
+from partition.planner import qualnames
+from partition.split import param_nodes_of
+from partition.trace import flatten_inputs
+import memory
+from memory import MemoryManager
+from pipe import launch
+from pipe.errors import PipelineError, agree_everywhere
+from pipe.lower import with_grad_reduction
+from pipe.replicas import GradReducer, ShardedStages, group_of
+from pipe.schedules import ScheduleError, in_flight_limit
+from pipe.auto import w_part_managed
+from pipe.weights import Init, allocate, default_init, empty_like, init_stages, unset
+from partition.meta import retarget, to_meta
+from partition.measure import Share
+
+if TYPE_CHECKING:
+    from pipe.runtime import Pipeline
+
+__all__ = ["agree_on_plan", "build_memory", "check_weights", "choose", "compile_note", "compiled", "costing", "fill",
+           "make_reducer", "make_tied_groups", "materialize", "memory_costs", "note_param_placement", "plan_here",
+           "shard", "state_factor"]
+
+
+def _gather(obj: Any) -> list[Any]:
+    """Every rank's `obj`, on every rank (all ranks of the job)."""
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+class _Broadcast:
+    """Run `fn` on rank 0 and give every rank its result, or the same error, so no rank hangs."""
+
+    @staticmethod
+    def run(fn: Callable[[], Any], rank: int, everyone: bool = False) -> Any:
+        """With `everyone`, all ranks run `fn` at once (rank 0's result counts): measurements then
+        see the load the pipeline puts on shared cores, caches and memory bandwidth."""
+        box: list[Any] = [None]
+        if rank == 0 or everyone:
+            result: tuple[Any, ...]
+            try:
+                result = ("ok", fn())
+            except Exception as e:  # re-raised on every rank below
+                result = ("error", type(e).__name__, str(e))
+            box[0] = result if rank == 0 else None
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
+        status, *rest = box[0]
+        if status == "error":
+            raise PipelineError(f"rank 0 failed to plan the pipeline: {rest[0]}: {rest[1]}")
+        return rest[0]
+
+
+def check_weights(pp: Pipeline, model: torch.nn.Module, weights: Any) -> Any:
+    """weights= as pipe.weights takes it (an Init, a source of a state dict, or None), refused
+    alike on every rank before anything runs."""
+    name = type(model).__name__
+    if isinstance(weights, (str, Path, dict)) or weights is None:
+        if weights is None and pp.meta:
+            fn = default_init(model)
+            if fn is None:
+                raise PipelineError(
+                    f"{name} is on the meta device, so its weights have no values, and neither weights= nor an "
+                    "init is there to give them: no module has reset_parameters() and the model has no "
+                    "_init_weights; pass weights= a state dict of the model (a .safetensors, .pt, a folder of "
+                    "Hugging Face shards, a checkpoint or a dict) or an init function fn(module)")
+            return Init(fn)
+        if weights is not None and not isinstance(weights, dict) and not Path(weights).exists():
+            raise PipelineError(f"weights={str(weights)!r} does not exist; give a .safetensors, .pt or .bin file, "
+                                "a folder of Hugging Face shards, an fxpipe or torch.distributed.checkpoint folder")
+        return weights
+    if isinstance(weights, Init) or callable(weights):
+        if not pp.meta:
+            raise PipelineError(f"weights= is an init function but {name} is not on the meta device: its weights "
+                                "have values already; build the model under `with torch.device('meta'):` to have "
+                                "each rank initialise only its stages, or leave weights= out")
+        init = weights if isinstance(weights, Init) else Init(weights)
+        return init if init.fn is not None else Init(default_init(model), init.seed)
+    raise PipelineError(f"weights= takes a state dict (a dict, or the path of a .safetensors, .pt, a folder of "
+                        f"Hugging Face shards or a checkpoint) or an init function fn(module), got "
+                        f"{type(weights).__name__}")
+
+
+def materialize(pp: Pipeline, model: torch.nn.Module, stages: list[torch.fx.GraphModule]
+                ) -> dict[int, torch.fx.GraphModule]:
+    """This rank's stages of a meta model as new modules with storage on this rank's device (one
+    tensor per tied weight on the rank); rank 0 also holds the buffers no stage reads."""
+    device = pp.ctx.device
+    error: str | None = None
+    copies: list[Any] = []
+    made: dict[int, torch.Tensor] = {}
+    try:
+        copies, made = allocate([stages[s] for s in pp.local], device)
+    except ValueError as e:
+        error = f"{type(e).__name__}: {e}"
+    agree_everywhere(error)
+    if pp.rank == 0:
+        for k, b in model.named_buffers():
+            if id(b) not in pp._placed:
+                pp._unplaced[k] = made.setdefault(id(b), empty_like(b, device) if b.is_meta else b.to(device))
+    pp._names = {id(made[i]): n for i, n in pp._names.items() if i in made}
+    pp._made = made
+    for s, c in zip(pp.local, copies):
+        c.io = stages[s].io
+        retarget(c, device)
+    return dict(zip(pp.local, copies))
+
+
+def note_param_placement(pp: Pipeline, model: torch.nn.Module) -> None:
+    """A plan note: the parameter bytes each pipeline rank holds, where, and what the model built on
+    each rank holds besides (the whole model, unless it was built on the meta device)."""
+    per = [0] * pp.world
+    for st in pp.plan.stages:
+        per[pp.place[st.index]] += st.param_bytes
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    where = "the host" if pp.ctx.device.type == "cpu" else f"{pp.ctx.device.type} (each rank's own)"
+    pp.plan.notes.append(
+        f"parameters per rank, on {where}: " + ", ".join(f"rank {r} {human_bytes(b)}" for r, b in enumerate(per))
+        + (f"; built on the meta device, no rank holds more (the model: {human_bytes(whole)})" if pp.meta else
+           f"; every rank also built the whole model ({human_bytes(whole)}) on "
+           f"{next((p.device for p in model.parameters()), 'the host')}: build it under "
+           "`with torch.device('meta'):` and pass weights= to hold only the stages"))
+    if pp.ctx.device.type == "cpu":
+        pp.plan.notes.append(
+            "CPU memory: glibc keeps what the process frees (pipe.init(keep_freed=True), the default), so "
+            "activations are not page-faulted in afresh each microbatch" if pp.ctx.freed_kept else
+            "CPU memory: the C library hands large freed blocks back to the kernel, and each microbatch's "
+            "activations are page-faulted in afresh (pipe.init(keep_freed=True) or FXPIPE_KEEP_FREED=1 keeps them "
+            "with glibc: steps of a model with 33 MB of logits per microbatch measured 0-20% faster)")
+
+
+def fill(pp: Pipeline, model: torch.nn.Module) -> None:
+    """Give a meta model's local stages their values (weights=), or load a state dict into a real
+    model's; every rank fails alike, naming the tensors no source gave a value."""
+    w = pp._weights
+    if w is None:
+        return
+    if not isinstance(w, Init):
+        from pipe.ckpt_format import CheckpointError
+        try:
+            pp.load_model_state(w)
+        except CheckpointError as e:  # raised alike on every rank
+            raise PipelineError(f"weights= cannot give {type(model).__name__}'s stages their values: {e}") from None
+        what = "the state dict given" if isinstance(w, dict) else str(w)
+    else:
+        assert w.fn is not None
+        error = None
+        try:
+            init_stages(model, pp._made, w.fn, w.seed)
+        except Exception as e:  # the user's init function
+            error = f"the init function failed on this rank's stages ({type(e).__name__}: {first_line(e)})"
+        agree_everywhere(error)
+        what = "the init function"
+    if not pp.meta:
+        return
+    named: dict[str, torch.Tensor] = dict(pp.named_parameters())
+    named.update(pp.local_buffers())
+    missing = sorted(set().union(*_gather(unset(named)))) if pp.ctx.world_size > 1 else unset(named)
+    if missing:  # every rank's, named on every rank
+        raise PipelineError(
+            f"{', '.join(missing[:8])}{' and more' if len(missing) > 8 else ''} of {type(model).__name__} (on the "
+            f"meta device) got no value from {what}: a state dict does not hold non-persistent buffers, and an "
+            "init must write every parameter and buffer; give an init function that writes them, or build these "
+            "tensors outside `with torch.device('meta')`")
+    pp.plan.notes.append(f"built on the meta device: each rank allocated only its stages, on {pp.ctx.device}, "
+                         f"and took their values from {what}" + (
+                             f" (seeded per module from seed {w.seed})" if isinstance(w, Init) else ""))
+
+
+def agree_on_plan(pp: Pipeline, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  plan: Plan | str | Path | None, cost: str, budget: float | str | None,
+                  features: tuple[str, str] = ("none", "none"), example_target: Any = None,
+                  traced: torch.fx.GraphModule | None = None) -> Plan:
+    if isinstance(plan, (str, Path)):
+        from pipe import checkpoint
+        # a checkpoint's folder: the plan it was made with (a resume that is bitwise), else a plan file
+        plan = checkpoint.read_plan(plan) if Path(plan).is_dir() else Plan.load(plan)
+    if plan is None:
+        link, share, everyone = costing(pp, model, cost)
+        d = _Broadcast.run(lambda: plan_here(
+            pp, model, args, kwargs, cost, budget, features, example_target, link, share, pp.schedule_name,
+            pp.M, pp.v, traced=traced).to_dict(), pp.ctx.rank, everyone=everyone)
+        plan = Plan.from_dict(d)
+    if not pp.trace_loss and plan.loss:
+        raise PipelineError("trace_loss=False keeps the loss outside the graph, but the plan given puts it in the "
+                            "last stage; pass a plan made without the loss in the graph, or leave trace_loss out")
+    if sorted(plan.leaf_modules) != sorted(qualnames(pp.leaf_modules)):
+        raise PipelineError(f"the plan was made with leaf_modules={plan.leaf_modules} but this pipeline traces "
+                            f"with leaf_modules={qualnames(pp.leaf_modules)}; pass the plan's leaf_modules= "
+                            "to pipe.Pipeline (the graph differs otherwise), or re-plan")
+    if plan.n_stages != pp.S:
+        raise PipelineError(f"the plan has {plan.n_stages} stages but world size {pp.world} x "
+                            f"stages_per_rank {pp.v} = {pp.S}; launch as many processes as the plan has "
+                            "stages (divided by stages_per_rank), or re-plan for this world size")
+    return plan
+
+
+def costing(pp: Pipeline, model: torch.nn.Module, cost: str) -> tuple[tuple[float, float], Share | None, bool]:
+    """How plans are costed here: the link's (bytes/ms, latency ms), the share of block timing each rank
+    takes, and whether every rank measures at once."""
+    # measured costs: the link measured too (ranks 0 and 1), so cuts weigh real transfer times
+    neighbour = pp._rows[0][1] if pp.world > 1 else 0  # global rank 0's next pipeline rank
+    link = launch.measure_link(pp.ctx.device, peer=neighbour) if cost == "measured" else None
+    # a model that cannot run whole on this device (on the meta device, or its weights elsewhere)
+    # is timed block by block here (partition.measure); ranks with devices of their own measure a
+    # share each, gathered; ranks sharing the host's cores all measure every block at once, as
+    # they will run (a rank that finished its share early would leave the others a faster machine)
+    here = next((t.device for t in (*model.parameters(), *model.buffers())), pp.ctx.device)
+    blockwise = cost == "measured" and (pp.meta or here != pp.ctx.device)
+    own_device = pp.ctx.device.type != "cpu"
+    share = Share(pp.ctx.rank, pp.ctx.world_size, _gather) if blockwise and own_device else None
+    # products priced by shape are timed on every rank at once on a CPU host too, as they will run
+    return link or (1e6, 0.05), share, (cost == "measured" and (pp.ctx.device.type == "cpu" or blockwise)
+                                        or cost == "shaped" and pp.ctx.device.type == "cpu")
+
+
+def plan_here(pp: Pipeline, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], cost: str,
+              budget: float | str | None, features: tuple[str, str], example_target: Any,
+              link: tuple[float, float], share: Share | None, schedule: str, M: int, v: int,
+              analysis: Any = None, analysis_out: list[Any] | None = None,
+              traced: torch.fx.GraphModule | None = None) -> Plan:
+    """partition.plan for `schedule` with M microbatches and v stages per rank on this pipeline's ranks
+    (`traced`: the model's trace for these args, planned from)."""
+    S = pp.world * v
+    plan = partition.plan(
+        model, args, S, example_kwargs=kwargs, cost=cost, schedule=schedule, microbatches=M,
+        memory_budget=budget, stages_per_rank=v, in_flight_counts=[in_flight_limit(schedule, S, M, s, v)
+                                                                   for s in range(S)],
+        recompute=features[0], offload=features[1], loss_fn=pp.loss_fn if pp.trace_loss else None,
+        example_target=example_target, bytes_per_ms=link[0], latency_ms=link[1], leaf_modules=pp.leaf_modules,
+        progress=pp.progress, state_factor=2.0 + state_factor(pp), device=pp.ctx.device, share=share,
+        analysis=analysis, analysis_out=analysis_out, traced=traced)
+    if not pp.trace_loss:
+        plan.loss_note = "trace_loss=False"
+    return plan
+
+
+def choose(pp: Pipeline, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], cost: str,
+           budget: float | str | None, features: tuple[str, str], example_target: Any,
+           batch_size: int | None, microbatches: int, schedules: Sequence[str] | None
+           ) -> tuple[Plan, tuple[tuple[Any, ...], dict[str, Any], Any]]:
+    """schedule="auto" (pipe.auto): every candidate planned and simulated on rank 0 (every rank
+    measuring at once, as for one plan), the fastest predicted one's plan, with the example resized
+    to its microbatch; the ranking in pp.candidates and the plan's notes."""
+    from pipe import auto
+    cal = pp.calibration
+    # recompute='auto' is weighed against none: a plan cut for recomputation may be slower than one without
+    weigh = features != ("none", "none")  # each candidate's stages get their memory plan, its cost counted
+    try:
+        counts = auto.microbatch_counts(pp.world, batch_size, microbatches)
+        cands = auto.grid(pp.world, counts, schedules, ("none", "auto") if features[0] == "auto" else ("",))
+    except (auto.NoCandidate, ScheduleError) as e:
+        raise PipelineError(str(e)) from None
+
+    given = (args, kwargs, example_target)
+    link, share, everyone = costing(pp, model, cost)
+
+    def plan_one(c: auto.Candidate, a_args: tuple[Any, ...], a_kwargs: dict[str, Any], a_target: Any,
+                 **reuse: Any) -> Plan:
+        return plan_here(pp, model, a_args, a_kwargs, cost, budget, (c.recompute or features[0], features[1]),
+                         a_target, link, share, c.schedule, c.microbatches, c.stages_per_rank, **reuse)
+
+    sizes = {n: (p.numel(), p.element_size()) for n, p in model.named_parameters()}
+
+    def memory_fn(c: auto.Candidate, p: Plan, a: Any) -> Plan:
+        try:
+            return auto.memory_plan(p, a, pp.world, recompute=c.recompute or features[0], offload=features[1],
+                                    budget=parse_bytes(budget), param_sizes=sizes)
+        except memory.BudgetError as e:
+            raise PipelineError(f"memory/ cannot fit it: {first_line(e, 400)}") from None
+
+    def run() -> dict[str, Any]:
+        ranked, plans = auto.choose(cands, pp.world, given, batch_size, plan_one, cal,
+                                    memory_fn if weigh else None)
+        return {"ranked": [c.to_dict() for c in ranked], "plans": {k: p.to_dict() for k, p in plans.items()}}
+    d = _Broadcast.run(run, pp.ctx.rank, everyone=everyone)
+    pp.candidates = [auto.Candidate(**c) for c in d["ranked"]]
+    pp.candidate_plans = {k: Plan.from_dict(p) for k, p in d["plans"].items()}
+    plan = Plan.from_dict(d["plans"][pp.candidates[0].label])
+    best = pp.candidates[0]
+    runner_up = next((c for c in pp.candidates[1:] if not c.refused), None)
+    plan.notes.append(
+        f"schedule='auto' chose {best.label}"
+        + (f" (memory plan per stage: {best.memory}, recompute={best.recompute or features[0]!r}, "
+           f"offload={features[1]!r})" if best.memory else "")
+        + f" of {len(pp.candidates)} candidates: predicted {best.step_ms:.1f} ms "
+        f"per step ({'calibrated' if cal is not None else 'uncalibrated: no calibration= given'})"
+        + (f", the next {runner_up.label} {runner_up.step_ms:.1f} ms" if runner_up else "")
+        + "; pp.candidates ranks them all (pipe.auto.table)")
+    return plan, given if batch_size is None else auto.resize_batch(given, batch_size // best.microbatches)
+
+
+def memory_costs(pp: Pipeline, args: tuple[Any, ...], kwargs: dict[str, Any], recompute: str, offload: str,
+                 budget: float | str | None) -> dict[str, memory.NodeCost]:
+    """Per-node costs for the memory plan (FLOP-based, so every rank computes the same), or none
+    when no memory feature is asked for."""
+    if recompute == "none" and offload == "none" and budget is None:
+        return {}
+    from partition.costs import node_costs
+    flat = flatten_inputs(pp._gm, args, kwargs, pp._example_target)
+    found = node_costs(pp._gm, to_meta(flat) if pp.meta else flat, cost="flops")
+    return {n: memory.NodeCost(c.fwd_ms, c.out_bytes, c.saved_bytes, tuple(c.params), tuple(c.saved.items()),
+                               c.storage)
+            for n, c in found.items()}
+
+
+def build_memory(pp: Pipeline, model: torch.nn.Module, costs: dict[str, memory.NodeCost], recompute: str,
+                 offload: str, budget: float | str | None) -> MemoryManager:
+    """The memory manager: every rank plans every stage alike, so a budget error is raised everywhere."""
+    from dataclasses import asdict
+    from partition.costs import FLOP_PER_MS
+    speeds: list[Any] = [(FLOP_PER_MS, 5e6)]
+    if costs:  # what recomputing and copying cost on this device; rank 0's, so every rank plans alike
+        if pp.ctx.rank == 0:
+            speeds[0] = memory.measure_speeds(pp.ctx.device)
+        if pp.ctx.world_size > 1:
+            dist.broadcast_object_list(speeds, src=0)
+    mm: MemoryManager | None = None
+    error = None
+    try:
+        mm, choices = memory.build(
+            recompute=recompute, offload=offload, budget=parse_bytes(budget),
+            stages=[asdict(st) for st in pp.plan.stages], costs=costs, gm=pp._gm, modules=pp.stages,
+            param_nodes={s: pp.io[s].param_nodes for s in pp.local},
+            param_sizes={n: (p.numel(), p.element_size()) for n, p in model.named_parameters()},
+            actions=[(a.stage, a.kind, a.mb) for a in pp.actions], programs=pp.programs, place=pp.place,
+            microbatches=pp.M, device=pp.ctx.device,
+            optim_factor=max(pp.plan.state_factor - 2.0, 0.0) if pp._optim_factor is None
+            else state_factor(pp),
+            time_scale=FLOP_PER_MS / speeds[0][0], copy_bytes_per_ms=speeds[0][1],
+            output_bytes=pp.plan.output_bytes)
+        # device ms -> plan's (notional ms when counted)
+        to_plan = FLOP_PER_MS / speeds[0][0] if pp.plan.cost in ("flops", "shaped") else 1.0
+        for c in choices:
+            pp.plan.stages[c.stage].memory = c.label()
+            pp.plan.stages[c.stage].memory_peak = c.predicted_peak
+            pp.plan.stages[c.stage].memory_ms = c.cost_ms / to_plan
+            pp.plan.stages[c.stage].memory_nodes = c.recomputed_nodes(len(pp.plan.stages[c.stage].nodes))
+            if pp.has_w and not c.plain:
+                st = pp.plan.stages[c.stage]
+                st.w_ms, st.w_nodes = w_part_managed(st, c, param_nodes_of(pp._gm, st.nodes))
+    except ValueError as e:
+        error = f"{type(e).__name__}: {e}"
+    agree_everywhere(error)
+    assert mm is not None
+    return mm
+
+
+def state_factor(pp: Pipeline) -> float:
+    """Optimizer state bytes per parameter byte on this rank: the optimizer's (Adam's two copies
+    unless optimizer= says), a dp-th of it when the replicas shard it (dp_shard)."""
+    f = 2.0 if pp._optim_factor is None else pp._optim_factor
+    if pp.dp_shard == "full":  # a dp-th of the parameters and the state kept; the gathered parameters
+        return (1.0 + f) / pp.dp  # and their grads in a step are the 2 every plan counts
+    return f / pp.dp if pp.dp_shard == "optimizer" else f
+
+
+def compiled(pp: Pipeline, module: torch.nn.Module) -> torch.nn.Module:
+    """The stage module torch.compile makes (forward, and backward through AOTAutograd) under
+    compile=, or the module itself."""
+    if pp._compile is None:
+        return module
+    return torch.compile(module, **pp._compile)  # type: ignore[return-value]
+
+
+def compile_note(pp: Pipeline) -> str:
+    backend = pp._compile.get("backend", "inductor") if pp._compile is not None else ""
+    note = f"compile: each stage's forward and backward compiled by torch.compile (backend {backend})"
+    if pp.has_w:
+        note += (f"; under {pp.schedule_name} each B computes its weight grads too (BW) and W does nothing: "
+                 "a compiled stage's backward is one function (AOTAutograd), which cannot be split into input "
+                 "and weight grads (torch.distributed.pipelining refuses compiled stages there)")
+    return note
+
+
+def shard(pp: Pipeline, offload: str) -> ShardedStages:
+    """dp_shard="full": shard each local stage's called module with fully_shard over "dp"; the
+    original names and zero-bubble's parameter lists follow the sharded modules by name."""
+    if offload in ("states", "all"):
+        raise PipelineError(f"dp_shard='full' shards the stages' parameters over the replicas, which offload="
+                            f"{offload!r} would stream in chunks too; use offload='none' or 'activations', or "
+                            "dp_shard='optimizer'")
+    holder: dict[tuple[str, int], int] = {}  # (parameter, rank) -> stage; from the plan, alike everywhere
+    for st in pp.plan.stages:
+        for n in st.params:
+            r = pp.place[st.index]
+            if holder.setdefault((n, r), st.index) != st.index:
+                raise PipelineError(f"dp_shard='full' shards each stage's parameters on their own, but {n} is held "
+                                    f"by stages {holder[(n, r)]} and {st.index}, both on pipeline rank {r}; use a "
+                                    "schedule that places them on different ranks (not zbv), or "
+                                    "dp_shard='optimizer'")
+    local = {s: {id(p): n for n, p in pp._trained[s].named_parameters()} for s in pp.local}
+    before = {s: {n: pp._names.get(id(p), n) for n, p in pp._trained[s].named_parameters()}
+              for s in pp.local}
+    if pp.split_w:  # W resolves its parameters by name at each call: FSDP swaps in gathered ones
+        pp._zb_names = {s: ([(node, [local[s][id(p)] for p in ps]) for node, ps in pp._zb[s][1]],
+                            [local[s][id(p)] for p in pp._zb[s][2]]) for s in pp.local}
+    sharded = ShardedStages(pp._trained, pp.mesh["dp"])
+    pp.memory.count_state_with(sharded.held, {s: list(pp._trained[s].named_parameters()) for s in pp.local},
+                               1.0 / pp.dp)
+    for s in pp.local:
+        for n, p in pp._trained[s].named_parameters():
+            pp._names[id(p)] = before[s][n]
+    return sharded
+
+
+def make_reducer(pp: Pipeline, bucket_mb: float | None) -> GradReducer | None:
+    """The data-parallel grad reduction: the pass that arms each stage before its final backward
+    (overlapped), unless grads stream in chunks (then after the step, and the plan says so)."""
+    if pp.dp_group is None:
+        return None
+    pp.plan.notes.append({
+        "none": f"data parallel: {pp.dp} replicas, each rank holds its stages' parameters and optimizer state",
+        "optimizer": f"data parallel: {pp.dp} replicas share each stage's optimizer state (ZeRO-1: a "
+                     f"{pp.dp}-th per rank, counted in the peaks)",
+        "full": f"data parallel: {pp.dp} replicas shard each stage's parameters and optimizer state (FSDP: a "
+                f"{pp.dp}-th per rank, plus the gathered parameters and their grads during a step, counted "
+                "in the peaks)"}[pp.dp_shard])
+    overlap = getattr(pp.memory, "store", None) is None
+    if overlap:
+        pp.program = with_grad_reduction({pp.rank: pp.program}, pp.local)[pp.rank]
+    else:
+        pp.plan.notes.append("data parallel: grads are averaged after the step, not overlapped with the "
+                             "backward, on ranks whose states stream in chunks (offload of states)")
+    params: dict[int, list[torch.nn.Parameter]] = {}
+    late: dict[int, set[int] | None] = {}
+    for s in pp.local:
+        st = pp.stages[s]
+        if pp.split_w and not pp.memory.fused_backward(s):  # W finishes its nodes' grads in forward
+            w_params = [p for _, ps in pp._zb[s][1] for p in ps]  # order, after what B finished
+            written = {id(p) for p in w_params}
+            order = [p for p in st.parameters() if id(p) not in written] + w_params
+            late[s] = written
+        else:  # a backward finishes the last node's grads first
+            used = [st.get_parameter(n) for names in pp.io[s].param_nodes.values() for n in names]
+            order = list({id(p): p for p in reversed(used)}.values())
+            seen = {id(p) for p in order}
+            order += [p for p in st.parameters() if id(p) not in seen]
+            late[s] = None
+        params[s] = order
+    return GradReducer(group=pp.dp_group, size=pp.dp, device=pp.ctx.device, program=pp.program,
+                       stages=params, late=late, overlap=overlap, sharded=pp.sharded,
+                       bucket_bytes=None if bucket_mb is None else max(1, int(bucket_mb * (1 << 20))))
+
+
+def make_tied_groups(pp: Pipeline) -> list[tuple[Any, list[torch.nn.Parameter]]]:
+    """Process groups for parameters held on several ranks; every rank creates them in one order."""
+    holders: dict[str, set[int]] = {}
+    for st in pp.plan.stages:
+        for p in st.params:
+            holders.setdefault(p, set()).add(pp.place[st.index])
+    groups: dict[tuple[int, ...], list[str]] = {}
+    for p in sorted(holders):
+        if len(holders[p]) > 1:
+            groups.setdefault(tuple(sorted(holders[p])), []).append(p)
+    out = []
+    mine = {n: p for n, p in pp.named_parameters()}
+    for ranks, names in sorted(groups.items()):
+        for row in pp._rows:  # each replica's pipeline: every rank creates every group, in one order
+            glob = [row[r] for r in ranks]
+            if pp.pp_group is not None and sorted(glob) == sorted(row):  # a whole pipeline: its own group
+                g = pp.pp_group if pp.ctx.rank in glob else None
+            else:
+                g = group_of(glob, pp.ctx.world_size)
+            if pp.ctx.rank in glob:
+                out.append((g, [mine[n] for n in names]))
+    return out
