@@ -290,15 +290,19 @@ def _backward_ms(p: _Pass, clock: Callable[[], float] = time.perf_counter,
 
 
 def _clean_once(module: Callable[..., Any], inputs: list[Any], clock: Callable[[], float] = time.perf_counter,
-                calls: int = 1) -> tuple[float, float]:
+                calls: int = 1, held: list[int] | None = None) -> tuple[float, float]:
     """Forward and backward ms of one uninstrumented call, backward from ones on its float outputs; with
     `calls` > 1, per call of that many made back to back between two reads of the clock (forwards, then
     their backwards): on a GPU the host then runs ahead of the device as in a step, and the latency of
-    starting the device and of waiting for it is shared by the calls instead of priced into each."""
+    starting the device and of waiting for it is shared by the calls instead of priced into each.
+    `held` (CUDA): gets the device bytes the forwards keep for their backwards."""
+    before = torch.cuda.memory_allocated() if held is not None else 0
     with torch.enable_grad():
         t0 = clock()
         outs = [_grad_outputs(module(*inputs)) for _ in range(calls)]
         t1 = clock()
+    if held is not None:
+        held.append(torch.cuda.memory_allocated() - before)
     grads = [[torch.ones_like(t) for t in o] for o in outs]
     t2 = clock()
     for o, g in zip(outs, grads):
@@ -307,14 +311,18 @@ def _clean_once(module: Callable[..., Any], inputs: list[Any], clock: Callable[[
     return (t1 - t0) * 1e3 / calls, (clock() - t2) * 1e3 / calls
 
 
-def back_to_back(clean_ms: float, synced: bool, target_ms: float = 2.0, most: int = 16) -> int:
+def back_to_back(clean_ms: float, synced: bool, held_bytes: int = 0, free_bytes: int = 0, target_ms: float = 2.0,
+                 most: int = 16) -> int:
     """How many calls _clean_once makes of a graph whose one call took `clean_ms` (forward and backward):
     one where the clock does not wait for a device (`synced` False: the CPU), else enough to fill
-    `target_ms`, at most `most`. On an H200 a model's costs measured unit by unit (partition.measure),
-    each unit timed alone between two waits, came to 1.6x the whole graph's (bench/gpu_check.py: costs)."""
+    `target_ms`, at most `most`, and no more than a quarter of the device's `free_bytes` holds of the
+    `held_bytes` each call's forward keeps. On an H200 a model's costs measured unit by unit
+    (partition.measure), each unit timed alone between two waits, came to 1.6x the whole graph's
+    (bench/gpu_check.py: costs)."""
     if not synced or clean_ms <= 0:
         return 1
-    return max(1, min(most, math.ceil(target_ms / clean_ms)))
+    fits = free_bytes // (4 * held_bytes) if held_bytes > 0 else most
+    return max(1, min(most, fits, math.ceil(target_ms / clean_ms)))
 
 
 def whole_graph_ms(module: Callable[..., Any], inputs: list[Any], repeats: int = 5,
@@ -364,9 +372,11 @@ def _measure(gm: torch.fx.GraphModule, flat_inputs: list[Any], costs: dict[str, 
         bwd = _backward_ms(p, clock, shared)
         fwd = p.fwd_ms
         del p  # its values would crowd the clean pass's memory
-        whole = _clean_once(gm.forward, flat_inputs, clock, calls)
-        if not i:
-            calls = back_to_back(sum(whole), clock is not time.perf_counter)
+        synced = clock is not time.perf_counter  # (a CUDA clock)
+        held: list[int] | None = [] if synced and not i else None
+        whole = _clean_once(gm.forward, flat_inputs, clock, calls, held)
+        if held:
+            calls = back_to_back(sum(whole), synced, held[0], torch.cuda.mem_get_info()[0])
         if i:  # the first round warms up
             fwd_runs.append(fwd)
             bwd_runs.append(bwd)

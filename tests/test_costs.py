@@ -270,3 +270,6 @@ def test_clean_runs_back_to_back_are_priced_per_call() -> None:
     assert back_to_back(0.1, synced=False) == 1  # the CPU
     assert back_to_back(0.1, synced=True) == 16 and back_to_back(0.5, synced=True) == 4
     assert back_to_back(2.5, synced=True) == 1 and back_to_back(0.0, synced=True) == 1
+    # each call's kept activations: at most a quarter of the free device memory for all the calls
+    assert back_to_back(0.1, synced=True, held_bytes=1 << 30, free_bytes=20 << 30) == 5
+    assert back_to_back(0.1, synced=True, held_bytes=1 << 30, free_bytes=2 << 30) == 1
