@@ -320,6 +320,20 @@ def costs_check(base: dict[str, Any], M: int, schedule: str, say: Callable[..., 
     say(f"    fwd + bwd ms per microbatch: whole graph op by op {whole[0]:.2f} + {whole[1]:.2f}; the pipeline's "
         f"plan ({pp.plan.cost_method}) {plan[0]:.2f} + {plan[1]:.2f}; its steps' F + B actions "
         f"{acted.get('F', 0):.2f} + {acted.get('B', 0):.2f}")
+    # one transformer block alone, as partition.measure times a unit: one call between two waits for the
+    # device against calls back to back (partition.costs.back_to_back), per call
+    from partition.costs import _clean_once, _clock
+    block: torch.nn.Module = w.model.get_submodule("blocks.0").to(dev)
+    x = torch.randn(w.microbatch_size, base["seq_len"], base["d_model"], device=dev, requires_grad=True)
+    clock = _clock(block, [x])
+    alone: dict[str, list[float]] = {}
+    for calls in (1, 4, 16) * 4:  # alternately; the first round warms up
+        fwd_ms, bwd_ms = _clean_once(block, [x], clock, calls)
+        alone.setdefault(str(calls), []).append(fwd_ms + bwd_ms)
+    per_call = {k: statistics.median(v[1:]) for k, v in alone.items()}
+    row["block_alone_ms"] = per_call
+    say("    one block alone, fwd + bwd ms per call: " + ", ".join(
+        f"{k} back to back {v:.2f}" if k != "1" else f"one call {v:.2f}" for k, v in per_call.items()))
     return row
 
 

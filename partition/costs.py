@@ -311,14 +311,17 @@ def _clean_once(module: Callable[..., Any], inputs: list[Any], clock: Callable[[
     return (t1 - t0) * 1e3 / calls, (clock() - t2) * 1e3 / calls
 
 
-def back_to_back(clean_ms: float, synced: bool, held_bytes: int = 0, free_bytes: int = 0, target_ms: float = 2.0,
-                 most: int = 16) -> int:
+def back_to_back(clean_ms: float, synced: bool, held_bytes: int = 0, free_bytes: int = 0, target_ms: float = 25.0,
+                 most: int = 32) -> int:
     """How many calls _clean_once makes of a graph whose one call took `clean_ms` (forward and backward):
     one where the clock does not wait for a device (`synced` False: the CPU), else enough to fill
     `target_ms`, at most `most`, and no more than a quarter of the device's `free_bytes` holds of the
     `held_bytes` each call's forward keeps. On an H200 a model's costs measured unit by unit
     (partition.measure), each unit timed alone between two waits, came to 1.6x the whole graph's
-    (bench/gpu_check.py: costs)."""
+    (bench/gpu_check.py: costs): a unit's many small kernels at the start of its backward wait for the
+    host to launch them, a wait that a step hides behind the kernels queued before. With 2 ms of calls
+    it was still 1.13x forward and 1.52x backward (a transformer block's 2 ms took one call); a whole
+    graph of 20 ms, one call, was within 10% of the step's actions."""
     if not synced or clean_ms <= 0:
         return 1
     fits = free_bytes // (4 * held_bytes) if held_bytes > 0 else most
@@ -327,14 +330,29 @@ def back_to_back(clean_ms: float, synced: bool, held_bytes: int = 0, free_bytes:
 
 def whole_graph_ms(module: Callable[..., Any], inputs: list[Any], repeats: int = 5,
                    warmup: int = 1) -> tuple[float, float]:
-    """Median forward and backward ms of `module(*inputs)` after `warmup` calls.
+    """Median forward and backward ms of `module(*inputs)` after `warmup` calls (at least one), per call of
+    the clean runs (on a GPU several back to back: back_to_back).
 
     For a traced model pass `gm.forward`, which takes the placeholders in order (torch.export's
     module checks, in a hook, that it is called as the model was).
     """
     clock = _clock(module, inputs)
-    runs = [_clean_once(module, inputs, clock) for _ in range(repeats + warmup)][warmup:]
+    _, calls = _first_clean(module, inputs, clock)
+    more = max(warmup, 1) - 1  # warm-ups after the first
+    runs = [_clean_once(module, inputs, clock, calls) for _ in range(repeats + more)][more:]
     return statistics.median(f for f, _ in runs), statistics.median(b for _, b in runs)
+
+
+def _first_clean(module: Callable[..., Any], inputs: list[Any], clock: Callable[[], float]
+                 ) -> tuple[tuple[float, float], int]:
+    """A first clean call (a warm-up) and how many calls the next clean runs make back to back (back_to_back:
+    one on the CPU; on a GPU from its time and the device memory its forward kept)."""
+    synced = clock is not time.perf_counter  # (a CUDA clock: _clock)
+    held: list[int] | None = [] if synced else None
+    first = _clean_once(module, inputs, clock, 1, held)
+    if not held:
+        return first, 1
+    return first, back_to_back(sum(first), synced, held[0], torch.cuda.mem_get_info()[0])
 
 
 def _fit(times: dict[str, float], total: float) -> dict[str, float]:
@@ -372,11 +390,10 @@ def _measure(gm: torch.fx.GraphModule, flat_inputs: list[Any], costs: dict[str, 
         bwd = _backward_ms(p, clock, shared)
         fwd = p.fwd_ms
         del p  # its values would crowd the clean pass's memory
-        synced = clock is not time.perf_counter  # (a CUDA clock)
-        held: list[int] | None = [] if synced and not i else None
-        whole = _clean_once(gm.forward, flat_inputs, clock, calls, held)
-        if held:
-            calls = back_to_back(sum(whole), synced, held[0], torch.cuda.mem_get_info()[0])
+        if i:
+            whole = _clean_once(gm.forward, flat_inputs, clock, calls)
+        else:
+            whole, calls = _first_clean(gm.forward, flat_inputs, clock)
         if i:  # the first round warms up
             fwd_runs.append(fwd)
             bwd_runs.append(bwd)

@@ -244,7 +244,11 @@ def plan_here(pp: Pipeline, model: torch.nn.Module, args: tuple[Any, ...], kwarg
         recompute=features[0], offload=features[1], loss_fn=pp.loss_fn if pp.trace_loss else None,
         example_target=example_target, bytes_per_ms=link[0], latency_ms=link[1], leaf_modules=pp.leaf_modules,
         progress=pp.progress, state_factor=2.0 + state_factor(pp), device=pp.ctx.device, share=share,
-        analysis=analysis, analysis_out=analysis_out, traced=traced)
+        analysis=analysis, analysis_out=analysis_out, traced=traced,
+        # on ranks with devices of their own, the costs measured unit by unit are scaled to the plan's stages
+        # timed whole: a stage's weights and one microbatch's activations (each grad freed as made) are less
+        # than its training keeps, unless a memory plan (recompute, offload) is to keep less
+        calibrate=share is not None and features == ("none", "none"))
     if not pp.trace_loss:
         plan.loss_note = "trace_loss=False"
     return plan

@@ -229,6 +229,26 @@ def test_calibrate_plan_follows_rank_0() -> None:
     assert sum(a.costs[u].bwd_ms for u in first) == pytest.approx(2.5)
 
 
+def test_pipeline_calibrates_where_ranks_measure_on_devices_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pipe asks partition.plan to time its stages whole (calibrate) where the costs were measured unit by
+    unit on devices of the ranks' own (a Share: accelerators), and only without a memory plan (recompute or
+    offload would keep less than a stage timed whole holds); on the CPU (no Share) never."""
+    import types
+    import partition
+    from partition.measure import Share
+    from pipe.setup import plan_here
+    asked: list[bool] = []
+    monkeypatch.setattr(partition, "plan", lambda *a, **k: asked.append(k["calibrate"]) or types.SimpleNamespace())
+    pp = types.SimpleNamespace(world=2, loss_fn=None, trace_loss=True, leaf_modules=(), progress=None,
+                               ctx=types.SimpleNamespace(device=torch.device("cpu")), _optim_factor=None,
+                               dp_shard="none", dp=1)
+    for share, features in ((Share(0, 2), ("none", "none")), (None, ("none", "none")),
+                            (Share(0, 2), ("auto", "none")), (Share(0, 2), ("none", "activations"))):
+        plan_here(pp, nn.Linear(2, 2), (), {}, "measured", None, features, None, (1e6, 0.05), share,  # type: ignore
+                  "1f1b", 4, 1)
+    assert asked == [True, False, False, False]
+
+
 def test_measured_plan_of_a_meta_model_matches_its_stages() -> None:
     """The partition quality benchmark's check on a plan made for a meta copy of the GPT (costs measured
     block by block): each stage's predicted share of the step against its measured share (the stages
