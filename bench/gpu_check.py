@@ -175,8 +175,9 @@ def schedules_check(base: dict[str, Any], M: int, say: Callable[..., None]) -> l
 
 def clip_eval_check(base: dict[str, Any], M: int, schedule: str, say: Callable[..., None]) -> dict[str, Any]:
     """pp.clip_grad_norm_ against torch.nn.utils.clip_grad_norm_ over the unpartitioned model (the norm, and
-    every clipped grad by name), and pp.eval().evaluate with dropout against the model in eval mode: on the
-    device, through the job's backend (NCCL: no CPU tensor may reach a collective)."""
+    every clipped grad by name), and pp.eval().evaluate and pp.forward with dropout against the model in eval
+    mode, also with the parameters streamed from the host (offload="states"): on the device, through the job's
+    backend (NCCL: no CPU tensor may reach a collective)."""
     import partition
     import pipe
     from pipe.launch import context
@@ -204,15 +205,26 @@ def clip_eval_check(base: dict[str, Any], M: int, schedule: str, say: Callable[.
     with torch.no_grad():
         ref_out = dref.model(*(a.to(dev) for a in args))
     pe.train()
-    row = {"step_loss_err": abs(float(loss) - ref_loss), "norm": norm, "ref_norm": ref_norm,
+    del pe
+    # the same with the parameters streamed in chunks from the host (offload="states"): fetched for the pass
+    s = partition.load("gpt", **{**base, "dropout": 0.1})
+    ps = pipe.Pipeline(s.model, s.example_args, loss_fn=s.loss_fn, microbatches=M, schedule=schedule, cost="flops",
+                       offload="states")
+    streamed_val = ps.eval().evaluate(*args, target=target)
+    streamed_out = ps.forward(*args)
+    row = {"streamed_eval_loss_err": abs(streamed_val - ref_val), "streamed_forward_device": str(streamed_out.device),
+           "streamed_forward_err": float((streamed_out.to(dev) - ref_out).abs().max())}
+    row.update({"step_loss_err": abs(float(loss) - ref_loss), "norm": norm, "ref_norm": ref_norm,
            "norm_rel_err": abs(norm - ref_norm) / max(ref_norm, 1e-30), "clipped_grad_err": clipped_err[0],
            "clipped_grad_rel_err": clipped_err[1], "eval_loss": val, "ref_eval_loss": ref_val,
            "eval_loss_err": abs(val - ref_val), "forward_device": str(out.device),
-           "forward_err": float((out.to(dev) - ref_out).abs().max())}
+           "forward_err": float((out.to(dev) - ref_out).abs().max())})
     say(f"    clip_grad_norm_({max_norm}): total norm {norm:.6g} (torch on the whole model {ref_norm:.6g}, relative "
         f"error {row['norm_rel_err']:.1e}), clipped grads max error {clipped_err[0]:.2e} ({clipped_err[1]:.1e} of the "
         f"largest); eval-mode loss with dropout 0.1 {val:.6f} vs {ref_val:.6f} (|diff| {row['eval_loss_err']:.1e}); "
-        f"pp.forward in eval mode on {out.device}, max |out - model's| {row['forward_err']:.1e}")
+        f"pp.forward in eval mode on {out.device}, max |out - model's| {row['forward_err']:.1e}; with streamed "
+        f"states: eval loss |diff| {row['streamed_eval_loss_err']:.1e}, forward on {streamed_out.device}, max |diff| "
+        f"{row['streamed_forward_err']:.1e}")
     return row
 
 

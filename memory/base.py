@@ -5,6 +5,7 @@ import contextlib
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+import torch.fx
 
 __all__ = ["MemoryManager"]
 
@@ -39,6 +40,19 @@ class MemoryManager:
         return True
 
     def before(self, action: Any) -> None:
+        pass
+
+    def stream_forward_only(self, stage: int, gm: torch.fx.GraphModule, param_nodes: dict[str, list[str]]) -> None:
+        """A forward-only module of `stage` besides its training one, reading the stage's parameters:
+        instrumented where they stream (in place); `param_nodes`: node -> the parameters it reads."""
+
+    @contextlib.contextmanager
+    def forward_only(self, program: Sequence[Any], modules: dict[int, torch.nn.Module | None]) -> Iterator[None]:
+        """Around a forward-only program (evaluate, forward), each stage through `modules[stage]` (None:
+        its training module); `before_forward_only(a)` before each of its F actions."""
+        yield
+
+    def before_forward_only(self, action: Any) -> None:
         pass
 
     def count_state_with(self, held: Callable[[int], tuple[int, int]],

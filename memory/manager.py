@@ -217,6 +217,10 @@ class PlannedMemory(MemoryManager):
         self._ring: list[tuple[int, torch.Tensor]] = []     # recomputed outputs alive: (stage, value)
         self._windows: dict[Act, tuple[int, int]] = {}   # action -> its span of the chunk sequence
         self._pinned: tuple[int, ...] = ()
+        # forward-only passes (evaluate, forward) over streamed chunks: each forward-only module's use sequence
+        self._pass_groups: weakref.WeakKeyDictionary[torch.nn.Module, list[tuple[int, ...]]] = \
+            weakref.WeakKeyDictionary()
+        self._pass_windows: dict[Act, tuple[int, int]] = {}
         for s in self.local:
             self._instrument(s, modules[s], param_nodes[s])
             if s not in self.offloaded:
@@ -500,6 +504,56 @@ class PlannedMemory(MemoryManager):
     def _before_backward_node(self, g: tuple[int, ...], grad: torch.Tensor) -> None:
         if self.store is not None:
             self.store.use(g)
+
+    # ----- forward-only passes -----
+    def stream_forward_only(self, stage: int, gm: torch.fx.GraphModule, param_nodes: dict[str, list[str]]) -> None:
+        """A forward-only module of `stage` other than its training one (the stage cut from the other mode's
+        trace, or the stage without the loss), whose parameters are the stage's: where they stream in chunks,
+        each node that reads some first fetches their chunks (in place); `param_nodes`: node -> the
+        parameters it reads (partition.split.param_nodes_of)."""
+        store = self.store
+        if store is None or stage not in self.offloaded:
+            return
+        calls = [n.name for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+        groups = {i: g for i, n in enumerate(calls)
+                  if (g := store.group([gm.get_parameter(p) for p in param_nodes.get(n, [])]))}
+        instrument(gm, Markers(lambda i: store.use(groups[i]), lambda i, value: None), {calls[i]: i for i in groups},
+                   {})
+        self._pass_groups[gm] = [groups[i] for i in sorted(groups)]
+
+    @contextlib.contextmanager
+    def forward_only(self, program: Sequence[Any], modules: dict[int, torch.nn.Module | None]) -> Iterator[None]:
+        """A forward-only program (its F actions) runs inside, each stage through `modules[stage]` (None: its
+        training module): streamed chunks follow the pass's own use sequence, their grads left as they were."""
+        store = self.store
+        if store is None:
+            yield
+            return
+        seq: list[tuple[int, ...]] = []
+        windows: dict[Act, tuple[int, int]] = {}
+        for x in program:
+            if not (hasattr(x, "kind") and x.kind == "F") or x.stage not in self.offloaded:
+                continue
+            m = modules.get(x.stage)
+            assert m is None or m in self._pass_groups, f"stage {x.stage}'s forward-only module reads chunks unseen"
+            groups = self._fwd_groups.get(x.stage, []) if m is None else self._pass_groups[m]
+            windows[_act(x)] = (len(seq), len(seq) + len(groups))
+            seq += groups
+        store.set_sequence(seq, {s: max(self.choices[s].resident_chunks, 1) for s in self.offloaded})
+        self._windows = {}  # the step's sequence is made again at its next begin
+        self._pass_windows = windows
+        store.pass_begin()
+        try:
+            yield
+        finally:
+            store.pass_end()
+            self._pass_windows = {}
+
+    def before_forward_only(self, action: Any) -> None:
+        """An F action of the forward-only program starts (inside forward_only)."""
+        window = self._pass_windows.get(_act(action))
+        if window is not None and self.store is not None:
+            self.store.begin(window, backward=False)
 
     # ----- the hooks the interpreter calls -----
     def _sequence(self) -> None:

@@ -90,6 +90,7 @@ class ChunkStore:
         self.capacity: dict[int, int] = {}
         self.cursor, self.window = 0, (0, 0)
         self.backward = False
+        self._kept: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []  # a pass's grads set aside
         self._bind_host()
 
     # ----- the plan of a step -----
@@ -194,12 +195,7 @@ class ChunkStore:
     def step_begin(self) -> None:
         """Parameters and grads become views of the device buffers (filled on use); the grads
         the user left (or None) are kept as torch would: accumulated into, or zeros."""
-        for ch in self.chunks:  # resident only if the last step failed half-way
-            if ch.resident:
-                self._evict(ch)
-        self.log, self.cursor = [], 0
-        self.pools = {s: Belady([tuple(c for c in g if self.chunks[c].owner == s) for g in self.seq],
-                                self.capacity.get(s, 2)) for s in self.layouts}
+        self._start()
         for ch in self.chunks:
             grads = [p.grad for p, _, _ in ch.members]
             ch.grad_zero = all(g is None for g in grads)
@@ -214,6 +210,42 @@ class ChunkStore:
                 p.grad = None
                 p.data = v
                 p.grad = gv
+
+    def _start(self) -> None:
+        """Before a step or a pass: every chunk off the device (resident only after one that failed half-way),
+        the pools planned over the use sequence set."""
+        for ch in self.chunks:
+            if ch.resident:
+                self._evict(ch)
+        self.log, self.cursor = [], 0
+        self.pools = {s: Belady([tuple(c for c in g if self.chunks[c].owner == s) for g in self.seq],
+                                self.capacity.get(s, 2)) for s in self.layouts}
+
+    def pass_begin(self) -> None:
+        """A forward-only pass (evaluate, forward) over the use sequence set: parameters become views of the
+        device buffers, filled on use, as in a step; their grads (host views between steps, or None) are
+        set aside untouched, and pass_end puts them back."""
+        self._start()
+        self._kept = [(p, p.grad) for ch in self.chunks for p, _, _ in ch.members]
+        for ch in self.chunks:
+            for (p, _, _), v in zip(ch.members, ch.dev_views):
+                p.grad = None
+                p.data = v
+
+    def pass_end(self) -> None:
+        """The pass's chunks off the device (no grad was loaded, so none is written back); parameters views
+        of the host copies again, with the grads they had."""
+        for ch in self.chunks:
+            if ch.resident:
+                self.log.append(f"E{ch.id}")
+                self._evict(ch)
+        self.copier.synchronize()
+        for ch in self.chunks:
+            for (p, _, _), v in zip(ch.members, ch.views(ch.host)):
+                p.data = v
+        for p, g in self._kept:
+            p.grad = g
+        self._kept = []
 
     def step_end(self) -> None:
         """Every chunk goes back to the host (grads written back); parameters and grads become

@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 
 from partition.plan import PlanError
-from partition.split import assemble_outputs, inference_stage
+from partition.split import assemble_outputs, inference_stage, param_nodes_of
 from pipe import comm, modes
-from pipe.errors import ModeError, PipelineError, agree_everywhere
+from pipe.errors import ModeError, agree_everywhere
 from pipe.exchange import Exchange
 from pipe.step import StepState, concat_outputs, placed
 
@@ -38,7 +38,7 @@ def stages_in_mode_of(pp: Pipeline, inference: bool) -> tuple[dict[int, Any] | N
             gm, fresh = (modes.traced_in_mode(model, *pp._example, mode, leaf_modules=pp.leaf_modules,
                                               loss_fn=pp.loss_fn, loss=pp.plan.loss, device=pp.ctx.device)
                          for mode in (pp.training, pp._traced_mode))  # (fresh: before the plan's rewrites)
-            pp._other_mode["stages"] = modes.stages_in_mode(gm, fresh, pp._gm, pp.plan, pp._trained)
+            pp._other_mode["stages"] = _streamed(pp, modes.stages_in_mode(gm, fresh, pp._gm, pp.plan, pp._trained))
             pp._other_mode["gm"] = gm
         except (PlanError, ValueError, TypeError) as e:
             error = (f"{type(e).__name__}: in {'training' if pp.training else 'eval'} mode the model traces "
@@ -53,12 +53,20 @@ def stages_in_mode_of(pp: Pipeline, inference: bool) -> tuple[dict[int, Any] | N
                      "evaluate() works, or build a Pipeline from the model in that mode")
         else:
             try:
-                pp._other_mode["inference"] = {s: inference_stage(gm, pp.plan, s, pp._trained[s])
-                                               for s in pp.local}
+                pp._other_mode["inference"] = _streamed(pp, {s: inference_stage(gm, pp.plan, s, pp._trained[s])
+                                                             for s in pp.local})
             except PlanError as e:
                 error = f"PipelineError: forward() on this pipeline: {e}"
         agree_everywhere(error, ModeError)
     return pp._other_mode["stages"], pp._other_mode.get("inference") if inference else None
+
+
+def _streamed(pp: Pipeline, stages: dict[int, Any]) -> dict[int, Any]:
+    """`stages`: forward-only modules of this rank's stages (with what they are called with), each made to
+    fetch the chunks of the parameters it reads where they stream (offload='states'); returned."""
+    for s, (gm, *_) in stages.items():
+        pp.memory.stream_forward_only(s, gm, param_nodes_of(gm, [n.name for n in gm.graph.nodes]))
+    return stages
 
 
 def flags(pp: Pipeline, other: bool) -> contextlib.AbstractContextManager[None]:
@@ -71,9 +79,6 @@ def flags(pp: Pipeline, other: bool) -> contextlib.AbstractContextManager[None]:
 def evaluate(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, Any], target: Any) -> float:
     """Pipeline.evaluate: the training stages' forwards under no_grad over the forward-only program, in the
     pipeline's mode, the loss where step() computes it, then the mean loss on every rank."""
-    if getattr(pp.memory, "store", None) is not None:
-        raise PipelineError("evaluate() does not stream offloaded model state; evaluate with a Pipeline built "
-                            "with offload='none' or 'activations'")
     mbs, targets = pp._agreed_call((batch_args, batch_kwargs), target, "evaluate")
     stages, _ = stages_in_mode_of(pp, inference=False)
     run = StepState(pp, pp._flats(mbs, targets), targets, Exchange(
@@ -93,14 +98,11 @@ def evaluate(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, 
 def forward(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, Any]) -> Any:
     """Pipeline.forward: the stages without the loss (when the plan has it in its graph) over the
     forward-only program, then the model's output gathered to every rank and placed on its device."""
-    if getattr(pp.memory, "store", None) is not None:
-        raise PipelineError("forward() does not stream offloaded model state; build an inference "
-                            "Pipeline with offload='none' or 'activations'")
     mbs, _ = pp._agreed_call((batch_args, batch_kwargs), None, "forward", training=False)
     if pp.plan.loss and not pp._inference:  # stages without the loss, returning the model's outputs
         error = None
         try:
-            pp._inference = {s: inference_stage(pp._gm, pp.plan, s, pp._trained[s]) for s in pp.local}
+            pp._inference = _streamed(pp, {s: inference_stage(pp._gm, pp.plan, s, pp._trained[s]) for s in pp.local})
         except PlanError as e:
             error = f"PipelineError: forward() on this pipeline: {e}"
         agree_everywhere(error)

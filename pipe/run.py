@@ -130,9 +130,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.timeout = timeout_setting(env, "FXPIPE_TIMEOUT")
         except ValueError as e:
             p.error(str(e))
-    if args.eval_every is not None and args.offload in ("states", "all"):
-        p.error(f"--eval-every evaluates without streaming offloaded model state, which --offload {args.offload} "
-                "streams; use --offload none or activations with it, or drop --eval-every")
     previous = [name for name in OUTPUTS if (Path(args.out) / name).exists()]
     if previous and not args.overwrite:
         p.error(f"--out {args.out} already holds a previous run's outputs ({', '.join(previous)}); "

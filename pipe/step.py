@@ -99,14 +99,23 @@ class StepState:
 
     def forwards(self, program: list[Any]) -> None:
         """Run a forward-only program (pipe.lower.forward_only): its forwards, and its batches of messages."""
-        for x in program:
-            if isinstance(x, Action):
-                self.current = x
-                self.forward(x)
-            else:
-                self.ex.issue(x)
-        self.current = None
-        self.ex.finish()
+        mem = self.pp.memory
+        with mem.forward_only(program, {s: self._forward_module(s) for s in self.pp.local}):
+            for x in program:
+                if isinstance(x, Action):
+                    self.current = x
+                    mem.before_forward_only(x)
+                    self.forward(x)
+                else:
+                    self.ex.issue(x)
+            self.current = None
+            self.ex.finish()
+
+    def _forward_module(self, s: int) -> Any:
+        """The module forward() runs for stage s other than its training one (None: that one)."""
+        if self.inference and self.inference_stages:
+            return self.inference_stages[s][0]
+        return self.stages[s][0] if self.stages is not None else None
 
     def _record(self, a: Action, start: object) -> None:
         self.clock.span(a, start, self.clock.mark())

@@ -213,7 +213,9 @@ def test_gpu_check_dry_run_on_cpu() -> None:
     clip = data["clip_eval"]  # the whole model's norm and eval-mode loss, as torch's on the unpartitioned model
     assert clip["norm"] > 0.1 and clip["norm_rel_err"] < 1e-5 and clip["clipped_grad_rel_err"] < 1e-5, clip
     assert clip["step_loss_err"] < 1e-5 and clip["eval_loss_err"] < 1e-5 and clip["forward_err"] < 1e-5, clip
-    assert clip["forward_device"] == "cpu"
+    assert clip["forward_device"] == "cpu" == clip["streamed_forward_device"]
+    assert clip["streamed_eval_loss_err"] < 1e-5 and clip["streamed_forward_err"] < 1e-5, clip  # offload="states"
+    assert len(costs_alone := data["costs"]["block_alone_ms"]) == 3 and min(costs_alone.values()) > 0
     costs = data["costs"]  # on the CPU the pipeline measures the whole graph too
     assert costs["plan_method"] == "whole graph, op by op" and min(costs["whole_graph_ms"] + costs["plan_ms"]) > 0
     assert set(costs["actions_ms"]) == {"F", "B"} and min(costs["actions_ms"].values()) > 0, costs

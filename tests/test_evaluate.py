@@ -1,10 +1,13 @@
 """Pipeline.evaluate: a batch's mean loss without grads, against the unpartitioned model's under no_grad,
 on 2 ranks in one launch (the loss outside the graph and in it, a head in vocabulary slices, zero bubble,
 V placement, interleaved, recompute, offloaded activations, compiled stages, the NCCL-semantics
-transport), leaving the grads and the step count as they were; refused calls on every rank; eval mode
-(pp.eval()) on a model with dropout, against the plain model's eval mode, the loss in the graph and
-outside it, and Hugging Face GPT-2 and T5 (torch.export) with dropout; a model whose eval mode skips a
-layer refused. The data-parallel case (the mean over the replicas' batches) is in test_data_parallel."""
+transport, parameters streamed in chunks (offload='states')), leaving the grads and the step count as they
+were, the step after it with the whole model's grads; refused calls on every rank; eval mode (pp.eval())
+on a model with dropout, against the plain model's eval mode, the loss in the graph and outside it, with
+and without streamed parameters, and Hugging Face GPT-2 and T5 (torch.export) with dropout; a model whose
+eval mode skips a layer refused. The data-parallel case (the mean over the replicas' batches) is in
+test_data_parallel."""
+import itertools
 from typing import Any
 
 import torch
@@ -23,6 +26,8 @@ CASES = {  # name: (workload, its arguments, Pipeline's, the loss in the graph)
                                False),
     "recompute": ("gpt", GPT, dict(recompute="full"), True),
     "offloaded activations": ("gpt", GPT, dict(offload="activations"), False),
+    "streamed states": ("gpt", GPT, dict(offload="states"), False),
+    "streamed states, loss in the graph, zb-h1": ("gpt", GPT, dict(offload="states", schedule="zb-h1"), True),
     "compiled": ("gpt", GPT, dict(schedule="zb-h1", compile={"backend": "aot_eager"}), True),
 }
 
@@ -57,6 +62,9 @@ def _case(spec: str, model_args: dict[str, Any], pipe_kw: dict[str, Any], fused:
     pp.step(*b_args, target=b_target, **b_kwargs)
     ref.loss_fn(ref.model(*b_args, **b_kwargs), b_target).backward()
     grads = {n: p.grad.clone() for n, p in pp.named_parameters() if p.grad is not None}
+    mine = dict(ref.model.named_parameters())  # the step after an evaluate: the whole model's grads
+    for n, g in grads.items():
+        torch.testing.assert_close(g, mine[n].grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
     out["losses"].append((pp.evaluate(*args, target=target, **kwargs), _reference(ref, args, kwargs, target)))
     assert {n: p.grad for n, p in pp.named_parameters() if p.grad is not None}.keys() == grads.keys()
     assert all(torch.equal(p.grad, grads[n]) for n, p in pp.named_parameters() if p.grad is not None)
@@ -64,14 +72,25 @@ def _case(spec: str, model_args: dict[str, Any], pipe_kw: dict[str, Any], fused:
     opt.step()
     ref_opt.step()
     out["losses"].append((pp.evaluate(*args, target=target, **kwargs), _reference(ref, args, kwargs, target)))
+    if pipe_kw.get("offload") == "states":  # the model's output, its parameters streamed as for evaluate
+        with torch.no_grad():
+            torch.testing.assert_close(pp.forward(*args, **kwargs), ref.model(*args, **kwargs), rtol=1e-5, atol=1e-5)
+        assert all(p.grad is None for p in pp.parameters()) == (not grads)  # (the grads left as they were)
+        _streamed_and_back(pp)
     return out
+
+
+def _streamed_and_back(pp: Any) -> None:
+    """The passes fetched this rank's chunks of parameters to the device and left none there."""
+    store = pp.memory.store
+    assert store is not None and any(e[0] in "FP" for e in store.log) and not any(ch.resident for ch in store.chunks)
 
 
 def _refusals() -> dict[str, str]:
     import partition
     import pipe
     out = {}
-    for case, kw in [("no target", {}), ("streamed states", dict(offload="states"))]:
+    for case, kw in [("no target", {})]:
         w = partition.load("gpt", **GPT)
         pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, cost="flops", **kw)
         args, kwargs, target = w.batch(w.microbatch_size * M, 0)
@@ -83,7 +102,7 @@ def _refusals() -> dict[str, str]:
     return out
 
 
-def _modes(fused: bool) -> dict[str, Any]:
+def _modes(fused: bool, **pipe_kw: Any) -> dict[str, Any]:
     """A GPT with dropout, built in training mode: in eval mode (its `self.training` read in forward traced
     as a constant, so the stages are cut from an eval-mode trace) evaluate() and forward() give the plain
     model's eval-mode loss and output; back in training mode dropout draws again; step() in eval mode is
@@ -93,12 +112,14 @@ def _modes(fused: bool) -> dict[str, Any]:
     kw = dict(GPT, dropout=0.3)
     w, ref = partition.load("gpt", **kw), partition.load("gpt", **kw)
     pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, cost="flops",
-                       example_target=w.example_target if fused else None, trace_loss=fused)
+                       example_target=w.example_target if fused else None, trace_loss=fused, **pipe_kw)
     args, kwargs, target = w.batch(w.microbatch_size * M, 3)
     out: dict[str, Any] = {"train": [pp.evaluate(*args, target=target, **kwargs) for _ in range(2)]}
     assert pp.eval() is pp and not pp.training
     out["eval"] = [pp.evaluate(*args, target=target, **kwargs) for _ in range(2)]
     output = pp.forward(*args, **kwargs)
+    if pipe_kw.get("offload") == "states":
+        _streamed_and_back(pp)
     ref.model.eval()
     out["ref"] = _reference(ref, args, kwargs, target)
     with torch.no_grad():
@@ -163,6 +184,7 @@ def two_body(rank: int, world: int) -> dict[str, Any]:
     res: dict[str, Any] = {name: _case(*case) for name, case in CASES.items()}
     res["refused"] = _refusals()
     res["modes"] = {fused: _modes(fused) for fused in (False, True)}
+    res["modes, streamed states"] = {fused: _modes(fused, offload="states") for fused in (False, True)}
     res["hugging face"] = {name: _hugging_face(f"bench.hf_models:{name}") for name in ("gpt2", "t5")}
     res["mode refused"] = _refused_mode()
     return res
@@ -176,9 +198,9 @@ def test_evaluate_on_2_ranks_is_the_whole_models_loss_without_grads() -> None:
         torch.testing.assert_close(got[:, 0], got[:, 1], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
         assert abs(got[2, 1] - got[0, 1]) > 1e-3, (name, got)  # evaluated after the SGD step: another loss
     assert any(r[-1:] == ["vocab"] for r in res[0]["vocabulary slices"]["rewrites"])
-    for fused in (False, True):
+    for fused, modes in itertools.product((False, True), ("modes", "modes, streamed states")):
         for r in res:
-            got = r["modes"][fused]
+            got = r[modes][fused]
             assert got["eval"][0] == got["eval"][1] and got["train"][0] != got["train"][1], got  # dropout off, on
             torch.testing.assert_close(got["eval"][0], got["ref"], rtol=1e-5, atol=1e-6)
             assert got["again"] != got["eval"][0] and got["flags"], got
@@ -196,7 +218,6 @@ def test_evaluate_on_2_ranks_is_the_whole_models_loss_without_grads() -> None:
             r["mode refused"] and "build a Pipeline from the model in that mode" in r["mode refused"], r["mode refused"]
     for r in res:
         assert "got no target" in r["refused"]["no target"] and "target=" in r["refused"]["no target"], r
-        assert "evaluate() does not stream" in r["refused"]["streamed states"], r
 
 
 def test_another_modes_trace_uses_a_meta_copy_where_the_model_is_split_over_devices() -> None:

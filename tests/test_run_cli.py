@@ -208,7 +208,6 @@ def test_a_folder_with_a_previous_run_is_refused_unless_overwrite(tmp_path: Path
 
 
 @pytest.mark.parametrize("argv,words", [
-    (["--eval-every", "2", "--offload", "states"], ["--eval-every", "--offload states", "none or activations"]),
     (["--eval-every", "0"], ["--eval-every", "whole number >= 1", "'0'"]),
     (["--clip-grad-norm", "-1"], ["--clip-grad-norm", "positive", "'-1'"]),
     (["--clip-grad-norm", "nan"], ["--clip-grad-norm", "positive", "'nan'"])])
