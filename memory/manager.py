@@ -512,13 +512,15 @@ class PlannedMemory(MemoryManager):
         each node that reads some first fetches their chunks (in place); `param_nodes`: node -> the
         parameters it reads (partition.split.param_nodes_of)."""
         store = self.store
-        if store is None or stage not in self.offloaded:
+        if store is None:
             return
         calls = [n.name for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+        # (any local stage: one that does not stream may read a parameter another stage here streams, tied)
         groups = {i: g for i, n in enumerate(calls)
                   if (g := store.group([gm.get_parameter(p) for p in param_nodes.get(n, [])]))}
-        instrument(gm, Markers(lambda i: store.use(groups[i]), lambda i, value: None), {calls[i]: i for i in groups},
-                   {})
+        if groups:
+            instrument(gm, Markers(lambda i: store.use(groups[i]), lambda i, value: None),
+                       {calls[i]: i for i in groups}, {})
         self._pass_groups[gm] = [groups[i] for i in sorted(groups)]
 
     @contextlib.contextmanager
@@ -532,7 +534,7 @@ class PlannedMemory(MemoryManager):
         seq: list[tuple[int, ...]] = []
         windows: dict[Act, tuple[int, int]] = {}
         for x in program:
-            if not (hasattr(x, "kind") and x.kind == "F") or x.stage not in self.offloaded:
+            if not (hasattr(x, "kind") and x.kind == "F"):
                 continue
             m = modules.get(x.stage)
             assert m is None or m in self._pass_groups, f"stage {x.stage}'s forward-only module reads chunks unseen"

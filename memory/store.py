@@ -91,6 +91,7 @@ class ChunkStore:
         self.cursor, self.window = 0, (0, 0)
         self.backward = False
         self._kept: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []  # a pass's grads set aside
+        self._on_device = False  # parameters are views of the device buffers (in a step or a pass)
         self._bind_host()
 
     # ----- the plan of a step -----
@@ -210,6 +211,7 @@ class ChunkStore:
                 p.grad = None
                 p.data = v
                 p.grad = gv
+        self._on_device = True
 
     def _start(self) -> None:
         """Before a step or a pass: every chunk off the device (resident only after one that failed half-way),
@@ -217,6 +219,8 @@ class ChunkStore:
         for ch in self.chunks:
             if ch.resident:
                 self._evict(ch)
+        if self._on_device:  # a step that failed half-way: its grads written back, every view the host's again
+            self._bind_host()
         self.log, self.cursor = [], 0
         self.pools = {s: Belady([tuple(c for c in g if self.chunks[c].owner == s) for g in self.seq],
                                 self.capacity.get(s, 2)) for s in self.layouts}
@@ -231,6 +235,7 @@ class ChunkStore:
             for (p, _, _), v in zip(ch.members, ch.dev_views):
                 p.grad = None
                 p.data = v
+        self._on_device = True
 
     def pass_end(self) -> None:
         """The pass's chunks off the device (no grad was loaded, so none is written back); parameters views
@@ -246,6 +251,7 @@ class ChunkStore:
         for p, g in self._kept:
             p.grad = g
         self._kept = []
+        self._on_device = False
 
     def step_end(self) -> None:
         """Every chunk goes back to the host (grads written back); parameters and grads become
@@ -258,6 +264,7 @@ class ChunkStore:
         self._bind_host()
 
     def _bind_host(self) -> None:
+        self._on_device = False
         for ch in self.chunks:
             for (p, _, _), v, gv in zip(ch.members, ch.views(ch.host), ch.views(ch.host_grad)):
                 p.grad = None

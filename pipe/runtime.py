@@ -764,7 +764,9 @@ class Pipeline:
 
         The training stages run their forwards in the schedule's forward order under no_grad, the loss
         computed where step() computes it; only the loss travels back (pp.forward would send the model's
-        whole output to every rank). Grads, the optimizer and the step count are left as they are."""
+        whole output to every rank). Grads, the optimizer and the step count are left as they are. Parameters
+        streamed from the host (offload='states') are fetched chunk by chunk for the pass, as a step fetches
+        them."""
         return inference.evaluate(self, batch_args, batch_kwargs, target)
 
     def _mean_loss(self, run: "StepState") -> torch.Tensor:

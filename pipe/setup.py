@@ -182,6 +182,16 @@ def fill(pp: Pipeline, model: torch.nn.Module) -> None:
                              f" (seeded per module from seed {w.seed})" if isinstance(w, Init) else ""))
 
 
+def calibrating(share: Share | None, features: tuple[str, str]) -> bool:
+    """Whether one plan (not schedule="auto"'s candidates, whose analyses are shared and may get a memory plan)
+    has its stages timed whole (partition.plan's calibrate): where the ranks measured the costs unit by unit on
+    devices of their own (`share`), and no memory plan is asked for (`features`: recompute, offload), which
+    might keep less than a stage timed whole holds (its weights, and the activations of the few calls timed
+    back to back, at most a quarter of the free device memory). On the H200 the costs measured unit by unit
+    came to 1.09x the step's actions, and 0.99-1.00x once the stages were timed whole (README, Results on one GPU)."""
+    return share is not None and features == ("none", "none")
+
+
 def agree_on_plan(pp: Pipeline, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                   plan: Plan | str | Path | None, cost: str, budget: float | str | None,
                   features: tuple[str, str] = ("none", "none"), example_target: Any = None,
@@ -194,7 +204,8 @@ def agree_on_plan(pp: Pipeline, model: torch.nn.Module, args: tuple[Any, ...], k
         link, share, everyone = costing(pp, model, cost)
         d = _Broadcast.run(lambda: plan_here(
             pp, model, args, kwargs, cost, budget, features, example_target, link, share, pp.schedule_name,
-            pp.M, pp.v, traced=traced).to_dict(), pp.ctx.rank, everyone=everyone)
+            pp.M, pp.v, traced=traced, calibrate=calibrating(share, features)).to_dict(), pp.ctx.rank,
+            everyone=everyone)
         plan = Plan.from_dict(d)
     if not pp.trace_loss and plan.loss:
         raise PipelineError("trace_loss=False keeps the loss outside the graph, but the plan given puts it in the "
@@ -233,9 +244,9 @@ def plan_here(pp: Pipeline, model: torch.nn.Module, args: tuple[Any, ...], kwarg
               budget: float | str | None, features: tuple[str, str], example_target: Any,
               link: tuple[float, float], share: Share | None, schedule: str, M: int, v: int,
               analysis: Any = None, analysis_out: list[Any] | None = None,
-              traced: torch.fx.GraphModule | None = None) -> Plan:
+              traced: torch.fx.GraphModule | None = None, calibrate: bool = False) -> Plan:
     """partition.plan for `schedule` with M microbatches and v stages per rank on this pipeline's ranks
-    (`traced`: the model's trace for these args, planned from)."""
+    (`traced`: the model's trace for these args, planned from; `calibrate`: partition.plan's)."""
     S = pp.world * v
     plan = partition.plan(
         model, args, S, example_kwargs=kwargs, cost=cost, schedule=schedule, microbatches=M,
@@ -244,11 +255,7 @@ def plan_here(pp: Pipeline, model: torch.nn.Module, args: tuple[Any, ...], kwarg
         recompute=features[0], offload=features[1], loss_fn=pp.loss_fn if pp.trace_loss else None,
         example_target=example_target, bytes_per_ms=link[0], latency_ms=link[1], leaf_modules=pp.leaf_modules,
         progress=pp.progress, state_factor=2.0 + state_factor(pp), device=pp.ctx.device, share=share,
-        analysis=analysis, analysis_out=analysis_out, traced=traced,
-        # on ranks with devices of their own, the costs measured unit by unit are scaled to the plan's stages
-        # timed whole: a stage's weights and one microbatch's activations (each grad freed as made) are less
-        # than its training keeps, unless a memory plan (recompute, offload) is to keep less
-        calibrate=share is not None and features == ("none", "none"))
+        analysis=analysis, analysis_out=analysis_out, traced=traced, calibrate=calibrate)
     if not pp.trace_loss:
         plan.loss_note = "trace_loss=False"
     return plan

@@ -240,6 +240,49 @@ def test_chunk_store_runs_the_planned_moves_and_loses_nothing() -> None:
         assert torch.equal(p, before[n] * 0.5), n
 
 
+def test_a_forward_only_pass_streams_the_chunks_and_leaves_the_grads_also_after_a_failed_step() -> None:
+    """evaluate/forward with streamed states: the pass fetches the chunks in its own order of use and leaves
+    every parameter a host view with its grad as it was; after a step that failed half-way (no step_end: the
+    parameters still device views, grads dirty there) a pass and the next step start from the grads it made."""
+    import collections
+    F = collections.namedtuple("F", "stage kind mb")
+    gm, ref = _toy(), _toy()
+    actions = [(0, "F", 0), (0, "B", 0)]
+    mm = _manager(gm, StageChoice(0, "none", offload_states=True, resident_chunks=2), actions, elems=64)
+    assert mm.store is not None
+    x = torch.randn(4, 8)
+    ref(x).pow(2).sum().backward()
+
+    def forward_only() -> torch.Tensor:
+        assert mm.store is not None
+        with mm.forward_only([F(0, "F", 0)], {0: None}), torch.no_grad():
+            mm.before_forward_only(F(0, "F", 0))
+            out = gm(x)
+        assert [e[0] for e in mm.store.log] == ["F", "P", "E", "P", "E", "E"], mm.store.log  # fetched, all gone
+        assert not any(ch.resident for ch in mm.store.chunks)
+        return out
+
+    torch.testing.assert_close(forward_only(), ref(x), rtol=0, atol=0)
+    assert all(p.grad is None for p in gm.parameters())  # no grads before any step: still none
+    _run_step(mm, gm, actions, [x])
+    torch.testing.assert_close(forward_only(), ref(x), rtol=0, atol=0)
+    for p, q in zip(gm.parameters(), ref.parameters()):
+        assert p.device.type == "cpu" and p.untyped_storage().nbytes() > 0 and torch.equal(p.grad, q.grad)
+    mm.step_begin()  # a step that fails after its backward: no after(), no step_end()
+    mm.before(actions[0])
+    with mm.forward(0, 0):
+        out = gm(x).pow(2).sum()
+    mm.after(actions[0])
+    mm.before(actions[1])
+    out.backward()
+    torch.testing.assert_close(forward_only(), ref(x), rtol=0, atol=0)
+    for p, q in zip(gm.parameters(), ref.parameters()):  # the failed step's grads, written back to the host
+        assert p.untyped_storage().nbytes() > 0 and torch.equal(p.grad, 2 * q.grad)
+    _run_step(mm, gm, actions, [x])
+    for p, q in zip(gm.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, 3 * q.grad)
+
+
 # ----- activation offload and recompute against plain autograd -----
 def test_activation_offload_round_trip_is_exact() -> None:
     gm, ref = _toy(1), _toy(1)

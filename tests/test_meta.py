@@ -229,24 +229,16 @@ def test_calibrate_plan_follows_rank_0() -> None:
     assert sum(a.costs[u].bwd_ms for u in first) == pytest.approx(2.5)
 
 
-def test_pipeline_calibrates_where_ranks_measure_on_devices_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pipeline_calibrates_where_ranks_measure_on_devices_of_their_own() -> None:
     """pipe asks partition.plan to time its stages whole (calibrate) where the costs were measured unit by
     unit on devices of the ranks' own (a Share: accelerators), and only without a memory plan (recompute or
-    offload would keep less than a stage timed whole holds); on the CPU (no Share) never."""
-    import types
-    import partition
+    offload would keep less than a stage timed whole holds); on the CPU (no Share) never. The wiring, on 2
+    ranks: test_meta_models_on_2_and_4_ranks ("as on devices")."""
     from partition.measure import Share
-    from pipe.setup import plan_here
-    asked: list[bool] = []
-    monkeypatch.setattr(partition, "plan", lambda *a, **k: asked.append(k["calibrate"]) or types.SimpleNamespace())
-    pp = types.SimpleNamespace(world=2, loss_fn=None, trace_loss=True, leaf_modules=(), progress=None,
-                               ctx=types.SimpleNamespace(device=torch.device("cpu")), _optim_factor=None,
-                               dp_shard="none", dp=1)
-    for share, features in ((Share(0, 2), ("none", "none")), (None, ("none", "none")),
-                            (Share(0, 2), ("auto", "none")), (Share(0, 2), ("none", "activations"))):
-        plan_here(pp, nn.Linear(2, 2), (), {}, "measured", None, features, None, (1e6, 0.05), share,  # type: ignore
-                  "1f1b", 4, 1)
-    assert asked == [True, False, False, False]
+    from pipe.setup import calibrating
+    assert calibrating(Share(0, 2), ("none", "none"))
+    assert not calibrating(None, ("none", "none"))
+    assert not calibrating(Share(0, 2), ("auto", "none")) and not calibrating(Share(0, 2), ("none", "activations"))
 
 
 def test_measured_plan_of_a_meta_model_matches_its_stages() -> None:
@@ -451,6 +443,25 @@ def two_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
         state = sd.get(name) if name != "bench.hf_models:gpt2" else None  # gpt2: the model that was saved
         res[case] = {"loss": _parity(pp, _reference(name, kw, state)), "notes": pp.plan.notes,
                      "cost": pp.plan.cost_method, "report": pp.memory_report()}
+    # planned as on accelerators: each rank measures a share of the units, then (one plan, not auto's
+    # candidates) times the stages it will run whole (calibrate), all collective; on the CPU every rank
+    # measures everything, so costing is told otherwise
+    from partition.measure import Share
+    from pipe import setup
+    real = setup.costing
+
+    def as_on_devices(pp: Any, model: Any, cost: str) -> Any:
+        link, _, everyone = real(pp, model, cost)
+        return link, Share(pp.ctx.rank, pp.ctx.world_size, setup._gather), everyone
+    setup.costing = as_on_devices
+    try:
+        for case, pipe_kw in [("as on devices 1f1b", {}),
+                              ("as on devices auto", dict(schedule="auto", auto_schedules=("1f1b", "zb-h1")))]:
+            pp = _meta_pipeline("gpt", GPT, weights=sd["gpt"], cost="measured", **pipe_kw)
+            res[case] = {"loss": _parity(pp, _reference("gpt", GPT, sd["gpt"])), "notes": pp.plan.notes,
+                         "cost": pp.plan.cost_method, "report": pp.memory_report()}
+    finally:
+        setup.costing = real
     # a real model (another seed) takes the file's values too: weights= loads them after the split
     import partition
     other = partition.load("gpt", **{**GPT, "seed": 9})
@@ -515,13 +526,18 @@ def test_meta_models_on_2_and_4_ranks(tmp_path: Path) -> None:
     assert len(set(index["weight_map"].values())) > 1 and "lm_head.weight" not in index["weight_map"]
     two = run_ranks("tests.test_meta:two_body", 2, timeout=400, root=str(tmp_path))
     _check_common(two, ["gpt safetensors 1f1b", "gpt pt zb-h1", "gpt dict measured", "gpt dcp interleaved",
-                        "unet safetensors", "gpt2 shards", "real model from a file"])
+                        "unet safetensors", "gpt2 shards", "real model from a file", "as on devices 1f1b",
+                        "as on devices auto"])
     for r in two:
         notes = r["gpt safetensors 1f1b"]["notes"]
         assert any("built on the meta device" in n and "gpt.safetensors" in n for n in notes), notes
         assert any(n.startswith("parameters per rank, on the host") for n in r["gpt pt zb-h1"]["notes"])
         assert any(n.startswith("CPU memory: glibc keeps what the process frees") for n in notes), notes
         assert r["gpt dict measured"]["cost"] == "block by block, one block's weights at a time"
+        assert r["as on devices 1f1b"]["cost"].startswith(  # shared, then the stages timed whole
+            "block by block, one block's weights at a time, shared by 2 ranks; the plan's stages then timed whole")
+        assert r["as on devices auto"]["cost"] == "block by block, one block's weights at a time, shared by 2 ranks"
+        assert any("schedule='auto' chose" in n for n in r["as on devices auto"]["notes"])
         assert r["init"]["losses"][-1] < r["init"]["losses"][0] - 0.3, r["init"]["losses"]
         assert any("seeded per module from seed 5" in n for n in r["init"]["notes"])
     errors = [r["errors"] for r in two]
