@@ -346,7 +346,8 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
     then timed whole and the costs scaled to them (calibrate_plan), each rank timing its share of the
     stages by `stage_share` (default `share`): closer stage times, but planning then peaks at a stage's
     weights plus one microbatch's activations of it (about 2-3x the stage's weights on the 16-layer
-    GPT of bench memory-scale) instead of one unit's. The plan records how and where.
+    GPT of bench memory-scale; on a GPU the activations of the calls timed back to back, at most a quarter
+    of the free device memory) instead of one unit's. The plan records how and where.
     `analysis_out`, a list, receives the analysis the plan was cut from (rewrites applied): planning
     other schedules over the same stage count with `analysis=` it reuses the trace and the costs.
     `traced`: partition.trace of this model, example and leaf_modules, planned from (a copy; it is left as
