@@ -240,18 +240,10 @@ class ChunkStore:
     def pass_end(self) -> None:
         """The pass's chunks off the device (no grad was loaded, so none is written back); parameters views
         of the host copies again, with the grads they had."""
-        for ch in self.chunks:
-            if ch.resident:
-                self.log.append(f"E{ch.id}")
-                self._evict(ch)
-        self.copier.synchronize()
-        for ch in self.chunks:
-            for (p, _, _), v in zip(ch.members, ch.views(ch.host)):
-                p.data = v
+        self.step_end()
         for p, g in self._kept:
             p.grad = g
         self._kept = []
-        self._on_device = False
 
     def step_end(self) -> None:
         """Every chunk goes back to the host (grads written back); parameters and grads become
