@@ -83,17 +83,16 @@ def _case(name: str, kw: dict[str, Any], **pipe_kw: Any) -> dict[str, Any]:
         ref_opt.zero_grad(set_to_none=True)
     for n, p in pp.named_parameters():
         torch.testing.assert_close(_full(p.detach()), ref_params[n].detach(), rtol=1e-4, atol=1e-5, msg=_named(n))
-    if pipe_kw.get("offload") != "states":  # (evaluate refuses streamed states, as forward does)
-        args, target = _batch(w, 99, pp.dp_rank)  # a held-out batch per replica: the mean loss over both
-        parts = [_batch(ref, 99, j) for j in range(pp.dp)]
-        with torch.no_grad():
-            held = ref.loss_fn(ref.model(*(torch.cat([p[0][i] for p in parts]) for i in range(len(args)))),
-                               torch.cat([p[1] for p in parts]))
-        out["evaluated"] = (pp.evaluate(*args, target=target), float(held))
-        # in eval mode: stages cut from an eval-mode trace (no dropout here, so the same loss), run on every
-        # sharding (FSDP: gathered for them, sharded again after)
-        out["evaluated in eval mode"] = (pp.eval().evaluate(*args, target=target), float(held))
-        pp.train()
+    args, target = _batch(w, 99, pp.dp_rank)  # a held-out batch per replica: the mean loss over both
+    parts = [_batch(ref, 99, j) for j in range(pp.dp)]
+    with torch.no_grad():
+        held = ref.loss_fn(ref.model(*(torch.cat([p[0][i] for p in parts]) for i in range(len(args)))),
+                           torch.cat([p[1] for p in parts]))
+    out["evaluated"] = (pp.evaluate(*args, target=target), float(held))
+    # in eval mode: stages cut from an eval-mode trace (no dropout here, so the same loss), run on every
+    # sharding (FSDP: gathered for them, sharded again after) and with streamed states (fetched for the pass)
+    out["evaluated in eval mode"] = (pp.eval().evaluate(*args, target=target), float(held))
+    pp.train()
     if pp.dp_shard == "full":  # gathered for the forwards, sharded again after them
         assert all(isinstance(p, torch.distributed.tensor.DTensor) for p in pp.parameters())
     if pp.reducer is not None:  # grads set to None free the buckets: the reducer holds none between steps
@@ -228,6 +227,8 @@ def test_pipeline_times_data_parallel_on_4_ranks(tmp_path: Path) -> None:
         torch.testing.assert_close(torch.tensor(streamed["losses"]), torch.tensor(streamed["ref"]),
                                    rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(*torch.tensor(streamed["norms"]).T, rtol=1e-5, atol=0)
+        torch.testing.assert_close(*streamed["evaluated"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(*streamed["evaluated in eval mode"], rtol=1e-5, atol=1e-6)
     cases = [k for k in res[0] if k not in ("errors", "streamed states")
              and not k.startswith(("loaded into", "two steps"))]
     assert len(cases) == 2 * len(SCHEDULES) * len(SHARDS) + 1
