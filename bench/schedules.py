@@ -283,7 +283,8 @@ def agreement_s(pp: Any, w: Any, batch_size: int, step: int, repeats: int = 9) -
     """What each step spends for its ranks to agree on its call (pipe.calls: the call's digest, then one
     all-gather over the pipeline's group), on batch `step` of `w`: the median of `repeats`, the slowest rank's."""
     args, kwargs, target = w.batch(batch_size, step * pp.dp + pp.dp_rank)
-    return statistics.median(slowest_rank_s(lambda: pp._agree_on_call((args, kwargs), target, "step"), pp.ctx.device)
+    from pipe.calls import agree_on_call
+    return statistics.median(slowest_rank_s(lambda: agree_on_call(pp, (args, kwargs), target, "step"), pp.ctx.device)
                              for _ in range(repeats))
 
 

@@ -24,16 +24,21 @@ certainty, and reading at most that many elements costs microseconds whatever th
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from partition.signature import describe, input_paths
-from pipe import comm
+from partition.signature import check_call, describe, input_paths
+from pipe import comm, launch
+from pipe.errors import PipelineError
 
-__all__ = ["SAMPLE", "BATCHES", "BUILDS", "Call", "call_of", "build_of", "agree"]
+if TYPE_CHECKING:
+    from pipe.runtime import Pipeline
+
+__all__ = ["SAMPLE", "BATCHES", "BUILDS", "Call", "call_of", "build_of", "agree", "agree_on_build", "agreed_call",
+           "agree_on_call", "check_pipeline_call", "split_microbatches", "target_bound"]
 
 SAMPLE = 1024  # elements of each tensor whose bytes enter the digest, evenly spaced
 _PLAIN = (bool, int, float, str, bytes, type(None))  # constants compared by value (others by type)
@@ -192,3 +197,123 @@ def build_of(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs
     for part in parts:
         h.update(part.encode())
     return Call(int.from_bytes(h.digest(), "big") >> 2, parts)
+
+
+# ----- a Pipeline's calls -----
+def agree_on_build(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: dict[str, Any] | None,
+                   example_target: Any, settings: dict[str, Any]) -> None:
+    """Compare this rank's `pipe.Pipeline(...)` call with every other rank's (build_of: the arguments, the
+    example's shapes, the model's parameters and buffers sampled); different ones raise on every rank,
+    naming what differs."""
+    device = launch.context().device  # starts torch.distributed from the launcher's environment if not yet
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    refused, call = None, None
+    try:
+        call = build_of(model, tuple(example_args), dict(example_kwargs or {}), example_target, settings)
+    except Exception as e:  # noqa: BLE001 - one rank's failure must reach the others, never leave them waiting
+        refused = PipelineError(f"describing this rank's pipeline failed: {type(e).__name__}: {e}")
+    agree(call or Call(0, []), refused, group=None, ranks=list(range(dist.get_world_size())),
+          device=device, what="Pipeline(...)", error=PipelineError, differ=BUILDS)
+
+
+def split_microbatches(tree: Any, n: int, what: str = "batch") -> list[Any]:
+    """Split every tensor of `tree` along dim 0 into `n` equal microbatches; other leaves repeat."""
+    leaves, spec = pytree.tree_flatten(tree)
+    sizes = {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0}
+    if len(sizes) > 1:
+        raise PipelineError(f"the {what}'s tensors disagree on the batch size (dim 0): {sorted(sizes)}; "
+                            "every input tensor must have the batch along dim 0")
+    size = sizes.pop() if sizes else n
+    if size % n:
+        raise PipelineError(f"a {what} of {size} samples is not divisible into {n} microbatches; use a "
+                            f"batch size that is a multiple of {n}, or another microbatches=")
+    parts = [x.chunk(n) if isinstance(x, torch.Tensor) and x.dim() > 0 else [x] * n for x in leaves]
+    return [pytree.tree_unflatten([p[i] for p in parts], spec) for i in range(n)]
+
+
+def agreed_call(pp: Pipeline, batch: tuple[tuple[Any, ...], dict[str, Any]], target: Any, what: str,
+                training: bool = True) -> tuple[list[Any], list[Any]]:
+    """The call's microbatches and targets, once every rank of the pipeline has agreed on it: a call the
+    plan was not made for is refused, and ranks given different batches stop, on every rank before any
+    message."""
+    refused: PipelineError | None = None
+    mbs: list[Any] = []
+    targets: list[Any] = [None] * pp.M
+    try:
+        mbs = split_microbatches(batch, pp.M)
+        check_pipeline_call(pp, batch, target, training, step=what == "step")
+        if target is not None:
+            targets = split_microbatches(target, pp.M, "target")
+    except PipelineError as e:
+        refused = e
+    agree_on_call(pp, batch, target, what, refused)
+    if refused is not None:
+        raise refused
+    return mbs, targets
+
+
+def agree_on_call(pp: Pipeline, batch: tuple[tuple[Any, ...], dict[str, Any]], target: Any, what: str,
+                  refused: PipelineError | None = None) -> None:
+    """Compare this rank's call with the pipeline's other ranks' (agree); `refused`: this rank's own error
+    about it. What each step adds to agree (bench schedules times it)."""
+    if pp.world > 1:
+        call = call_of(batch[0], batch[1], target)  # and the pipeline's mode (pp.train / pp.eval)
+        mode = "train" if pp.training else "eval"
+        call = Call(call.digest ^ int(not pp.training), call.parts + [f"mode: {mode}"])
+        agree(call, refused, group=pp.pp_group, ranks=pp._global, device=pp.ctx.device, what=what,
+              error=PipelineError)
+
+
+def check_pipeline_call(pp: Pipeline, batch: tuple[tuple[Any, ...], dict[str, Any]], target: Any,
+                        training: bool = True, step: bool = False) -> None:
+    """Refuse a call the plan was not made for (`batch`: the whole batch, split in pp.M)."""
+    check_call(pp.plan, batch[0], batch[1], microbatches=pp.M, dynamic=pp.dynamic, error=PipelineError)
+    if not training:
+        return
+    if step and pp.training != pp._traced_mode:
+        mode, traced = ("training", "eval") if pp.training else ("eval", "training")
+        raise PipelineError(f"step() in {mode} mode, but this pipeline's stages were traced in {traced} mode (the "
+                            f"model's mode when it was built), and step() trains the stages as traced; call "
+                            f"pp.{'eval' if pp.training else 'train'}() before step(), or build the Pipeline "
+                            f"from the model in {mode} mode")
+    if target is None and (pp.plan.loss or pp._wants_target):
+        raise PipelineError("step() got no target, but this pipeline's loss reads one (loss_fn(output, target) "
+                            "is planned into its last stage); call pp.step(*inputs, target=y) with the batch's "
+                            "target")
+    if pp.plan.loss:
+        v = pp.plan.inputs[-1]
+        assert v is not None
+        if not isinstance(target, torch.Tensor):
+            raise PipelineError(f"this pipeline computes the loss inside its last stage and needs the target "
+                                f"as a tensor, got {type(target).__name__}; call step(*inputs, target=tensor)")
+        got = f"{str(target.dtype).removeprefix('torch.')}[*{''.join(f', {d}' for d in target.shape[1:])}]"
+        want = f"{v.dtype}[*{''.join(f', {d}' for d in v.shape[1:])}]"
+        if got != want and pp._target_fixed:  # else the loss's graph takes any target, as loss_fn does
+            raise PipelineError(
+                f"the target is {got} (* the batch) but the plan was made for {want}, and {pp._target_fixed}; "
+                f"pass example_target= with one microbatch's target to plan for it, or convert the target")
+
+
+def target_bound(pp: Pipeline) -> str:
+    """Why the target must have the planned dtype and shape (beyond the batch), or "" when the loss's graph
+    takes any target, as loss_fn would: values computed from it cross stages, or a rewrite's cross entropy
+    reads class indices of that shape."""
+    from partition.loss import TARGET
+    from partition.split import live_values
+    if not pp.plan.loss:
+        return ""
+    vocab = [str(r[0]) for r in pp.plan.rewrites if list(r[2:]) == ["vocab"]]
+    if vocab:
+        return f"the cross entropy of {', '.join(vocab)} is cut into vocabulary slices that read class indices"
+    stage_of = {n: st.index for st in pp.plan.stages for n in st.nodes}
+    crossing = {x for r in live_values(pp._gm, stage_of, pp.S) for x in r}
+    todo = [n for n in pp._gm.graph.nodes if n.op == "placeholder" and n.name == TARGET]
+    seen: set[str] = set()
+    while todo:
+        n = todo.pop()
+        if n.name not in seen:
+            seen.add(n.name)
+            todo += list(n.users)
+    sent = sorted(seen & crossing)
+    return f"values computed from it are sent between stages ({', '.join(sent)})" if sent else ""

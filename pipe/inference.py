@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from partition.plan import PlanError
 from partition.split import assemble_outputs, inference_stage, param_nodes_of
-from pipe import comm, modes
+from pipe import calls, comm, modes
 from pipe.errors import ModeError, agree_everywhere
 from pipe.exchange import Exchange
 from pipe.step import StepState, concat_outputs, placed
@@ -79,7 +79,7 @@ def flags(pp: Pipeline, other: bool) -> contextlib.AbstractContextManager[None]:
 def evaluate(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, Any], target: Any) -> float:
     """Pipeline.evaluate: the training stages' forwards under no_grad over the forward-only program, in the
     pipeline's mode, the loss where step() computes it, then the mean loss on every rank."""
-    mbs, targets = pp._agreed_call((batch_args, batch_kwargs), target, "evaluate")
+    mbs, targets = calls.agreed_call(pp, (batch_args, batch_kwargs), target, "evaluate")
     stages, _ = stages_in_mode_of(pp, inference=False)
     run = StepState(pp, pp._flats(mbs, targets), targets, Exchange(
         pp.transport, pp.plan, pp.place, pp.rank, pp.ctx.device, pp.dynamic), inference=True,
@@ -98,7 +98,7 @@ def evaluate(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, 
 def forward(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, Any]) -> Any:
     """Pipeline.forward: the stages without the loss (when the plan has it in its graph) over the
     forward-only program, then the model's output gathered to every rank and placed on its device."""
-    mbs, _ = pp._agreed_call((batch_args, batch_kwargs), None, "forward", training=False)
+    mbs, _ = calls.agreed_call(pp, (batch_args, batch_kwargs), None, "forward", training=False)
     if pp.plan.loss and not pp._inference:  # stages without the loss, returning the model's outputs
         error = None
         try:

@@ -10,20 +10,18 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 import torch.fx
-import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
 from partition.errors import first_line
 from partition.plan import Plan
-from partition.signature import check_call
 from partition.split import StageIO
 from partition.split import split_graph
 from partition.loss import attach_loss
 from partition.trace import flatten_inputs, trace
 import memory
 from memory import MemoryManager
-from pipe import comm, inference, launch, setup
-from pipe.calls import BUILDS, Call, agree, build_of, call_of
+from pipe import calls, comm, inference, launch, setup
+from pipe.calls import split_microbatches
 from pipe.errors import ModeError, NonFiniteLoss, PipelineError, agree_everywhere
 from pipe.exchange import Exchange
 from pipe.lower import forward_only, fuse_backward, lower, validate, with_reloads
@@ -36,21 +34,6 @@ from partition.meta import meta_copy, on_meta
 from partition.measure import release_memory
 
 __all__ = ["ModeError", "NonFiniteLoss", "Pipeline", "PipelineError", "split_microbatches"]
-
-
-def split_microbatches(tree: Any, n: int, what: str = "batch") -> list[Any]:
-    """Split every tensor of `tree` along dim 0 into `n` equal microbatches; other leaves repeat."""
-    leaves, spec = pytree.tree_flatten(tree)
-    sizes = {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0}
-    if len(sizes) > 1:
-        raise PipelineError(f"the {what}'s tensors disagree on the batch size (dim 0): {sorted(sizes)}; "
-                            "every input tensor must have the batch along dim 0")
-    size = sizes.pop() if sizes else n
-    if size % n:
-        raise PipelineError(f"a {what} of {size} samples is not divisible into {n} microbatches; use a "
-                            f"batch size that is a multiple of {n}, or another microbatches=")
-    parts = [x.chunk(n) if isinstance(x, torch.Tensor) and x.dim() > 0 else [x] * n for x in leaves]
-    return [pytree.tree_unflatten([p[i] for p in parts], spec) for i in range(n)]
 
 
 def _compile_options(compile: Any, recompute: str, dynamic: bool) -> dict[str, Any] | None:
@@ -136,7 +119,7 @@ class Pipeline:
                  trace_loss: bool = True) -> None:
         # every rank builds the same pipeline: compared first, before anything that talks to the other ranks
         # (ranks given other arguments would otherwise deadlock in it, or train something else)
-        self._agree_on_build(model, example_args, example_kwargs, example_target, {
+        calls.agree_on_build(model, example_args, example_kwargs, example_target, {
             "loss_fn": loss_fn, "microbatches": microbatches, "schedule": schedule, "plan": plan,
             "stages_per_rank": stages_per_rank, "cost": cost, "memory_budget": memory_budget,
             "dynamic_shapes": dynamic_shapes, "recompute": recompute, "offload": offload,
@@ -283,7 +266,7 @@ class Pipeline:
             example_target = torch.zeros(v.shape, dtype=getattr(torch, v.dtype))
         self._example_target = example_target
         self._wants_target = example_target is not None
-        self._target_fixed = self._target_bound()
+        self._target_fixed = calls.target_bound(self)
         costs = setup.memory_costs(self, args, kwargs, recompute, offload, memory_budget)
         # buffers by original name, read before the move: moving a module to a device replaces its
         # buffers with new tensors (parameters keep their identity)
@@ -534,106 +517,6 @@ class Pipeline:
         return full
 
     # ----- one step -----
-    @staticmethod
-    def _agree_on_build(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: dict[str, Any] | None,
-                        example_target: Any, settings: dict[str, Any]) -> None:
-        """Compare this rank's constructor call with every other rank's (pipe.calls.build_of: the arguments,
-        the example's shapes, the model's parameters and buffers sampled); different ones raise on every rank,
-        naming what differs."""
-        device = launch.context().device  # starts torch.distributed from the launcher's environment if not yet
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return
-        refused, call = None, None
-        try:
-            call = build_of(model, tuple(example_args), dict(example_kwargs or {}), example_target, settings)
-        except Exception as e:  # noqa: BLE001 - one rank's failure must reach the others, never leave them waiting
-            refused = PipelineError(f"describing this rank's pipeline failed: {type(e).__name__}: {e}")
-        agree(call or Call(0, []), refused, group=None, ranks=list(range(dist.get_world_size())),
-              device=device, what="Pipeline(...)", error=PipelineError, differ=BUILDS)
-
-    def _agreed_call(self, batch: tuple[tuple[Any, ...], dict[str, Any]], target: Any, what: str,
-                     training: bool = True) -> tuple[list[Any], list[Any]]:
-        """The call's microbatches and targets, once every rank of the pipeline has agreed on it
-        (pipe.calls): a call the plan was not made for is refused, and ranks given different batches
-        stop, on every rank before any message."""
-        refused: PipelineError | None = None
-        mbs: list[Any] = []
-        targets: list[Any] = [None] * self.M
-        try:
-            mbs = split_microbatches(batch, self.M)
-            self._check_call(batch, target, training, step=what == "step")
-            if target is not None:
-                targets = split_microbatches(target, self.M, "target")
-        except PipelineError as e:
-            refused = e
-        self._agree_on_call(batch, target, what, refused)
-        if refused is not None:
-            raise refused
-        return mbs, targets
-
-    def _agree_on_call(self, batch: tuple[tuple[Any, ...], dict[str, Any]], target: Any, what: str,
-                       refused: PipelineError | None = None) -> None:
-        """Compare this rank's call with the pipeline's other ranks' (pipe.calls.agree); `refused`: this
-        rank's own error about it. What each step adds to agree (bench schedules times it)."""
-        if self.world > 1:
-            call = call_of(batch[0], batch[1], target)  # and the pipeline's mode (pp.train / pp.eval)
-            mode = "train" if self.training else "eval"
-            call = Call(call.digest ^ int(not self.training), call.parts + [f"mode: {mode}"])
-            agree(call, refused, group=self.pp_group, ranks=self._global, device=self.ctx.device, what=what,
-                  error=PipelineError)
-
-    def _check_call(self, batch: tuple[tuple[Any, ...], dict[str, Any]], target: Any, training: bool = True,
-                    step: bool = False) -> None:
-        """Refuse a call the plan was not made for (`batch`: the whole batch, split in self.M)."""
-        check_call(self.plan, batch[0], batch[1], microbatches=self.M, dynamic=self.dynamic, error=PipelineError)
-        if not training:
-            return
-        if step and self.training != self._traced_mode:
-            mode, traced = ("training", "eval") if self.training else ("eval", "training")
-            raise PipelineError(f"step() in {mode} mode, but this pipeline's stages were traced in {traced} mode (the "
-                                f"model's mode when it was built), and step() trains the stages as traced; call "
-                                f"pp.{'eval' if self.training else 'train'}() before step(), or build the Pipeline "
-                                f"from the model in {mode} mode")
-        if target is None and (self.plan.loss or self._wants_target):
-            raise PipelineError("step() got no target, but this pipeline's loss reads one (loss_fn(output, target) "
-                                "is planned into its last stage); call pp.step(*inputs, target=y) with the batch's "
-                                "target")
-        if self.plan.loss:
-            v = self.plan.inputs[-1]
-            assert v is not None
-            if not isinstance(target, torch.Tensor):
-                raise PipelineError(f"this pipeline computes the loss inside its last stage and needs the target "
-                                    f"as a tensor, got {type(target).__name__}; call step(*inputs, target=tensor)")
-            got = f"{str(target.dtype).removeprefix('torch.')}[*{''.join(f', {d}' for d in target.shape[1:])}]"
-            want = f"{v.dtype}[*{''.join(f', {d}' for d in v.shape[1:])}]"
-            if got != want and self._target_fixed:  # else the loss's graph takes any target, as loss_fn does
-                raise PipelineError(
-                    f"the target is {got} (* the batch) but the plan was made for {want}, and {self._target_fixed}; "
-                    f"pass example_target= with one microbatch's target to plan for it, or convert the target")
-
-    def _target_bound(self) -> str:
-        """Why the target must have the planned dtype and shape (beyond the batch), or "" when the
-        loss's graph takes any target, as loss_fn would: values computed from it cross stages, or a
-        rewrite's cross entropy reads class indices of that shape."""
-        from partition.loss import TARGET
-        from partition.split import live_values
-        if not self.plan.loss:
-            return ""
-        vocab = [str(r[0]) for r in self.plan.rewrites if list(r[2:]) == ["vocab"]]
-        if vocab:
-            return f"the cross entropy of {', '.join(vocab)} is cut into vocabulary slices that read class indices"
-        stage_of = {n: st.index for st in self.plan.stages for n in st.nodes}
-        crossing = {x for r in live_values(self._gm, stage_of, self.S) for x in r}
-        todo = [n for n in self._gm.graph.nodes if n.op == "placeholder" and n.name == TARGET]
-        seen: set[str] = set()
-        while todo:
-            n = todo.pop()
-            if n.name not in seen:
-                seen.add(n.name)
-                todo += list(n.users)
-        sent = sorted(seen & crossing)
-        return f"values computed from it are sent between stages ({', '.join(sent)})" if sent else ""
-
     def _flats(self, mbs: list[tuple[Any, dict[str, Any]]], targets: list[Any]) -> list[list[Any]]:
         """Each microbatch's values for the graph's placeholders, on this rank's device."""
         dev = self.ctx.device
@@ -651,7 +534,7 @@ class Pipeline:
         stage and microbatch noted, and every other rank raises RemoteError naming it; a rank
         that dies or stops answering ends the others with PeerLost.
         """
-        mbs, targets = self._agreed_call((batch_args, batch_kwargs), target, "step")
+        mbs, targets = calls.agreed_call(self, (batch_args, batch_kwargs), target, "step")
         flats = self._flats(mbs, targets)
         dev = self.ctx.device
         exchange = Exchange(self.transport, self.plan, self.place, self.rank, dev, self.dynamic)
