@@ -14,7 +14,8 @@ model's costs by FLOP count, by shape (cost="shaped") and timed op by op on the 
 pp.clip_grad_norm_ and pp.eval().evaluate against torch's clipping and eval mode on the unpartitioned
 model; (9) compile=True (inductor) against the model and against the same schedule uncompiled:
 parity, the compilation's seconds, the step's speed-up; (10) measured costs of the whole graph against
-the pipeline's (unit by unit for a model left on the CPU) and its steps' actions.
+the pipeline's (unit by unit for a model left on the CPU) and its steps' actions; (11) offloaded
+activations against the plain step, and in a profiled step how much of the copies' time a kernel ran beside.
 Uses min(2, GPUs) ranks (one process per GPU; --ranks to choose); with one GPU the single stage runs
 GPipe so that several microbatches are in flight. Writes out/gpu_check/gpu_check.json after each part.
 """
@@ -378,6 +379,59 @@ def ledger_vs_allocator(base: dict[str, Any], M: int, schedule: str, say: Callab
     return rows
 
 
+def copy_overlap(events: list[dict[str, Any]]) -> dict[str, float]:
+    """From a profiler's Chrome trace events (torch.profiler: "kernel" and "gpu_memcpy" spans, in us): ms of
+    compute kernels (their union over the streams), ms of host-to-device and device-to-host copies, and
+    `hidden`, the share of the copies' time during which a kernel ran (1: behind the compute; 0: apart)."""
+    import bisect
+    union: list[list[float]] = []
+    for a, b in sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel"):
+        if union and a <= union[-1][1]:
+            union[-1][1] = max(union[-1][1], b)
+        else:
+            union.append([a, b])
+    starts = [a for a, _ in union]
+    out = {"kernels_ms": sum(b - a for a, b in union) / 1e3, "h2d_ms": 0.0, "d2h_ms": 0.0}
+    copied = hidden = 0.0
+    for e in events:
+        kind = "h2d_ms" if "HtoD" in e.get("name", "") else "d2h_ms" if "DtoH" in e.get("name", "") else None
+        if e.get("cat") != "gpu_memcpy" or kind is None:
+            continue
+        a, b = e["ts"], e["ts"] + e["dur"]
+        out[kind] += (b - a) / 1e3
+        copied += b - a
+        for x, y in union[max(bisect.bisect_right(starts, a) - 1, 0):bisect.bisect_left(starts, b)]:
+            hidden += max(0.0, min(b, y) - max(a, x))
+    out["hidden"] = hidden / copied if copied else 0.0
+    return out
+
+
+def offload_check(base: dict[str, Any], M: int, schedule: str, say: Callable[..., None]) -> dict[str, Any]:
+    """Offloaded activations: the step against the plain one (both after a warm-up step that allocates,
+    pinned host memory too), and one step profiled: how long the copies take each way and how much of
+    their time a compute kernel ran beside them (copy_overlap)."""
+    from torch.profiler import ProfilerActivity, profile
+    plain_w, plain = _build(base, M, schedule, recompute="none", offload="none")
+    plain_s = train_steps(plain_w, plain, M, 3, warmup=1)
+    del plain_w, plain
+    gc.collect()
+    w, pp = _build(base, M, schedule, recompute="none", offload="activations")
+    offload_s = train_steps(w, pp, M, 3, warmup=1)
+    cuda = pp.ctx.device.type == "cuda"
+    b, _, target = w.batch(w.microbatch_size * M, 0)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        pp.step(*b, target=target)
+        _sync(pp.ctx.device)
+    path = Path("out/gpu_check") / f"offload-trace-rank{pp.ctx.rank}.json"
+    prof.export_chrome_trace(str(path))
+    row: dict[str, Any] = {"plain_s": plain_s, "offload_s": offload_s,
+                           **copy_overlap(json.loads(path.read_text())["traceEvents"])}
+    say(f"    offloaded activations {offload_s:.3f} s/step against {plain_s:.3f} plain; in a profiled step "
+        f"kernels {row['kernels_ms']:.1f} ms, copies {row['h2d_ms']:.1f} ms to the device and {row['d2h_ms']:.1f} "
+        f"ms back, {row['hidden']:.0%} of the copies' time beside a kernel")
+    return row
+
+
 def checkpoint_check(base: dict[str, Any], M: int, say: Callable[..., None]) -> dict[str, Any]:
     """Save on the device and resume into a fresh pipeline of the same plan: with dropout, the next
     step's loss is bitwise the uninterrupted one's only if the device's random state came back too,
@@ -466,6 +520,7 @@ def worker(dry: bool, parts: list[str] | None = None) -> int:
         ("shaped", lambda: shaped_check(cfg["timed"], say) if ctx.rank == 0 else {}),
         ("clip_eval", lambda: clip_eval_check(cfg["timed"], 4, schedule, say)),
         ("costs", lambda: costs_check(cfg["timed"], M, schedule, say)),
+        ("offload", lambda: offload_check(cfg["timed"], M, schedule, say)),
         ("compile", lambda: compile_check(cfg["compiled"], 4, ("1f1b", "zb-h1") if world > 1 else ("gpipe", "zbv"),
                                           cfg["compile"], 4, say)),
     ]

@@ -194,11 +194,24 @@ def test_bench_partition(tmp_path: Path) -> None:
     assert (tmp_path / "partition.md").exists()
 
 
+def test_copy_overlap_counts_the_copies_time_beside_kernels() -> None:
+    """bench/gpu_check.copy_overlap on a made-up trace (us): kernels 0-10 and 8-20 on two streams (their union
+    0-20) and 30-40; a copy to the device 15-35 (10 of its 20 us beside a kernel), one back 50-60 (none)."""
+    from bench.gpu_check import copy_overlap
+    events = [{"cat": "kernel", "name": "k", "ts": 0, "dur": 10}, {"cat": "kernel", "name": "k", "ts": 8, "dur": 12},
+              {"cat": "kernel", "name": "k", "ts": 30, "dur": 10},
+              {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 15, "dur": 20},
+              {"cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 50, "dur": 10},
+              {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 99}]
+    got = copy_overlap(events)
+    assert got == {"kernels_ms": 0.030, "h2d_ms": 0.020, "d2h_ms": 0.010, "hidden": 10 / 30}, got
+
+
 def test_gpu_check_dry_run_on_cpu() -> None:
     """The one-script GPU check, exercised on CPU with small sizes so it cannot rot between GPU sessions."""
     out = run_command([sys.executable, "bench/gpu_check.py", "--dry-run"], timeout=240).output
     for part in ("schedules", "checkpoint", "ledger", "time", "scan_plain", "scan_memory", "shaped", "clip_eval",
-                 "costs", "compile"):
+                 "costs", "offload", "compile"):
         assert f"] {part}" in out, out[-3000:]
     assert "largest within" in out and "done in" in out and "Traceback" not in out
     data = json.loads(Path(__file__).resolve().parent.parent.joinpath("out/gpu_check/gpu_check.json").read_text())
@@ -207,6 +220,7 @@ def test_gpu_check_dry_run_on_cpu() -> None:
     assert all(data["shaped"][k]["linear_ms"] > 0 for k in ("flops", "shaped", "measured")), data["shaped"]
     assert "linear layers measured per priced ms: by flops" in out
     assert data["checkpoint"] == {"bitwise_loss": True, "state_equal": True, "device": "cpu"}, data["checkpoint"]
+    assert data["offload"]["offload_s"] > 0 and data["offload"]["plain_s"] > 0  # (no kernels to profile on a CPU)
     for r in data["schedules"]:  # parity, and a timeline no longer than the step that contains it
         assert r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4, r
         assert all(0 < t <= wall for t, wall in zip(r["timeline_ms"], r["wall_ms"])), r
