@@ -20,7 +20,7 @@ from partition.loss import attach_loss
 from partition.trace import flatten_inputs, trace
 import memory
 from memory import MemoryManager
-from pipe import calls, comm, inference, launch, setup
+from pipe import calls, comm, inference, launch, planning, setup
 from pipe.calls import split_microbatches
 from pipe.errors import ModeError, NonFiniteLoss, PipelineError, agree_everywhere
 from pipe.exchange import Exchange
@@ -203,7 +203,7 @@ class Pipeline:
         self.candidates: list[Any] = []  # schedule="auto": the ranked candidates (pipe.auto.Candidate)
         self.candidate_plans: dict[str, Plan] = {}  # and their plans, by label
         if auto:
-            plan, (args, kwargs, example_target) = setup.choose(self, model, args, kwargs, cost, memory_budget,
+            plan, (args, kwargs, example_target) = planning.choose(self, model, args, kwargs, cost, memory_budget,
                                                                 (recompute, offload), example_target, batch_size,
                                                                 microbatches, auto_schedules)
             schedule, microbatches, stages_per_rank = plan.schedule, plan.microbatches, plan.stages_per_rank
@@ -234,7 +234,7 @@ class Pipeline:
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
             agree_everywhere(error)
-        self.plan = setup.agree_on_plan(self, model, args, kwargs, plan, cost, memory_budget, (recompute, offload),
+        self.plan = planning.agree_on_plan(self, model, args, kwargs, plan, cost, memory_budget, (recompute, offload),
                                         example_target, traced)
         if self.meta:
             release_memory()  # what planning held (fx graphs in reference cycles, the heap it grew)

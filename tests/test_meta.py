@@ -235,7 +235,7 @@ def test_pipeline_calibrates_where_ranks_measure_on_devices_of_their_own() -> No
     offload would keep less than a stage timed whole holds); on the CPU (no Share) never. The wiring, on 2
     ranks: test_meta_models_on_2_and_4_ranks ("as on devices")."""
     from partition.measure import Share
-    from pipe.setup import calibrating
+    from pipe.planning import calibrating
     assert calibrating(Share(0, 2), ("none", "none"))
     assert not calibrating(None, ("none", "none"))
     assert not calibrating(Share(0, 2), ("auto", "none")) and not calibrating(Share(0, 2), ("none", "activations"))
@@ -447,13 +447,13 @@ def two_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
     # candidates) times the stages it will run whole (calibrate), all collective; on the CPU every rank
     # measures everything, so costing is told otherwise
     from partition.measure import Share
-    from pipe import setup
-    real = setup.costing
+    from pipe import planning
+    real = planning.costing
 
     def as_on_devices(pp: Any, model: Any, cost: str) -> Any:
         link, _, everyone = real(pp, model, cost)
-        return link, Share(pp.ctx.rank, pp.ctx.world_size, setup._gather), everyone
-    setup.costing = as_on_devices
+        return link, Share(pp.ctx.rank, pp.ctx.world_size, planning.gather), everyone
+    planning.costing = as_on_devices
     try:
         for case, pipe_kw in [("as on devices 1f1b", {}),
                               ("as on devices auto", dict(schedule="auto", auto_schedules=("1f1b", "zb-h1")))]:
@@ -461,7 +461,7 @@ def two_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
             res[case] = {"loss": _parity(pp, _reference("gpt", GPT, sd["gpt"])), "notes": pp.plan.notes,
                          "cost": pp.plan.cost_method, "report": pp.memory_report()}
     finally:
-        setup.costing = real
+        planning.costing = real
     # a real model (another seed) takes the file's values too: weights= loads them after the split
     import partition
     other = partition.load("gpt", **{**GPT, "seed": 9})
