@@ -390,14 +390,12 @@ def _measure(gm: torch.fx.GraphModule, flat_inputs: list[Any], costs: dict[str, 
         bwd = _backward_ms(p, clock, shared)
         fwd = p.fwd_ms
         del p  # its values would crowd the clean pass's memory
-        if i:
-            whole = _clean_once(gm.forward, flat_inputs, clock, calls)
-        else:
-            whole, calls = _first_clean(gm.forward, flat_inputs, clock)
-        if i:  # the first round warms up
-            fwd_runs.append(fwd)
-            bwd_runs.append(bwd)
-            clean.append(whole)
+        if not i:  # the first round warms up
+            _, calls = _first_clean(gm.forward, flat_inputs, clock)
+            continue
+        fwd_runs.append(fwd)
+        bwd_runs.append(bwd)
+        clean.append(_clean_once(gm.forward, flat_inputs, clock, calls))
     fwd = _fit({u: statistics.median(r.get(u, 0.0) for r in fwd_runs) for u in costs},
                statistics.median(f for f, _ in clean))
     bwd = _fit({u: statistics.median(r.get(u, 0.0) for r in bwd_runs) for u in costs},

@@ -262,10 +262,11 @@ def calibrate(gm: torch.fx.GraphModule, costs: dict[str, NodeCost], members: lis
     (its caches, the allocator's state, the time ops lose or gain to their neighbours). Returns the
     measured (fwd ms, bwd ms) of every stage: the median of `repeats` runs after two warm-up runs, each
     parameter's gradient freed as soon as backward has made it (so the peak is the stage's weights and
-    one microbatch's activations, not its gradients too; on a GPU the activations of the calls timed back to
-    back, partition.costs.back_to_back, at most a quarter of the free device memory). This rank times its share of the stages, the
-    stages s with s % world == rank (the pipeline's loop placement: with pipe, the stages it will run),
-    and the rest is gathered through `share`; every rank must pass the same bounds."""
+    one microbatch's activations, not its gradients too; on a GPU the activations of the calls timed back
+    to back, partition.costs.back_to_back, at most a quarter of the free device memory). This rank times
+    its share of the stages, the stages s with s % world == rank (the pipeline's loop placement: with pipe,
+    the stages it will run), and the rest is gathered through `share`; every rank must pass the same
+    bounds."""
     share = share or Share()
     stage_of = {n: b for b, block in enumerate(members) for n in block}
     nodes = [[u for b in range(lo, hi) for u in members[b]] for lo, hi in zip(bounds[:-1], bounds[1:])]

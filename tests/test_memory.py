@@ -283,6 +283,38 @@ def test_a_forward_only_pass_streams_the_chunks_and_leaves_the_grads_also_after_
         assert torch.equal(p.grad, 3 * q.grad)
 
 
+def test_a_forward_only_module_of_a_stage_that_does_not_stream_fetches_a_tied_weight_another_streams() -> None:
+    """Two stages of one rank share a weight; stage 0 streams it (offload_states), stage 1 does not but
+    reads it. A forward-only module of stage 1 (as the other mode's stage is) is instrumented all the same,
+    and the pass gives the plain modules' output."""
+    import collections
+    from partition.split import param_nodes_of
+    F = collections.namedtuple("F", "stage kind mb")
+    torch.manual_seed(0)
+    shared = torch.nn.Linear(8, 8, bias=False)
+    gm0 = torch.fx.symbolic_trace(torch.nn.Sequential(shared))
+    gm1 = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.ReLU(), shared))
+    other = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Tanh(), shared))  # stage 1 in another mode
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        want = other(gm0(x))
+    nodes = {s: param_nodes_of(g, [n.name for n in g.graph.nodes]) for s, g in ((0, gm0), (1, gm1))}
+    mm = PlannedMemory(choices=[StageChoice(0, "none", offload_states=True, resident_chunks=1),
+                                StageChoice(1, "none")], modules={0: gm0, 1: gm1}, param_nodes=nodes,
+                       actions=[(0, "F", 0), (1, "F", 0), (1, "B", 0), (0, "B", 0)], recv_bytes=[0, 0],
+                       send_bytes=[0, 0], device=torch.device("cpu"))
+    assert mm.store is not None and mm.offloaded == [0] and shared.weight.untyped_storage().nbytes() > 0
+    mm.stream_forward_only(1, other, param_nodes_of(other, [n.name for n in other.graph.nodes]))
+    program = [F(0, "F", 0), F(1, "F", 0)]
+    with mm.forward_only(program, {0: None, 1: other}), torch.no_grad():
+        mm.before_forward_only(program[0])
+        h = gm0(x)
+        mm.before_forward_only(program[1])
+        got = other(h)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not any(ch.resident for ch in mm.store.chunks)
+
+
 # ----- activation offload and recompute against plain autograd -----
 def test_activation_offload_round_trip_is_exact() -> None:
     gm, ref = _toy(1), _toy(1)
