@@ -408,15 +408,19 @@ def copy_overlap(events: list[dict[str, Any]]) -> dict[str, float]:
 
 def offload_check(base: dict[str, Any], M: int, schedule: str, say: Callable[..., None]) -> dict[str, Any]:
     """Offloaded activations: the step against the plain one (both after a warm-up step that allocates,
-    pinned host memory too), and one step profiled: how long the copies take each way and how much of
-    their time a compute kernel ran beside them (copy_overlap)."""
+    pinned host memory too), the parameters both trained to (bitwise equal when every copy kept its order
+    with the compute), and one step profiled: how long the copies take each way and how much of their
+    time a compute kernel ran beside them (copy_overlap)."""
     from torch.profiler import ProfilerActivity, profile
     plain_w, plain = _build(base, M, schedule, recompute="none", offload="none")
     plain_s = train_steps(plain_w, plain, M, 3, warmup=1)
+    trained = {n: p.detach().clone() for n, p in plain.named_parameters()}
     del plain_w, plain
     gc.collect()
     w, pp = _build(base, M, schedule, recompute="none", offload="activations")
     offload_s = train_steps(w, pp, M, 3, warmup=1)
+    # the same steps from the same weights: a copy that raced the compute would show here
+    same = all(torch.equal(p, trained[n]) for n, p in pp.named_parameters())
     cuda = pp.ctx.device.type == "cuda"
     b, _, target = w.batch(w.microbatch_size * M, 0)
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
@@ -424,11 +428,12 @@ def offload_check(base: dict[str, Any], M: int, schedule: str, say: Callable[...
         _sync(pp.ctx.device)
     path = Path("out/gpu_check") / f"offload-trace-rank{pp.ctx.rank}.json"
     prof.export_chrome_trace(str(path))
-    row: dict[str, Any] = {"plain_s": plain_s, "offload_s": offload_s,
+    row: dict[str, Any] = {"plain_s": plain_s, "offload_s": offload_s, "bitwise_params": same,
                            **copy_overlap(json.loads(path.read_text())["traceEvents"])}
     say(f"    offloaded activations {offload_s:.3f} s/step against {plain_s:.3f} plain; in a profiled step "
         f"kernels {row['kernels_ms']:.1f} ms, copies {row['h2d_ms']:.1f} ms to the device and {row['d2h_ms']:.1f} "
-        f"ms back, {row['hidden']:.0%} of the copies' time beside a kernel")
+        f"ms back, {row['hidden']:.0%} of the copies' time beside a kernel; after 4 steps the parameters "
+        f"{'equal' if same else 'DIFFER from'} the plain steps' bitwise")
     return row
 
 

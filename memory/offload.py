@@ -40,7 +40,8 @@ class Bundle:
         self.owner, self.stage, self.mb = owner, stage, mb
         self.host: list[torch.Tensor] = []        # uint8 chunks
         self.dev: list[torch.Tensor] | None = None
-        self.events: list[Any] = []
+        self.events: list[Any] = []                # the reloads' copies, until the compute stream waits for them
+        self.filled: Any = None                    # the last copy to the host chunks (the copies run in order)
         self.used: list[int] = []                  # bytes used in each host chunk
         self.entries: list[tuple[int, int, int]] = []  # per storage: chunk, start, bytes
         self.keys: dict[int, tuple[list[Any], int, int]] = {}  # storage address -> its views (weakrefs), entry,
@@ -71,7 +72,7 @@ class Bundle:
         c = len(self.host) - 1
         self.used[c] = start + n
         whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-        o.copier.copy(self.host[c][start:start + n], whole, to_device=False)
+        self.filled = o.copier.copy(self.host[c][start:start + n], whole, to_device=False)
         o.copier.hold(t)  # its device memory waits for the copy, without stalling the host
         self.entries.append((c, start, n))
         self.keys[ptr] = ([weakref.ref(t)], len(self.entries) - 1, t._version)
@@ -119,9 +120,9 @@ class ActivationOffload:
         if b.dev is not None or not b.host:
             return
         b.dev = []
-        for h, n in zip(b.host, b.used):
-            d = torch.empty(n, dtype=torch.uint8, device=self.device)
-            b.events.append(self.copier.copy(d, h[:n], to_device=True))
+        for h, n in zip(b.host, b.used):  # beside the compute issued so far: they wait only for the bundle's offload
+            d, event = self.copier.to_device(h[:n], after=b.filled)
+            b.events.append(event)
             b.dev.append(d)
         self.on_device(b.stage, b.nbytes)
 
@@ -137,9 +138,10 @@ class ActivationOffload:
 
     def release(self, b: Bundle) -> None:
         """The microbatch's backward is done: device copies go, host chunks return to the free list."""
-        self.drop_device(b)
+        self.drop_device(b)  # the compute stream now waits for the reloads; a chunk's next offload waits for it
         self.free += [c for c in b.host if c.numel() == self.chunk_bytes]
         b.host.clear()
         b.used.clear()
         b.entries.clear()
         b.keys.clear()
+        b.filled = None

@@ -43,40 +43,65 @@ def measure_speeds(device: torch.device, seconds: float = 0.05) -> tuple[float, 
 class Copier:
     """Copies between host and device buffers, counted.
 
-    CUDA: every copy runs on one side stream after the compute stream's work so far (so a
-    buffer being filled is no longer in use); `copy` returns an event that `wait` makes the
-    compute stream wait for before it reads the buffer. CPU: the copy happens at once and
-    the event is None, which is the stand-in for a stream that is always done.
+    CUDA: copies to the device and copies to the host run on two side streams, one each way, so a
+    reload never queues behind offloads still in flight (the link copies both ways at once). `copy`
+    runs after the compute stream's work so far (what it reads is written, what it overwrites is no
+    longer read) and returns an event that `wait` makes the compute stream wait for before it reads
+    the buffer. `to_device` makes the buffer it fills on its own stream, so it waits only for the
+    events it is given, not for the compute stream: the caching allocator hands that stream only
+    memory whose readers on the compute stream are done (`record_stream`). CPU: copies happen at once
+    and events are None, the stand-in for a stream that is always done.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
-        self.side: Any = torch.cuda.Stream(device) if self.cuda else None
+        self.streams: dict[bool, Any] = {w: torch.cuda.Stream(device) for w in (True, False)} if self.cuda else {}
         self.bytes_h2d = 0
         self.bytes_d2h = 0
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, to_device: bool) -> Any:
+    def _count(self, src: torch.Tensor, to_device: bool) -> None:
         n = src.numel() * src.element_size()
         if to_device:
             self.bytes_h2d += n
         else:
             self.bytes_d2h += n
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, to_device: bool) -> Any:
+        """Copy `src` into `dst` after the compute stream's work so far; the copy's event."""
+        self._count(src, to_device)
         if not self.cuda:
             dst.copy_(src)
             return None
-        compute = torch.cuda.current_stream(self.device)
-        self.side.wait_stream(compute)
-        with torch.cuda.stream(self.side):
+        side = self.streams[to_device]
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
-            event.record(self.side)
+            event.record(side)
         return event
 
+    def to_device(self, src: torch.Tensor, after: Any = None) -> tuple[torch.Tensor, Any]:
+        """A new device tensor holding host `src`, and its copy's event: the copy waits for event `after`
+        (what filled `src`), not for the compute stream, so it can run beside the compute issued before it."""
+        self._count(src, True)
+        if not self.cuda:
+            return src.to(self.device, copy=True), None
+        side = self.streams[True]
+        with torch.cuda.stream(side):
+            if after is not None:
+                side.wait_event(after)
+            dst = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(side)
+        dst.record_stream(torch.cuda.current_stream(self.device))  # freed only once the compute has read it
+        return dst, event
+
     def hold(self, t: torch.Tensor) -> None:
-        """Keep `t`'s memory from reuse until the side stream's copies so far are done (CUDA)."""
+        """Keep `t`'s memory from reuse until the copies to the host so far are done (CUDA)."""
         if self.cuda:
-            t.record_stream(self.side)
+            t.record_stream(self.streams[False])
 
     def wait(self, event: Any) -> None:
         """Make the compute stream wait until the copy behind `event` is done."""
@@ -85,5 +110,5 @@ class Copier:
 
     def synchronize(self) -> None:
         """Block the host until every copy issued so far is done (before the host reads buffers)."""
-        if self.cuda:
-            self.side.synchronize()
+        for side in self.streams.values():
+            side.synchronize()
