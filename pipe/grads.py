@@ -21,8 +21,9 @@ from torch.distributed.tensor import DTensor
 
 from partition.errors import FxpipeError
 from pipe import comm
+from pipe.errors import PipelineError
 
-__all__ = ["NonFiniteGrads", "Reduction", "clip_grad_norm_", "local_part", "combine"]
+__all__ = ["NonFiniteGrads", "Reduction", "clip_grad_norm_", "clip_pipeline", "local_part", "combine"]
 
 
 class NonFiniteGrads(FxpipeError, FloatingPointError):
@@ -111,3 +112,23 @@ def clip_grad_norm_(params: Sequence[torch.nn.Parameter], counted: Sequence[torc
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def clip_pipeline(pp: Any, max_norm: float, norm_type: float, *, error_if_nonfinite: bool,
+                  foreach: bool | None) -> torch.Tensor:
+    """pp.clip_grad_norm_: the whole model's grads clipped by their total norm over the pipeline's ranks
+    (and the replicas' shards under dp_shard="full"), a weight held on several ranks counted on the lowest."""
+    owner: dict[str, int] = {}
+    for st in pp.plan.stages:
+        for name in st.params:
+            owner[name] = min(owner.get(name, pp.world), pp.place[st.index])
+    named = list(pp.named_parameters())
+    reductions = [Reduction(pp.pp_group, pp._global, adds=True)] if pp.world > 1 else []
+    if pp.dp_group is not None:
+        reductions.append(Reduction(pp.dp_group, dist.get_process_group_ranks(pp.dp_group),
+                                    adds=pp.dp_shard == "full"))
+    counted = [p for n, p in named if owner.get(n, pp.rank) == pp.rank]  # held elsewhere too: once
+    return clip_grad_norm_([p for _, p in named], counted, max_norm, norm_type, reductions=reductions,
+                           rank=pp.ctx.rank, device=pp.ctx.device, error=PipelineError,
+                           error_if_nonfinite=error_if_nonfinite, foreach=foreach,
+                           names={id(p): n for n, p in named})

@@ -14,7 +14,7 @@ from partition.split import assemble_outputs, inference_stage, param_nodes_of
 from pipe import calls, comm, modes
 from pipe.errors import ModeError, agree_everywhere
 from pipe.exchange import Exchange
-from pipe.step import StepState, concat_outputs, placed
+from pipe.step import StepState, concat_outputs, failures, placed
 
 if TYPE_CHECKING:
     from pipe.runtime import Pipeline
@@ -84,7 +84,7 @@ def evaluate(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, 
     run = StepState(pp, pp._flats(mbs, targets), targets, Exchange(
         pp.transport, pp.plan, pp.place, pp.rank, pp.ctx.device, pp.dynamic), inference=True,
         evaluating=True, stages=stages)
-    with torch.no_grad(), pp._failures(run, "evaluation"), flags(pp, stages is not None):
+    with torch.no_grad(), failures(pp, run, "evaluation"), flags(pp, stages is not None):
         if stages is not None and pp.sharded is not None:  # gathered as the stages' own forward would
             for s in pp.local:
                 pp._trained[s].unshard()  # type: ignore[operator]
@@ -112,7 +112,7 @@ def forward(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, A
     run = StepState(pp, flats, [None] * pp.M, exchange, inference=True, stages=stages,
                     inference_stages=inference)
     last = pp.place[pp.S - 1]
-    with torch.no_grad(), pp._failures(run, "inference"), flags(pp, stages is not None):
+    with torch.no_grad(), failures(pp, run, "inference"), flags(pp, stages is not None):
         if pp.sharded is not None and (pp._inference or stages):  # gathered as the stages' forward would
             for s in pp.local:
                 pp._trained[s].unshard()  # type: ignore[operator]

@@ -1,8 +1,6 @@
 """Pipeline: partition a model, keep this rank's stages, and run any schedule with one interpreter."""
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -12,62 +10,25 @@ import torch.distributed as dist
 import torch.fx
 from torch.distributed.tensor import DTensor
 
-from partition.errors import first_line
 from partition.plan import Plan
 from partition.split import StageIO
 from partition.split import split_graph
 from partition.loss import attach_loss
 from partition.trace import flatten_inputs, trace
-import memory
 from memory import MemoryManager
-from pipe import calls, comm, inference, launch, planning, setup
+from pipe import calls, comm, grads, inference, launch, optim, options, planning, setup, state_dicts, timing
 from pipe.calls import split_microbatches
 from pipe.errors import ModeError, NonFiniteLoss, PipelineError, agree_everywhere
 from pipe.exchange import Exchange
 from pipe.lower import forward_only, fuse_backward, lower, validate, with_reloads
-from pipe.replicas import DP_SHARD, DataParallelError, ShardedStages, pipeline_groups
-from pipe.backward import with_param_outputs
-from pipe.schedules import Action, ScheduleError, build, default_stages_per_rank, placement
+from pipe.replicas import DataParallelError, ShardedStages, pipeline_groups
+from pipe.schedules import Action, ScheduleError, build, placement
 from pipe.simulate import Event, Timeline
-from pipe.step import StepState
+from pipe.step import StepState, failures, non_finite, sum_tied_grads
 from partition.meta import meta_copy, on_meta
 from partition.measure import release_memory
 
 __all__ = ["ModeError", "NonFiniteLoss", "Pipeline", "PipelineError", "split_microbatches"]
-
-
-def _compile_options(compile: Any, recompute: str, dynamic: bool) -> dict[str, Any] | None:
-    """torch.compile's keyword arguments for `compile=` (True: its defaults), None for False."""
-    if compile is False:
-        return None
-    if compile is not True and not isinstance(compile, dict):
-        raise PipelineError(f"compile must be True, False or a dict of torch.compile arguments, got {compile!r}; "
-                            "pass e.g. compile=True or compile={'backend': 'inductor', 'mode': 'max-autotune'}")
-    if recompute != "none":
-        raise PipelineError(f"compile= runs with recompute='none' (got recompute={recompute!r}): fxpipe recomputes "
-                            "through checkpoints and saved-tensor hooks inside the stage, which torch.compile would "
-                            "trace into its graph; use recompute='none', or compile=False")
-    options = {} if compile is True else dict(compile)
-    if dynamic:
-        options.setdefault("dynamic", True)
-    return options
-
-
-def _calibration(given: Any, plan: Any, cost: str) -> Any:
-    """calibration= as Pipeline takes it: None, a pipe.calibration.Calibration, or the path of one's JSON;
-    refused for plans costed otherwise than its own (`cost`, or a given plan's)."""
-    from pipe.calibration import Calibration
-    if given is None:
-        return None
-    if not isinstance(given, (str, Path, Calibration)):
-        raise PipelineError(f"calibration= takes a pipe.calibration.Calibration or the path of its JSON file, got "
-                            f"{type(given).__name__}; make one with python -m bench calibrate --out FILE")
-    try:
-        cal = given if isinstance(given, Calibration) else Calibration.load(given)
-        cal.check_cost(plan.cost if isinstance(plan, Plan) else cost)
-    except (OSError, ValueError) as e:
-        raise PipelineError(str(e)) from None
-    return cal
 
 
 class Pipeline:
@@ -102,6 +63,7 @@ class Pipeline:
     # "full" each stage's zero-bubble parameter lists by name
     _made: dict[int, Any]
     _zb_names: dict[int, tuple[list[tuple[str, list[str]]], list[str]]]
+    _zb_kept: set[int]  # the stages whose B kept the graph for W though planned not to (pipe.setup.zero_bubble)
 
     def __init__(self, model: torch.nn.Module, example_args: Sequence[Any], *,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None, microbatches: int = 8,
@@ -127,58 +89,23 @@ class Pipeline:
             "data_parallel": data_parallel, "dp_shard": dp_shard, "dp_bucket_mb": dp_bucket_mb, "weights": weights,
             "compile": compile, "batch_size": batch_size, "calibration": calibration,
             "auto_schedules": auto_schedules, "trace_loss": trace_loss})
-        if recompute is None:  # schedule='auto' within a budget weighs recompute for every candidate
-            recompute = "auto" if schedule == "auto" and memory_budget is not None and not compile else "none"
-        self.recompute = recompute  # the policy asked for (memory/ chooses each stage's: plan table, "memory")
-        if loss_fn is None or not callable(loss_fn):
-            raise PipelineError(f"loss_fn must be a callable (output, target) -> scalar loss, got {loss_fn!r}; "
-                                "pass e.g. loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())")
-        try:
-            memory.check_options(recompute, offload)
-            # optimizer state per parameter byte the plans count: the optimizer's to come, else Adam's two copies
-            self._optim_factor = None if optimizer is None else memory.factory_state_factor(optimizer)
-            self._optimizer = optimizer
-        except ValueError as e:
-            raise PipelineError(str(e)) from None
-        self._compile = _compile_options(compile, recompute, dynamic_shapes)
-        self.calibration = _calibration(calibration, plan, cost)
+        o = options.check(loss_fn=loss_fn, schedule=schedule, plan=plan, stages_per_rank=stages_per_rank, cost=cost,
+                          memory_budget=memory_budget, recompute=recompute, offload=offload, optimizer=optimizer,
+                          compile=compile, dynamic_shapes=dynamic_shapes, calibration=calibration,
+                          batch_size=batch_size, auto_schedules=auto_schedules, dp_shard=dp_shard,
+                          dp_bucket_mb=dp_bucket_mb)
+        assert loss_fn is not None  # (refused above otherwise)
+        recompute = self.recompute = o.recompute  # the policy asked for (memory/ chooses each stage's: plan table)
+        stages_per_rank = o.stages_per_rank
+        self._optim_factor, self._optimizer = o.optim_factor, optimizer
+        self._compile, self.calibration = o.compile, o.calibration
         self.trace_loss = bool(trace_loss)
         self.meta = on_meta(model)
         self._weights = setup.check_weights(self, model, weights)
         auto = schedule == "auto"
-        if auto and plan is not None:
-            raise PipelineError("schedule='auto' chooses the schedule and plans for it, but plan= gives a plan made "
-                                "for one schedule; pass schedule=plan.schedule with the plan, or leave plan= out")
-        if not auto and batch_size is not None:
-            raise PipelineError(f"batch_size={batch_size!r} is for schedule='auto' (it chooses the microbatch count "
-                                f"among the batch's divisors), but schedule={schedule!r}; pass microbatches= instead")
-        if not auto and auto_schedules is not None:
-            raise PipelineError(f"auto_schedules= lists the schedules schedule='auto' weighs, but schedule="
-                                f"{schedule!r}; pass schedule='auto', or leave auto_schedules out")
-        if auto and stages_per_rank is not None:
-            raise PipelineError(f"schedule='auto' chooses the stages per rank with the schedule, but stages_per_rank="
-                                f"{stages_per_rank!r} fixes it; leave stages_per_rank out, or name a schedule")
-        interleaved = schedule.startswith("interleaved")
-        if auto:
-            stages_per_rank = 1  # until chosen
-        elif stages_per_rank is None:
-            try:
-                stages_per_rank = default_stages_per_rank(schedule)
-            except ScheduleError as e:
-                raise PipelineError(str(e)) from None
-        if interleaved and stages_per_rank < 2:
-            raise PipelineError(f"schedule {schedule!r} interleaves several stages per rank, but stages_per_rank="
-                                f"{stages_per_rank}; pass stages_per_rank=2 (or more), or schedule='1f1b'")
         self.ctx = launch.context()
         # the pipeline is one dimension of a mesh ("pp"), replicated over "dp": rank and world are the
         # pipeline's; _global maps its ranks to global ones; _rows: every pipeline's global ranks
-        if dp_shard not in DP_SHARD:
-            raise PipelineError(f"dp_shard must be one of {', '.join(DP_SHARD)}, got {dp_shard!r}")
-        if dp_bucket_mb is not None and (isinstance(dp_bucket_mb, bool) or not isinstance(dp_bucket_mb, (int, float))
-                                         or not 0 < dp_bucket_mb < 1e6):
-            raise PipelineError(f"dp_bucket_mb must be a number of MiB per gradient bucket in (0, 1e6), got "
-                                f"{dp_bucket_mb!r}; pass e.g. 25, or None for an eighth of a stage's grads in [1, 25] "
-                                "MiB")
         try:
             self.mesh, self.pp_group, self.dp_group, self._rows = pipeline_groups(self.ctx, mesh, data_parallel)
         except DataParallelError as e:
@@ -287,27 +214,7 @@ class Pipeline:
         if self.meta:
             release_memory()  # the reads of the weights
         self.memory: MemoryManager = setup.build_memory(self, model, costs, recompute, offload, memory_budget)
-        self._zb: dict[int, tuple[torch.fx.GraphModule, list[tuple[str, list[torch.nn.Parameter]]],
-                                  list[torch.nn.Parameter]]] = {}
-        if self.split_w:
-            # W from the linear layers' inputs, kept from the forward, where neither recompute nor offload manage
-            # what it keeps; a recomputing stage runs BW (memory.fused_backward); an offloading one's W
-            # differentiates every parameter node over the graph B keeps
-            fused = [s for s in self.local if self.memory.fused_backward(s)]
-            graph = [s for s in self.local if not self.memory.plain(s) and s not in fused]
-            self._zb_kept: set[int] = set()  # the stages whose B kept the graph for W though planned not to
-            self.plan.notes.append(
-                "zero bubble: W computes the nn.Linear layers' weight grads, each as matrix products of the input its "
-                "forward kept and the output grad; B computes every other parameter's grads with the input grads "
-                "and frees the graph"
-                + (f"; stages {fused} recompute: their B computes the weight grads too (BW) and W does nothing"
-                   if fused else "")
-                + (f"; stages {graph} offload: their W computes every parameter node's weight grads by calling its "
-                   "autograd node, or an autograd call where that node does not read the parameters itself (the "
-                   "linear layers' inputs are not kept for it)" if graph else ""))
-            for s in self.local:
-                self._zb[s] = with_param_outputs(self.stages[s], self.io[s].param_nodes, direct=self.memory.plain(s))
-                self.memory.set_weight_order(s, [n for n, _ in self._zb[s][1]], self._zb[s][2])
+        self._zb = setup.zero_bubble(self)  # split_w: each stage's W, from the parameter nodes
         # the module each stage calls; dp_shard="full" shards it (FSDP) and trains its parameters
         self._trained = {s: self._zb[s][0] if self.split_w else self.stages[s] for s in self.local}
         if self.dp_shard == "full" and not self.meta:  # what another mode's trace copies, taken before sharding
@@ -364,21 +271,7 @@ class Pipeline:
         Collective: every rank of the job calls it, after step() and before the optimizer's step. A weight
         held on several ranks (tied, or a layer cut into slices) counts once. torch.nn.utils.clip_grad_norm_
         over pp.parameters() would clip each rank by its own stages' norm instead."""
-        from pipe import grads
-        owner: dict[str, int] = {}
-        for st in self.plan.stages:
-            for name in st.params:
-                owner[name] = min(owner.get(name, self.world), self.place[st.index])
-        named = list(self.named_parameters())
-        reductions = [grads.Reduction(self.pp_group, self._global, adds=True)] if self.world > 1 else []
-        if self.dp_group is not None:
-            reductions.append(grads.Reduction(self.dp_group, dist.get_process_group_ranks(self.dp_group),
-                                              adds=self.dp_shard == "full"))
-        counted = [p for n, p in named if owner.get(n, self.rank) == self.rank]  # held elsewhere too: once
-        return grads.clip_grad_norm_([p for _, p in named], counted, max_norm, norm_type, reductions=reductions,
-                                     rank=self.ctx.rank, device=self.ctx.device, error=PipelineError,
-                                     error_if_nonfinite=error_if_nonfinite, foreach=foreach,
-                                     names={id(p): n for n, p in named})
+        return grads.clip_pipeline(self, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach)
 
     def build_optimizer(self, factory: Callable[..., torch.optim.Optimizer] | None = None,
                         **kwargs: Any) -> torch.optim.Optimizer:
@@ -386,43 +279,13 @@ class Pipeline:
         pipeline's optimizer=, else torch.optim.AdamW), attached for the memory plan. With
         dp_shard="optimizer" it is torch's ZeroRedundancyOptimizer over the "dp" group (ZeRO-1: each
         replica keeps and updates a dp-th of the state, then the updated parameters are broadcast)."""
-        factory = factory or self._optimizer or torch.optim.AdamW
-        params = list(self.parameters())
-        if not params:
-            raise PipelineError(f"rank {self.ctx.rank} holds no parameter (its stages {self.local} have none), so "
-                                "it has nothing to optimize; re-plan so every stage holds a parameter, or skip "
-                                "the optimizer on this rank")
-        if self.dp_shard == "optimizer":
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-            cls, kw = factory, kwargs
-            if isinstance(factory, functools.partial) and not factory.args:  # partial(SGD, lr=0.1)
-                cls, kw = factory.func, {**factory.keywords, **kwargs}
-            if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-                raise PipelineError(f"dp_shard='optimizer' builds torch's ZeroRedundancyOptimizer, which needs a "
-                                    f"torch.optim class (or functools.partial of one with keywords), got "
-                                    f"{getattr(factory, '__qualname__', type(factory).__name__)}; pass e.g. "
-                                    "pp.build_optimizer(torch.optim.AdamW, lr=3e-4)")
-            opt: torch.optim.Optimizer = ZeroRedundancyOptimizer(params, optimizer_class=cls,
-                                                                 process_group=self.dp_group, **kw)
-        else:
-            opt = factory(params, **kwargs)
-        self.attach_optimizer(opt)
-        return opt
+        return optim.build(self, factory, kwargs)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Predict memory with the state this optimizer keeps (its kind; measured after its first step,
         which happens anyway when it is not attached) rather than the planned Adam's; BudgetError (on
         every rank, as each computes it alike) when the budget is then not met."""
-        if self.dp_shard == "optimizer":  # split only by torch's ZeroRedundancyOptimizer
-            self._state_split = self.dp if memory.local_optimizer(optimizer) is not None else 1
-        attach = getattr(self.memory, "attach_optimizer", None)
-        if attach is not None:
-            f = memory.optimizer_state_factor(optimizer)  # ZeRO: a dp-th of its local optimizer's
-            if f is not None and self.dp_shard == "full":  # FSDP: the state of the shards (their own counted apart)
-                f /= self.dp
-            attach(optimizer, f)
-            for s, c in getattr(self.memory, "choices", {}).items():
-                self.plan.stages[s].memory_peak = c.predicted_peak
+        optim.attach(self, optimizer)
 
     def memory_report(self) -> dict[int, dict[str, int]]:
         """Per local stage: bytes held by kind, current and peak ('peak' in the key names); with data
@@ -500,21 +363,7 @@ class Pipeline:
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """On rank 0: a state dict that loads into the unpartitioned model; None on other ranks."""
-        held = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
-                for n, p in self.named_parameters()}
-        held.update({k: b.detach().cpu() for k, b in self.local_buffers().items()})
-        mine = {k: held[first] for k, first in self.state_key_names().items() if first in held}
-        parts: list[Any] = [None] * self.world
-        if self.world > 1:
-            dist.all_gather_object(parts, mine, group=self.pp_group)
-        else:
-            parts = [mine]
-        if self.rank != 0:
-            return None
-        full = {k: v.detach().cpu().clone() for k, v in self._model.state_dict().items() if not v.is_meta}
-        for part in parts:
-            full.update(part)
-        return full
+        return state_dicts.full_state_dict(self)
 
     # ----- one step -----
     def _flats(self, mbs: list[tuple[Any, dict[str, Any]]], targets: list[Any]) -> list[list[Any]]:
@@ -539,7 +388,7 @@ class Pipeline:
         dev = self.ctx.device
         exchange = Exchange(self.transport, self.plan, self.place, self.rank, dev, self.dynamic)
         run = StepState(self, flats, targets, exchange)
-        with self._failures(run, f"step {self.steps_done}"):
+        with failures(self, run, f"step {self.steps_done}"):
             over = getattr(self.memory, "over_budget", None)
             if over is not None:  # the optimizer's first step measured more state than the budget allows
                 raise over
@@ -554,77 +403,14 @@ class Pipeline:
             if self.reducer is not None:  # before the tied sums: they add into the averaged grads
                 with comm.guarded("the data-parallel all-reduce of grads"):
                     self.reducer.finish()
-            with comm.guarded("the all-reduce of tied parameters' grads"):
-                for group, params in self._tied_groups:
-                    for p in params:
-                        if p.grad is None:
-                            p.grad = torch.zeros_like(p)
-                        g = p.grad  # dp_shard="full": every holder keeps the same shard of it
-                        if id(p) in held:
-                            g.sub_(held[id(p)])
-                        dist.all_reduce(g.to_local() if isinstance(g, DTensor) else g, group=group)
-                        if id(p) in held:
-                            g.add_(held[id(p)])
+            sum_tied_grads(self, held)
             loss = self._mean_loss(run)
         self.timeline, self.collectives, self.posts = run.events()
         self.steps_done += 1
         value = float(loss.item())
         if not math.isfinite(value):
-            self._non_finite(value, run)
+            non_finite(self, value, run)
         return value
-
-    @contextlib.contextmanager
-    def _failures(self, run: "StepState", when: str) -> Iterator[None]:
-        """Classify what fails inside: this rank's own error is re-raised as itself (noted with the
-        rank, stage and microbatch) after telling every rank; failed communication is RemoteError
-        when another rank failed first, else PeerLost."""
-        try:
-            yield
-        except comm.PeerLost as e:
-            if self.reducer is not None:  # no hook of the step left on the parameters
-                self.reducer.fail()
-            waited = e.peer if e.peer is not None else (
-                None if run.ex.peer is None else self._global[run.ex.peer])  # global ranks
-            me = self.ctx.rank
-            if waited is not None:
-                comm.report_lost(waited)  # first, so the ranks waiting on this one follow the chain
-            first = comm.first_failure()
-            if first is not None:
-                raise comm.RemoteError(f"rank {me} stopped in {when} because {first}") from None
-            if waited is None:
-                raise comm.PeerLost(f"rank {me} lost another rank during {when} ({first_line(e)}); that "
-                                    "process died or stopped answering within the timeout; see its output") from e
-            lost, chain = comm.follow_lost(waited, e.early, me)
-            via = "" if lost == waited else (f", which rank {me} waited on through " +
-                                             " -> ".join(f"rank {r}" for r in chain[:-1]))
-            raise comm.PeerLost(f"rank {me} lost rank {lost} during {when}{via} ({first_line(e)}); that "
-                                "process died or stopped answering within the timeout; see its output",
-                                lost) from e
-        except Exception as e:  # this rank's own error: the model's, the loss's, or a stage's
-            if self.reducer is not None:
-                self.reducer.fail()
-            a = run.current
-            where = f"rank {self.ctx.rank}" + (f", stage {a.stage}, microbatch {a.mb} ({a.kind})" if a else "")
-            e.add_note(f"fxpipe: raised on {where} of {when}")
-            comm.fail_everywhere(f"{where} failed in {when} with {type(e).__name__}: {first_line(e, 300)}")
-            raise
-
-    def _non_finite(self, value: float, run: "StepState") -> None:
-        """Name the first stage whose outputs were not finite; stop, or skip the step if asked."""
-        mine = min([s for s, ok in run.finite if not bool(ok)] + [self.S - 1])
-        firsts: list[Any] = [None] * self.world
-        if self.world > 1:
-            dist.all_gather_object(firsts, mine, group=self.pp_group)
-        else:
-            firsts = [mine]
-        stage = min(firsts)
-        if self.skip_nonfinite:
-            for p in self.parameters():
-                p.grad = None
-            return
-        raise NonFiniteLoss(f"the loss is {value} at step {self.steps_done - 1}; it first appeared on stage {stage} "
-                            f"(rank {self._global[self.place[stage]]}); lower the learning rate, check the data, or "
-                            "pass skip_nonfinite=True to drop such steps (their grads are cleared)")
 
     # ----- modes -----
     def train(self, mode: bool = True) -> "Pipeline":
@@ -676,16 +462,4 @@ class Pipeline:
 
     def gather_timeline(self) -> Timeline | None:
         """The last step's measured timeline of every rank, on rank 0 (a collective call)."""
-        parts: list[Any] = [None] * self.world
-        if self.world > 1:
-            dist.all_gather_object(parts, (self.timeline, self.collectives, self.posts), group=self.pp_group)
-        else:
-            parts = [(self.timeline, self.collectives, self.posts)]
-        if self.rank != 0:
-            return None
-        events, collectives, posts = ([e for p in parts for e in p[i]] for i in range(3))
-        t0 = min((e.start for e in events + collectives), default=0.0)
-
-        def shifted(group: list[Event]) -> list[Event]:
-            return [Event(e.rank, e.action, e.start - t0, e.end - t0) for e in group]
-        return Timeline(shifted(events), self.world, shifted(collectives), shifted(posts))
+        return timing.gather(self)

@@ -21,6 +21,7 @@ from pipe.planning import gather, state_factor
 from pipe.lower import with_grad_reduction
 from pipe.replicas import GradReducer, ShardedStages, group_of
 from pipe.auto import w_part_managed
+from pipe.backward import with_param_outputs
 from pipe.weights import Init, allocate, default_init, empty_like, init_stages, unset
 from partition.meta import retarget, to_meta
 
@@ -201,6 +202,36 @@ def build_memory(pp: Pipeline, model: torch.nn.Module, costs: dict[str, memory.N
     agree_everywhere(error)
     assert mm is not None
     return mm
+
+
+def zero_bubble(pp: Pipeline) -> dict[int, tuple[torch.fx.GraphModule, list[tuple[str, list[torch.nn.Parameter]]],
+                                                   list[torch.nn.Parameter]]]:
+    """Under a zero-bubble schedule whose B and W run apart (split_w): each local stage's module that
+    also returns its parameter nodes' inputs (pipe.backward.with_param_outputs), with (nodes and their
+    parameters, parameters read by several nodes), the memory manager told W's order; the plan's notes
+    say how each stage computes W. Empty otherwise."""
+    zb: dict[int, Any] = {}
+    pp._zb_kept = set()  # the stages whose B kept the graph for W though planned not to
+    if not pp.split_w:
+        return zb
+    # W from the linear layers' inputs, kept from the forward, where neither recompute nor offload manage
+    # what it keeps; a recomputing stage runs BW (memory.fused_backward); an offloading one's W
+    # differentiates every parameter node over the graph B keeps
+    fused = [s for s in pp.local if pp.memory.fused_backward(s)]
+    graph = [s for s in pp.local if not pp.memory.plain(s) and s not in fused]
+    pp.plan.notes.append(
+        "zero bubble: W computes the nn.Linear layers' weight grads, each as matrix products of the input its "
+        "forward kept and the output grad; B computes every other parameter's grads with the input grads "
+        "and frees the graph"
+        + (f"; stages {fused} recompute: their B computes the weight grads too (BW) and W does nothing"
+           if fused else "")
+        + (f"; stages {graph} offload: their W computes every parameter node's weight grads by calling its "
+           "autograd node, or an autograd call where that node does not read the parameters itself (the "
+           "linear layers' inputs are not kept for it)" if graph else ""))
+    for s in pp.local:
+        zb[s] = with_param_outputs(pp.stages[s], pp.io[s].param_nodes, direct=pp.memory.plain(s))
+        pp.memory.set_weight_order(s, [n for n, _ in zb[s][1]], zb[s][2])
+    return zb
 
 
 def compiled(pp: Pipeline, module: torch.nn.Module) -> torch.nn.Module:

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from pipe.ckpt_format import (CheckpointError, check_model, check_tensors, dcp_load, optimizer_state_dict, share,
                               resolve_everywhere, everywhere, key_difference, model_tensors, optimizer_targets,
@@ -19,7 +21,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 if TYPE_CHECKING:
     from pipe.runtime import Pipeline
 
-__all__ = ["load_full_state_dict", "load_full_optimizer_state", "load_model_state", "export"]
+__all__ = ["load_full_state_dict", "load_full_optimizer_state", "load_model_state", "export", "full_state_dict"]
 
 def load_full_state_dict(path: str | Path, *, allow_nonfinite: bool = False) -> dict[str, torch.Tensor]:
     """The unpartitioned model's state dict from a checkpoint, on one process (no group needed).
@@ -331,3 +333,23 @@ def export(path: str | Path, to: str | Path, *, allow_nonfinite: bool = False) -
         torch.save(state, tmp)
     os.replace(tmp, to)
     return to
+
+
+def full_state_dict(pp: Pipeline) -> dict[str, torch.Tensor] | None:
+    """pp.full_state_dict: on rank 0, a state dict that loads into the unpartitioned model (every rank's
+    tensors gathered); None on other ranks."""
+    held = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
+            for n, p in pp.named_parameters()}
+    held.update({k: b.detach().cpu() for k, b in pp.local_buffers().items()})
+    mine = {k: held[first] for k, first in pp.state_key_names().items() if first in held}
+    parts: list[Any] = [None] * pp.world
+    if pp.world > 1:
+        dist.all_gather_object(parts, mine, group=pp.pp_group)
+    else:
+        parts = [mine]
+    if pp.rank != 0:
+        return None
+    full = {k: v.detach().cpu().clone() for k, v in pp._model.state_dict().items() if not v.is_meta}
+    for part in parts:
+        full.update(part)
+    return full

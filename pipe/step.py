@@ -3,16 +3,20 @@ forward, backward or weight-grad computation on this rank's stages, its messages
 its memory actions through the memory manager, and timing each action on the device."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+import contextlib
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
+import torch.distributed as dist
 import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor
 
 from partition.errors import first_line
 from partition.planner import check_scalar_loss
 from partition.trace import unflatten_outputs
 from pipe.backward import Saved, backward_full, backward_input, backward_weight
-from pipe.errors import PipelineError
+from pipe import comm
+from pipe.errors import NonFiniteLoss, PipelineError
 from pipe.exchange import Exchange
 from pipe.schedules import Action
 from pipe.simulate import Event
@@ -21,7 +25,7 @@ from pipe.timing import clock_for
 if TYPE_CHECKING:
     from pipe.runtime import Pipeline
 
-__all__ = ["StepState", "concat_outputs", "placed"]
+__all__ = ["StepState", "concat_outputs", "failures", "non_finite", "placed", "sum_tied_grads"]
 
 
 def placed(tree: Any, device: torch.device) -> Any:
@@ -223,3 +227,74 @@ class StepState:
         saved = self.saved.pop((a.stage, a.mb))
         backward_weight(saved, self.pp._zb_params(a.stage)[0], None if self.reducer is None else self.reducer.ready)
         self._record(a, start)
+
+
+@contextlib.contextmanager
+def failures(pp: Pipeline, run: StepState, when: str) -> Iterator[None]:
+    """Classify what fails inside a step or pass: this rank's own error is re-raised as itself (noted with
+    the rank, stage and microbatch) after telling every rank; failed communication is RemoteError when
+    another rank failed first, else PeerLost."""
+    try:
+        yield
+    except comm.PeerLost as e:
+        if pp.reducer is not None:  # no hook of the step left on the parameters
+            pp.reducer.fail()
+        waited = e.peer if e.peer is not None else (
+            None if run.ex.peer is None else pp._global[run.ex.peer])  # global ranks
+        me = pp.ctx.rank
+        if waited is not None:
+            comm.report_lost(waited)  # first, so the ranks waiting on this one follow the chain
+        first = comm.first_failure()
+        if first is not None:
+            raise comm.RemoteError(f"rank {me} stopped in {when} because {first}") from None
+        if waited is None:
+            raise comm.PeerLost(f"rank {me} lost another rank during {when} ({first_line(e)}); that "
+                                "process died or stopped answering within the timeout; see its output") from e
+        lost, chain = comm.follow_lost(waited, e.early, me)
+        via = "" if lost == waited else (f", which rank {me} waited on through " +
+                                         " -> ".join(f"rank {r}" for r in chain[:-1]))
+        raise comm.PeerLost(f"rank {me} lost rank {lost} during {when}{via} ({first_line(e)}); that "
+                            "process died or stopped answering within the timeout; see its output",
+                            lost) from e
+    except Exception as e:  # this rank's own error: the model's, the loss's, or a stage's
+        if pp.reducer is not None:
+            pp.reducer.fail()
+        a = run.current
+        where = f"rank {pp.ctx.rank}" + (f", stage {a.stage}, microbatch {a.mb} ({a.kind})" if a else "")
+        e.add_note(f"fxpipe: raised on {where} of {when}")
+        comm.fail_everywhere(f"{where} failed in {when} with {type(e).__name__}: {first_line(e, 300)}")
+        raise
+
+
+def sum_tied_grads(pp: Pipeline, held: dict[int, torch.Tensor]) -> None:
+    """Sum each tied parameter's grad over the ranks that hold it; `held`: what grads held before the step
+    (accumulated over steps), so that only this step's part is summed."""
+    with comm.guarded("the all-reduce of tied parameters' grads"):
+        for group, params in pp._tied_groups:
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                g = p.grad  # dp_shard="full": every holder keeps the same shard of it
+                if id(p) in held:
+                    g.sub_(held[id(p)])
+                dist.all_reduce(g.to_local() if isinstance(g, DTensor) else g, group=group)
+                if id(p) in held:
+                    g.add_(held[id(p)])
+
+
+def non_finite(pp: Pipeline, value: float, run: StepState) -> None:
+    """Name the first stage whose outputs were not finite; stop, or skip the step if asked."""
+    mine = min([s for s, ok in run.finite if not bool(ok)] + [pp.S - 1])
+    firsts: list[Any] = [None] * pp.world
+    if pp.world > 1:
+        dist.all_gather_object(firsts, mine, group=pp.pp_group)
+    else:
+        firsts = [mine]
+    stage = min(firsts)
+    if pp.skip_nonfinite:
+        for p in pp.parameters():
+            p.grad = None
+        return
+    raise NonFiniteLoss(f"the loss is {value} at step {pp.steps_done - 1}; it first appeared on stage {stage} "
+                        f"(rank {pp._global[pp.place[stage]]}); lower the learning rate, check the data, or "
+                        "pass skip_nonfinite=True to drop such steps (their grads are cleared)")

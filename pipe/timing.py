@@ -12,8 +12,11 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["Clock", "HostClock", "DeviceClock", "clock_for"]
+from pipe.simulate import Event, Timeline
+
+__all__ = ["Clock", "HostClock", "DeviceClock", "clock_for", "gather"]
 
 
 class Clock:
@@ -78,3 +81,21 @@ class DeviceClock(Clock):
 def clock_for(device: torch.device) -> Clock:
     """The clock that measures device time on `device`."""
     return DeviceClock(device) if device.type == "cuda" else HostClock()
+
+
+def gather(pp: Any) -> Timeline | None:
+    """pp.gather_timeline: the last step's measured timeline of every rank of the pipeline, on rank 0 (a
+    pipe.simulate.Timeline, None elsewhere; collective)."""
+    parts: list[Any] = [None] * pp.world
+    if pp.world > 1:
+        dist.all_gather_object(parts, (pp.timeline, pp.collectives, pp.posts), group=pp.pp_group)
+    else:
+        parts = [(pp.timeline, pp.collectives, pp.posts)]
+    if pp.rank != 0:
+        return None
+    events, collectives, posts = ([e for p in parts for e in p[i]] for i in range(3))
+    t0 = min((e.start for e in events + collectives), default=0.0)
+
+    def shifted(group: list[Event]) -> list[Event]:
+        return [Event(e.rank, e.action, e.start - t0, e.end - t0) for e in group]
+    return Timeline(shifted(events), pp.world, shifted(collectives), shifted(posts))

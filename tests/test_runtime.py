@@ -69,16 +69,17 @@ def test_parity_with_compiled_stages() -> None:
 
 
 def test_compile_options_and_their_refusals() -> None:
-    from pipe.runtime import PipelineError, _compile_options
-    assert _compile_options(False, "none", False) is None
-    assert _compile_options(True, "none", False) == {}
-    assert _compile_options(True, "none", True) == {"dynamic": True}
-    assert _compile_options({"backend": "aot_eager", "dynamic": False}, "none", True) == {"backend": "aot_eager",
+    from pipe.runtime import PipelineError
+    from pipe.options import compile_options
+    assert compile_options(False, "none", False) is None
+    assert compile_options(True, "none", False) == {}
+    assert compile_options(True, "none", True) == {"dynamic": True}
+    assert compile_options({"backend": "aot_eager", "dynamic": False}, "none", True) == {"backend": "aot_eager",
                                                                                           "dynamic": False}
     with pytest.raises(PipelineError, match=r"compile= runs with recompute='none' \(got recompute='selective'\)"):
-        _compile_options(True, "selective", False)
+        compile_options(True, "selective", False)
     with pytest.raises(PipelineError, match=r"compile must be True, False or a dict.*got 'yes'"):
-        _compile_options("yes", "none", False)
+        compile_options("yes", "none", False)
 
 
 def test_parity_on_one_rank_hands_stages_over_in_memory() -> None:
