@@ -15,7 +15,8 @@ pp.clip_grad_norm_ and pp.eval().evaluate against torch's clipping and eval mode
 model; (9) compile=True (inductor) against the model and against the same schedule uncompiled:
 parity, the compilation's seconds, the step's speed-up; (10) measured costs of the whole graph against
 the pipeline's (unit by unit for a model left on the CPU) and its steps' actions; (11) offloaded
-activations against the plain step, and in a profiled step how much of the copies' time a kernel ran beside.
+activations and streamed states against the plain step, and in a profiled step how much of the copies' time a
+kernel ran beside.
 Uses min(2, GPUs) ranks (one process per GPU; --ranks to choose); with one GPU the single stage runs
 GPipe so that several microbatches are in flight. Writes out/gpu_check/gpu_check.json after each part.
 """
@@ -407,9 +408,10 @@ def copy_overlap(events: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def offload_check(base: dict[str, Any], M: int, schedule: str, say: Callable[..., None]) -> dict[str, Any]:
-    """Offloaded activations: the step against the plain one (both after a warm-up step that allocates,
-    pinned host memory too), the parameters both trained to (bitwise equal when every copy kept its order
-    with the compute), and one step profiled: how long the copies take each way and how much of their
+    """Offloaded activations, then streamed states: each step against the plain one (all after a warm-up
+    step that allocates, pinned host memory too), the parameters each trained to against the plain ones'
+    (activations: bitwise equal when every copy kept its order with the compute; states step on the host,
+    so within rounding), and one step profiled: how long the copies take each way and how much of their
     time a compute kernel ran beside them (copy_overlap)."""
     from torch.profiler import ProfilerActivity, profile
     plain_w, plain = _build(base, M, schedule, recompute="none", offload="none")
@@ -417,24 +419,29 @@ def offload_check(base: dict[str, Any], M: int, schedule: str, say: Callable[...
     trained = {n: p.detach().clone() for n, p in plain.named_parameters()}
     del plain_w, plain
     gc.collect()
-    w, pp = _build(base, M, schedule, recompute="none", offload="activations")
-    offload_s = train_steps(w, pp, M, 3, warmup=1)
-    # the same steps from the same weights: a copy that raced the compute would show here
-    same = all(torch.equal(p, trained[n]) for n, p in pp.named_parameters())
-    cuda = pp.ctx.device.type == "cuda"
-    b, _, target = w.batch(w.microbatch_size * M, 0)
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        pp.step(*b, target=target)
-        _sync(pp.ctx.device)
-    path = Path("out/gpu_check") / f"offload-trace-rank{pp.ctx.rank}.json"
-    prof.export_chrome_trace(str(path))
-    row: dict[str, Any] = {"plain_s": plain_s, "offload_s": offload_s, "bitwise_params": same,
-                           **copy_overlap(json.loads(path.read_text())["traceEvents"])}
-    say(f"    offloaded activations {offload_s:.3f} s/step against {plain_s:.3f} plain; in a profiled step "
-        f"kernels {row['kernels_ms']:.1f} ms, copies {row['h2d_ms']:.1f} ms to the device and {row['d2h_ms']:.1f} "
-        f"ms back, {row['hidden']:.0%} of the copies' time beside a kernel; after 4 steps the parameters "
-        f"{'equal' if same else 'DIFFER from'} the plain steps' bitwise")
-    return row
+    out: dict[str, Any] = {"plain_s": plain_s}
+    for mode in ("activations", "states"):
+        w, pp = _build(base, M, schedule, recompute="none", offload=mode)
+        offload_s = train_steps(w, pp, M, 3, warmup=1)
+        # the same steps from the same weights: a copy that raced the compute would show here
+        diff = max(float((p.detach().to(trained[n].device) - trained[n]).abs().max()) for n, p in pp.named_parameters())
+        cuda = pp.ctx.device.type == "cuda"
+        b, _, target = w.batch(w.microbatch_size * M, 0)
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            pp.step(*b, target=target)
+            _sync(pp.ctx.device)
+        path = Path("out/gpu_check") / f"offload-{mode}-trace-rank{pp.ctx.rank}.json"
+        prof.export_chrome_trace(str(path))
+        row: dict[str, Any] = {"offload_s": offload_s, "param_max_diff": diff,
+                               **copy_overlap(json.loads(path.read_text())["traceEvents"])}
+        say(f"    offloaded {mode} {offload_s:.3f} s/step against {plain_s:.3f} plain; in a profiled step "
+            f"kernels {row['kernels_ms']:.1f} ms, copies {row['h2d_ms']:.1f} ms to the device and "
+            f"{row['d2h_ms']:.1f} ms back, {row['hidden']:.0%} of the copies' time beside a kernel; after 4 steps "
+            f"the parameters differ from the plain steps' by at most {diff:.2g}")
+        out[mode] = row
+        del w, pp
+        gc.collect()
+    return out
 
 
 def checkpoint_check(base: dict[str, Any], M: int, say: Callable[..., None]) -> dict[str, Any]:
