@@ -15,10 +15,11 @@ ALIGN = 64  # bytes; every tensor starts at a multiple of this inside its chunk
 
 
 def offloadable(t: torch.Tensor) -> bool:
-    """Strided tensors of nonzero size. The memory manager asks only for what the forward made:
-    parameters, received values and model inputs never reach a bundle; leaves that need no grad
-    (batch norm's statistics, pooling indices) are made by the forward too."""
-    return t.numel() > 0 and t.layout == torch.strided
+    """Strided tensors of nonzero size, other than lazy conjugate or negative views (their storage holds the
+    values before the conjugation or negation, which a copy of it would lose). The memory manager asks only
+    for what the forward made: parameters, received values and model inputs never reach a bundle; leaves
+    that need no grad (batch norm's statistics, pooling indices) are made by the forward too."""
+    return t.numel() > 0 and t.layout == torch.strided and not t.is_conj() and not t.is_neg()
 
 
 class Handle:

@@ -332,6 +332,35 @@ def test_activation_offload_round_trip_is_exact() -> None:
     assert mm.acts is not None and len(mm.acts.free) == 2           # host chunks kept for reuse
 
 
+class _Complex(torch.nn.Module):
+    """Saves a lazy conjugate view and a negative view (the imaginary part of a conjugate) for its backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.re, self.im = torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = torch.complex(self.re(x), self.im(x))
+        conj = (c * 2).conj()                      # mul saves it as it is: a conjugate view
+        neg = (c * 3).conj().imag                  # a negative view of the product's storage
+        return (conj * c).real + neg * self.re(x)
+
+
+def test_activation_offload_keeps_conjugate_and_negative_views_exact() -> None:
+    torch.manual_seed(0)
+    gm = torch.fx.symbolic_trace(_Complex())
+    ref = _Complex()
+    ref.load_state_dict(gm.state_dict())
+    actions = [(0, "F", 0), (0, "B", 0)]
+    mm = _manager(gm, StageChoice(0, "none", offload_activations=True), actions)
+    xs = [torch.randn(4, 8)]
+    _run_step(mm, gm, actions, xs)
+    ref(xs[0]).pow(2).sum().backward()
+    for (n, p), q in zip(gm.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=n)
+    assert mm.report()[0]["d2h_bytes"] > 0  # the rest was offloaded
+
+
 def test_full_recompute_matches_plain_autograd() -> None:
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8), torch.nn.Tanh())
