@@ -1,6 +1,7 @@
 """Cut a traced model into one fx GraphModule per stage, keeping the original parameter names."""
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -149,7 +150,73 @@ def subgraph(gm: torch.fx.GraphModule, own: set[str], stage_of: dict[str, int], 
             if pn:
                 param_nodes[node.name] = pn
     g.output(tuple(env[x.name] if isinstance(x, torch.fx.Node) else x for x in outputs))
+    first = next(n for n in g.nodes if n.op != "placeholder")
+    for r in recv:  # a received value is a leaf that requires grad, which autograd lets no op write in place:
+        ph = env[r]  # the stage writes a copy of it (as the model wrote the value itself)
+        if written_in_place(gm, ph):
+            with g.inserting_before(first):
+                copy = g.call_method("clone", (ph,))
+            ph.replace_all_uses_with(copy, delete_user_cb=lambda u: u is not copy)
     return torch.fx.GraphModule(gm, g, name), inputs, param_nodes
+
+
+# ops that return a view of their first argument: a write to the view writes the argument
+_VIEWS = {"view", "view_as", "reshape", "reshape_as", "transpose", "permute", "flatten", "unflatten", "unsqueeze",
+          "squeeze", "expand", "expand_as", "narrow", "select", "t", "chunk", "split", "unbind", "getitem",
+          "__getitem__", "as_strided", "movedim", "swapaxes", "diagonal", "unfold", "real", "imag", "detach",
+          "split_with_sizes", "slice", "alias"}
+
+
+def _name(target: Any) -> str:
+    """An fx target's bare name: a method's, a function's or an aten overload's ('relu_' for aten.relu_.default)."""
+    if isinstance(target, str):
+        return target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.split("::")[-1]
+    return getattr(target, "__name__", "")
+
+
+def _writes(root: torch.nn.Module, user: torch.fx.Node, value: torch.fx.Node) -> bool:
+    """Whether `user` writes `value` in place: an inplace module (nn.ReLU(inplace=True)), an inplace=True
+    argument, a method or function named with a trailing underscore (x.add_, torch.relu_) or an aten op
+    whose schema writes that argument, each on `value` as the argument written."""
+    first = user.args[0] if user.args else None
+    if user.op == "call_module":
+        return first is value and getattr(root.get_submodule(str(user.target)), "inplace", False) is True
+    if user.op not in ("call_method", "call_function"):
+        return False
+    if isinstance(user.target, torch._ops.OpOverload):
+        schema = user.target._schema
+        return any(a.alias_info is not None and a.alias_info.is_write and x is value
+                   for a, x in zip(schema.arguments, user.args))
+    name = _name(user.target)
+    if first is not value:
+        return False
+    if name.endswith("_") and not name.startswith("_") or name in ("setitem", "__setitem__"):
+        return True
+    if user.kwargs.get("inplace") is True:
+        return True
+    if user.op == "call_function" and callable(user.target):  # F.relu(x, True): inplace given by position
+        try:
+            bound = inspect.signature(user.target).bind(*user.args, **user.kwargs)
+        except (TypeError, ValueError):
+            return False
+        return bound.arguments.get("inplace") is True
+    return False
+
+
+def written_in_place(root: torch.nn.Module, node: torch.fx.Node) -> bool:
+    """Whether an op of `node`'s graph writes its value in place, directly or through a view of it."""
+    todo, seen = [node], {node}
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if _writes(root, u, n):
+                return True
+            if u not in seen and u.args and u.args[0] is n and _name(u.target) in _VIEWS:
+                seen.add(u)
+                todo.append(u)
+    return False
 
 
 def split_graph(gm: torch.fx.GraphModule, plan: Plan) -> list[torch.fx.GraphModule]:

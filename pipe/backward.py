@@ -1,7 +1,7 @@
 """Backward passes for one stage and microbatch: full, or split into input grads (B) and weight grads (W)."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,7 +11,7 @@ import torch.utils._pytree as pytree
 
 from partition.split import linear_input, w_nodes
 
-__all__ = ["with_param_outputs", "Saved", "backward_full", "backward_input", "backward_weight"]
+__all__ = ["with_param_outputs", "callable_nodes", "Saved", "backward_full", "backward_input", "backward_weight"]
 
 
 def with_param_outputs(stage: torch.fx.GraphModule, param_nodes: dict[str, list[str]], direct: bool = False
@@ -23,9 +23,11 @@ def with_param_outputs(stage: torch.fx.GraphModule, param_nodes: dict[str, list[
     whose grads B computes whole: those read by several nodes of the stage (splitting them would count
     paths twice), and under `direct` those of every node but the nn.Linear ones).
     `direct`: W computes only the nn.Linear nodes' weight grads, each as two matrix products of the
-    node's input and output grad, and the module returns a third tuple, aligned with the extra
-    outputs: the input of each (`backward_weight`). Otherwise W differentiates every node that reads
-    parameters of its own.
+    node's input and output grad, and the module returns a third and a fourth tuple, aligned with the
+    extra outputs: the input of each (`backward_weight`), and the version counters of its output and
+    input right after the node (`backward_input` takes the autograd call for a node whose output or
+    input a later op wrote in place). Otherwise W differentiates every node that reads parameters of
+    its own.
     """
     uses: dict[int, int] = {}
     resolved: dict[str, list[torch.nn.Parameter]] = {}
@@ -34,30 +36,58 @@ def with_param_outputs(stage: torch.fx.GraphModule, param_nodes: dict[str, list[
         resolved[node] = ps
         for p in ps:
             uses[id(p)] = uses.get(id(p), 0) + 1
+    nodes = {n.name: n for n in stage.graph.nodes}
+    apart = set(w_nodes(stage, param_nodes)) if direct else None
+    extra = [(node, ps) for node, ps in resolved.items()
+             if node in nodes and all(uses[id(p)] == 1 for p in ps) and (apart is None or node in apart)]
+    ins = {n: linear_input(stage, nodes[n]) for n, _ in extra} if direct else {}
     g = torch.fx.Graph()
     env: dict[str, torch.fx.Node] = {}
+    versions: dict[str, torch.fx.Node] = {}
     out_node = None
     for node in stage.graph.nodes:
         if node.op == "output":
             out_node = node
             continue
         env[node.name] = g.node_copy(node, lambda n: env[n.name])
+        x = ins.get(node.name)
+        if x is not None:  # the versions of its output and input as the node made them (written in place later:
+            versions[node.name] = g.call_function(_versions, (env[node.name], env[x.name]))  # backward_input)
     assert out_node is not None
-    nodes = {n.name: n for n in stage.graph.nodes}
-    apart = set(w_nodes(stage, param_nodes)) if direct else None
-    extra = [(node, ps) for node, ps in resolved.items()
-             if node in env and all(uses[id(p)] == 1 for p in ps) and (apart is None or node in apart)]
     in_w = {id(p) for _, ps in extra for p in ps}
     in_b = list({id(p): p for ps in resolved.values() for p in ps if id(p) not in in_w}.values())
     outs = torch.fx.node.map_arg(out_node.args[0], lambda n: env[n.name])
     result: tuple[Any, ...] = (outs, tuple(env[n] for n, _ in extra))
     if direct:
-        ins = [linear_input(stage, nodes[n]) for n, _ in extra]
-        assert all(x is not None for x in ins), ins  # w_nodes: linear nodes alone
-        result += (tuple(env[x.name] for x in ins if x is not None),)
+        assert all(x is not None for x in ins.values()), ins  # w_nodes: linear nodes alone
+        result += (tuple(env[x.name] for x in ins.values() if x is not None),
+                   tuple(versions[n] for n, _ in extra))
     g.output(result)
     gm = torch.fx.GraphModule(stage, g, type(stage).__name__ + "ZB")
     return gm, extra, in_b
+
+
+def callable_nodes(stage: torch.fx.GraphModule, names: Collection[str]) -> frozenset[str]:
+    """The nodes of `names` whose output's autograd node W may call for their weight grads (`_node_grads`):
+    torch's own (a torch.nn module, a torch function or an aten op), which read each of their parameters in
+    that last op alone if at all. A module of the user's kept whole (leaf_modules) may read a parameter again
+    below its last op, whose grads the call would miss."""
+    nodes = {n.name: n for n in stage.graph.nodes}
+    return frozenset(n for n in names if _one_op(stage, nodes[n]))
+
+
+def _one_op(stage: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    if node.op == "call_module":
+        return type(stage.get_submodule(str(node.target))).__module__.startswith("torch.nn.")
+    if node.op == "call_function":
+        return isinstance(node.target, torch._ops.OpOverload) or str(
+            getattr(node.target, "__module__", None) or "").startswith("torch")
+    return node.op == "call_method"
+
+
+def _versions(out: torch.Tensor, x: torch.Tensor) -> tuple[int, int]:
+    """The version counters of a linear node's output and input (called in the graph right after the node)."""
+    return out._version, x._version
 
 
 @dataclass
@@ -69,6 +99,7 @@ class Saved:
     # by B: each W node's (output tensor, its grad); the output None where W needs no graph (B freed it)
     param_grads: list[list[tuple[torch.Tensor | None, torch.Tensor | None]]] = field(default_factory=list)
     param_ins: list[torch.Tensor | None] = field(default_factory=list)  # direct W: each linear node's input
+    param_versions: list[tuple[int, int]] = field(default_factory=list)  # and its output's and input's versions
 
 
 def _accumulate(p: torch.Tensor, g: torch.Tensor | None, fresh: bool = False) -> None:
@@ -152,6 +183,12 @@ def backward_input(saved: Saved, grads: list[torch.Tensor | None], in_b: list[to
     """
     roots, gs = _roots(saved, grads)
     leaves = [x for x in saved.leaves if x is not None and x.requires_grad]
+    for i, (v, y, x) in enumerate(zip(saved.param_versions, saved.param_outs, saved.param_ins)):
+        if x is not None and (y._version, x._version) != v:
+            # written in place after the node (an inplace ReLU on its output): the output's grad is the
+            # written tensor's, and the input is not the one it read, so no matrix products: the autograd
+            # call, through the op that wrote it (which raises, as torch does, when the input was written)
+            saved.param_ins[i] = None
     outs = [_tensors(o) for o in saved.param_outs]
     whole = [p for p in in_b if p.requires_grad]
     targets: list[torch.Tensor] = leaves + whole + [t for ts in outs for t in ts]
@@ -226,24 +263,26 @@ def _node_grads(params: list[torch.nn.Parameter], t: torch.Tensor, g: torch.Tens
 
 
 def backward_weight(saved: Saved, extra: list[tuple[str, list[torch.nn.Parameter]]],
-                    ready: Callable[[list[torch.nn.Parameter]], None] | None = None) -> None:
+                    ready: Callable[[list[torch.nn.Parameter]], None] | None = None,
+                    callable_nodes: Collection[str] | None = None) -> None:
     """W of zero-bubble: each parameter-reading node's weight grads from its stored output grads;
     `ready(params)` after each node's (data parallel: their grads may be final).
 
     A linear node whose input the forward kept (`Saved.param_ins`) takes two matrix products; a node
-    whose own autograd node reads its parameters, a call of that node (`_node_grads`); any other
-    node an autograd call, which walks the retained graph below the node (the longer the deeper the
-    node sits)."""
+    of `callable_nodes` (the module's, `with_param_outputs`; None: every node) whose own autograd node
+    reads its parameters, a call of that node (`_node_grads`); any other node an autograd call, which
+    walks the retained graph below the node (the longer the deeper the node sits)."""
     ins = saved.param_ins or [None] * len(extra)
     with torch.no_grad():  # the products read activations that require grad: no graph for them
-        for (_, params), got, x in zip(extra, saved.param_grads, ins):
+        for (node, params), got, x in zip(extra, saved.param_grads, ins):
             pairs = [(t, g) for t, g in got if g is not None]
             if not pairs:
                 continue
             (t, g), one = pairs[0], len(pairs) == 1
             if one and x is not None and (t is None or _linear_ok(params, x, g)):  # t None: B checked it
                 _linear_grads(params, x, g)
-            elif not (one and t is not None and _node_grads(params, t, g)):
+            elif not (one and t is not None and (callable_nodes is None or node in callable_nodes)
+                      and _node_grads(params, t, g)):
                 trained = [p for p in params if p.requires_grad]
                 outs = [t for t, _ in pairs if t is not None]  # kept: B kept the graph for this W
                 res = torch.autograd.grad(outs, trained, [g for _, g in pairs], retain_graph=True, allow_unused=True)
@@ -255,3 +294,4 @@ def backward_weight(saved: Saved, extra: list[tuple[str, list[torch.nn.Parameter
     saved.param_outs.clear()
     saved.param_grads.clear()
     saved.param_ins.clear()
+    saved.param_versions.clear()

@@ -33,6 +33,7 @@ import torch.utils._pytree as pytree
 from partition.signature import check_call, describe, input_paths
 from pipe import comm, launch
 from pipe.errors import PipelineError
+from pipe.exchange import Exchange
 
 if TYPE_CHECKING:
     from pipe.runtime import Pipeline
@@ -258,9 +259,13 @@ def agree_on_call(pp: Pipeline, batch: tuple[tuple[Any, ...], dict[str, Any]], t
     """Compare this rank's call with the pipeline's other ranks' (agree); `refused`: this rank's own error
     about it. What each step adds to agree (bench schedules times it)."""
     if pp.world > 1:
-        call = call_of(batch[0], batch[1], target)  # and the pipeline's mode (pp.train / pp.eval)
-        mode = "train" if pp.training else "eval"
-        call = Call(call.digest ^ int(not pp.training), call.parts + [f"mode: {mode}"])
+        call = call_of(batch[0], batch[1], target)  # and the pipeline's mode (pp.train / pp.eval), and the
+        mode = "train" if pp.training else "eval"  # autocast its ranks run under (the values' dtypes follow it)
+        key = autocast_key(pp.ctx.device)
+        cast = f"autocast: {key or 'off'}" + ("" if not key else ", dtypes known" if key in pp._cut_dtypes
+                                                else ", dtypes to learn")
+        salt = int.from_bytes(hashlib.blake2b(cast.encode(), digest_size=7).digest(), "little")
+        call = Call(call.digest ^ int(not pp.training) ^ (salt << 1), call.parts + [f"mode: {mode}", cast])
         agree(call, refused, group=pp.pp_group, ranks=pp._global, device=pp.ctx.device, what=what,
               error=PipelineError)
 
@@ -317,3 +322,27 @@ def target_bound(pp: Pipeline) -> str:
             todo += list(n.users)
     sent = sorted(seen & crossing)
     return f"values computed from it are sent between stages ({', '.join(sent)})" if sent else ""
+
+
+def autocast_key(device: torch.device) -> str:
+    """The autocast the ranks' ops run under ("" when off), which the dtypes of the values crossing stages
+    follow: "cuda bfloat16", say."""
+    return ", ".join(f"{t} {str(torch.get_autocast_dtype(t)).removeprefix('torch.')}"
+                     for t in sorted({device.type, "cpu"}) if torch.is_autocast_enabled(t))
+
+
+def exchange(pp: Pipeline) -> Exchange:
+    """The messages of one step or pass: received into buffers of the plan's dtypes, or of those learned
+    under the autocast the call runs in (the first step under one learns them: each value's shape and
+    dtype travel ahead of it, pipe.exchange)."""
+    key = autocast_key(pp.ctx.device)
+    known = pp._cut_dtypes.get(key) if key else {}
+    return Exchange(pp.transport, pp.plan, pp.place, pp.rank, pp.ctx.device, pp.dynamic, dtypes=known,
+                    learn=known is None)
+
+
+def learned(pp: Pipeline, ex: Exchange) -> None:
+    """After a step every rank completed (its last collective done): keep what it learned of the dtypes."""
+    key = autocast_key(pp.ctx.device)
+    if key and key not in pp._cut_dtypes and ex.headers:
+        pp._cut_dtypes[key] = dict(ex.learned)

@@ -3,9 +3,11 @@
 A compute action leaves what it sends in an outbox and takes what it receives from an inbox;
 a batch of the program moves them: its sends and receives go out together (one
 batch_isend_irecv, tag 0: matched per pair in issue order, as NCCL does). Neighbouring stages
-on one rank hand over in memory. With dynamic shapes each activation's shape travels first
-as a device tensor: a batch then moves every shape, waits for the incoming ones, and moves
-the data (gradients need none: they have the shapes of the outputs this rank sent).
+on one rank hand over in memory. With dynamic shapes each activation's shape and dtype travel
+first as a device tensor: a batch then moves every header, waits for the incoming ones, and moves
+the data (gradients need none: they have the shapes and dtypes of the outputs this rank sent).
+So does a step that learns the dtypes under an autocast the plan was not traced in (`learn`);
+later steps under it receive into buffers of the dtypes learned (`dtypes`).
 Sends stay alive until complete: activations until their grads come back (which the peer
 computes from them, so they arrived); grads until a receive from the same peer posted in a
 later batch is waited on (a pair's batches complete in issue order, as on NCCL); shapes until
@@ -21,9 +23,13 @@ from partition.plan import Plan, PlanError
 from pipe import comm
 from pipe.lower import Batch, peer_of
 
-__all__ = ["Exchange", "MAX_DIMS"]
+__all__ = ["Exchange", "MAX_DIMS", "DTYPES"]
 
 MAX_DIMS = 8
+# the dtypes a header can name (its last entry: the index here)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
+          torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128, torch.float8_e4m3fn,
+          torch.float8_e5m2)
 Key = tuple[str, int, int]  # ("F" activations | "B" grads, stage that reads them, mb)
 
 
@@ -32,9 +38,14 @@ class Exchange:
     plan.stages[s]) and the grads of its outputs (the recv of stage s+1, floating ones only)."""
 
     def __init__(self, transport: comm.Transport, plan: Plan, place: Sequence[int], rank: int,
-                 device: torch.device, dynamic: bool) -> None:
+                 device: torch.device, dynamic: bool, dtypes: dict[tuple[int, int], torch.dtype] | None = None,
+                 learn: bool = False) -> None:
         self.transport, self.plan, self.place, self.rank = transport, plan, list(place), rank
         self.device, self.dynamic = device, dynamic
+        self.dtypes = dtypes or {}  # (stage, i) -> the dtype of stage's i-th received value, where not the plan's
+        self.headers = dynamic or learn  # shapes and dtypes travel ahead of the data
+        self.learned: dict[tuple[int, int], torch.dtype] = {}  # what the headers said or sent, (stage, i) -> dtype
+        self.sent_dtypes: dict[tuple[int, int], list[torch.dtype]] = {}  # (stage, mb) -> sent dtypes
         self.outbox: dict[tuple[str, int, int], list[torch.Tensor]] = {}  # (SEND kind, stage, mb)
         self.inbox: dict[Key, list[tuple[torch.Tensor, Any]]] = {}       # tensor, its receive (None: here)
         self.shapes: dict[tuple[int, int], list[list[int]]] = {}         # (stage, mb) -> sent shapes
@@ -46,6 +57,10 @@ class Exchange:
         self.peer: int | None = None  # the rank last waited on, named when a wait fails
 
     # ----- what compute actions leave and take -----
+    def dtype(self, s: int, i: int) -> torch.dtype:
+        """The dtype stage s receives its i-th value in: the plan's, unless learned otherwise."""
+        return self.dtypes.get((s, i)) or getattr(torch, self.plan.stages[s].recv[i].dtype)
+
     def send_activations(self, s: int, mb: int, outs: Sequence[torch.Tensor]) -> None:
         values = self.plan.stages[s + 1].recv
         if not self.dynamic:
@@ -56,7 +71,21 @@ class Exchange:
         elif any(o.dim() > MAX_DIMS for o in outs):
             raise PlanError(f"stage {s} sends a value with more than {MAX_DIMS} dims; dynamic shapes allow at most "
                             f"{MAX_DIMS}")
+        if self.headers:
+            odd = [o.dtype for o in outs if o.dtype not in DTYPES]
+            if odd:
+                raise PlanError(f"stage {s} sends a value of dtype {odd[0]}, which fxpipe's message headers cannot "
+                                f"name (they name {', '.join(str(d) for d in DTYPES)}); cast it inside the model")
+            self.learned.update(((s + 1, i), o.dtype) for i, o in enumerate(outs))  # what the sender expects next
+        elif self.place[s + 1] != self.rank:  # received into buffers of the dtypes expected
+            for i, (o, v) in enumerate(zip(outs, values)):
+                if o.dtype != self.dtype(s + 1, i):
+                    raise PlanError(f"stage {s} produced {v.name} as {o.dtype} but stage {s + 1} expects "
+                                    f"{self.dtype(s + 1, i)} (the plan's dtype, or the one learned under this "
+                                    "autocast); a value's dtype may change only with the autocast state (learned "
+                                    "at its first step), so keep the model's dtypes fixed between steps")
         self.shapes[(s, mb)] = [list(o.shape) for o in outs]
+        self.sent_dtypes[(s, mb)] = [o.dtype for o in outs]
         if self.place[s + 1] == self.rank:
             self.inbox[("F", s + 1, mb)] = [(o.detach().clone(), None) for o in outs]
         else:
@@ -100,7 +129,7 @@ class Exchange:
     # ----- what a batch of the program moves -----
     def issue(self, batch: Batch) -> None:
         """Post the batch's sends and receives as one group (shapes first, with dynamic shapes)."""
-        shapes = self._exchange_shapes(batch) if self.dynamic else {}
+        shapes = self._exchange_headers(batch) if self.headers else {}
         ops: list[tuple[str, torch.Tensor, int]] = []
         posted: list[tuple[Key, list[tuple[torch.Tensor, int]]]] = []  # buffers and their op index
         outputs: dict[int, tuple[int, int]] = {}  # op index of an activation sent -> (stage, mb)
@@ -116,17 +145,16 @@ class Exchange:
             elif a.kind == "RECV_F":
                 bufs = []
                 for i, v in enumerate(self.plan.stages[a.stage].recv):
-                    shape = shapes[(a.stage, a.mb)][i] if self.dynamic else v.shape
-                    buf, wire = comm.alloc_layout(shape, getattr(torch, v.dtype), self.device,
-                                                  ref_shape=v.shape, ref_stride=v.stride)
+                    shape, dtype = shapes[(a.stage, a.mb)][i] if self.headers else (v.shape, self.dtype(a.stage, i))
+                    buf, wire = comm.alloc_layout(shape, dtype, self.device, ref_shape=v.shape, ref_stride=v.stride)
                     bufs.append((buf, len(ops)))
                     ops.append(("recv", wire, peer))
                 posted.append((("F", a.stage, a.mb), bufs))
-            else:  # RECV_B: the grads of what this rank sent, in its shapes
+            else:  # RECV_B: the grads of what this rank sent, in its shapes and dtypes
                 bufs = []
-                for shape, v in zip(self.shapes[(a.stage, a.mb)], self.plan.stages[a.stage + 1].recv):
-                    if getattr(torch, v.dtype).is_floating_point:
-                        buf = torch.empty(shape, dtype=getattr(torch, v.dtype), device=self.device)
+                for shape, dtype in zip(self.shapes[(a.stage, a.mb)], self.sent_dtypes[(a.stage, a.mb)]):
+                    if dtype.is_floating_point:
+                        buf = torch.empty(shape, dtype=dtype, device=self.device)
                         bufs.append((buf, len(ops)))
                         ops.append(("recv", buf.view(-1), peer))
                 posted.append((("B", a.stage, a.mb), bufs))
@@ -140,32 +168,35 @@ class Exchange:
             self.inbox[key] = [(buf, works[i]) for buf, i in bufs]
             self.posted_in[key] = n
 
-    def _exchange_shapes(self, batch: Batch) -> dict[tuple[int, int], list[list[int]]]:
-        """Dynamic shapes: every activation's shape, as device tensors, sent and received for the
-        batch first (its own group), and the incoming ones read."""
+    def _exchange_headers(self, batch: Batch) -> dict[tuple[int, int], list[tuple[list[int], torch.dtype]]]:
+        """Every activation's shape and dtype, as device tensors, sent and received for the batch first (its
+        own group), and the incoming ones read."""
         ops: list[tuple[str, torch.Tensor, int]] = []
         wanted: list[tuple[tuple[int, int], int]] = []  # (stage, mb) and the op index of its head
         for a in batch:
             peer = peer_of(a, self.place)
             if a.kind == "SEND_F":
-                for shape in self.shapes[(a.stage, a.mb)]:
-                    head = torch.zeros(MAX_DIMS + 1, dtype=torch.int64)
+                for shape, dtype in zip(self.shapes[(a.stage, a.mb)], self.sent_dtypes[(a.stage, a.mb)]):
+                    head = torch.zeros(MAX_DIMS + 2, dtype=torch.int64)
                     head[0] = len(shape)
                     head[1:1 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
+                    head[-1] = DTYPES.index(dtype)
                     ops.append(("send", head.to(self.device), peer))
             elif a.kind == "RECV_F":
                 for _ in self.plan.stages[a.stage].recv:
                     wanted.append(((a.stage, a.mb), len(ops)))
-                    ops.append(("recv", torch.empty(MAX_DIMS + 1, dtype=torch.int64, device=self.device), peer))
+                    ops.append(("recv", torch.empty(MAX_DIMS + 2, dtype=torch.int64, device=self.device), peer))
         works = self._post(ops)
         self.sends += [(x, w) for (kind, x, _), w in zip(ops, works) if kind == "send"]
         for _, i in wanted:
             works[i].wait()
-        shapes: dict[tuple[int, int], list[list[int]]] = {}
+        got: dict[tuple[int, int], list[tuple[list[int], torch.dtype]]] = {}
         for key, i in wanted:
-            dims = [int(d) for d in ops[i][1].tolist()]  # (MAX_DIMS + 1,): rank, then the sizes
-            shapes.setdefault(key, []).append(dims[1:1 + dims[0]])
-        return shapes
+            h = [int(d) for d in ops[i][1].tolist()]  # (MAX_DIMS + 2,): rank, the sizes, the dtype
+            mine = got.setdefault(key, [])
+            self.learned[(key[0], len(mine))] = DTYPES[h[-1]]
+            mine.append((h[1:1 + h[0]], DTYPES[h[-1]]))
+        return got
 
     def _post(self, ops: list[tuple[str, torch.Tensor, int]]) -> list[comm.Work]:
         if not ops:

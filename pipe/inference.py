@@ -13,7 +13,6 @@ from partition.plan import PlanError
 from partition.split import assemble_outputs, inference_stage, param_nodes_of
 from pipe import calls, comm, modes
 from pipe.errors import ModeError, agree_everywhere
-from pipe.exchange import Exchange
 from pipe.step import StepState, concat_outputs, failures, placed
 
 if TYPE_CHECKING:
@@ -81,9 +80,8 @@ def evaluate(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, 
     pipeline's mode, the loss where step() computes it, then the mean loss on every rank."""
     mbs, targets = calls.agreed_call(pp, (batch_args, batch_kwargs), target, "evaluate")
     stages, _ = stages_in_mode_of(pp, inference=False)
-    run = StepState(pp, pp._flats(mbs, targets), targets, Exchange(
-        pp.transport, pp.plan, pp.place, pp.rank, pp.ctx.device, pp.dynamic), inference=True,
-        evaluating=True, stages=stages)
+    run = StepState(pp, pp._flats(mbs, targets), targets, calls.exchange(pp), inference=True, evaluating=True,
+                    stages=stages)
     with torch.no_grad(), failures(pp, run, "evaluation"), flags(pp, stages is not None):
         if stages is not None and pp.sharded is not None:  # gathered as the stages' own forward would
             for s in pp.local:
@@ -108,7 +106,7 @@ def forward(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, A
         agree_everywhere(error)
     stages, inference = stages_in_mode_of(pp, inference=True)  # (None, None) in the mode of the trace
     flats = pp._flats(mbs, [None] * pp.M)
-    exchange = Exchange(pp.transport, pp.plan, pp.place, pp.rank, pp.ctx.device, pp.dynamic)
+    exchange = calls.exchange(pp)
     run = StepState(pp, flats, [None] * pp.M, exchange, inference=True, stages=stages,
                     inference_stages=inference)
     last = pp.place[pp.S - 1]

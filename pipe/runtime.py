@@ -19,7 +19,6 @@ from memory import MemoryManager
 from pipe import calls, comm, grads, inference, launch, optim, options, planning, setup, state_dicts, timing
 from pipe.calls import split_microbatches
 from pipe.errors import ModeError, NonFiniteLoss, PipelineError, agree_everywhere
-from pipe.exchange import Exchange
 from pipe.lower import forward_only, fuse_backward, lower, validate, with_reloads
 from pipe.replicas import DataParallelError, ShardedStages, pipeline_groups
 from pipe.schedules import Action, ScheduleError, build, placement
@@ -63,6 +62,7 @@ class Pipeline:
     # "full" each stage's zero-bubble parameter lists by name
     _made: dict[int, Any]
     _zb_names: dict[int, tuple[list[tuple[str, list[str]]], list[str]]]
+    _zb_callable: dict[int, frozenset[str]]
     _zb_kept: set[int]  # the stages whose B kept the graph for W though planned not to (pipe.setup.zero_bubble)
 
     def __init__(self, model: torch.nn.Module, example_args: Sequence[Any], *,
@@ -124,6 +124,7 @@ class Pipeline:
         self.dynamic = dynamic_shapes
         self.skip_nonfinite = skip_nonfinite
         self.steps_done = 0
+        self._cut_dtypes: dict[str, dict[tuple[int, int], torch.dtype]] = {}  # autocast -> what a step learned
         self.loaded: Any = None  # what the last load restored (pipe.checkpoint.Loaded)
         self.schedule_name = schedule
         args, kwargs = tuple(example_args), dict(example_kwargs or {})
@@ -385,8 +386,7 @@ class Pipeline:
         """
         mbs, targets = calls.agreed_call(self, (batch_args, batch_kwargs), target, "step")
         flats = self._flats(mbs, targets)
-        dev = self.ctx.device
-        exchange = Exchange(self.transport, self.plan, self.place, self.rank, dev, self.dynamic)
+        exchange = calls.exchange(self)
         run = StepState(self, flats, targets, exchange)
         with failures(self, run, f"step {self.steps_done}"):
             over = getattr(self.memory, "over_budget", None)
@@ -405,6 +405,7 @@ class Pipeline:
                     self.reducer.finish()
             sum_tied_grads(self, held)
             loss = self._mean_loss(run)
+            calls.learned(self, exchange)  # (the loss's broadcast: the last collective of every rank)
         self.timeline, self.collectives, self.posts = run.events()
         self.steps_done += 1
         value = float(loss.item())

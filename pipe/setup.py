@@ -21,7 +21,7 @@ from pipe.planning import gather, state_factor
 from pipe.lower import with_grad_reduction
 from pipe.replicas import GradReducer, ShardedStages, group_of
 from pipe.auto import w_part_managed
-from pipe.backward import with_param_outputs
+from pipe.backward import callable_nodes, with_param_outputs
 from pipe.weights import Init, allocate, default_init, empty_like, init_stages, unset
 from partition.meta import retarget, to_meta
 
@@ -211,6 +211,7 @@ def zero_bubble(pp: Pipeline) -> dict[int, tuple[torch.fx.GraphModule, list[tupl
     parameters, parameters read by several nodes), the memory manager told W's order; the plan's notes
     say how each stage computes W. Empty otherwise."""
     zb: dict[int, Any] = {}
+    pp._zb_callable = {}  # the nodes whose autograd node W may call (pipe.backward.callable_nodes)
     pp._zb_kept = set()  # the stages whose B kept the graph for W though planned not to
     if not pp.split_w:
         return zb
@@ -230,6 +231,7 @@ def zero_bubble(pp: Pipeline) -> dict[int, tuple[torch.fx.GraphModule, list[tupl
            "linear layers' inputs are not kept for it)" if graph else ""))
     for s in pp.local:
         zb[s] = with_param_outputs(pp.stages[s], pp.io[s].param_nodes, direct=pp.memory.plain(s))
+        pp._zb_callable[s] = callable_nodes(pp.stages[s], [n for n, _ in zb[s][1]])
         pp.memory.set_weight_order(s, [n for n, _ in zb[s][1]], zb[s][2])
     return zb
 

@@ -182,7 +182,8 @@ class StepState:
         if self.evaluating:  # no backward follows
             return
         self.saved[(s, mb)] = Saved(roots=roots, leaves=[x if x.is_floating_point() else None for x in leaves],
-                                    param_outs=list(param_outs), param_ins=list(ins[0]) if ins else [])
+                                    param_outs=list(param_outs), param_ins=list(ins[0]) if ins else [],
+                                    param_versions=list(ins[1]) if ins else [])
         self._record(a, start)
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
@@ -213,7 +214,8 @@ class StepState:
                 pp.plan.notes.append(
                     f"zero bubble: stage {s}'s W takes an autograd call per node, not matrix products, from step "
                     f"{pp.steps_done + 1}: a linear layer's input, output and weight differ in dtype or shape (under "
-                    "autocast the output is of the low precision), so B keeps the graph for W")
+                    "autocast the output is of the low precision), or a later op wrote its output or input in place "
+                    "(an inplace activation), so B keeps the graph for W")
         else:  # B without W, or BW (a stage recomputing under zero-bubble): the whole backward
             leaf_grads = backward_full(saved, grads)
             saved.param_outs.clear()
@@ -225,7 +227,8 @@ class StepState:
     def weight(self, a: Action) -> None:
         start = self.clock.mark()
         saved = self.saved.pop((a.stage, a.mb))
-        backward_weight(saved, self.pp._zb_params(a.stage)[0], None if self.reducer is None else self.reducer.ready)
+        backward_weight(saved, self.pp._zb_params(a.stage)[0], None if self.reducer is None else self.reducer.ready,
+                        callable_nodes=self.pp._zb_callable[a.stage])
         self._record(a, start)
 
 

@@ -28,7 +28,8 @@ def _split(zb: torch.nn.Module, extra: Any, in_b: Any, xs: list[torch.Tensor], d
     for x in xs:
         outs, param_outs, *ins = zb(x)
         assert bool(ins) == direct
-        saved = Saved(roots=[loss(outs)], leaves=[], param_outs=list(param_outs), param_ins=list(ins[0]) if ins else [])
+        saved = Saved(roots=[loss(outs)], leaves=[], param_outs=list(param_outs), param_ins=list(ins[0]) if ins else [],
+                      param_versions=list(ins[1]) if ins else [])
         backward_input(saved, [None], in_b, extra)
         after_b.append(Saved(roots=list(saved.roots), leaves=[], param_outs=list(saved.param_outs),
                              param_grads=list(saved.param_grads)))
@@ -142,8 +143,9 @@ def test_under_autocast_b_keeps_the_graph_for_w() -> None:
     zb, extra, in_b = with_param_outputs(gm, param_nodes, direct=True)
     assert len(extra) == 2 and in_b == []
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        outs, param_outs, ins = zb(x)
-    saved = Saved(roots=[outs.float().pow(2).sum()], leaves=[], param_outs=list(param_outs), param_ins=list(ins))
+        outs, param_outs, ins, versions = zb(x)
+    saved = Saved(roots=[outs.float().pow(2).sum()], leaves=[], param_outs=list(param_outs), param_ins=list(ins),
+                  param_versions=list(versions))
     backward_input(saved, [None], in_b, extra)
     assert saved.roots and all(t is not None for got in saved.param_grads for t, _ in got)  # the graph kept
     backward_weight(saved, extra)
@@ -209,6 +211,79 @@ def test_a_node_that_does_not_read_its_parameters_itself_is_left_to_autograd() -
         assert not pb._node_grads([w], z, torch.ones_like(z))
         assert not pb._node_grads(list(norm.parameters()), h, torch.ones_like(h))
     assert lin.weight.grad is None and w.grad is None and norm.weight.grad is None
+
+
+class _Inplace(nn.Module):
+    """Linear layers whose outputs later ops write in place, as ReLU(inplace=True) and x.mul_ do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.a(x))
+        return self.c(self.b(h).mul_(0.5).relu_())
+
+
+def test_w_of_a_linear_whose_output_is_written_in_place_is_the_full_backwards() -> None:
+    """W's matrix products would take the grad of the written tensor (after the ReLU) for the linear's
+    output's: the versions the graph records right after the node show the write, and that node's W takes
+    the autograd call through the op that wrote it (B keeps the graph); the unwritten ones stay products."""
+    torch.manual_seed(0)
+    gm = torch.fx.symbolic_trace(_Inplace())
+    param_nodes = {n.name: [f"{n.target}.weight", f"{n.target}.bias"] for n in gm.graph.nodes
+                   if n.op == "call_module" and n.target in ("a", "b", "c")}
+    xs = [torch.randn(3, 8) for _ in range(2)]
+    for x in xs:
+        gm(x).pow(2).sum().backward()
+    want = _grads(gm)
+    zb, extra, in_b = with_param_outputs(gm, param_nodes, direct=True)
+    assert [n for n, _ in extra] == ["a", "b", "c"] and in_b == []
+    for x in xs:
+        outs, param_outs, ins, versions = zb(x)
+        saved = Saved(roots=[outs.pow(2).sum()], leaves=[], param_outs=list(param_outs), param_ins=list(ins),
+                      param_versions=list(versions))
+        backward_input(saved, [None], in_b, extra)
+        assert [x is None for x in saved.param_ins] == [True, True, False]  # a's and b's outputs were written
+        assert saved.roots  # so the graph stays for their autograd calls
+        backward_weight(saved, extra)
+    got = _grads(gm)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], msg=n)
+
+
+class _Twice(nn.Module):
+    """A user's module, kept whole, that reads its parameter twice: (x * g) * g."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.g = nn.Parameter(torch.rand(4) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * self.g) * self.g
+
+
+def test_only_torchs_own_nodes_are_called_for_their_weight_grads() -> None:
+    """A module of the user's kept whole may read a parameter below its last op too: calling that op's
+    autograd node would miss those grads (half of them here), so W takes the autograd call for it."""
+    class Tracer(torch.fx.Tracer):
+        def is_leaf_module(self, m: nn.Module, name: str) -> bool:
+            return isinstance(m, _Twice) or super().is_leaf_module(m, name)
+    model = nn.Sequential(nn.LayerNorm(4), _Twice())
+    gm = torch.fx.GraphModule(model, Tracer().trace(model))
+    assert pb.callable_nodes(gm, ["_0", "_1"]) == frozenset({"_0"})
+    x = torch.randn(3, 4)
+    gm(x).pow(2).sum().backward()
+    want = _grads(gm)
+    zb, extra, in_b = with_param_outputs(gm, {"_0": ["0.weight", "0.bias"], "_1": ["1.g"]})
+    outs, param_outs = zb(x)
+    saved = Saved(roots=[outs.pow(2).sum()], leaves=[], param_outs=list(param_outs))
+    backward_input(saved, [None], in_b, extra)
+    backward_weight(saved, extra, callable_nodes=pb.callable_nodes(gm, [n for n, _ in extra]))
+    got = _grads(gm)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], msg=n)
 
 
 def test_a_grad_aliasing_another_is_copied() -> None:

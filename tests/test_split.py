@@ -231,3 +231,46 @@ def test_exported_buffer_updates_stay_on_their_stage(n_stages: int) -> None:
     torch.testing.assert_close(run_stages(stages, [x]), ref(x))
     for (name, got), want in zip(model.named_buffers(), ref.buffers()):
         torch.testing.assert_close(got, want, msg=name)
+
+
+class _Writes(torch.nn.Module):
+    """Each way a traced graph writes a value in place: a module's inplace flag, an inplace= argument given
+    by name or by position, a trailing-underscore method or function, through a view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.act = torch.nn.ReLU(inplace=True)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor, e: torch.Tensor,
+                f: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        return (self.act(a) + torch.nn.functional.relu(b, inplace=True) + torch.nn.functional.relu(c, True)
+                + d.mul_(2) + torch.relu_(e) + f.view(4, -1).add_(1).view(-1, 4) + torch.relu(g))
+
+
+def test_written_in_place_sees_each_way_a_graph_writes_a_value() -> None:
+    from partition.split import written_in_place
+    gm = torch.fx.symbolic_trace(_Writes())
+    got = {n.name: written_in_place(gm, n) for n in gm.graph.nodes if n.op == "placeholder"}
+    assert got == {"a": True, "b": True, "c": True, "d": True, "e": True, "f": True, "g": False}, got
+
+
+def test_a_stage_writes_a_copy_of_a_received_value_it_writes_in_place() -> None:
+    """A received value is a leaf that requires grad, which no op may write in place (the model, cut
+    before its ReLU(inplace=True), raised on the second stage): the stage writes a copy, and the grads
+    reach the value as the model's backward reaches it."""
+    from partition.split import subgraph
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(inplace=True), torch.nn.Linear(8, 2))
+    gm = torch.fx.symbolic_trace(model)
+    stage_of = {"_0": 0, "_1": 1, "_2": 1}
+    stage, _, _ = subgraph(gm, {"_1", "_2"}, stage_of, ["_0"], [gm.graph.find_nodes(op="call_module",
+                                                                                     target="2")[0]], "Stage1")
+    assert [n.target for n in stage.graph.nodes if n.op == "call_method"] == ["clone"]
+    x = torch.randn(3, 4)
+    h = model[0](x)
+    leaf = h.detach().requires_grad_(True)
+    stage(leaf)[0].pow(2).sum().backward()  # raised "a leaf Variable that requires grad ... in-place" before
+    assert leaf.grad is not None
+    want = torch.autograd.grad(model[2](torch.relu(h)).pow(2).sum(), h)[0]
+    torch.testing.assert_close(leaf.grad, want)
