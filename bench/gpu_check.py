@@ -422,22 +422,28 @@ def offload_check(base: dict[str, Any], M: int, schedule: str, say: Callable[...
     out: dict[str, Any] = {"plain_s": plain_s}
     for mode in ("activations", "states"):
         w, pp = _build(base, M, schedule, recompute="none", offload=mode)
+        cuda = pp.ctx.device.type == "cuda"
+        if cuda:  # reloads are allocated on a copy stream of their own: the allocator's pools are per stream
+            torch.cuda.reset_peak_memory_stats(pp.ctx.device)
         offload_s = train_steps(w, pp, M, 3, warmup=1)
+        peaks = {"allocated_peak_mib": torch.cuda.max_memory_allocated(pp.ctx.device) / 2**20,
+                 "reserved_peak_mib": torch.cuda.max_memory_reserved(pp.ctx.device) / 2**20} if cuda else {}
         # the same steps from the same weights: a copy that raced the compute would show here
         diff = max(float((p.detach().to(trained[n].device) - trained[n]).abs().max()) for n, p in pp.named_parameters())
-        cuda = pp.ctx.device.type == "cuda"
         b, _, target = w.batch(w.microbatch_size * M, 0)
         with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
             pp.step(*b, target=target)
             _sync(pp.ctx.device)
         path = Path("out/gpu_check") / f"offload-{mode}-trace-rank{pp.ctx.rank}.json"
         prof.export_chrome_trace(str(path))
-        row: dict[str, Any] = {"offload_s": offload_s, "param_max_diff": diff,
+        row: dict[str, Any] = {"offload_s": offload_s, "param_max_diff": diff, **peaks,
                                **copy_overlap(json.loads(path.read_text())["traceEvents"])}
         say(f"    offloaded {mode} {offload_s:.3f} s/step against {plain_s:.3f} plain; in a profiled step "
             f"kernels {row['kernels_ms']:.1f} ms, copies {row['h2d_ms']:.1f} ms to the device and "
             f"{row['d2h_ms']:.1f} ms back, {row['hidden']:.0%} of the copies' time beside a kernel; after 4 steps "
-            f"the parameters differ from the plain steps' by at most {diff:.2g}")
+            f"the parameters differ from the plain steps' by at most {diff:.2g}"
+            + (f"; peak {peaks['allocated_peak_mib']:.0f} MiB allocated, {peaks['reserved_peak_mib']:.0f} reserved"
+               if peaks else ""))
         out[mode] = row
         del w, pp
         gc.collect()

@@ -43,20 +43,22 @@ def measure_speeds(device: torch.device, seconds: float = 0.05) -> tuple[float, 
 class Copier:
     """Copies between host and device buffers, counted.
 
-    CUDA: copies to the device and copies to the host run on two side streams, one each way, so a
-    reload never queues behind offloads still in flight (the link copies both ways at once). `copy`
+    CUDA: copies to the device and copies to the host run on side streams, one each way, so a copy
+    never queues behind one the other way still in flight (the link copies both ways at once). `copy`
     runs after the compute stream's work so far (what it reads is written, what it overwrites is no
     longer read) and returns an event that `wait` makes the compute stream wait for before it reads
-    the buffer. `to_device` makes the buffer it fills on its own stream, so it waits only for the
-    events it is given, not for the compute stream: the caching allocator hands that stream only
-    memory whose readers on the compute stream are done (`record_stream`). CPU: copies happen at once
-    and events are None, the stand-in for a stream that is always done.
+    the buffer. `to_device` runs on a third stream and makes the buffer it fills there, so it waits
+    only for the event it is given, not for the compute stream nor behind `copy`'s fetches that do:
+    the caching allocator hands that stream only memory whose readers on the compute stream are done
+    (`record_stream`). CPU: copies happen at once and events are None, the stand-in for a stream that
+    is always done.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         self.streams: dict[bool, Any] = {w: torch.cuda.Stream(device) for w in (True, False)} if self.cuda else {}
+        self.reloads: Any = torch.cuda.Stream(device) if self.cuda else None  # to_device's
         self.bytes_h2d = 0
         self.bytes_d2h = 0
 
@@ -87,7 +89,7 @@ class Copier:
         self._count(src, True)
         if not self.cuda:
             return src.to(self.device, copy=True), None
-        side = self.streams[True]
+        side = self.reloads
         with torch.cuda.stream(side):
             if after is not None:
                 side.wait_event(after)
@@ -110,5 +112,5 @@ class Copier:
 
     def synchronize(self) -> None:
         """Block the host until every copy issued so far is done (before the host reads buffers)."""
-        for side in self.streams.values():
+        for side in [*self.streams.values(), *([self.reloads] if self.cuda else [])]:
             side.synchronize()

@@ -58,7 +58,7 @@ def device(monkeypatch: pytest.MonkeyPatch) -> Any:
             yield
         finally:
             current.pop()
-    made = iter(["h2d", "d2h"])
+    made = iter(["h2d", "d2h", "reloads"])
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: _Stream(waits, next(made)))
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
@@ -84,7 +84,7 @@ def test_reloads_wait_for_their_offload_not_the_compute(device: Any) -> None:
     compute, before, marked = device
     copier = Copier(torch.device("cuda"))  # streams from the fake; buffers on the CPU
     copier.device = torch.device("cpu")
-    assert [s.name for s in (copier.streams[True], copier.streams[False])] == ["h2d", "d2h"]
+    assert [s.name for s in (copier.streams[True], copier.streams[False], copier.reloads)] == ["h2d", "d2h", "reloads"]
     acts = ActivationOffload(torch.device("cpu"), copier, lambda s, n: None, chunk_bytes=256)
     x0, x1 = torch.randn(8, 4), torch.randn(8, 4)
     b0, b1 = Bundle(acts, 0, 0), Bundle(acts, 0, 1)
@@ -96,12 +96,14 @@ def test_reloads_wait_for_their_offload_not_the_compute(device: Any) -> None:
     later = compute.op()                      # the forward of mb 1
     b1.put(x1)
     fill1 = b1.filled.at
+    fetch = copier.copy(torch.empty(4), torch.zeros(4), to_device=True).at  # a parameter chunk's fetch
     acts.to_device(b0)                        # the RELOAD before mb 0's backward
     assert b0.dev is not None and len(b0.events) == 1
     reload = b0.events[0].at
     assert before(fill0, reload)              # a reload copies what its own offload wrote,
     assert not before(later, reload)          # beside the compute issued before it,
-    assert not before(fill1, reload)          # not behind the offloads of later microbatches
+    assert not before(fill1, reload)          # not behind the offloads of later microbatches,
+    assert not before(fetch, reload)          # nor behind fetches, which wait for the compute
     assert (b0.dev[0].untyped_storage().data_ptr(), "compute") in marked  # freed once the compute read it
     y = h0.unpack()                           # the backward reads the reloaded activation
     backward = compute.op()
