@@ -395,6 +395,7 @@ class Pipeline:
             # what tied grads held before the step (accumulated over steps): only this step's part is summed;
             # read before the memory manager's step begins (streamed grads are host views between steps)
             held = {id(p): p.grad.detach().clone() for _, ps in self._tied_groups for p in ps if p.grad is not None}
+            accumulated = self.skip_nonfinite and any(p.grad is not None for p in self.parameters())
             self.memory.step_begin()
             if self.reducer is not None:
                 self.reducer.step_begin(run.clock)
@@ -410,7 +411,7 @@ class Pipeline:
         self.steps_done += 1
         value = float(loss.item())
         if not math.isfinite(value):
-            non_finite(self, value, run)
+            non_finite(self, value, run, accumulated)
         return value
 
     # ----- modes -----
@@ -457,7 +458,8 @@ class Pipeline:
         """Inference without grads: the model's output for the whole batch, on every rank (on its device).
 
         Every rank makes the same call. Microbatches run through the stages in the schedule's
-        forward order; tensor outputs are concatenated along dim 0, 0-dim ones (a loss) averaged.
+        forward order; tensor outputs are concatenated along dim 0, 0-dim floating ones (a loss) averaged, other
+        0-dim ones kept when every microbatch gave the same, refused otherwise (pipe.step.concat_outputs).
         """
         return inference.forward(self, batch_args, batch_kwargs)
 

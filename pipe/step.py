@@ -4,6 +4,7 @@ its memory actions through the memory manager, and timing each action on the dev
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
@@ -34,16 +35,27 @@ def placed(tree: Any, device: torch.device) -> Any:
 
 
 def concat_outputs(outputs: list[Any]) -> Any:
-    """Microbatch outputs as one batch: tensors concatenated along dim 0, 0-dim tensors averaged."""
+    """Microbatch outputs as one batch: tensors concatenated along dim 0, 0-dim floating ones averaged (a
+    loss), other 0-dim ones kept when every microbatch gave the same (a count or flag the batch cannot
+    change), refused otherwise: no batch value can be formed from theirs."""
     flat = [pytree.tree_flatten(o) for o in outputs]
     spec = flat[0][1]
     leaves = []
-    for column in zip(*[f[0] for f in flat]):
+    for i, column in enumerate(zip(*[f[0] for f in flat])):
         x = column[0]
-        if isinstance(x, torch.Tensor):
-            leaves.append(torch.cat(column, 0) if x.dim() else torch.stack(column).mean())
-        else:
+        if not isinstance(x, torch.Tensor):
             leaves.append(x)
+        elif x.dim():
+            leaves.append(torch.cat(column, 0))
+        elif x.is_floating_point() or x.is_complex():
+            leaves.append(torch.stack(column).mean())
+        elif all(torch.equal(c, x) for c in column):
+            leaves.append(x)
+        else:
+            raise PipelineError(f"the model's output leaf {i} is a 0-dim {x.dtype} tensor that differs between "
+                                f"microbatches ({', '.join(str(c.item()) for c in column[:4])}...), so forward() "
+                                "cannot form the whole batch's value from them (0-dim floating ones are averaged, "
+                                "as losses); return it with a batch dimension, or compute it outside the model")
     return pytree.tree_unflatten(leaves, spec)
 
 
@@ -285,8 +297,9 @@ def sum_tied_grads(pp: Pipeline, held: dict[int, torch.Tensor]) -> None:
                     g.add_(held[id(p)])
 
 
-def non_finite(pp: Pipeline, value: float, run: StepState) -> None:
-    """Name the first stage whose outputs were not finite; stop, or skip the step if asked."""
+def non_finite(pp: Pipeline, value: float, run: StepState, accumulated: bool = False) -> None:
+    """Name the first stage whose outputs were not finite; stop, or skip the step if asked: every grad is
+    cleared, with a warning when earlier step() calls had accumulated grads (`accumulated`), lost with it."""
     mine = min([s for s, ok in run.finite if not bool(ok)] + [pp.S - 1])
     firsts: list[Any] = [None] * pp.world
     if pp.world > 1:
@@ -297,6 +310,10 @@ def non_finite(pp: Pipeline, value: float, run: StepState) -> None:
     if pp.skip_nonfinite:
         for p in pp.parameters():
             p.grad = None
+        if accumulated:
+            warnings.warn(f"step {pp.steps_done - 1}: the loss is {value}, so skip_nonfinite cleared every grad, "
+                          "including those earlier step() calls accumulated since the last zero_grad (no step can "
+                          "be taken out of a sum that holds a NaN or inf)", RuntimeWarning, stacklevel=3)
         return
     raise NonFiniteLoss(f"the loss is {value} at step {pp.steps_done - 1}; it first appeared on stage {stage} "
                         f"(rank {pp._global[pp.place[stage]]}); lower the learning rate, check the data, or "

@@ -240,3 +240,18 @@ def test_another_modes_trace_uses_a_meta_copy_where_the_model_is_split_over_devi
     split = modes.traced_in_mode(copy, args, kwargs, False, **kw)
     ops = [[(n.op, str(n.target)) for n in g.graph.nodes] for g in (whole, split)]
     assert ops[0] == ops[1] and not any("dropout" in t for _, t in ops[1])  # eval mode: no dropout
+
+
+def test_concat_outputs_forms_the_batch_or_says_why_not() -> None:
+    """forward()'s microbatch outputs as one batch: tensors concatenated, a 0-dim float averaged (a loss), a 0-dim
+    integer the microbatches agree on kept (it crashed torch.mean before), one they differ on refused."""
+    import pytest
+
+    from pipe.errors import PipelineError
+    from pipe.step import concat_outputs
+    parts = [{"y": torch.ones(2, 3) * k, "loss": torch.tensor(float(k)), "n": torch.tensor(7)} for k in (1, 3)]
+    got = concat_outputs(parts)
+    assert torch.equal(got["y"], torch.cat([parts[0]["y"], parts[1]["y"]]))
+    assert got["loss"].item() == 2.0 and got["n"].item() == 7 and got["n"].dtype == torch.int64
+    with pytest.raises(PipelineError, match=r"leaf 2 is a 0-dim torch.int64 tensor that differs between microbatches"):
+        concat_outputs([{"y": torch.ones(1), "loss": torch.tensor(1.0), "n": torch.tensor(k)} for k in (1, 2)])

@@ -345,7 +345,7 @@ def test_a_frozen_rank_under_a_launcher_ends_every_survivor_who_names_it(launche
         assert f"rank {r} lost rank {lost} during step 1" in out, out[-4000:]
 
 
-def skip_body(rank: int, world: int) -> list[float]:
+def skip_body(rank: int, world: int) -> dict[str, Any]:
     import partition
     import pipe
     pipe.init()
@@ -364,12 +364,22 @@ def skip_body(rank: int, world: int) -> list[float]:
         opt.zero_grad(set_to_none=True)
         if step == 1:  # the skipped step changed nothing
             assert all(torch.equal(a, p) for a, p in zip(before, pp.parameters()))
-    return losses
+    import warnings
+    args, target = w.make_batch(w.microbatch_size * 2, 0)
+    pp.step(*args, target=target)  # grads accumulated over two calls, the second not finite: both go, said
+    args, target = w.make_batch(w.microbatch_size * 2, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pp.step(*args, target=target)
+    assert all(p.grad is None for p in pp.parameters())
+    return {"losses": losses, "warned": [str(c.message) for c in caught if "skip_nonfinite" in str(c.message)]}
 
 
 def test_skip_nonfinite_drops_the_step(batch: list[dict[str, Any]]) -> None:
-    losses = batch[0]["skip_body"]
+    losses = batch[0]["skip_body"]["losses"]
     assert losses[1] != losses[1] and losses[0] == losses[0] and losses[2] == losses[2]
+    warned = batch[0]["skip_body"]["warned"]
+    assert len(warned) == 1 and "including those earlier step() calls accumulated" in warned[0], warned
 
 
 def test_run_skip_nonfinite_and_a_second_run_into_one_folder(batch: list[dict[str, Any]]) -> None:
