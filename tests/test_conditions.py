@@ -95,24 +95,32 @@ def _grads_close(pp: Any, ref: nn.Module, label: str, rtol: float = 1e-4, atol: 
         torch.testing.assert_close(p.grad, want[name].grad, rtol=rtol, atol=atol, msg=lambda m: f"{label} {name}: {m}")
 
 
-def conditions_body(rank: int, world: int) -> dict[str, Any]:
+def _two_steps(cls: type[nn.Module], M: int, label: str, **kwargs: Any) -> Any:
+    """A pipeline of `cls` trained two Adam steps in parity with the unpartitioned model (tests.parity)."""
     import pipe
     from tests.nccl_like import NcclLike
     from tests.parity import check_step
+    w, ref = _workload(cls), _workload(cls)
+    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, cost="flops", trace_loss=False,
+                       transport=NcclLike(), **kwargs)
+    opt = torch.optim.Adam(list(pp.parameters()), lr=1e-3, eps=1e-6)
+    ref_opt = torch.optim.Adam(ref.model.parameters(), lr=1e-3, eps=1e-6)
+    for step in range(2):
+        args, _, target = w.batch(w.microbatch_size * M, step)
+        loss = pp.step(*args, target=target)
+        check_step(pp, loss, ref, args, {}, target, M, opt, ref_opt, label)
+    return pp
+
+
+def conditions_body(rank: int, world: int) -> dict[str, Any]:
+    import pipe
+    from tests.nccl_like import NcclLike
     pipe.init()
     out: dict[str, Any] = {"clones": [], "notes": {}}
     M = 4
     # in-place writes: zero bubble splits the linear layers whose outputs are written; cuts before writes
     for schedule, v in (("1f1b", 1), ("zb-h1", 1), ("zbv", 2)):
-        w, ref = _workload(Inplace), _workload(Inplace)
-        pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, schedule=schedule,
-                           stages_per_rank=v, cost="flops", trace_loss=False, transport=NcclLike())
-        opt = torch.optim.Adam(list(pp.parameters()), lr=1e-3, eps=1e-6)
-        ref_opt = torch.optim.Adam(ref.model.parameters(), lr=1e-3, eps=1e-6)
-        for step in range(2):
-            args, _, target = w.batch(w.microbatch_size * M, step)
-            loss = pp.step(*args, target=target)
-            check_step(pp, loss, ref, args, {}, target, M, opt, ref_opt, f"inplace {schedule} rank {rank}")
+        pp = _two_steps(Inplace, M, f"inplace {schedule} rank {rank}", schedule=schedule, stages_per_rank=v)
         out["clones"] += [f"{schedule} stage {s}" for s in pp.local for n in pp.stages[s].graph.nodes
                           if n.op == "call_method" and n.target == "clone"]
         out["notes"][schedule] = [n for n in pp.plan.notes if "in place" in n]
@@ -139,15 +147,7 @@ def conditions_body(rank: int, world: int) -> dict[str, Any]:
             want = sum(float(w.loss_fn(ref.model(x), t)) for x, t in zip(args[0].chunk(M), target.chunk(M))) / M
         assert got == want, (schedule, got, want)
     # a module of the user's that reads its parameter twice, under zero bubble with offloaded activations
-    w, ref = _workload(Scaled), _workload(Scaled)
-    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, schedule="zb-h1", cost="flops",
-                       trace_loss=False, transport=NcclLike(), offload="activations", leaf_modules=(Twice,))
-    opt = torch.optim.Adam(list(pp.parameters()), lr=1e-3, eps=1e-6)
-    ref_opt = torch.optim.Adam(ref.model.parameters(), lr=1e-3, eps=1e-6)
-    for step in range(2):
-        args, _, target = w.batch(w.microbatch_size * M, step)
-        loss = pp.step(*args, target=target)
-        check_step(pp, loss, ref, args, {}, target, M, opt, ref_opt, f"leaf module rank {rank}")
+    _two_steps(Scaled, M, f"leaf module rank {rank}", schedule="zb-h1", offload="activations", leaf_modules=(Twice,))
     return out
 
 
