@@ -24,9 +24,12 @@ objects in the data, so no pickled code ever runs; any failure is raised as the 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
+import os
 import random
 import shutil
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,6 +87,15 @@ def _rng_targets(md: Any, src: int, device: torch.device, folder: Path) -> dict[
         elif k != "cuda":  # a checkpoint saved on the host has none
             raise CheckpointError(f"{folder} holds no random state for rank {src} ({k}); the checkpoint is damaged")
     return out
+
+
+def _rng_source(pp: "Pipeline", manifest: dict[str, Any]) -> int:
+    """The saved rank whose random state this rank takes: its own when the job's world size is the one saved,
+    else rank (r mod saved world)'s. Saved by global rank (each replica its own), or, by checkpoints of an
+    earlier format, by pipeline rank."""
+    if manifest.get("rng_by") == "global rank":
+        return pp.ctx.rank % len(manifest["rng"])
+    return pp.rank % int(manifest["world_size"])
 
 
 def _set_rng_state(tensors: dict[str, torch.Tensor], info: dict[str, Any], rank: int, device: torch.device) -> None:
@@ -176,7 +188,11 @@ def save(pp: "Pipeline", path: str | Path, optimizer: torch.optim.Optimizer | No
     path = Path(path)
     _same_optimizer(pp, optimizer, "save")
     if optimizer is not None:  # ZeRO (dp_shard="optimizer"): each replica saves its shard's state
-        optimizer = memory.local_optimizer(optimizer) or optimizer
+        inner = memory.local_optimizer(optimizer)
+        if inner is not None:  # with its groups' settings as the outer ones hold them now: ZeRO copies them
+            sync = getattr(type(optimizer), "_sync_param_groups")  # in at its step, and an LR scheduler's step
+            sync(optimizer.param_groups, inner.param_groups)  # after that changed only the outer ones
+        optimizer = inner or optimizer
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise CheckpointError(f"keep={keep!r} must be a positive number of versions to keep, e.g. keep=1")
     box = [uuid.uuid4().hex[:12]]
@@ -191,9 +207,9 @@ def save(pp: "Pipeline", path: str | Path, optimizer: torch.optim.Optimizer | No
             raise CheckpointError(f"{path} is a version folder of a checkpoint; save to the checkpoint's folder "
                                   f"({path.parent}) or to a new one")
         tensors.update(model_tensors(pp))
-        rng, rng_info = _rng_state(pp.rank, pp.ctx.device)
+        rng, rng_info = _rng_state(pp.ctx.rank, pp.ctx.device)  # by global rank: replicas draw apart
         tensors.update(rng)
-        info: dict[str, Any] = {"rng": rng_info, "pp_rank": pp.rank, "optimizer": None, "extra": None,
+        info: dict[str, Any] = {"rng": rng_info, "rank": pp.ctx.rank, "optimizer": None, "extra": None,
                                 "folder": str(folder.absolute())}
         if optimizer is not None:
             info["optimizer"] = _optimizer_state(pp, optimizer, tensors)
@@ -205,9 +221,22 @@ def save(pp: "Pipeline", path: str | Path, optimizer: torch.optim.Optimizer | No
                                      for k, t in extra_tensors.items()}
             tensors.update(extra_tensors)
             folder.mkdir(parents=True)
+            _writing[folder] = _lock(folder / WRITING)  # held until committed: no other writer's clean removes it
         return info
 
     info = everywhere(prepare)
+    try:
+        return _write(pp, path, folder, tensors, info, keep, me)
+    finally:
+        fd = _writing.pop(folder, None)
+        if fd is not None:
+            (folder / WRITING).unlink(missing_ok=True)
+            os.close(fd)
+
+
+def _write(pp: "Pipeline", path: Path, folder: Path, tensors: dict[str, torch.Tensor], info: dict[str, Any],
+           keep: int, me: int) -> Path:
+    """save's writing and commit, once every rank has prepared."""
     try:
         with quiet():
             dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder, sync_files=True), no_dist=not in_group())
@@ -232,19 +261,51 @@ def save(pp: "Pipeline", path: str | Path, optimizer: torch.optim.Optimizer | No
         manifest: dict[str, Any] = {
             "format": FORMAT, "step": pp.steps_done, "world_size": pp.world, "schedule": pp.schedule_name,
             "microbatches": pp.M, "stages_per_rank": pp.v, "plan": pp.plan.to_dict(),
-            "state_keys": pp.state_key_names(), "files": {}, "rng": [None] * pp.world,
-            "optimizer": None, "optimizer_class": None, "extra": info["extra"], "extra_tensors": info["extra_tensors"]}
+            "state_keys": pp.state_key_names(), "files": {}, "rng": [None] * len(everyone), "rng_by": "global rank",
+            "optimizer": None, "optimizer_class": None, "extra": info["extra"], "extra_tensors": info["extra_tensors"],
+            "committed_ns": time.time_ns()}  # the versions' order: a run resumed from an older one saves newer
         for f, i in everyone:
             manifest["files"].update(f)
-            manifest["rng"][i["pp_rank"]] = manifest["rng"][i["pp_rank"]] or i["rng"]  # one replica's
+            manifest["rng"][i["rank"]] = i["rng"]
             if i["optimizer"] is not None:
                 manifest["optimizer"] = {**(manifest["optimizer"] or {}), **i["optimizer"]}
                 manifest["optimizer_class"] = i["optimizer_class"]
-        write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1))   # the version is complete
-        write_atomic(path / LATEST, folder.name + "\n")                   # and the one loaded
-        _clean(path, folder, keep)
+        fd = _lock(path / COMMITTING)  # one writer at a time commits and cleans (two jobs given one folder)
+        try:
+            write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1))   # the version is complete
+            write_atomic(path / LATEST, folder.name + "\n")                   # and the one loaded
+            _clean(path, folder, keep)
+        finally:
+            os.close(fd)
     everywhere(commit)
     return folder
+
+
+WRITING = ".writing"  # in a version folder while its save runs, locked by the writer (rank 0)
+COMMITTING = ".commit-lock"  # in the checkpoint's folder, locked around a commit and its clean-up
+_writing: dict[Path, int] = {}  # this process's versions being written -> their lock's descriptor
+
+
+def _lock(file: Path) -> int:
+    """An exclusive lock on `file` (made if need be), held until the returned descriptor is closed."""
+    fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def _being_written(version: Path) -> bool:
+    """Whether another save is writing `version` now (it holds the version's lock)."""
+    try:
+        fd = os.open(version / WRITING, os.O_RDWR)
+    except OSError:
+        return False  # none: an interrupted save's leftover (or one from before the lock)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def _same_optimizer(pp: "Pipeline", optimizer: torch.optim.Optimizer | None, what: str) -> None:
@@ -278,21 +339,32 @@ def _all_seen(folder: Path, everyone: list[Any]) -> None:
             f"they all share; this version was not committed (the previous one stays the one loaded)")
 
 
+def _committed(version: Path) -> tuple[int, int]:
+    """When a complete version was committed (its manifest's time, or the file's for an earlier format),
+    then its step: saves after a rollback to an older version are the newest, whatever their steps."""
+    try:
+        when = int(json.loads((version / MANIFEST).read_text()).get("committed_ns") or 0)
+    except (OSError, ValueError, AttributeError):
+        when = 0
+    return when or (version / MANIFEST).stat().st_mtime_ns, int(version.name.split("-")[1])
+
+
 def _clean(path: Path, current: Path, keep: int) -> None:
-    """Remove leftovers of interrupted saves and all but the newest `keep` complete versions; a
-    version's manifest goes first, so one whose removal is interrupted is never taken for complete.
-    Best effort: the save it follows has succeeded whatever happens here."""
+    """Remove leftovers of interrupted saves and all but the newest `keep` complete versions (the last
+    committed); a version's manifest goes first, so one whose removal is interrupted is never taken for
+    complete. Best effort: the save it follows has succeeded whatever happens here."""
     with contextlib.suppress(OSError):
         complete = []
+        latest = (path / LATEST).read_text().strip() if (path / LATEST).is_file() else None
         for entry in path.iterdir():
             if entry.name == LATEST + ".tmp":
                 entry.unlink(missing_ok=True)
-            elif entry != current and VERSION.fullmatch(entry.name):
+            elif entry != current and entry.name != latest and VERSION.fullmatch(entry.name):
                 if (entry / MANIFEST).is_file():
                     complete.append(entry)
-                else:
+                elif not _being_written(entry) and not (entry / MANIFEST).is_file():  # (committed meanwhile)
                     shutil.rmtree(entry, ignore_errors=True)
-        complete.sort(key=lambda e: (int(e.name.split("-")[1]), (e / MANIFEST).stat().st_mtime_ns))
+        complete.sort(key=_committed)
         for entry in complete[:max(0, len(complete) - (keep - 1))]:
             (entry / MANIFEST).unlink(missing_ok=True)
             shutil.rmtree(entry, ignore_errors=True)
@@ -320,7 +392,7 @@ def load(pp: "Pipeline", path: str | Path, optimizer: torch.optim.Optimizer | No
         md = read_metadata(folder)
         model = model_tensors(pp)
         check_tensors(md, model, folder)
-        src = pp.rank % int(manifest["world_size"])
+        src = _rng_source(pp, manifest)
         if not 0 <= src < len(manifest["rng"]):
             raise CheckpointError(f"{folder / MANIFEST} lists the random state of {len(manifest['rng'])} ranks for "
                                   f"{manifest['world_size']}; the manifest is damaged")
@@ -349,7 +421,7 @@ def load(pp: "Pipeline", path: str | Path, optimizer: torch.optim.Optimizer | No
         with torch.no_grad():
             for k, t in model_tensors(pp).items():
                 t.copy_(targets[k])
-        src = pp.rank % int(manifest["world_size"])
+        src = _rng_source(pp, manifest)
         _set_rng_state(targets, manifest["rng"][src], src, pp.ctx.device)
         pp.steps_done = int(manifest["step"])
         return Loaded(pp.steps_done, extra, str(folder))

@@ -25,7 +25,8 @@ from pipe.scale import bucket_cap
 from pipe.schedules import Action
 from pipe.timing import Clock, HostClock
 
-__all__ = ["DataParallelError", "GradReducer", "ShardedStages", "pipeline_groups", "group_of", "DP_SHARD"]
+__all__ = ["DataParallelError", "GradReducer", "ShardedStages", "pipeline_groups", "group_of", "DP_SHARD",
+           "share_buffers"]
 
 DP_SHARD = ("none", "optimizer", "full")
 
@@ -95,6 +96,20 @@ def pipeline_groups(ctx: launch.Context, mesh: Any, data_parallel: int) -> tuple
     ranks = mesh.mesh.movedim(names.index("pp"), -1)
     rows = ranks.reshape(-1, ranks.shape[-1]).tolist()
     return mesh, mesh.get_group("pp"), mesh.get_group("dp") if dp_size > 1 else None, rows
+
+
+def share_buffers(modules: Sequence[torch.nn.Module], group: Any) -> None:
+    """Every replica takes the first replica's buffers (batch norm's running statistics), as DDP's
+    broadcast_buffers does: replicas then evaluate and save alike. One broadcast per dtype over `group`."""
+    held = list({id(b): b for m in modules for b in m.buffers()}.values())
+    src = dist.get_process_group_ranks(group)[0]
+    for dtype in sorted({b.dtype for b in held}, key=str):
+        same = [b for b in held if b.dtype == dtype]
+        flat = torch.cat([b.detach().reshape(-1) for b in same])
+        dist.broadcast(flat, src=src, group=group)
+        with torch.no_grad():
+            for b, part in zip(same, flat.split([b.numel() for b in same])):
+                b.copy_(part.view_as(b))
 
 
 class _Bucket:

@@ -250,7 +250,8 @@ def test_resume_on_any_plan_and_refuse_damage_alike(tmp_path: Path) -> None:
     ref = saved[0]
     ckpt = tmp_path / "ckpt"
     assert (ckpt / "LATEST").read_text().strip() == Path(ref["folder"]).name
-    assert sorted(p.name for p in ckpt.iterdir()) == ["LATEST", Path(ref["folder"]).name]
+    assert sorted(p.name for p in ckpt.iterdir()) == [".commit-lock", "LATEST", Path(ref["folder"]).name]
+    assert not (Path(ref["folder"]) / ".writing").exists()  # the version's lock goes with its save
     # the save into a folder per rank left no LATEST and no manifest: nothing a load would take
     for r in (0, 1):
         assert not (tmp_path / f"ckpt_rank{r}" / "LATEST").exists()
@@ -416,9 +417,9 @@ def test_a_save_killed_anywhere_leaves_the_last_checkpoint(tmp_path: Path) -> No
             assert got["done"] == TOTAL, point  # the new version was complete and current
         else:
             assert got["done"] == K and got["rest"] == out["cont"], point  # the previous one, bitwise
-    assert len(points["between the manifest's and LATEST's renames"]["entries"]) > 2  # leftovers there were
-    assert len(out["after"]) == 2 and out["after"][0] == "LATEST"
-    assert len(out["keep2"]) == 3
+    assert len(points["between the manifest's and LATEST's renames"]["entries"]) > 3  # leftovers there were
+    assert len(out["after"]) == 3 and out["after"][:2] == [".commit-lock", "LATEST"]
+    assert len(out["keep2"]) == 4
 
 
 def test_format_1_and_non_checkpoints_are_named(tmp_path: Path) -> None:
@@ -479,3 +480,51 @@ def buffers_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
 def test_buffers_are_the_stages_own_tensors(tmp_path: Path) -> None:
     for r in run_ranks("tests.test_checkpoint:buffers_body", 2, timeout=60, root=str(tmp_path)):
         assert r["n"] == 1 and r["moved"] and r["saved"] and r["loaded"], r
+
+
+def test_keep_counts_versions_in_the_order_they_were_committed(tmp_path: Path) -> None:
+    """A run resumed from an older version (steps 800 of 800, 900, 1000) saves 850, 875, 890: those are the
+    newest, and keep=3 removes the abandoned 900 and 1000 rather than each new save (ordered by step, it did)."""
+    from pipe.checkpoint import _clean
+    from pipe.ckpt_format import MANIFEST
+
+    def commit(step: int, tag: str) -> Path:
+        folder = tmp_path / f"step-{step:08d}-{tag * 12}"
+        folder.mkdir()
+        (folder / MANIFEST).write_text(json.dumps({"step": step, "committed_ns": len(commits) + 1}))
+        commits.append(step)
+        _clean(tmp_path, folder, keep=3)
+        return folder
+    commits: list[int] = []
+    for step, tag in ((800, "a"), (900, "b"), (1000, "c"), (850, "d"), (875, "e"), (890, "f")):
+        commit(step, tag)
+    left = sorted(int(p.name.split("-")[1]) for p in tmp_path.iterdir())
+    assert left == [850, 875, 890], left
+
+
+def test_clean_spares_a_version_another_save_is_writing_and_the_one_latest_names(tmp_path: Path) -> None:
+    """Two jobs given one folder: one's clean-up removed the other's version while it was being written (its
+    lock now says so), and a version LATEST names is never removed; an interrupted save's leftover still is."""
+    from pipe.checkpoint import WRITING, _clean, _lock
+    from pipe.ckpt_format import LATEST, MANIFEST
+
+    def version(step: int, tag: str, complete: bool) -> Path:
+        folder = tmp_path / f"step-{step:08d}-{tag * 12}"
+        folder.mkdir()
+        if complete:
+            (folder / MANIFEST).write_text(json.dumps({"step": step, "committed_ns": step}))
+        return folder
+    theirs = version(5, "a", complete=False)       # the other job is writing it
+    fd = _lock(theirs / WRITING)
+    leftover = version(6, "b", complete=False)     # a save that died: its lock file, unlocked
+    (leftover / WRITING).touch()
+    named = version(7, "c", complete=True)         # the other job's LATEST
+    (tmp_path / LATEST).write_text(named.name + "\n")
+    mine = version(8, "d", complete=True)
+    try:
+        _clean(tmp_path, mine, keep=1)
+        assert theirs.is_dir() and named.is_dir() and mine.is_dir() and not leftover.exists()
+    finally:
+        os.close(fd)
+    _clean(tmp_path, mine, keep=1)                 # its writer gone (unlocked) and no manifest: a leftover
+    assert not theirs.exists() and named.is_dir()

@@ -301,3 +301,57 @@ def one_replica_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
         out[shard] = losses
     out["two steps"] = _grads_after_two_steps()  # one replica: the tied embedding's sum of two steps
     return out
+
+
+def _bn_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                               torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
+
+
+def replicas_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
+    """Two replicas of a one-rank pipeline (ZeRO-1): batch norm's running statistics after a step, the learning
+    rate an LR scheduler set after the optimizer's step as saved and resumed, and each replica's random state."""
+    import pipe
+    pipe.init()
+    model = _bn_model()
+    x = torch.randn(4, 8)
+    pp = pipe.Pipeline(model, (x,), loss_fn=lambda out, t: (out - t).pow(2).mean(), microbatches=2, cost="flops",
+                       data_parallel=2, dp_shard="optimizer")
+    opt = pp.build_optimizer(torch.optim.AdamW, lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    g = torch.Generator().manual_seed(pp.dp_rank)  # each replica its own batch
+    batch, target = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+    pp.step(batch, target=target)
+    opt.step()
+    sched.step()  # after the optimizer's step: the outer groups' lr only, until ZeRO's next step
+    out: dict[str, Any] = {"buffers": {k: b.clone() for k, b in pp.local_buffers().items()}}
+    ref = _bn_model()  # the first replica's microbatches, in order, through the unpartitioned model
+    g = torch.Generator().manual_seed(0)
+    first = torch.randn(8, 8, generator=g)
+    for mb in first.chunk(2):
+        ref(mb)
+    out["ref"] = {k: b.clone() for k, b in ref.named_buffers()}
+    torch.manual_seed(100 + pp.dp_rank)  # the replicas draw apart from here
+    pp.save(root, optimizer=opt)
+    out["drawn"] = torch.rand(3)
+    model2 = _bn_model()
+    pp2 = pipe.Pipeline(model2, (x,), loss_fn=lambda out, t: (out - t).pow(2).mean(), microbatches=2,
+                        cost="flops", data_parallel=2, dp_shard="optimizer")
+    opt2 = pp2.build_optimizer(torch.optim.AdamW, lr=1e-2)
+    torch.manual_seed(7)
+    pp2.load(root, optimizer=opt2)
+    out["redrawn"] = torch.rand(3)
+    out["lr"] = (opt.param_groups[0]["lr"], opt2.param_groups[0]["lr"], opt2.optim.param_groups[0]["lr"])
+    return out
+
+
+def test_replicas_share_buffers_and_resume_their_own_lr_and_random_state(tmp_path: Path) -> None:
+    res = run_ranks("tests.test_data_parallel:replicas_body", 2, timeout=120, root=str(tmp_path / "ckpt"))
+    for r in res:  # the first replica's running statistics on both (DDP's broadcast_buffers)
+        assert set(r["buffers"]) == set(r["ref"])
+        for k in r["ref"]:
+            torch.testing.assert_close(r["buffers"][k], r["ref"][k], msg=k)
+        assert r["lr"] == (5e-3, 5e-3, 5e-3), r["lr"]  # the scheduler's, not the one ZeRO's last step copied
+        assert torch.equal(r["redrawn"], r["drawn"])  # each replica's own random state back
+    assert not torch.equal(res[0]["drawn"], res[1]["drawn"])
