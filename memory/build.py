@@ -16,6 +16,7 @@ from memory.recompute import bases, is_matmul_node, remat_candidates, savers, sa
 from memory.regions import cut_regions
 from memory.timeline import Point, stage_actions, stage_points
 from partition.costs import storage_owner
+from partition.split import writes_in_place
 
 __all__ = ["NodeCost", "stage_infos", "plan_choices", "build"]
 
@@ -98,6 +99,7 @@ def stage_infos(*, stages: Sequence[dict[str, Any]], costs: dict[str, NodeCost],
                   if c.storage and storage_owner(c.storage) in nodes})
     users = {n.name: [u.name for u in n.users] for n in gm.graph.nodes}
     reads = {n.name: [a.name for a in n.all_input_nodes] for n in gm.graph.nodes}
+    writes = writes_in_place(gm)
     infos = []
     last = len(stages) - 1
     before: dict[int, set[str]] = {}  # rank -> parameters its earlier stages read
@@ -120,7 +122,8 @@ def stage_infos(*, stages: Sequence[dict[str, Any]], costs: dict[str, NodeCost],
                                           temp_bytes=costs[n].temp_bytes, saved_by=(n,)) for n in names)
         exact = all(n in costs and n in nodes for n in st["nodes"])  # no node rewritten (sliced) by the plan
         cuts = cut_regions(names, users, reads, {n: c.out_bytes for n, c in costs.items()},
-                           {n: costs[n].fwd_ms * time_scale for n in names}, owner) if regions and exact else []
+                           {n: costs[n].fwd_ms * time_scale for n in names}, owner,
+                           writes=writes) if regions and exact else []
         infos.append(StageInfo(index=s, nodes=infos_nodes,
                                act_bytes=int(1.02 * st["activation_bytes"]),
                                loss_bytes=int(1.02 * loss) if s == last else 0,

@@ -11,10 +11,11 @@ unpacks it. Matmul outputs (and what matmuls save besides their input) are never
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx
@@ -22,8 +23,9 @@ from torch.utils.checkpoint import checkpoint
 
 from partition.costs import node_callable
 
-__all__ = ["ChainedHooks", "Markers", "Recipe", "Remat", "Recomputed", "bases", "instrument", "is_matmul_node",
-           "is_random_node", "make_recipe", "remat_candidates", "savers", "saves_input_only", "with_markers"]
+__all__ = ["ChainedHooks", "KeptBuffers", "Markers", "Recipe", "Remat", "Recomputed", "bases", "instrument",
+           "is_matmul_node", "is_random_node", "make_recipe", "remat_candidates", "savers", "saves_input_only",
+           "with_markers"]
 
 _MATMUL_MODULES = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
                    torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d,
@@ -45,8 +47,13 @@ _SAVES_INPUT_FUNCTIONS: set[Any] = {torch.nn.functional.layer_norm, torch.nn.fun
 _RANDOM_FUNCTIONS: set[Any] = {torch.nn.functional.dropout, torch.nn.functional.dropout1d,
                                torch.nn.functional.dropout2d, torch.nn.functional.dropout3d,
                                torch.nn.functional.alpha_dropout, torch.nn.functional.feature_alpha_dropout,
-                               torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like,
-                               torch.bernoulli, torch.multinomial, torch.normal}
+                               torch.nn.functional.rrelu, torch.nn.functional.gumbel_softmax,
+                               torch.dropout, torch.feature_dropout, torch.alpha_dropout, torch.feature_alpha_dropout,
+                               torch.rrelu, torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like,
+                               torch.randint_like, torch.randperm, torch.bernoulli, torch.multinomial, torch.normal,
+                               torch.poisson}
+_RANDOM_METHODS = {"bernoulli", "bernoulli_", "uniform_", "normal_", "random_", "exponential_", "geometric_",
+                   "log_normal_", "cauchy_", "multinomial"}
 
 
 def is_matmul_node(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
@@ -59,14 +66,19 @@ def is_matmul_node(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
 
 
 def is_random_node(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
-    """A node whose output depends on the RNG (dropout with p > 0, random factories): not recomputed."""
+    """A node whose output depends on the RNG (dropout with p > 0, random factories, an aten op torch tags
+    nondeterministic_seeded, a module kept whole holding any of them): not recomputed."""
     if node.op == "call_module":
-        m = gm.get_submodule(str(node.target))
-        return isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 or \
-            isinstance(m, (torch.nn.RReLU, torch.nn.RNNBase))
+        return any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 or
+                   isinstance(m, (torch.nn.RReLU, torch.nn.RNNBase))
+                   for m in gm.get_submodule(str(node.target)).modules())
     if node.op == "call_method":
-        return str(node.target) in ("bernoulli", "bernoulli_", "uniform_", "normal_", "random_")
-    return node.op == "call_function" and (node.target in _RANDOM_FUNCTIONS or bool(node.kwargs.get("dropout_p")))
+        return str(node.target) in _RANDOM_METHODS
+    if node.op != "call_function":
+        return False
+    if isinstance(node.target, torch._ops.OpOverload):
+        return torch.Tag.nondeterministic_seeded in node.target.tags
+    return node.target in _RANDOM_FUNCTIONS or bool(node.kwargs.get("dropout_p"))
 
 
 # Ops that save none of their inputs for backward, and ops whose output is a view of an input.
@@ -309,6 +321,38 @@ def make_recipe(gm: torch.fx.GraphModule, node: torch.fx.Node, value: Any, input
     return Recipe(node_callable(gm, node), args, kwargs, tensors, value, stage, mb, index)
 
 
+class KeptBuffers:
+    """The buffers a module's forward writes (batch norm's running statistics), found by their values on its
+    first run (batch norm's kernel writes them without a version bump) and by their versions on every run;
+    `again()` puts them back after a recomputation, which would write them a second time."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.written: dict[int, torch.Tensor] = {}
+        self.probed = False
+
+    def first(self, run: Callable[[], Any]) -> Any:
+        held = list(self.module.buffers())
+        before = [b._version for b in held]
+        values = [b.detach().clone() for b in held] if not self.probed else [None] * len(held)
+        out = run()
+        for b, v, old in zip(held, before, values):
+            if b._version != v or old is not None and not torch.equal(old, b):
+                self.written[id(b)] = b
+        self.probed = True
+        return out
+
+    @contextlib.contextmanager
+    def again(self) -> Iterator[None]:
+        kept = [(b, b.detach().clone()) for b in self.written.values()]
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for b, value in kept:
+                    b.copy_(value)
+
+
 class Recomputed(torch.nn.Module):
     """Runs `inner` under non-reentrant checkpoint (whole stage, one per microbatch);
     `recomputed(t)` is told of every tensor the recomputation saves."""
@@ -317,12 +361,13 @@ class Recomputed(torch.nn.Module):
                  recomputed: Callable[[torch.Tensor], None] = lambda t: None) -> None:
         super().__init__()
         self.inner, self.recomputed = inner, recomputed
+        self.buffers_kept = KeptBuffers(inner)
 
     def _run(self, calls: list[int], *args: Any) -> Any:
         calls[0] += 1
         if calls[0] == 1:
-            return self.inner(*args)
-        with ChainedHooks(self.recomputed):
+            return self.buffers_kept.first(lambda: self.inner(*args))
+        with ChainedHooks(self.recomputed), self.buffers_kept.again():
             return self.inner(*args)
 
     def forward(self, *args: Any) -> Any:

@@ -18,24 +18,32 @@ import torch.fx
 from torch.utils.checkpoint import checkpoint
 
 from memory.budget import Region
-from memory.recompute import ChainedHooks
+from memory.recompute import ChainedHooks, KeptBuffers
 
 __all__ = ["Checkpointed", "cut_regions", "checkpoint_regions"]
 
 
 def cut_regions(order: Sequence[str], users: dict[str, list[str]], inputs: dict[str, list[str]],
                 out_bytes: dict[str, int], fwd_ms: dict[str, float], owner: dict[str, str] | None = None,
-                min_share: float = 0.05) -> list[Region]:
+                min_share: float = 0.05, writes: dict[str, list[str]] | None = None) -> list[Region]:
     """Regions of the stage whose nodes are `order` (topological). `inputs[n]` are the nodes n reads,
     `users[n]` those reading it (either may lie outside the stage); `owner[n]` is the node owning n's
     storage (a view's base; default n itself), whose `out_bytes` count once while any of its views is
     live. Cuts go where the crossing bytes are the least; runs under `min_share` of the stage's time
-    join their neighbour. O(N + E)."""
+    join their neighbour. `writes[n]`: the values node n writes in place; no region writes one entering
+    it (its recomputation would read the written value, and write it again), so no cut falls between a
+    value and a write to it. O(N + E)."""
     n = len(order)
     if n < 2:
         return []
     owner = owner or {}
     pos = {name: i for i, name in enumerate(order)}
+    barred = [False] * (n + 1)  # cut positions between a value and a write to it
+    for m, written in (writes or {}).items():
+        for x in written:
+            if m in pos:
+                for p in range(pos.get(x, -1) + 1, pos[m] + 1):
+                    barred[p] = True
     live: dict[str, list[int]] = {}  # storage owner -> [made before position, read up to position]
     for i, name in enumerate(order):
         span = live.setdefault(owner.get(name, name), [i + 1, i])
@@ -54,9 +62,10 @@ def cut_regions(order: Sequence[str], users: dict[str, list[str]], inputs: dict[
     for p in range(n + 1):
         run += delta[p]
         crossing[p] = run
-    widest = max(crossing[1:n])  # ignore the small values of a stage's first nodes (positions, sizes)
-    least = min(c for c in crossing[1:n] if c >= widest / 8)
-    cuts = [0] + [p for p in range(1, n) if crossing[p] <= least] + [n]
+    open_ = [p for p in range(1, n) if not barred[p]]
+    widest = max([crossing[p] for p in open_], default=0)  # ignore the small values of a stage's first nodes
+    least = min([c for c in (crossing[p] for p in open_) if c >= widest / 8], default=0)
+    cuts = [0] + [p for p in open_ if crossing[p] <= least] + [n]
     total = sum(fwd_ms.get(x, 0.0) for x in order) or 1.0
     spans: list[list[int]] = []
     for a, b in zip(cuts, cuts[1:]):
@@ -95,6 +104,13 @@ def checkpoint_regions(gm: torch.fx.GraphModule, regions: Sequence[Sequence[str]
         if any(m.name in planned and m.name not in names for m in members):
             raise ValueError(f"checkpoint region {k} ({names[0]} .. {names[-1]}) is not a contiguous run of the "
                              "stage graph's nodes")
+        first = members[0]
+        order = {x: i for i, x in enumerate(gm.graph.nodes)}
+        for a in {a for m in members for a in m.all_input_nodes if a.meta.get("fxpipe_copy")}:
+            # the stage's copy of a received value it writes in place (partition.split), read by no node before
+            # the region: recomputed with it from the value, not read back as written
+            if all(order[u] >= order[first] for u in a.users):
+                members.insert(0, a)
         inside = set(members)
         entering: list[torch.fx.Node] = []
         for m in members:
@@ -109,7 +125,7 @@ def checkpoint_regions(gm: torch.fx.GraphModule, regions: Sequence[Sequence[str]
         sub.output(tuple(env[m] for m in leaving))
         name = f"_fxpipe_region{k}"
         gm.add_submodule(name, wrap(k, torch.fx.GraphModule(gm, sub)))
-        with gm.graph.inserting_before(members[0]):
+        with gm.graph.inserting_before(first):
             call = gm.graph.call_module(name, tuple(entering))
             outs = [gm.graph.call_function(operator.getitem, (call, i)) for i in range(len(leaving))]
         for m, o in zip(leaving, outs):
@@ -129,13 +145,14 @@ class Checkpointed(torch.nn.Module):
                  again: Callable[[], None], recomputed: Callable[[torch.Tensor], None]) -> None:
         super().__init__()
         self.inner, self.entering, self.again, self.recomputed = inner, entering, again, recomputed
+        self.buffers_kept = KeptBuffers(inner)
 
     def _run(self, calls: list[int], *args: Any) -> Any:
         calls[0] += 1
         if calls[0] == 1:
-            return self.inner(*args)
+            return self.buffers_kept.first(lambda: self.inner(*args))
         self.again()
-        with ChainedHooks(self.recomputed):
+        with ChainedHooks(self.recomputed), self.buffers_kept.again():
             return self.inner(*args)
 
     def forward(self, *args: Any) -> Any:

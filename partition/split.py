@@ -156,6 +156,7 @@ def subgraph(gm: torch.fx.GraphModule, own: set[str], stage_of: dict[str, int], 
         if written_in_place(gm, ph):
             with g.inserting_before(first):
                 copy = g.call_method("clone", (ph,))
+            copy.meta["fxpipe_copy"] = True  # (a checkpoint region writing it recomputes it: memory.regions)
             ph.replace_all_uses_with(copy, delete_user_cb=lambda u: u is not copy)
     return torch.fx.GraphModule(gm, g, name), inputs, param_nodes
 
@@ -203,6 +204,20 @@ def _writes(root: torch.nn.Module, user: torch.fx.Node, value: torch.fx.Node) ->
             return False
         return bound.arguments.get("inplace") is True
     return False
+
+
+def writes_in_place(gm: torch.fx.GraphModule) -> dict[str, list[str]]:
+    """Each node that writes values in place -> the nodes making them (through views: the viewed value's)."""
+    out: dict[str, list[str]] = {}
+    for u in gm.graph.nodes:
+        for a in u.all_input_nodes:
+            if _writes(gm, u, a):
+                base = a
+                while base.op != "placeholder" and base.args and isinstance(base.args[0], torch.fx.Node) \
+                        and _name(base.target) in _VIEWS:
+                    base = base.args[0]
+                out.setdefault(u.name, []).append(base.name)
+    return out
 
 
 def written_in_place(root: torch.nn.Module, node: torch.fx.Node) -> bool:

@@ -1,7 +1,8 @@
 """Models as users write them, on 2 ranks through the NCCL-semantics transport: in-place ops (an inplace
 ReLU after a linear layer that zero bubble splits, a cut right before one), autocast (values crossing
-stages in bfloat16), and a module of the user's kept whole that reads its parameter twice (zero bubble
-with offloaded activations). Parity with the unpartitioned model, step by step."""
+stages in bfloat16), a module of the user's kept whole that reads its parameter twice (zero bubble
+with offloaded activations), batch norm in recomputed stages, torch.dropout under 'selective'. Parity with
+the unpartitioned model, step by step."""
 from __future__ import annotations
 
 from typing import Any
@@ -77,6 +78,36 @@ class Scaled(nn.Module):
         return self.head(x)
 
 
+class Normed(nn.Module):
+    """Batch norm after each linear layer: recomputing a stage or region must not update its statistics twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lins = nn.ModuleList([nn.Linear(D, D) for _ in range(4)])
+        self.norms = nn.ModuleList([nn.BatchNorm1d(D) for _ in range(4)])
+        self.head = nn.Linear(D, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for lin, norm in zip(self.lins, self.norms):
+            x = x + torch.tanh(norm(lin(x)))
+        return self.head(x)
+
+
+class Attn(nn.Module):
+    """torch.dropout (the builtin attention code calls) after a softmax: 'selective' must not recompute it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lins = nn.ModuleList([nn.Linear(D, D) for _ in range(4)])
+        self.outs = nn.ModuleList([nn.Linear(D, D) for _ in range(4)])
+        self.head = nn.Linear(D, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for lin, out in zip(self.lins, self.outs):
+            x = x + out(torch.dropout(torch.softmax(lin(x), -1), 0.3, self.training))
+        return self.head(x)
+
+
 def _batch(batch_size: int, step: int) -> tuple[tuple[Any, ...], torch.Tensor]:
     g = torch.Generator().manual_seed(step)
     return (torch.randn(batch_size, D, generator=g),), torch.randn(batch_size, 4, generator=g)
@@ -109,7 +140,7 @@ def _two_steps(cls: type[nn.Module], M: int, label: str, **kwargs: Any) -> Any:
         args, _, target = w.batch(w.microbatch_size * M, step)
         loss = pp.step(*args, target=target)
         check_step(pp, loss, ref, args, {}, target, M, opt, ref_opt, label)
-    return pp
+    return pp, ref
 
 
 def conditions_body(rank: int, world: int) -> dict[str, Any]:
@@ -120,7 +151,7 @@ def conditions_body(rank: int, world: int) -> dict[str, Any]:
     M = 4
     # in-place writes: zero bubble splits the linear layers whose outputs are written; cuts before writes
     for schedule, v in (("1f1b", 1), ("zb-h1", 1), ("zbv", 2)):
-        pp = _two_steps(Inplace, M, f"inplace {schedule} rank {rank}", schedule=schedule, stages_per_rank=v)
+        pp, _ = _two_steps(Inplace, M, f"inplace {schedule} rank {rank}", schedule=schedule, stages_per_rank=v)
         out["clones"] += [f"{schedule} stage {s}" for s in pp.local for n in pp.stages[s].graph.nodes
                           if n.op == "call_method" and n.target == "clone"]
         out["notes"][schedule] = [n for n in pp.plan.notes if "in place" in n]
@@ -148,6 +179,25 @@ def conditions_body(rank: int, world: int) -> dict[str, Any]:
         assert got == want, (schedule, got, want)
     # a module of the user's that reads its parameter twice, under zero bubble with offloaded activations
     _two_steps(Scaled, M, f"leaf module rank {rank}", schedule="zb-h1", offload="activations", leaf_modules=(Twice,))
+    # batch norm in stages recomputed whole: its statistics as the model's forwards left them
+    pp, ref = _two_steps(Normed, M, f"batch norm recomputed rank {rank}", recompute="full")
+    mine = pp.local_buffers()
+    assert any("running_mean" in k for k in mine), mine
+    for k, b in ref.model.named_buffers():
+        if k in mine:
+            torch.testing.assert_close(mine[k], b, msg=lambda m: f"recomputed batch norm {k}: {m}")
+    # 'selective' with torch.dropout: the grads of the same draws as without recomputation
+    grads = []
+    for recompute in ("none", "selective"):
+        w = _workload(Attn)
+        pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, cost="flops",
+                           trace_loss=False, transport=NcclLike(), recompute=recompute)
+        args, _, target = w.batch(w.microbatch_size * M, 0)
+        torch.manual_seed(10 + rank)
+        pp.step(*args, target=target)
+        grads.append({n: p.grad for n, p in pp.named_parameters()})
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[1][n], g, msg=lambda m: f"selective with torch.dropout {n}: {m}")
     return out
 
 

@@ -45,8 +45,9 @@ def one_config(rank: int, world: int, cfg: Config, M: int, steps: int, budget: f
             "kinds": sorted({x.kind for x in pp.program if isinstance(x, Action)}),
             "fallbacks": [n for n in pp.plan.notes if "autograd call per node, not matrix products" in n],
             # zero bubble: which stages' W takes the matrix products (the stage module returns the linear
-            # layers' inputs as a third output), against the memory plan's label of each
-            "w_direct": {s: (len(pp._zb[s][0].graph.output_node().args[0]) == 3, choices[s].label())
+            # layers' inputs and their versions as a third and a fourth output), against the memory plan's
+            # label of each
+            "w_direct": {s: (len(pp._zb[s][0].graph.output_node().args[0]) == 4, choices[s].label())
                          for s in pp._zb},
             "reload_stalls": sum(r["reload_stalls"] for r in report.values())}
 

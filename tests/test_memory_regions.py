@@ -25,6 +25,69 @@ def test_regions_are_cut_where_the_fewest_bytes_cross() -> None:
                                                          Region(("d", "e"), 2.0, 2, ("c",))]
     # a run under the minimum share of the stage's time joins its neighbour
     assert cut_regions(order, users, reads, out, dict(ms, d=0.0625, e=0.0625)) == [Region(tuple(order), 3.125, 0)]
+    # e writes c in place (c.mul_): a region starting at d would recompute from the written c and write it again
+    # (the cheapest cut allowed then falls before b)
+    assert cut_regions(order, users, reads, out, ms, writes={"e": ["c"]}) == [
+        Region(("a",), 1.0, 0), Region(("b", "c", "d", "e"), 4.0, 4, ("a",))]
+
+
+def test_a_recomputation_leaves_batch_norms_statistics_as_one_forward_left_them() -> None:
+    """A checkpoint (whole stage or region) runs the forward again in the backward: batch norm would update its
+    running statistics twice. They are put back after the recomputation (found by their versions)."""
+    from memory.recompute import Recomputed
+    from memory.regions import Checkpointed
+    torch.manual_seed(0)
+    for wrap in (lambda m: Recomputed(m), lambda m: Checkpointed(m, entering=lambda a: None, again=lambda: None,
+                                                                   recomputed=lambda t: None)):
+        net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh())
+        ref = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh())
+        ref.load_state_dict(net.state_dict())
+        wrapped = wrap(net)
+        for x in (torch.randn(5, 4), torch.randn(5, 4)):
+            wrapped(x).pow(2).sum().backward()
+            ref(x).pow(2).sum().backward()
+        for (n, b), r in zip(net.named_buffers(), ref.buffers()):
+            torch.testing.assert_close(b, r, rtol=0, atol=0, msg=n)
+        for (n, q), r in zip(net.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(q.grad, r.grad, msg=n)
+
+
+def test_random_nodes_include_torchs_builtins_aten_ops_and_modules_holding_dropout() -> None:
+    """'selective' never recomputes what draws random numbers: a new draw in the backward would not match the
+    forward's. torch.dropout (the builtin attention code calls), aten ops torch tags nondeterministic_seeded
+    (torch.export's graphs) and a module kept whole that holds a dropout were missed."""
+    from memory.recompute import is_random_node
+
+    class Kept(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x)
+
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.kept = Kept()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.dropout(torch.softmax(x, -1), 0.1, True)
+            return self.kept(h) * torch.tanh(h)
+
+    class Tracer(torch.fx.Tracer):
+        def is_leaf_module(self, m: torch.nn.Module, name: str) -> bool:
+            return isinstance(m, Kept) or super().is_leaf_module(m, name)
+    gm = torch.fx.GraphModule(M(), Tracer().trace(M()))
+    got = {n.name: is_random_node(gm, n) for n in gm.graph.nodes if n.op.startswith("call")}
+    assert got == {"softmax": False, "dropout": True, "kept": True, "tanh": False, "mul": False}, got
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    noise = g.call_function(torch.ops.aten.randn_like.default, (x,))
+    same = g.call_function(torch.ops.aten.tanh.default, (x,))
+    g.output((noise, same))
+    aten = torch.fx.GraphModule(torch.nn.Module(), g)
+    assert is_random_node(aten, noise) and not is_random_node(aten, same)
 
 
 class _Blocks(torch.nn.Module):
@@ -136,3 +199,42 @@ def test_predicted_peak_bounds_the_ledger_when_regions_keep_little() -> None:
     assert got[0][0].startswith("ckpt"), got
     for s, (label, peak, predicted) in got.items():
         assert peak <= predicted <= 14 << 20, (s, label, peak, predicted)
+
+
+class _Halves(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0, self.l1 = torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l0(x)
+        return self.l1(torch.tanh(h.mul_(0.5)))
+
+
+def test_a_region_recomputes_the_stages_copy_of_a_received_value_it_writes() -> None:
+    """Cut after l0, the second stage writes a copy of the value it receives (partition.split); a checkpoint
+    region writing it takes that copy in, so its recomputation halves the received value once, not twice."""
+    from memory.regions import Checkpointed, checkpoint_regions
+    from partition.split import subgraph
+    torch.manual_seed(0)
+    model = _Halves()
+    gm = torch.fx.symbolic_trace(model)
+    stage_of = {n.name: (0 if n.name == "l0" else 1) for n in gm.graph.nodes if n.op.startswith("call")}
+    own = {n for n, s in stage_of.items() if s == 1}
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    stage, _, _ = subgraph(gm, own, stage_of, ["l0"], [out], "Stage1")
+    checkpoint_regions(stage, [[n.name for n in stage.graph.nodes if n.name in own]],
+                       lambda k, sub: Checkpointed(sub, entering=lambda a: None, again=lambda: None,
+                                                   recomputed=lambda t: None))
+    region = next(m for m in stage.modules() if isinstance(m, Checkpointed))
+    assert [n.target for n in region.inner.graph.nodes if n.op == "call_method"][0] == "clone"  # taken in
+    x = torch.randn(3, 4)
+    leaf = model.l0(x).detach().requires_grad_(True)
+    stage(leaf)[0].pow(2).sum().backward()
+    got = {n: p.grad.clone() for n, p in model.l1.named_parameters()}, leaf.grad.clone()
+    model.zero_grad()
+    h = model.l0(x).detach().requires_grad_(True)
+    model.l1(torch.tanh(h * 0.5)).pow(2).sum().backward()
+    for n, p in model.l1.named_parameters():
+        torch.testing.assert_close(got[0][n], p.grad, msg=n)
+    torch.testing.assert_close(got[1], h.grad)

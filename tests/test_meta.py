@@ -534,8 +534,12 @@ def test_meta_models_on_2_and_4_ranks(tmp_path: Path) -> None:
         assert any(n.startswith("parameters per rank, on the host") for n in r["gpt pt zb-h1"]["notes"])
         assert any(n.startswith("CPU memory: glibc keeps what the process frees") for n in notes), notes
         assert r["gpt dict measured"]["cost"] == "block by block, one block's weights at a time"
-        assert r["as on devices 1f1b"]["cost"].startswith(  # shared, then the stages timed whole
-            "block by block, one block's weights at a time, shared by 2 ranks; the plan's stages then timed whole")
+        # shared, then the stages timed whole (and, when those timings predict other cuts 10% faster, theirs too:
+        # timings, so a loaded machine may find them)
+        assert r["as on devices 1f1b"]["cost"].startswith((
+            "block by block, one block's weights at a time, shared by 2 ranks; the plan's stages then timed whole",
+            "block by block, one block's weights at a time, shared by 2 ranks; the stages of ")), \
+            r["as on devices 1f1b"]
         assert r["as on devices auto"]["cost"] == "block by block, one block's weights at a time, shared by 2 ranks"
         assert any("schedule='auto' chose" in n for n in r["as on devices auto"]["notes"])
         assert r["init"]["losses"][-1] < r["init"]["losses"][0] - 0.3, r["init"]["losses"]
