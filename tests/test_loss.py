@@ -286,3 +286,41 @@ def test_slice_bounds_of_a_count_fall_on_multiples_of_8() -> None:
                 assert all(x % 8 == 0 for x in b[:-1]) and all(abs(x - e) <= 4 for x, e in zip(b, even)), (k, out, b)
             else:
                 assert b == even, (k, out, b)
+
+
+def test_vocab_parallel_works_out_the_loss_in_float32_under_autocast() -> None:
+    """Under autocast the logits are bfloat16 and F.cross_entropy works in float32; the slices' log-sum-exp
+    and statistics did their sums in bfloat16 (a loss lower by up to 0.02 here), and now work in float32."""
+    torch.manual_seed(0)
+    w = models.gpt_wide_vocab(**SMALL)
+    (x,), y = w.make_batch(4, 0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = w.loss_fn(w.model(x), y)
+    gm = partition.trace(w.model, (x,))
+    assert attach_loss(gm, w.loss_fn) is None
+    flat = flatten_inputs(gm, (x,), None, y)
+    vocab_parallel(gm, "lm_head", 4, _shapes(gm, flat))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = gm(*flat)
+    assert got.dtype == ref.dtype == torch.float32
+    torch.testing.assert_close(got, ref, rtol=2e-3, atol=0)  # the logits' rounding alone (bfloat16)
+
+
+def test_vocab_parallel_refuses_soft_labels_and_out_of_range_targets() -> None:
+    """Probabilities as the target (distillation, mixup) keep the loss whole, with the reason (planning
+    crashed in the slice's gather); a target outside the vocabulary is an error, as in F.cross_entropy."""
+    from partition.rewrite import vocab_loss, vocab_parallel_why
+    w = models.gpt_wide_vocab(**SMALL)
+    (x,), _ = w.make_batch(4, 0)
+    soft = torch.softmax(torch.randn(4, SMALL["seq_len"], SMALL["vocab"]), -1)
+    gm = partition.trace(w.model, (x,))
+    assert attach_loss(gm, lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten(0, 1))) is None
+    flat = flatten_inputs(gm, (x,), None, soft)
+    costs = node_costs(gm, flat, cost="flops")
+    dtypes = {k: str(c.dtype).removeprefix("torch.") for k, c in costs.items() if getattr(c, "dtype", None)}
+    ce, why = vocab_parallel_why(gm, _head(gm), {k: list(c.shape) for k, c in costs.items()}, dtypes)
+    assert ce is None and "probabilities" in why, why
+    stats = torch.zeros(3, 2)
+    with pytest.raises(RuntimeError, match="outside"):
+        vocab_loss(stats, torch.tensor([1, -100, 7]), 0, "mean", vocab=5)
+    assert vocab_loss(stats, torch.tensor([1, -100, 4]), -100, "mean", vocab=5).item() == 0.0
