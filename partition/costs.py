@@ -1,6 +1,7 @@
 """Per-node costs of a traced model: output bytes, parameters, bytes saved for backward, fwd/bwd time."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import math
@@ -65,20 +66,40 @@ def storage_owner(sid: str) -> str:
 @contextlib.contextmanager
 def preserve_state(module: torch.nn.Module) -> Iterator[None]:
     """Leave the module as it was: its buffers' values (e.g. batch-norm statistics), parameter
-    grads, training modes, the RNG state, and its attributes (a tracer that registers a tensor
-    constant on the module it traces has it removed again)."""
+    grads, training modes, the RNG state, its attributes (a tracer that registers a tensor
+    constant on the module it traces has it removed again; one the forward sets, set back) and
+    its hooks (a model that installs hooks on its first call, as Hugging Face's output capture
+    does, has them removed: left, they would capture twice on the user's next call)."""
     saved = {n: b.detach().clone() for n, b in module.named_buffers()}
     grads = {n: p.grad for n, p in module.named_parameters()}
     mods = list(module.modules())
-    shape = [(m.training, set(vars(m)), set(m._parameters), set(m._buffers), set(m._modules)) for m in mods]
+    kinds = ("_parameters", "_buffers", "_modules")
+    shape = [(m.training, dict(vars(m)), {k: copy.copy(v) for k, v in vars(m).items() if type(v) in (dict, list, set)
+                                         or isinstance(v, collections.OrderedDict)},
+              set(m._parameters), set(m._buffers), set(m._modules)) for m in mods]
     with torch.random.fork_rng(devices=[]):
         try:
             yield
         finally:
-            for m, (training, attrs, params, bufs, subs) in zip(mods, shape):
+            for m, (training, attrs, tables, params, bufs, subs) in zip(mods, shape):
                 for d, keep in ((vars(m), attrs), (m._parameters, params), (m._buffers, bufs), (m._modules, subs)):
                     for k in [k for k in d if k not in keep]:
                         del d[k]
+                for k, v in attrs.items():  # values the run replaced (an fx Proxy, a counter)
+                    if k not in kinds and vars(m).get(k, v) is not v:
+                        vars(m)[k] = v
+                for k, table in tables.items():  # hook tables, a buffer reassigned, containers changed in place
+                    now = vars(m).get(k)
+                    if isinstance(now, dict) and isinstance(table, dict) and (
+                            now.keys() != table.keys() or any(now[x] is not table[x] for x in table)):
+                        now.clear()
+                        now.update(table)
+                    elif isinstance(now, list) and isinstance(table, list) and (
+                            len(now) != len(table) or any(a is not b for a, b in zip(now, table))):
+                        now[:] = table
+                    elif isinstance(now, set) and isinstance(table, set) and now != table:
+                        now.clear()
+                        now.update(table)
                 m.training = training
             with torch.no_grad():
                 for n, b in module.named_buffers():

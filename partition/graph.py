@@ -19,9 +19,15 @@ def build_graph(gm: torch.fx.GraphModule, costs: dict[str, NodeCost]) -> nx.DiGr
     Edges u -> v: v reads u's value; `bytes` is the size of that value. The graph attribute
     `output_leaves` lists the nodes whose values are the model's outputs.
     """
+    from memory.recompute import is_random_node
+    from partition.split import writes_in_place
+    writes = writes_in_place(gm)
     g = nx.DiGraph()
     for i, node in enumerate(gm.graph.nodes):
-        g.add_node(node.name, op=node.op, order=i, cost=costs.get(node.name))
+        # a random op drawn again on each stage, or an in-place write done again, would not be the model's:
+        # `once` nodes are placed on one stage like any other (their value sent on), never replicated
+        once = node.op.startswith("call") and (node.name in writes or is_random_node(gm, node))
+        g.add_node(node.name, op=node.op, order=i, cost=costs.get(node.name), once=once)
     for node in gm.graph.nodes:
         for a in node.all_input_nodes:
             c = costs.get(a.name)
@@ -32,7 +38,8 @@ def build_graph(gm: torch.fx.GraphModule, costs: dict[str, NodeCost]) -> nx.DiGr
 
 
 def _replicated(g: nx.DiGraph) -> set[str]:
-    """Call nodes computed from model inputs and constants alone (positions, masks, sizes).
+    """Call nodes computed from model inputs and constants alone (positions, masks, sizes), other than
+    random ops and in-place writes (`once`).
 
     Every stage that needs them recomputes them, so they never cross a boundary.
     """
@@ -40,7 +47,7 @@ def _replicated(g: nx.DiGraph) -> set[str]:
     for name in sorted(g.nodes, key=lambda n: g.nodes[n]["order"]):
         attrs = g.nodes[name]
         if (attrs["op"] not in ("call_function", "call_method", "call_module") or attrs["cost"].params
-                or g.out_degree(name) == 0):  # nobody reads it: it runs once, for its effect
+                or g.out_degree(name) == 0 or attrs.get("once")):  # nobody reads it: it runs once, for its effect
             continue
         if all(g.nodes[p]["op"] in ("placeholder", "get_attr") or p in rep for p in g.predecessors(name)):
             rep.add(name)

@@ -317,7 +317,9 @@ def inference_stage(gm: torch.fx.GraphModule, plan: Plan, s: int, root: torch.nn
             extras.append((sliced[head], lo))
     out = next(n for n in g.nodes if n.op == "output")
     out.args = (tuple(out.args[0]) + tuple(logits),)
-    g.eliminate_dead_code()  # the loss and what only it reads
+    # the loss and what only it reads; not an in-place write whose result is unused (fx counts it pure)
+    g.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or any(_writes(root, n, a)
+                                                                        for a in n.all_input_nodes))
     return torch.fx.GraphModule(root, g, f"Stage{s}Inference"), inputs, extras
 
 

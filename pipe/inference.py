@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 
 from partition.plan import PlanError
 from partition.split import assemble_outputs, inference_stage, param_nodes_of
@@ -106,6 +107,8 @@ def forward(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, A
         agree_everywhere(error)
     stages, inference = stages_in_mode_of(pp, inference=True)  # (None, None) in the mode of the trace
     flats = pp._flats(mbs, [None] * pp.M)
+    sizes = [next((x.shape[0] for x in pytree.tree_leaves(mb) if isinstance(x, torch.Tensor) and x.dim()), 0)
+             for mb in mbs]  # each microbatch's: the outputs that hold the batch have it along dim 0
     exchange = calls.exchange(pp)
     run = StepState(pp, flats, [None] * pp.M, exchange, inference=True, stages=stages,
                     inference_stages=inference)
@@ -124,9 +127,9 @@ def forward(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, A
                 with comm.guarded("the gather of the output"):
                     dist.all_gather_object(parts, run.outputs, group=pp.pp_group)
             return placed(concat_outputs([assemble_outputs(pp._gm, {k: v for p in parts for k, v in
-                                                                    (p[mb] or {}).items()}) for mb in range(pp.M)]),
-                          pp.ctx.device)
-        box: list[Any] = [concat_outputs(run.outputs) if pp.rank == last else None]
+                                                                    (p[mb] or {}).items()}) for mb in range(pp.M)],
+                                         sizes), pp.ctx.device)
+        box: list[Any] = [concat_outputs(run.outputs, sizes) if pp.rank == last else None]
         if pp.world > 1:  # (pickled: through the host, where a device tensor would name the sender's device)
             box = [placed(box[0], torch.device("cpu"))]
             with comm.guarded("the broadcast of the output", last):

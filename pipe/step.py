@@ -34,28 +34,30 @@ def placed(tree: Any, device: torch.device) -> Any:
     return pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, tree)
 
 
-def concat_outputs(outputs: list[Any]) -> Any:
-    """Microbatch outputs as one batch: tensors concatenated along dim 0, 0-dim floating ones averaged (a
-    loss), other 0-dim ones kept when every microbatch gave the same (a count or flag the batch cannot
-    change), refused otherwise: no batch value can be formed from theirs."""
+def concat_outputs(outputs: list[Any], sizes: list[int] | None = None) -> Any:
+    """Microbatch outputs as one batch: tensors whose dim 0 is each microbatch's size (`sizes`; without,
+    every tensor of a dim or more) concatenated along it, 0-dim floating ones averaged (a loss), any other
+    leaf kept when every microbatch gave the same (a parameter, a count or flag the batch cannot change),
+    refused otherwise: no batch value can be formed from theirs."""
     flat = [pytree.tree_flatten(o) for o in outputs]
     spec = flat[0][1]
     leaves = []
     for i, column in enumerate(zip(*[f[0] for f in flat])):
         x = column[0]
-        if not isinstance(x, torch.Tensor):
-            leaves.append(x)
-        elif x.dim():
+        tensor = isinstance(x, torch.Tensor)
+        if tensor and x.dim() and (sizes is None or [c.shape[0] for c in column] == list(sizes)):
             leaves.append(torch.cat(column, 0))
-        elif x.is_floating_point() or x.is_complex():
+        elif tensor and not x.dim() and (x.is_floating_point() or x.is_complex()):
             leaves.append(torch.stack(column).mean())
-        elif all(torch.equal(c, x) for c in column):
+        elif all(torch.equal(c, x) if tensor else c == x for c in column):
             leaves.append(x)
         else:
-            raise PipelineError(f"the model's output leaf {i} is a 0-dim {x.dtype} tensor that differs between "
-                                f"microbatches ({', '.join(str(c.item()) for c in column[:4])}...), so forward() "
-                                "cannot form the whole batch's value from them (0-dim floating ones are averaged, "
-                                "as losses); return it with a batch dimension, or compute it outside the model")
+            what = f"a {x.dtype} tensor of shape {list(x.shape)}" if tensor else f"a {type(x).__name__}"
+            raise PipelineError(f"the model's output leaf {i} is {what} without the batch along its dim 0 that "
+                                "differs between microbatches, so forward() cannot form the whole batch's value "
+                                "from theirs (tensors with the batch along dim 0 are concatenated, 0-dim floating "
+                                "ones averaged, as losses); return it with a batch dimension, or compute it outside "
+                                "the model")
     return pytree.tree_unflatten(leaves, spec)
 
 

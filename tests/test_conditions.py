@@ -108,6 +108,24 @@ class Attn(nn.Module):
         return self.head(x)
 
 
+class Unused(nn.Module):
+    """In-place writes whose results the code does not use (h.mul_(0.5) as a statement): with the loss in
+    the graph, forward()'s stages are cut without it, and the dead-code pass took those writes for pure."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lins = nn.ModuleList([nn.Linear(D, D) for _ in range(4)])
+        self.head = nn.Linear(D, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for lin in self.lins:
+            h = lin(x)
+            h.mul_(0.5)
+            F.relu(h, inplace=True)
+            x = x + h
+        return self.head(x)
+
+
 def _batch(batch_size: int, step: int) -> tuple[tuple[Any, ...], torch.Tensor]:
     g = torch.Generator().manual_seed(step)
     return (torch.randn(batch_size, D, generator=g),), torch.randn(batch_size, 4, generator=g)
@@ -186,6 +204,14 @@ def conditions_body(rank: int, world: int) -> dict[str, Any]:
     for k, b in ref.model.named_buffers():
         if k in mine:
             torch.testing.assert_close(mine[k], b, msg=lambda m: f"recomputed batch norm {k}: {m}")
+    # forward() with the loss in the graph: the stages without it keep the model's in-place writes
+    w, ref = _workload(Unused), _workload(Unused)
+    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, cost="flops",
+                       example_target=_batch(2, 0)[1], transport=NcclLike())
+    assert pp.plan.loss
+    args, _, _ = w.batch(w.microbatch_size * M, 3)
+    with torch.no_grad():
+        torch.testing.assert_close(pp.forward(*args), ref.model(*args), msg=lambda m: f"forward: {m}")
     # 'selective' with torch.dropout: the grads of the same draws as without recomputation
     grads = []
     for recompute in ("none", "selective"):

@@ -253,5 +253,11 @@ def test_concat_outputs_forms_the_batch_or_says_why_not() -> None:
     got = concat_outputs(parts)
     assert torch.equal(got["y"], torch.cat([parts[0]["y"], parts[1]["y"]]))
     assert got["loss"].item() == 2.0 and got["n"].item() == 7 and got["n"].dtype == torch.int64
-    with pytest.raises(PipelineError, match=r"leaf 2 is a 0-dim torch.int64 tensor that differs between microbatches"):
+    with pytest.raises(PipelineError, match=r"leaf 2 is a torch.int64 tensor of shape \[\] without the batch"):
         concat_outputs([{"y": torch.ones(1), "loss": torch.tensor(1.0), "n": torch.tensor(k)} for k in (1, 2)])
+    # with the microbatches' sizes: a parameter returned is kept once, a reduction over the batch refused
+    w = torch.arange(4.0)
+    got = concat_outputs([(torch.ones(2, 3), w), (torch.zeros(2, 3), w)], sizes=[2, 2])
+    assert got[0].shape == (4, 3) and torch.equal(got[1], w)
+    with pytest.raises(PipelineError, match=r"leaf 1 is a torch.float32 tensor of shape \[3\] without the batch"):
+        concat_outputs([(torch.ones(2, 3), torch.ones(3) * k) for k in (1, 2)], sizes=[2, 2])

@@ -94,6 +94,29 @@ def test_nodes_of_inputs_alone_are_replicated_not_placed() -> None:
     assert all(arange not in [v.name for v in sp.recv] for sp in plan.stages)
 
 
+class _Noised(torch.nn.Module):
+    """A diffusion-style step: noise drawn from the input alone, the prediction and the noise both returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        noise = torch.randn_like(x)
+        scaled = x.mul(2).add_(1)  # an in-place write on a value of the input alone
+        return self.net(x + noise + scaled), noise
+
+
+def test_random_ops_and_in_place_writes_of_inputs_alone_are_placed_once() -> None:
+    """Replicated on every stage that reads them, a draw would be drawn again there (the prediction made from
+    other noise than the one returned) and an in-place write done twice: they are placed on one stage."""
+    a = partition.Analysis(_Noised(), (torch.randn(2, 8),), cost="flops")
+    rep = a.blocks.replicated
+    placed = {u for block in a.blocks.members for u in block}
+    assert {"randn_like", "add_"} <= placed and not {"randn_like", "add_"} & rep, (rep, placed)
+    assert "mul" in rep  # the pure op before the write still is
+
+
 def test_max_blocks_merges_neighbours_and_keeps_totals() -> None:
     w = models.mlp(depth=6, width=32)
     a = partition.Analysis(w.model, w.example_args, cost="flops")

@@ -151,3 +151,32 @@ def test_trace_leaves_buffers_alone() -> None:
     before = {n: b.clone() for n, b in w.model.named_buffers()}
     partition.trace(w.model, w.example_args)
     assert all(torch.equal(b, before[n]) for n, b in w.model.named_buffers())
+
+
+class _InstallsHooks(torch.nn.Module):
+    """Installs a forward hook on a submodule at its first call (as Hugging Face's output capture does) and
+    keeps the last input: left after tracing, the hook would fire twice on the user's next call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.seen: list[Any] = []
+        self.last: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not getattr(self, "_installed", False):
+            self.lin.register_forward_hook(lambda m, a, out: self.seen.append(1))
+            self._installed = True
+        self.last = x
+        return self.lin(x)
+
+
+def test_trace_leaves_the_users_model_as_it_was() -> None:
+    m = _InstallsHooks()
+    seen = m.seen
+    partition.trace(m, (torch.randn(2, 4),))
+    assert not m.lin._forward_hooks and not hasattr(m, "_installed") and m.last is None
+    assert m.seen is seen and seen == []  # the list the traced runs appended to, as it was
+    m(torch.randn(2, 4))
+    assert len(m._modules["lin"]._forward_hooks) == 1 and len(m.seen) == 1  # the model's own first call
+
