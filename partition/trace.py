@@ -144,6 +144,13 @@ def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     return gm
 
 
+def _restore(model: torch.nn.Module, values: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            if n in values:
+                b.copy_(values[n])
+
+
 def _run(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """fn(*args, **kwargs) without autograd, from a fixed RNG state (dropout draws the same masks)."""
     with torch.random.fork_rng(devices=[]), torch.no_grad():
@@ -212,8 +219,11 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
     with preserve_state(model):
         expected: Any = None
         eager = ""
+        start = {n: b.detach().clone() for n, b in model.named_buffers()}
+        written: dict[str, torch.Tensor] = {}  # the buffers the eager run wrote, as it left them
         try:
             expected = _run(model, args, kwargs)
+            written = {n: b.detach().clone() for n, b in model.named_buffers() if not torch.equal(b, start[n])}
         except Exception as e:
             if not meta:
                 raise TraceError(f"cannot trace {name}: calling it on the example inputs fails "
@@ -227,10 +237,19 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
         for tracer, fn in tracers:
             try:
                 gm = fn()
+                if tracer == "torch.fx.symbolic_trace":  # its graph shares the model's buffers: run it from the
+                    _restore(model, start)                # state the eager run started from
                 got = _run(gm, args, kwargs)
             except Exception as e:  # both tracers raise many kinds of errors
                 reasons.append(f"{tracer} failed with {type(e).__name__}: {first_line(e, 300)}")
                 continue
+            if tracer == "torch.fx.symbolic_trace" and not meta:
+                lost = [n for n, b in model.named_buffers()
+                        if not torch.equal(b, written.get(n, start[n]))]
+                if lost:  # a write outside the traced values (a step counter): run at tracing, not in the graph
+                    reasons.append(f"{tracer} gave a graph that does not write buffers {lost[:3]} as the model "
+                                   "does (writes of values fx does not trace)")
+                    continue
             if len(tracers) == 1 and meta:  # export alone: its graph is the model's code on these shapes
                 expected = got
                 gm.meta["fxpipe_unchecked"] = f"not run eagerly on the meta device ({eager})"

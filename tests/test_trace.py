@@ -180,3 +180,27 @@ def test_trace_leaves_the_users_model_as_it_was() -> None:
     m(torch.randn(2, 4))
     assert len(m._modules["lin"]._forward_hooks) == 1 and len(m.seen) == 1  # the model's own first call
 
+
+
+class _Counts(torch.nn.Module):
+    """A step counter and a running average written in place on buffers: fx's graph left them out (they ran
+    once, while it traced), so the pipeline's counter stayed 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.register_buffer("ema", torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps += 1
+        h = self.lin(x)
+        self.ema.mul_(0.9).add_(0.1 * h.mean(0).detach())
+        return h
+
+
+def test_a_graph_that_loses_the_models_buffer_writes_is_not_taken() -> None:
+    m = _Counts()
+    gm = partition.trace(m, (torch.randn(2, 4),))
+    assert gm.meta["fxpipe_tracer"] == "torch.export.export"
+    assert int(m.steps) == 0 and torch.equal(m.ema, torch.ones(4))  # the user's model as it was
