@@ -88,9 +88,13 @@ def preserve_state(module: torch.nn.Module) -> Iterator[None]:
                 for k, v in attrs.items():  # values the run replaced (an fx Proxy, a counter)
                     if k not in kinds and vars(m).get(k, v) is not v:
                         vars(m)[k] = v
-                for k, table in tables.items():  # hook tables, a buffer reassigned, containers changed in place
+                for k, table in tables.items():  # hook tables, containers the module holds, changed in place
                     now = vars(m).get(k)
-                    if isinstance(now, dict) and isinstance(table, dict) and (
+                    if k in kinds or "hooks" in k:  # what the run added goes; what it removed (a lazy module's
+                        if isinstance(now, dict):  # initializing hook, its parameters made) stays as it is
+                            for x in [x for x in now if x not in table]:
+                                del now[x]
+                    elif isinstance(now, dict) and isinstance(table, dict) and (
                             now.keys() != table.keys() or any(now[x] is not table[x] for x in table)):
                         now.clear()
                         now.update(table)

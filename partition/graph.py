@@ -21,13 +21,18 @@ def build_graph(gm: torch.fx.GraphModule, costs: dict[str, NodeCost]) -> nx.DiGr
     """
     from memory.recompute import is_random_node
     from partition.split import writes_in_place
+    kinds = {n.name: n.op for n in gm.graph.nodes}
     writes = writes_in_place(gm)
     g = nx.DiGraph()
     for i, node in enumerate(gm.graph.nodes):
-        # a random op drawn again on each stage, or an in-place write done again, would not be the model's:
-        # `once` nodes are placed on one stage like any other (their value sent on), never replicated
-        once = node.op.startswith("call") and (node.name in writes or is_random_node(gm, node))
-        g.add_node(node.name, op=node.op, order=i, cost=costs.get(node.name), once=once)
+        # a random op drawn again on each stage, or a write to a model input or attribute done again, would not
+        # be the model's: `once` nodes are placed on one stage like any other (their value sent on), never
+        # replicated (a write to a value made from inputs alone, a mask's triu_, is replicated with it)
+        once = node.op.startswith("call") and (
+            is_random_node(gm, node) or any(kinds.get(x) in ("placeholder", "get_attr") for x in writes.get(
+                node.name, ())))
+        g.add_node(node.name, op=node.op, order=i, cost=costs.get(node.name), once=once,
+                   writes=tuple(writes.get(node.name, ())))
     for node in gm.graph.nodes:
         for a in node.all_input_nodes:
             c = costs.get(a.name)
@@ -47,8 +52,10 @@ def _replicated(g: nx.DiGraph) -> set[str]:
     for name in sorted(g.nodes, key=lambda n: g.nodes[n]["order"]):
         attrs = g.nodes[name]
         if (attrs["op"] not in ("call_function", "call_method", "call_module") or attrs["cost"].params
-                or g.out_degree(name) == 0 or attrs.get("once")):  # nobody reads it: it runs once, for its effect
+                or attrs.get("once")):
             continue
+        if g.out_degree(name) == 0 and not any(w in rep for w in attrs.get("writes", ())):
+            continue  # nobody reads it: it runs once, for its effect (a write to a replicated value goes with it)
         if all(g.nodes[p]["op"] in ("placeholder", "get_attr") or p in rep for p in g.predecessors(name)):
             rep.add(name)
     return rep

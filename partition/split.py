@@ -64,6 +64,12 @@ def _needed(gm: torch.fx.GraphModule, own: set[str], stage_of: dict[str, int], r
     """Own nodes plus everything not placed on a stage (replicated ops, attributes, inputs) they read."""
     need: set[str] = set()
     todo = [n for n in gm.graph.nodes if n.name in own] + roots
+    writers: dict[str, list[torch.fx.Node]] = {}  # a value -> the unplaced nodes writing it in place
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for w, written in writes_in_place(gm).items():
+        if w not in stage_of:
+            for x in written:
+                writers.setdefault(x, []).append(nodes[w])
     while todo:
         node = todo.pop()
         if node.name in need:
@@ -72,6 +78,8 @@ def _needed(gm: torch.fx.GraphModule, own: set[str], stage_of: dict[str, int], r
         for a in node.all_input_nodes:
             if a.name not in stage_of:
                 todo.append(a)
+        if node.name not in stage_of:  # a replicated value comes with its writes, even those whose result is unused
+            todo += writers.get(node.name, [])
     return need
 
 

@@ -262,8 +262,8 @@ def agree_on_call(pp: Pipeline, batch: tuple[tuple[Any, ...], dict[str, Any]], t
         call = call_of(batch[0], batch[1], target)  # and the pipeline's mode (pp.train / pp.eval), and the
         mode = "train" if pp.training else "eval"  # autocast its ranks run under (the values' dtypes follow it)
         key = autocast_key(pp.ctx.device)
-        cast = f"autocast: {key or 'off'}" + ("" if not key else ", dtypes known" if key in pp._cut_dtypes
-                                                else ", dtypes to learn")
+        cast = f"autocast: {key or 'off'}" + ("" if key == pp._build_autocast else ", dtypes known"
+                                                if key in pp._cut_dtypes else ", dtypes to learn")
         salt = int.from_bytes(hashlib.blake2b(cast.encode(), digest_size=7).digest(), "little")
         call = Call(call.digest ^ int(not pp.training) ^ (salt << 1), call.parts + [f"mode: {mode}", cast])
         agree(call, refused, group=pp.pp_group, ranks=pp._global, device=pp.ctx.device, what=what,
@@ -336,13 +336,13 @@ def exchange(pp: Pipeline) -> Exchange:
     under the autocast the call runs in (the first step under one learns them: each value's shape and
     dtype travel ahead of it, pipe.exchange)."""
     key = autocast_key(pp.ctx.device)
-    known = pp._cut_dtypes.get(key) if key else {}
+    known = {} if key == pp._build_autocast else pp._cut_dtypes.get(key)  # the plan's under the build's autocast
     return Exchange(pp.transport, pp.plan, pp.place, pp.rank, pp.ctx.device, pp.dynamic, dtypes=known,
                     learn=known is None)
 
 
 def learned(pp: Pipeline, ex: Exchange) -> None:
-    """After a step every rank completed (its last collective done): keep what it learned of the dtypes."""
+    """After a step or pass every rank completed (its last collective done): keep what it learned of the dtypes."""
     key = autocast_key(pp.ctx.device)
-    if key and key not in pp._cut_dtypes and ex.headers:
+    if key != pp._build_autocast and key not in pp._cut_dtypes and ex.headers:
         pp._cut_dtypes[key] = dict(ex.learned)

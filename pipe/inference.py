@@ -91,6 +91,7 @@ def evaluate(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, 
         if pp.sharded is not None:  # no backward frees the parameters the forwards gathered
             pp.sharded.reshard()
         loss = pp._mean_loss(run)
+        calls.learned(pp, run.ex)  # (the loss's broadcast: the last collective of every rank)
     return float(loss.item())
 
 
@@ -126,6 +127,7 @@ def forward(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, A
                 parts = [None] * pp.world
                 with comm.guarded("the gather of the output"):
                     dist.all_gather_object(parts, run.outputs, group=pp.pp_group)
+            calls.learned(pp, exchange)
             return placed(concat_outputs([assemble_outputs(pp._gm, {k: v for p in parts for k, v in
                                                                     (p[mb] or {}).items()}) for mb in range(pp.M)],
                                          sizes), pp.ctx.device)
@@ -134,4 +136,5 @@ def forward(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, A
             box = [placed(box[0], torch.device("cpu"))]
             with comm.guarded("the broadcast of the output", last):
                 dist.broadcast_object_list(box, src=pp._global[last], group=pp.pp_group)
+        calls.learned(pp, exchange)
     return placed(box[0], pp.ctx.device)

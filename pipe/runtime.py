@@ -125,6 +125,7 @@ class Pipeline:
         self.skip_nonfinite = skip_nonfinite
         self.steps_done = 0
         self._cut_dtypes: dict[str, dict[tuple[int, int], torch.dtype]] = {}  # autocast -> what a step learned
+        self._build_autocast = calls.autocast_key(self.ctx.device)  # the plan's dtypes are this one's
         self.loaded: Any = None  # what the last load restored (pipe.checkpoint.Loaded)
         self.schedule_name = schedule
         args, kwargs = tuple(example_args), dict(example_kwargs or {})

@@ -34,22 +34,39 @@ def placed(tree: Any, device: torch.device) -> Any:
     return pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, tree)
 
 
+def _alike(column: tuple[Any, ...]) -> bool:
+    """Whether every microbatch gave the same leaf."""
+    x = column[0]
+    if isinstance(x, torch.Tensor):
+        return all(isinstance(c, torch.Tensor) and c.shape == x.shape and torch.equal(c, x) for c in column)
+    return all(c == x for c in column)
+
+
+def _batched(dims: list[int], sizes: list[int]) -> bool:
+    """Whether each microbatch's dim 0 is the same multiple of its size (the batch, or the batch folded with
+    other dims: logits flattened to tokens)."""
+    return bool(sizes) and all(s > 0 for s in sizes) and dims[0] % sizes[0] == 0 and dims[0] >= sizes[0] and \
+        all(d == dims[0] // sizes[0] * s for d, s in zip(dims, sizes))
+
+
 def concat_outputs(outputs: list[Any], sizes: list[int] | None = None) -> Any:
-    """Microbatch outputs as one batch: tensors whose dim 0 is each microbatch's size (`sizes`; without,
-    every tensor of a dim or more) concatenated along it, 0-dim floating ones averaged (a loss), any other
-    leaf kept when every microbatch gave the same (a parameter, a count or flag the batch cannot change),
-    refused otherwise: no batch value can be formed from theirs."""
+    """Microbatch outputs as one batch: tensors whose dim 0 is each microbatch's size or the same multiple of
+    it (`sizes`; without, every tensor of a dim or more) concatenated along it, 0-dim floating ones averaged
+    (a loss), any other leaf kept when every microbatch gave the same (a parameter, a count or flag the
+    batch cannot change), refused otherwise: no batch value can be formed from theirs."""
     flat = [pytree.tree_flatten(o) for o in outputs]
     spec = flat[0][1]
     leaves = []
     for i, column in enumerate(zip(*[f[0] for f in flat])):
         x = column[0]
         tensor = isinstance(x, torch.Tensor)
-        if tensor and x.dim() and (sizes is None or [c.shape[0] for c in column] == list(sizes)):
-            leaves.append(torch.cat(column, 0))
+        same = _alike(column)
+        dims = [c.shape[0] for c in column] if tensor and x.dim() else []
+        if dims and (sizes is None or dims == list(sizes) or _batched(dims, sizes) and not same):
+            leaves.append(torch.cat(column, 0))  # (a multiple of the size, alike in every microbatch: a parameter)
         elif tensor and not x.dim() and (x.is_floating_point() or x.is_complex()):
             leaves.append(torch.stack(column).mean())
-        elif all(torch.equal(c, x) if tensor else c == x for c in column):
+        elif same:
             leaves.append(x)
         else:
             what = f"a {x.dtype} tensor of shape {list(x.shape)}" if tensor else f"a {type(x).__name__}"

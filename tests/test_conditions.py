@@ -126,6 +126,23 @@ class Unused(nn.Module):
         return self.head(x)
 
 
+class Positions(nn.Module):
+    """Integer and boolean non-persistent buffers (BERT's position ids, a causal mask): no state dict holds them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("position_ids", torch.arange(D), persistent=False)
+        self.register_buffer("keep", torch.ones(D, dtype=torch.bool), persistent=False)
+        self.lins = nn.ModuleList([nn.Linear(D, D) for _ in range(2)])
+        self.head = nn.Linear(D, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = (x + self.position_ids.float()).masked_fill(~self.keep, 0.0)
+        for lin in self.lins:
+            x = torch.tanh(lin(x))
+        return self.head(x)
+
+
 def _batch(batch_size: int, step: int) -> tuple[tuple[Any, ...], torch.Tensor]:
     g = torch.Generator().manual_seed(step)
     return (torch.randn(batch_size, D, generator=g),), torch.randn(batch_size, 4, generator=g)
@@ -195,6 +212,33 @@ def conditions_body(rank: int, world: int) -> dict[str, Any]:
             got = pp.evaluate(*args, target=target)
             want = sum(float(w.loss_fn(ref.model(x), t)) for x, t in zip(args[0].chunk(M), target.chunk(M))) / M
         assert got == want, (schedule, got, want)
+    # built under autocast (its plan's dtypes bfloat16), stepped without: the plain dtypes are learned too; an
+    # evaluate under autocast before any step learns its dtypes once
+    w, ref = _workload(Chain), _workload(Chain)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, cost="flops",
+                           trace_loss=False, transport=NcclLike())
+    args, _, target = w.batch(w.microbatch_size * M, 0)
+    loss = pp.step(*args, target=target)
+    want = sum(float(w.loss_fn(ref.model(x), t)) for x, t in zip(args[0].chunk(M), target.chunk(M))) / M
+    assert abs(loss - want) < 1e-5, (loss, want)
+    assert "" in pp._cut_dtypes
+    w = _workload(Chain)
+    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, cost="flops", trace_loss=False,
+                       transport=NcclLike())
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        pp.evaluate(*args, target=target)
+        assert "cpu bfloat16" in pp._cut_dtypes  # the next pass receives without headers
+        pp.evaluate(*args, target=target)
+    # a meta model given a state dict: its integer and boolean non-persistent buffers were left 0 and False, unseen
+    with torch.device("meta"):
+        meta = Positions()
+    try:
+        pipe.Pipeline(meta, _batch(2, 0)[0], loss_fn=F.mse_loss, microbatches=M, cost="flops", trace_loss=False,
+                      transport=NcclLike(), weights=Positions().state_dict())
+        raise AssertionError("a meta model's non-persistent buffers were taken from a state dict without values")
+    except pipe.PipelineError as e:
+        assert "keep, position_ids of Positions (on the meta device) got no value" in str(e), str(e)
     # a module of the user's that reads its parameter twice, under zero bubble with offloaded activations
     _two_steps(Scaled, M, f"leaf module rank {rank}", schedule="zb-h1", offload="activations", leaf_modules=(Twice,))
     # batch norm in stages recomputed whole: its statistics as the model's forwards left them

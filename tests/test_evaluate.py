@@ -261,3 +261,5 @@ def test_concat_outputs_forms_the_batch_or_says_why_not() -> None:
     assert got[0].shape == (4, 3) and torch.equal(got[1], w)
     with pytest.raises(PipelineError, match=r"leaf 1 is a torch.float32 tensor of shape \[3\] without the batch"):
         concat_outputs([(torch.ones(2, 3), torch.ones(3) * k) for k in (1, 2)], sizes=[2, 2])
+    # the batch folded with the tokens along dim 0 (logits flattened): concatenated too
+    assert concat_outputs([torch.randn(10, 7) for _ in range(4)], sizes=[2, 2, 2, 2]).shape == (40, 7)

@@ -103,18 +103,51 @@ class _Noised(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         noise = torch.randn_like(x)
-        scaled = x.mul(2).add_(1)  # an in-place write on a value of the input alone
+        scaled = x.mul(2).add_(1)  # an in-place write on a value of the input alone: replicated with it
         return self.net(x + noise + scaled), noise
 
 
-def test_random_ops_and_in_place_writes_of_inputs_alone_are_placed_once() -> None:
-    """Replicated on every stage that reads them, a draw would be drawn again there (the prediction made from
-    other noise than the one returned) and an in-place write done twice: they are placed on one stage."""
+def test_random_ops_of_inputs_alone_are_placed_once() -> None:
+    """Replicated on every stage that reads it, a draw would be drawn again there (the prediction made from
+    other noise than the one returned): it is placed on one stage."""
     a = partition.Analysis(_Noised(), (torch.randn(2, 8),), cost="flops")
     rep = a.blocks.replicated
     placed = {u for block in a.blocks.members for u in block}
-    assert {"randn_like", "add_"} <= placed and not {"randn_like", "add_"} & rep, (rep, placed)
-    assert "mul" in rep  # the pure op before the write still is
+    assert "randn_like" in placed and "randn_like" not in rep, (rep, placed)
+    assert {"mul", "add_"} <= rep  # a write to a value of the inputs alone goes with it
+
+
+class _Masked(torch.nn.Module):
+    """A causal mask built in place from the input's length, and a bias written in place, its result unused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.full((x.shape[1], x.shape[1]), float("-inf")).triu_(1)
+        bias = torch.zeros_like(x)
+        bias.add_(1.0)
+        return self.net(x + bias) + mask.sum() * 0 + bias
+
+
+def test_writes_to_values_of_inputs_alone_are_replicated_with_them() -> None:
+    """The mask's triu_ is replicated with the mask (it crossed stages, its grad sent back, when every in-place
+    write was placed once); a replicated bias's unused write goes with it to every stage that reads the bias
+    (a later stage read it unwritten)."""
+    from partition.split import subgraph
+    w_model = _Masked()
+    x = torch.randn(2, 8)
+    a = partition.Analysis(w_model, (x,), cost="flops")
+    assert {"full", "triu_", "zeros_like", "add_"} <= a.blocks.replicated, a.blocks.replicated
+    plan = partition.plan(w_model, (x,), 2, analysis=a)
+    assert not any(v.name in ("triu_", "full") for st in plan.stages for v in st.recv)
+    gm = partition.trace(w_model, (x,))
+    stage_of = {n: st.index for st in plan.stages for n in st.nodes}
+    last = plan.stages[-1]
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    stage, _, _ = subgraph(gm, set(last.nodes), stage_of, [v.name for v in last.recv], [out], "Last")
+    assert "add_" in {n.name for n in stage.graph.nodes}  # the bias this stage reads, written
 
 
 def test_max_blocks_merges_neighbours_and_keeps_totals() -> None:

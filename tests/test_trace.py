@@ -204,3 +204,32 @@ def test_a_graph_that_loses_the_models_buffer_writes_is_not_taken() -> None:
     gm = partition.trace(m, (torch.randn(2, 4),))
     assert gm.meta["fxpipe_tracer"] == "torch.export.export"
     assert int(m.steps) == 0 and torch.equal(m.ema, torch.ones(4))  # the user's model as it was
+
+
+def test_trace_keeps_what_a_models_first_call_settles_and_takes_fx_with_a_nan_buffer() -> None:
+    """A lazy module's first call (here, the trace's) removes its initializing hook and makes its parameters: put
+    back, the hook broke every later call. A buffer holding NaN, never written, is not a write fx lost."""
+    lazy = torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    gm = partition.trace(lazy, (torch.randn(2, 3),))
+    assert lazy(torch.randn(2, 3)).shape == gm(torch.randn(2, 3)).shape == (2, 2)
+
+    class Sentinel(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.register_buffer("unset", torch.full((2,), float("nan")))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x)
+    assert partition.trace(Sentinel(), (torch.randn(2, 4),)).meta["fxpipe_tracer"] == "torch.fx.symbolic_trace"
+
+
+class _Averages(_Counts):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # the output reads the average it writes
+        return super().forward(x) + self.ema
+
+
+def test_export_runs_from_the_state_the_eager_run_started_from() -> None:
+    gm = partition.trace(_Averages(), (torch.randn(2, 4),))
+    assert gm.meta["fxpipe_tracer"] == "torch.export.export"
+
