@@ -22,6 +22,7 @@ import torch.fx
 from torch.utils.checkpoint import checkpoint
 
 from partition.costs import node_callable
+from partition.split import is_in_place
 
 __all__ = ["ChainedHooks", "KeptBuffers", "Markers", "Recipe", "Remat", "Recomputed", "bases", "instrument",
            "is_matmul_node", "is_random_node", "make_recipe", "remat_candidates", "savers", "saves_input_only",
@@ -165,9 +166,7 @@ def savers(gm: torch.fx.GraphModule) -> dict[str, tuple[str, ...]]:
 
 
 def _in_place(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
-    if node.kwargs.get("inplace") or (node.op == "call_method" and str(node.target).endswith("_")):
-        return True
-    return node.op == "call_module" and bool(getattr(gm.get_submodule(str(node.target)), "inplace", False))
+    return is_in_place(gm, node)  # (torch.relu_, inplace= by position, aten schemas too)
 
 
 def saves_input_only(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:

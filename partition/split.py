@@ -214,6 +214,11 @@ def _writes(root: torch.nn.Module, user: torch.fx.Node, value: torch.fx.Node) ->
     return False
 
 
+def is_in_place(root: torch.nn.Module, node: torch.fx.Node) -> bool:
+    """Whether `node` writes one of its inputs in place (`_writes`)."""
+    return any(_writes(root, node, a) for a in node.all_input_nodes)
+
+
 def writes_in_place(gm: torch.fx.GraphModule) -> dict[str, list[str]]:
     """Each node that writes values in place -> the nodes making them (through views: the viewed value's)."""
     out: dict[str, list[str]] = {}

@@ -98,3 +98,24 @@ def test_a_value_crosses_the_wire_in_its_producers_dim_order() -> None:
     buf, wire = alloc_layout(b.shape, b.dtype, torch.device("cpu"), ref_shape=b.shape, ref_stride=b.stride())
     wire.copy_(to_layout(b, b.shape, b.stride()))
     assert buf.is_contiguous() and torch.equal(buf, b)
+
+
+def test_a_value_of_another_dtype_than_expected_is_refused_on_the_sender() -> None:
+    """Without headers a receive buffer has the expected dtype (the plan's, or one learned under an autocast):
+    a value of another dtype would land in it as garbage, so the sender refuses it, naming both; with the
+    dtypes learned, the same value is expected and sent; a learning exchange records what it sends."""
+    from partition.plan import PlanError
+    place = [0, 1]
+    plan: Any = SimpleNamespace(stages=[SimpleNamespace(recv=[]),
+                                        SimpleNamespace(recv=[Value("x", SHAPE, "float32", [3, 1])])])
+    half = torch.randn(*SHAPE, dtype=torch.bfloat16)
+    ex = Exchange(_Recorder(), plan, place, 0, torch.device("cpu"), dynamic=False)  # type: ignore[arg-type]
+    with pytest.raises(PlanError, match=r"stage 0 produced x as torch.bfloat16 but stage 1 expects torch.float32"):
+        ex.send_activations(0, 0, [half])
+    known = Exchange(_Recorder(), plan, place, 0, torch.device("cpu"), dynamic=False,  # type: ignore[arg-type]
+                     dtypes={(1, 0): torch.bfloat16})
+    known.send_activations(0, 0, [half])
+    learning = Exchange(_Recorder(), plan, place, 0, torch.device("cpu"), dynamic=False,  # type: ignore[arg-type]
+                        learn=True)
+    learning.send_activations(0, 0, [half])
+    assert learning.learned == {(1, 0): torch.bfloat16}
