@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,7 @@ from partition.errors import FxpipeError
 from pipe.comm import _DONE_KEY, _FAILED, _KEPT, _LOST_KEY, _TIMEOUT_S, DEFAULT_TIMEOUT_S
 
 __all__ = ["Context", "LaunchError", "TimeoutSettingError", "DEFAULT_TIMEOUT_S", "init", "context", "finish",
-           "timeout_setting", "measure_allreduce", "measure_link", "keep_freed_memory"]
+           "exit_process", "timeout_setting", "measure_allreduce", "measure_link", "keep_freed_memory"]
 
 _MPI: list[Any] = []  # (mpi4py.MPI, whether finish finalizes it) once the rendezvous used MPI
 _LINGER_S = 5.0    # how long finish waits at most for the ranks still naming a failure
@@ -231,7 +231,7 @@ def init(*, backend: str | None = None, timeout_s: float | None = None, keep_fre
 
 def finish() -> None:
     """End this rank's part in the job; init registers it to run at exit, and a command line may
-    call it before os._exit. Normally: destroy the process group, finalize MPI. After a failure
+    call it before exiting (exit_process). Normally: destroy the process group, finalize MPI. After a failure
     (this rank's own, another's, a lost rank): wait while a rank still names it, 5 s at most (a
     launcher ends every rank once one exits non-zero), and leave MPI unfinalized: MPI_Finalize
     waits for every rank, a frozen one too, while a rank that exits without it makes mpiexec end
@@ -252,6 +252,21 @@ def finish() -> None:
     gc.collect()
     if _MPI and _MPI[1] and not _MPI[0].Is_finalized():
         _MPI[0].Finalize()
+
+
+def exit_process(code: int) -> NoReturn:
+    """End this process with `code` right after `finish`, without C++ static destructors (gloo's
+    threads have aborted finished processes in them: "terminate called without an active
+    exception"). Under mpirun, after a clean finish, through C's exit instead: MPICH ends its link
+    to the process manager in a C exit handler, not in MPI_Finalize, and os._exit skips it; mpiexec
+    then takes the closed link for a crash and kills (SIGKILL) every rank still running, so a rank
+    slower to leave than the others ended killed after a successful run."""
+    finish()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if _MPI and _MPI[1] and not _FAILED[0] and _MPI[0].Is_finalized():
+        ctypes.CDLL(None).exit(code)
+    os._exit(code)
 
 
 def _linger() -> None:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from partition.costs import COSTS
-from pipe.launch import DEFAULT_TIMEOUT_S, finish, timeout_setting
+from pipe.launch import DEFAULT_TIMEOUT_S, exit_process, timeout_setting
 from pipe.schedules import SCHEDULES, default_stages_text
 
 __all__ = ["main", "parse_args", "error_line", "OUTPUTS"]
@@ -331,8 +331,4 @@ def _report(pp: Any, args: argparse.Namespace, ctx: Any, run: dict[str, Any], sa
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    exit_code = main()
-    finish()  # the process group and MPI ended here; os._exit then skips C++ static destructors, in
-    sys.stdout.flush()  # which gloo's threads have aborted finished processes ("terminate called
-    sys.stderr.flush()  # without an active exception")
-    os._exit(exit_code)
+    exit_process(main())

@@ -25,8 +25,8 @@ def test_run_command(launcher: str, tmp_path: Path) -> None:
     argv = ["-m", "pipe.run", *TINY, "--steps", "5", "--data-parallel", "2", "--dp-shard", shard,
             "--clip-grad-norm", str(CLIP), "--eval-every", "2", "--out", str(tmp_path)]
     if launcher == "mpiexec":
-        # each rank's exit status, and a Python traceback from a rank that a signal ends (both only in the output:
-        # this case once failed 3 of 6 clean-clone runs with a rank killed after the run, not reproduced since)
+        # each rank's exit status, and a Python traceback from a rank that a signal ends (both only in the output;
+        # a rank killed after the run was pipe.run's os._exit: tests/test_harness.py::test_mpiexec_exit_process)
         out = run_command([str(BIN / "mpiexec"), "-print-all-exitcodes", "-n", "4", sys.executable, *argv],
                           timeout=180, env={"PYTHONFAULTHANDLER": "1"}).output
     else:
