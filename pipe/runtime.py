@@ -14,6 +14,7 @@ from partition.plan import Plan
 from partition.split import StageIO
 from partition.split import split_graph
 from partition.loss import attach_loss
+from partition.reduction import loss_weighting
 from partition.trace import flatten_inputs, trace
 from memory import MemoryManager
 from pipe import calls, comm, grads, inference, launch, optim, options, planning, setup, state_dicts, timing
@@ -36,7 +37,7 @@ class Pipeline:
     Every rank builds the same model (same seed) and makes the same calls. Rank 0 plans the
     stages (or `plan=` gives them) and shares the plan; each rank keeps the stages the
     schedule's placement gives it (pipe.schedules.placement: stage s on rank s % world, or the
-    V of zbv); `step` runs one schedule and returns the mean loss on every rank. `optimizer`: the
+    V of zbv); `step` runs one schedule and returns the batch's loss on every rank. `optimizer`: the
     torch.optim class or factory (called with the parameters) the training loop will step them with,
     so memory is planned for the state it keeps (by default Adam's two copies of the parameters).
     `data_parallel=N` or `mesh=` (a DeviceMesh with "pp" and optionally "dp"): N replicas of the
@@ -175,12 +176,15 @@ class Pipeline:
             if why:
                 raise ValueError(f"the plan puts the loss in the last stage, but loss_fn cannot go into the graph: "
                                  f"{why}; re-plan without example_target")
+            # how the batch's loss is formed from the microbatches' (before rewrites change the loss)
+            self.weighting = loss_weighting(gm, loss_fn, self.plan.loss)
             stages = split_graph(gm, self.plan)
             error = None
         except (ValueError, TypeError) as e:
             error = f"{type(e).__name__}: {e}"
         agree_everywhere(error)
         self._gm = gm
+        self.plan.notes.append(self.weighting.describe(self.dp))
         # forward() on a plan with the loss in the graph: each stage without it (built at the first call)
         self._inference: dict[int, tuple[torch.fx.GraphModule, list[int], list[Any]]] = {}
         # the mode the stages were traced in, the mode evaluate() and forward() run in (pp.train / pp.eval), and
@@ -376,9 +380,10 @@ class Pipeline:
                 for (a, k), t in zip(mbs, targets)]
 
     def step(self, *batch_args: Any, target: Any = None, **batch_kwargs: Any) -> float:
-        """One training step over M microbatches; same call on every rank; returns the mean loss.
+        """One training step over M microbatches; same call on every rank; returns the batch's loss.
 
-        Gradients accumulate into this rank's parameters (scaled by 1/M); tied parameters'
+        Gradients accumulate into this rank's parameters, each microbatch's weighed as its loss is in the
+        batch's (pipe.step.StepState._scales: 1/M, or by counted targets); tied parameters'
         gradients are summed over the ranks that hold them. A call whose inputs the plan was not
         made for is refused on every rank before anything runs, as are ranks given different batches
         (pipe.calls: the pipeline's ranks compare a digest of their calls). An error raised while the step

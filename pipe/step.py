@@ -97,6 +97,7 @@ class StepState:
         self.saved: dict[tuple[int, int], Saved] = {}
         self.finite: list[tuple[int, torch.Tensor]] = []  # (stage, all outputs finite), read only on NaN
         self.loss_sum: torch.Tensor | float = 0.0
+        self.scales: list[float | torch.Tensor] | None = None  # each microbatch's weight in the batch's loss
         self.clock = clock_for(pp.ctx.device)  # device time: CUDA events on CUDA, read after the step
         self.clock.begin()
         self.handlers = {"F": self.forward, "B": self.backward, "W": self.weight, "BW": self.backward}
@@ -204,8 +205,11 @@ class StepState:
             else:
                 with pp.memory.forward(s, mb, [self.targets[mb]]):  # the loss's saved tensors count (and offload)
                     loss = self._loss(unflatten_outputs(outs, io.out_spec), self.targets[mb])
-            self.loss_sum = self.loss_sum + loss.detach().double() / pp.M  # stays on device: no sync
-            roots = [loss / pp.M]
+            scale = self._scales()[mb]
+            if isinstance(scale, torch.Tensor):  # counted: a microbatch without targets (loss NaN) weighs 0
+                loss = torch.where(scale > 0, loss, 0.0)
+            self.loss_sum = self.loss_sum + loss.detach().double() * scale  # stays on device: no sync
+            roots = [loss * scale]
         else:
             self.ex.send_activations(s, mb, outs)
             roots = outs
@@ -216,6 +220,24 @@ class StepState:
                                     param_outs=list(param_outs), param_ins=list(ins[0]) if ins else [],
                                     param_versions=list(ins[1]) if ins else [])
         self._record(a, start)
+
+    def _scales(self) -> list[float | torch.Tensor]:
+        """Each microbatch's weight in the batch's loss (partition.reduction): its count of targets over
+        the batch's (every replica's: one all-reduce of the count, made before this rank's first loss),
+        1 for a summed loss, else 1/M; times the replicas, whose grads and losses are averaged."""
+        if self.scales is None:
+            pp, w = self.pp, self.pp.weighting
+            if w.kind != "count":
+                self.scales = [float(pp.dp) if w.kind == "sum" else 1.0 / pp.M] * pp.M
+            else:
+                values = self.flats if pp.plan.loss else [f + [t] for f, t in zip(self.flats, self.targets)]
+                counts = torch.stack([w.count(v) for v in values])
+                total = counts.sum()
+                if pp.dp_group is not None:
+                    with comm.guarded("the data-parallel all-reduce of the batch's count of targets"):
+                        dist.all_reduce(total, group=pp.dp_group)
+                self.scales = list(counts * (pp.dp / total))
+        return self.scales
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
         """loss_fn on the model's output; a loss that is not one number, or fails for want of a

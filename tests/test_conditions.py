@@ -1,8 +1,8 @@
 """Models as users write them, on 2 ranks through the NCCL-semantics transport: in-place ops (an inplace
 ReLU after a linear layer that zero bubble splits, a cut right before one), autocast (values crossing
 stages in bfloat16), a module of the user's kept whole that reads its parameter twice (zero bubble
-with offloaded activations), batch norm in recomputed stages, torch.dropout under 'selective'. Parity with
-the unpartitioned model, step by step."""
+with offloaded activations), batch norm in recomputed stages, torch.dropout under 'selective', targets
+ignored unevenly over the microbatches (one wholly). Parity with the unpartitioned model, step by step."""
 from __future__ import annotations
 
 from typing import Any
@@ -178,6 +178,54 @@ def _two_steps(cls: type[nn.Module], M: int, label: str, **kwargs: Any) -> Any:
     return pp, ref
 
 
+TINY_GPT = dict(n_layer=2, d_model=32, n_head=2, seq_len=16, vocab=64)
+
+
+def _ignored(target: torch.Tensor, M: int, seed: int) -> torch.Tensor:
+    """Tokens -100 (ignored) unevenly: microbatch 0 wholly, the other rows' first few by row."""
+    t = target.clone()
+    for i in range(t.shape[0]):
+        t[i, :(3 * i + seed) % t.shape[1]] = -100
+    t[:t.shape[0] // M] = -100
+    return t
+
+
+def _ignored_targets(rank: int, M: int) -> dict[str, Any]:
+    """The tiny GPT with unevenly ignored targets, its loss in the graph (1f1b) and outside (zb-h1): two
+    Adam steps with the whole batch's loss and grads (each microbatch weighs by its counted targets), and
+    evaluate's loss the whole batch's."""
+    import partition
+    import pipe
+    from tests.nccl_like import NcclLike
+    out = {}
+    for schedule, fused in (("1f1b", True), ("zb-h1", False)):
+        w, ref = partition.load("gpt", **TINY_GPT), partition.load("gpt", **TINY_GPT)
+        pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, cost="flops",
+                           schedule=schedule, transport=NcclLike(),
+                           **(dict(example_target=w.example_target) if fused else dict(trace_loss=False)))
+        assert pp.plan.loss == fused
+        opt = torch.optim.Adam(list(pp.parameters()), lr=1e-3)
+        ref_opt = torch.optim.Adam(ref.model.parameters(), lr=1e-3)
+        for step in range(2):
+            args, _, target = w.batch(w.microbatch_size * M, step)
+            target = _ignored(target, M, step)
+            loss = pp.step(*args, target=target)
+            want = ref.loss_fn(ref.model(*args), target)
+            want.backward()
+            torch.testing.assert_close(loss, float(want), rtol=1e-5, atol=1e-6)
+            _grads_close(pp, ref.model, f"ignored targets {schedule} step {step}")
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad(set_to_none=True)
+        args, _, target = w.batch(w.microbatch_size * M, 7)
+        target = _ignored(target, M, 1)
+        with torch.no_grad():
+            torch.testing.assert_close(pp.evaluate(*args, target=target), float(ref.loss_fn(ref.model(*args), target)),
+                                       rtol=1e-5, atol=1e-6)
+        out[schedule] = [n for n in pp.plan.notes if n.startswith("loss:")]
+    return out
+
+
 def conditions_body(rank: int, world: int) -> dict[str, Any]:
     import pipe
     from tests.nccl_like import NcclLike
@@ -268,6 +316,7 @@ def conditions_body(rank: int, world: int) -> dict[str, Any]:
         grads.append({n: p.grad for n, p in pp.named_parameters()})
     for n, g in grads[0].items():
         torch.testing.assert_close(grads[1][n], g, msg=lambda m: f"selective with torch.dropout {n}: {m}")
+    out["ignored targets"] = _ignored_targets(rank, M)
     return out
 
 
@@ -279,3 +328,6 @@ def test_inplace_ops_autocast_and_leaf_modules_train_as_the_model() -> None:
     assert not any(r["notes"]["1f1b"] for r in res)
     for schedule in ("1f1b", "zb-h1"):  # rank 1 received bfloat16 values, learned at the first step
         assert res[1][f"learned {schedule}"] == {"cpu bfloat16": ["torch.bfloat16"]}, res[1]
+        assert res[0]["ignored targets"][schedule] == [  # the plan says how the batch's loss is formed
+            "loss: the batch's, each microbatch's cross_entropy weighs by its targets other than ignore_index=-100 "
+            "over the batch's"], res[0]["ignored targets"]

@@ -23,7 +23,15 @@ SAVED = ("none", "optimizer", "full")  # the gpt 1f1b case of each is checkpoint
 
 
 def _batch(w: Any, step: int, replica: int) -> tuple[tuple[Any, ...], Any]:
+    """A replica's batch. The GPT's tokens are ignored (-100) unevenly, a microbatch of replica 1 wholly:
+    the batch's loss over both replicas weighs each microbatch by its counted targets."""
     args, _, target = w.batch(w.microbatch_size * M, 10 * step + replica)
+    if not target.is_floating_point():
+        target = target.clone()  # (a view of the tokens the inputs are)
+        for i in range(target.shape[0]):
+            target[i, :(3 * i + 5 * replica + step) % target.shape[1]] = -100
+        if replica == 1:
+            target[:w.microbatch_size] = -100
     return args, target
 
 

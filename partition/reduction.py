@@ -1,0 +1,217 @@
+"""How a step's loss is formed from its microbatches' losses, so that it is the batch's.
+
+A step computes the loss on each microbatch. A loss averaging the same number of elements in
+every microbatch (a mean squared error, a cross entropy over every token) gives the batch's loss
+as the mean of the microbatches' (microbatches are equal in size). A cross entropy or NLL loss
+averages over the targets it does not ignore (`ignore_index`), weighed by class weights when it
+has them: there the mean of the microbatches' losses weighs a microbatch with few counted targets
+(a short sequence padded with -100, a prompt masked out) like a full one, and a microbatch whose
+every target is ignored gives NaN. `weighting` finds such a loss at the end of the graph and the
+targets it reads, computed from the graph's inputs alone; a step then weighs each microbatch's
+loss by its count of targets over the batch's (pipe.step), which is the batch's loss exactly. A
+loss with reduction="sum" is the sum of the microbatches' losses. Any other loss: their mean,
+and the plan's notes say why.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from partition.rewrite import _REDUCTIONS, _ce_args
+
+__all__ = ["Weighting", "weighting", "loss_weighting"]
+
+_NLL_SIGNATURE = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction")
+_ATEN_NLL = (torch.ops.aten.nll_loss.default, torch.ops.aten.nll_loss_nd.default)
+# element-wise losses: the batch's sum is the sum of the microbatches' sums
+_SUMMED = {F.mse_loss: "mse_loss", F.l1_loss: "l1_loss", F.smooth_l1_loss: "smooth_l1_loss",
+           F.huber_loss: "huber_loss", F.binary_cross_entropy: "binary_cross_entropy",
+           F.binary_cross_entropy_with_logits: "binary_cross_entropy_with_logits"}
+_SUMMED_MODULES = (torch.nn.MSELoss, torch.nn.L1Loss, torch.nn.SmoothL1Loss, torch.nn.HuberLoss, torch.nn.BCELoss,
+                   torch.nn.BCEWithLogitsLoss)
+_PURE_OPS = ("placeholder", "call_function", "call_method", "get_attr")
+
+
+@dataclass
+class Weighting:
+    """How the batch's loss is formed from the microbatches' losses.
+
+    kind: "count" (each microbatch's loss weighs by `count` of its targets over the batch's),
+    "sum" (their sum) or "mean" (their mean). `describe` is the plan's note."""
+    kind: str
+    why: str
+    loss: str = ""                                 # the loss's name, as the notes give it
+    targets: torch.fx.GraphModule | None = None    # the graph's inputs -> (the loss's target, class weights)
+    ignore_index: int = -100
+    weight: torch.Tensor | None = None             # class weights held by the loss itself (not a value of the graph)
+
+    def count(self, values: Sequence[Any]) -> torch.Tensor:
+        """The weight of one microbatch, from the values of the graph's inputs (float64, 0-dim, on
+        the target's device): its targets other than ignore_index, each counted by its class
+        weight when the loss has one. Probabilities as the target (soft labels): the loss
+        averages over the rows, as many in every microbatch, so their number."""
+        assert self.targets is not None
+        target, weight = self.targets(*values)
+        if self.weight is not None:
+            weight = self.weight
+        if target.is_floating_point():
+            return torch.tensor(float(target.numel()), dtype=torch.float64, device=target.device)
+        valid = target != self.ignore_index
+        if weight is None:
+            return valid.sum(dtype=torch.float64)
+        w = weight.to(device=target.device, dtype=torch.float64)[torch.where(valid, target, 0)]
+        return torch.where(valid, w, 0.0).sum()
+
+    def describe(self, replicas: int = 1) -> str:
+        over = " over every replica's batch" if replicas > 1 else ""
+        if self.kind == "count":
+            weighed = " (by class weight)" if self.weight is not None or self._graph_weight() else ""
+            what = (f"each microbatch's {self.loss} weighs by its targets other than ignore_index="
+                    f"{self.ignore_index}{weighed} over the batch's{over}")
+            return f"loss: the batch's, {what}"
+        if self.kind == "sum":
+            return f"loss: the batch's, the sum of the microbatches' ({self.loss}, reduction='sum'){over}"
+        return (f"loss: the mean of the microbatches' losses (the batch's when each averages as many elements): "
+                f"{self.why}")
+
+    def _graph_weight(self) -> bool:
+        assert self.targets is not None
+        out = next(n for n in self.targets.graph.nodes if n.op == "output")
+        return isinstance(out.args[0][1], torch.fx.Node)
+
+
+def _nll_args(gm: torch.fx.GraphModule, node: torch.fx.Node) -> dict[str, Any] | None:
+    """The arguments of an NLL-loss node by name, or None if `node` is not one."""
+    if node.op == "call_function" and (node.target is F.nll_loss or node.target in _ATEN_NLL):
+        names = _NLL_SIGNATURE if node.target is F.nll_loss else ("input", "target", "weight", "reduction",
+                                                                   "ignore_index")
+        got: dict[str, Any] = dict(zip(names, node.args))
+        got.update(node.kwargs)
+        if node.target is not F.nll_loss and "reduction" in got:  # ATen: 0 none, 1 mean, 2 sum
+            got["reduction"] = _REDUCTIONS[int(got["reduction"])]
+        return got
+    if node.op == "call_module":
+        mod = gm.get_submodule(str(node.target))
+        if type(mod) is torch.nn.NLLLoss and len(node.args) + len(node.kwargs) == 2:
+            got = dict(zip(("input", "target"), node.args))
+            got.update(node.kwargs)
+            got.update(weight=mod.weight, ignore_index=mod.ignore_index, reduction=mod.reduction)
+            return got
+    return None
+
+
+def _summed(gm: torch.fx.GraphModule, node: torch.fx.Node) -> str | None:
+    """The name of an element-wise loss with reduction='sum' that `node` is, or None."""
+    if node.op == "call_function" and node.target in _SUMMED and node.kwargs.get("reduction") == "sum":
+        return _SUMMED[node.target]
+    if node.op == "call_module":
+        mod = gm.get_submodule(str(node.target))
+        if type(mod) in _SUMMED_MODULES and getattr(mod, "reduction", None) == "sum":
+            return type(mod).__name__
+    return None
+
+
+def weighting(gm: torch.fx.GraphModule) -> Weighting:
+    """How the loss `gm` returns (a graph with the loss attached: partition.loss.attach_loss, or the
+    model's own loss) forms the batch's from the microbatches'. See the module's doc."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    loss = out.args[0]
+    if isinstance(loss, (tuple, list)) and len(loss) == 1:
+        loss = loss[0]
+    if not isinstance(loss, torch.fx.Node):
+        return Weighting("mean", "the loss is not a value of the graph")
+    name = _summed(gm, loss)
+    if name is not None:
+        return Weighting("sum", "", loss=name)
+    args, name = _ce_args(gm, loss), "cross_entropy"
+    if args is None:
+        args, name = _nll_args(gm, loss), "nll_loss"
+    if args is None:
+        return Weighting("mean", f"the loss is {_what(loss)}, not a cross entropy or NLL loss fxpipe can weigh by "
+                         "its targets")
+    reduction = args.get("reduction", "mean")
+    if args.get("size_average") is not None or args.get("reduce") is not None or reduction not in ("mean", "sum"):
+        return Weighting("mean", f"its {name} has a legacy reduction (size_average/reduce) or reduction={reduction!r}")
+    if reduction == "sum":
+        return Weighting("sum", "", loss=name)
+    ignore = args.get("ignore_index", -100)
+    target, weight = args.get("target"), args.get("weight")
+    if not isinstance(ignore, int) or not isinstance(target, torch.fx.Node):
+        return Weighting("mean", f"its {name}'s ignore_index or target is not a value fxpipe can follow")
+    held = weight if isinstance(weight, torch.Tensor) else None
+    sub, why = _inputs_only(gm, [target, weight if isinstance(weight, torch.fx.Node) else None])
+    if sub is None:
+        return Weighting("mean", f"its {name}'s {why}")
+    return Weighting("count", "", loss=name, targets=sub, ignore_index=ignore,
+                     weight=None if held is None else held.detach().clone())
+
+
+def loss_weighting(gm: torch.fx.GraphModule, loss_fn: Any, in_graph: bool) -> Weighting:
+    """`weighting` of the loss a pipeline computes: gm's own when the loss is in the graph, else
+    loss_fn's traced onto a copy of gm (whose last input is then the target: a step counts a
+    microbatch from its inputs followed by its target). Call it before rewrites change the loss."""
+    import copy
+    from partition.loss import attach_loss
+    if in_graph:
+        return weighting(gm)
+    if loss_fn is None:
+        return Weighting("mean", "no loss_fn")
+    view = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    view.meta.update(gm.meta)
+    if hasattr(gm, "_out_spec"):
+        view._out_spec = gm._out_spec
+    why = attach_loss(view, loss_fn)
+    if why:
+        return Weighting("mean", f"the loss stays outside the graph and its kind is unknown: {why}")
+    return weighting(view)
+
+
+def _what(node: torch.fx.Node) -> str:
+    target = node.target
+    return f"{node.op} {getattr(target, '__name__', None) or str(target)}"
+
+
+def _inputs_only(gm: torch.fx.GraphModule, wanted: list[torch.fx.Node | None]
+                 ) -> tuple[torch.fx.GraphModule | None, str]:
+    """A graph module taking gm's inputs and returning `wanted` (None stays None), made of the
+    nodes they need, or (None, why) when one needs more than the inputs: a module, a parameter,
+    a random op (a node of the model itself)."""
+    need: set[torch.fx.Node] = set()
+    todo = [n for n in wanted if n is not None]
+    while todo:
+        n = todo.pop()
+        if n in need:
+            continue
+        if n.op not in _PURE_OPS:
+            return None, f"target is computed by {_what(n)}, not from the inputs alone"
+        if n.op == "get_attr":
+            value = _attr(gm, str(n.target))
+            if isinstance(value, torch.nn.Parameter) or isinstance(value, torch.Tensor) and value.requires_grad:
+                return None, f"target is computed from the parameter {n.target}"
+        elif n.op != "placeholder" and _random(gm, n):
+            return None, f"target is computed by a random op ({_what(n)})"
+        need.add(n)
+        todo.extend(n.all_input_nodes)
+    g = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" or n in need:
+            env[n] = g.node_copy(n, lambda x: env[x])
+    g.output(tuple(env[n] if n is not None else None for n in wanted))
+    return torch.fx.GraphModule(gm, g), ""
+
+
+def _attr(gm: torch.nn.Module, path: str) -> Any:
+    obj: Any = gm
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _random(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    from memory.recompute import is_random_node  # (memory imports partition)
+    return is_random_node(gm, node)

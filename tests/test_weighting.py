@@ -1,0 +1,140 @@
+"""The batch's loss from its microbatches' (partition.reduction): which losses are weighed by their
+counted targets, summed or averaged, the counts, and that the weighted sum is the whole batch's loss.
+Pure logic, no processes; the pipeline's parity with ignored targets is in tests/test_data_parallel.py
+(2 replicas of 2 stages) and tests/test_conditions.py (one pipeline, losses in and out of the graph)."""
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from partition.loss import attach_loss
+from partition.reduction import loss_weighting
+from partition.trace import trace
+
+V = 5
+
+
+class Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, V)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+class WithLoss(nn.Module):
+    """A loss module holding a cross entropy with class weights (a buffer of the loss, not the model)."""
+    def __init__(self, **kw: Any) -> None:
+        super().__init__()
+        self.ce = nn.CrossEntropyLoss(**kw)
+
+    def forward(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.ce(out.flatten(0, 1), target.flatten())
+
+
+class Labels(nn.Module):
+    """The loss computed by the model from a labels input, shifted as a causal LM shifts them."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, V)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.lin(x)[:, :-1]
+        shifted = F.pad(labels, (0, 1), value=-100)[:, 1:-1]
+        return F.cross_entropy(logits.flatten(0, 1), shifted.flatten())
+
+
+class LabelsExported(Labels):
+    """The same, with control flow on a size: torch.fx cannot trace it, torch.export does."""
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if x.size(0) > 0:
+            return super().forward(x, labels)
+        return x.sum()
+
+
+def _ce(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(o.flatten(0, 1), t.flatten())
+
+
+def _weighting(loss_fn: Any, in_graph: bool) -> Any:
+    gm = trace(Head(), (torch.randn(2, 3, 4),), {})
+    if in_graph:
+        assert attach_loss(gm, loss_fn) is None
+    return loss_weighting(gm, loss_fn, in_graph)
+
+
+WEIGHTS = torch.tensor([0.5, 1.0, 2.0, 0.25, 1.5])
+CASES = [  # (loss_fn, kind, what the plan's note says)
+    (_ce, "count", "cross_entropy weighs by its targets other than ignore_index=-100"),
+    (WithLoss(weight=WEIGHTS, ignore_index=1, label_smoothing=0.1), "count", "ignore_index=1 (by class weight)"),
+    (lambda o, t: F.nll_loss(F.log_softmax(o, -1).flatten(0, 1), t.flatten(), ignore_index=3), "count",
+     "nll_loss weighs by its targets other than ignore_index=3"),
+    (lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten(), reduction="sum"), "sum",
+     "the sum of the microbatches' (cross_entropy, reduction='sum')"),
+    (lambda o, t: F.mse_loss(o, t.float().unsqueeze(-1).expand_as(o), reduction="sum"), "sum", "mse_loss"),
+    (lambda o, t: F.mse_loss(o, t.float().unsqueeze(-1).expand_as(o)), "mean",
+     "the loss is call_function mse_loss, not a cross entropy or NLL loss"),
+    (lambda o, t: 2 * _ce(o, t), "mean", "the loss is call_function mul"),
+    (lambda o, t: F.cross_entropy(o.flatten(0, 1), o.argmax(-1).flatten()), "mean",
+     "target is computed by call_module lin, not from the inputs alone"),
+]
+
+
+@pytest.mark.parametrize("in_graph", [True, False])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_which_losses_are_weighed_and_what_the_plan_says(case: int, in_graph: bool) -> None:
+    loss_fn, kind, said = CASES[case]
+    w = _weighting(loss_fn, in_graph)
+    assert w.kind == kind, (case, w)
+    assert said in w.describe(), w.describe()
+    if kind != "mean":
+        assert w.describe(replicas=2).endswith("over every replica's batch"), w.describe(2)
+
+
+def test_a_loss_outside_the_graph_that_fx_cannot_trace_is_averaged_and_says_why() -> None:
+    def untraceable(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return _ce(o, t) if bool(o.sum() > -1e9) else o.sum()
+    w = _weighting(untraceable, False)
+    assert w.kind == "mean" and "the loss stays outside the graph and its kind is unknown" in w.describe(), w
+
+
+@pytest.mark.parametrize("loss_fn", [_ce, CASES[1][0], CASES[2][0]], ids=["ce", "weighted smoothed", "nll"])
+@pytest.mark.parametrize("in_graph", [True, False])
+def test_counted_microbatches_weigh_to_the_whole_batchs_loss(loss_fn: Any, in_graph: bool) -> None:
+    """Microbatches with 0, few and many counted targets: sum of count / total x each microbatch's loss
+    (0 for the one without targets, whose loss is NaN) is the loss over the whole batch."""
+    torch.manual_seed(0)
+    model = Head()
+    w = _weighting(loss_fn, in_graph)
+    x, t = torch.randn(8, 3, 4), torch.randint(0, V, (8, 3))
+    ignore = w.ignore_index
+    t[:2] = ignore          # microbatch 0: every target ignored
+    t[2:4] = ignore         # microbatch 1: one counted
+    t[2, 0] = 2
+    counts = [w.count([xm, tm]) for xm, tm in zip(x.chunk(4), t.chunk(4))]
+    assert float(counts[0]) == 0.0
+    total = sum(counts)
+    got = sum(torch.where(c > 0, loss_fn(model(xm), tm), 0.0) * c / total
+              for c, xm, tm in zip(counts, x.chunk(4), t.chunk(4)))
+    torch.testing.assert_close(got.float(), loss_fn(model(x), t), rtol=1e-6, atol=1e-6)
+    if loss_fn is CASES[1][0]:  # counted by class weight
+        assert float(counts[1]) == float(WEIGHTS[2])
+    else:
+        assert float(counts[1]) == 1.0
+
+
+def test_a_models_own_loss_from_shifted_labels_is_counted_on_both_tracers() -> None:
+    """The loss the model computes from a labels input it shifts (F.pad, slices: a causal LM's), as fx
+    and torch.export trace it: each microbatch counts the shifted labels, not the given ones."""
+    x, labels = torch.randn(4, 5, 4), torch.randint(0, V, (4, 5))
+    labels[0, :3] = -100
+    for cls, tracer in ((Labels, "torch.fx.symbolic_trace"), (LabelsExported, "torch.export.export")):
+        gm = trace(cls(), (x[:2],), {"labels": labels[:2]})
+        assert gm.meta["fxpipe_tracer"] == tracer, gm.meta["fxpipe_tracer"]
+        w = loss_weighting(gm, lambda out, _: out, False)
+        assert w.kind == "count", (tracer, w.why)
+        counts = [float(w.count([xm, lm, None])) for xm, lm in zip(x.chunk(2), labels.chunk(2))]
+        assert counts == [2 * 4 - 2, 2 * 4], (tracer, counts)  # positions 1..4 of each row; 1, 2 ignored in row 0
