@@ -100,7 +100,6 @@ class StepState:
         self.scales: list[float | torch.Tensor] | None = None  # each microbatch's weight in the batch's loss
         self.clock = clock_for(pp.ctx.device)  # device time: CUDA events on CUDA, read after the step
         self.clock.begin()
-        self.handlers = {"F": self.forward, "B": self.backward, "W": self.weight, "BW": self.backward}
         self.reducer = pp.reducer
         # actions that compute nothing: memory (RELOAD) and data-parallel (REDUCE_GRAD, arming the reducer)
         self.side_handlers: dict[str, Callable[[int, int], None]] = {"RELOAD": pp.memory.reload}
@@ -126,7 +125,7 @@ class StepState:
             mem.before(x)
             if self.reducer is not None:
                 self.reducer.before(x)
-            self.handlers[x.kind](x)
+            _HANDLERS[x.kind](self, x)
             mem.after(x)
             if self.reducer is not None:
                 self.reducer.after(x)
@@ -320,6 +319,12 @@ def failures(pp: Pipeline, run: StepState, when: str) -> Iterator[None]:
         e.add_note(f"fxpipe: raised on {where} of {when}")
         comm.fail_everywhere(f"{where} failed in {when} with {type(e).__name__}: {first_line(e, 300)}")
         raise
+
+
+# compute actions by kind; the class's functions, not bound methods held by each StepState (a reference cycle
+# that kept a finished step, its pipeline and the pipeline's process groups alive until the next collection)
+_HANDLERS: dict[str, Callable[[StepState, Action], None]] = {
+    "F": StepState.forward, "B": StepState.backward, "W": StepState.weight, "BW": StepState.backward}
 
 
 def sum_tied_grads(pp: Pipeline, held: dict[int, torch.Tensor]) -> None:
