@@ -281,9 +281,11 @@ def check_tensors(md: Metadata, want: dict[str, torch.Tensor], folder: Path) -> 
 
 
 def model_tensors(pp: "Pipeline") -> dict[str, torch.Tensor]:
-    """This rank's parameters and persistent buffers under `model.<original name>`."""
+    """This rank's parameters and persistent buffers under `model.<original name>` (rank 0's: also those no
+    stage reads)."""
     persistent = set(pp.state_key_names())
-    out: dict[str, torch.Tensor] = {f"model.{n}": p for n, p in pp.named_parameters()}
+    out: dict[str, torch.Tensor] = {f"model.{n}": p for n, p in (*pp.named_parameters(),
+                                                                  *pp.unread_parameters().items())}
     out.update({f"model.{k}": b for k, b in pp.local_buffers().items() if k in persistent})
     return out
 

@@ -206,11 +206,11 @@ class Pipeline:
         orig = {id(b): k for k, b in model.named_buffers()}
         self._buffer_names = {s: {n: orig[id(b)] for n, b in stages[s].named_buffers() if id(b) in orig}
                               for s in self.local}
-        self._placed = {id(b) for st in stages for b in st.buffers()}
+        self._placed = {id(t) for st in stages for t in (*st.buffers(), *st.parameters())}
         self._names = {id(p): n for n, p in model.named_parameters()}
         self._model = model
         self.sharded: ShardedStages | None = None
-        self._unplaced: dict[str, torch.Tensor] = {}  # a meta model's buffers no stage reads (rank 0's)
+        self._unplaced: dict[str, torch.Tensor] = {}  # a meta model's tensors no stage reads (rank 0's)
         if self.meta:
             self.stages = setup.materialize(self, model, stages)
         else:
@@ -333,6 +333,14 @@ class Pipeline:
         for k, v in self._model.state_dict(keep_vars=True).items():
             out[k] = first.setdefault(id(v), k)
         return out
+
+    def unread_parameters(self) -> dict[str, torch.Tensor]:
+        """The model's parameters no stage reads (a head the forward does not call), by original name: rank 0
+        keeps them (untrained: they get no grad, as in the model) so that checkpoints, full_state_dict and
+        weights= hold every key of the model; {} on other ranks."""
+        if self.rank != 0:
+            return {}
+        return {k: self._unplaced.get(k, p) for k, p in self._model.named_parameters() if id(p) not in self._placed}
 
     def local_buffers(self) -> dict[str, torch.Tensor]:
         """Buffers of this rank's stages by original name (the stages' own tensors, on its device);

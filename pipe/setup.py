@@ -65,7 +65,7 @@ def check_weights(pp: Pipeline, model: torch.nn.Module, weights: Any) -> Any:
 def materialize(pp: Pipeline, model: torch.nn.Module, stages: list[torch.fx.GraphModule]
                 ) -> dict[int, torch.fx.GraphModule]:
     """This rank's stages of a meta model as new modules with storage on this rank's device (one
-    tensor per tied weight on the rank); rank 0 also holds the buffers no stage reads."""
+    tensor per tied weight on the rank); rank 0 also holds the buffers and parameters no stage reads."""
     device = pp.ctx.device
     error: str | None = None
     copies: list[Any] = []
@@ -76,9 +76,9 @@ def materialize(pp: Pipeline, model: torch.nn.Module, stages: list[torch.fx.Grap
         error = f"{type(e).__name__}: {e}"
     agree_everywhere(error)
     if pp.rank == 0:
-        for k, b in model.named_buffers():
-            if id(b) not in pp._placed:
-                pp._unplaced[k] = made.setdefault(id(b), empty_like(b, device) if b.is_meta else b.to(device))
+        for k, t in (*model.named_buffers(), *model.named_parameters()):
+            if id(t) not in pp._placed:
+                pp._unplaced[k] = made.setdefault(id(t), empty_like(t, device) if t.is_meta else t.detach().to(device))
     pp._names = {id(made[i]): n for i, n in pp._names.items() if i in made}
     pp._made = made
     for s, c in zip(pp.local, copies):
@@ -146,6 +146,7 @@ def fill(pp: Pipeline, model: torch.nn.Module) -> None:
     if not pp.meta:
         return
     named: dict[str, torch.Tensor] = dict(pp.named_parameters())
+    named.update(pp.unread_parameters())
     named.update(pp.local_buffers())
     mine = unset(named)  # floating ones still NaN; and, from a state dict, the non-persistent buffers on the meta
     if not isinstance(w, Init):  # device, which no state dict holds (an integer one would stay 0 unseen)

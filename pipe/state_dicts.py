@@ -340,7 +340,7 @@ def full_state_dict(pp: Pipeline) -> dict[str, torch.Tensor] | None:
     tensors gathered); None on other ranks."""
     held = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
             for n, p in pp.named_parameters()}
-    held.update({k: b.detach().cpu() for k, b in pp.local_buffers().items()})
+    held.update({k: t.detach().cpu() for k, t in (*pp.unread_parameters().items(), *pp.local_buffers().items())})
     mine = {k: held[first] for k, first in pp.state_key_names().items() if first in held}
     parts: list[Any] = [None] * pp.world
     if pp.world > 1:

@@ -1,6 +1,7 @@
 """Checkpoints: saved by one plan, resumed by any other (DCP by name), atomic, verified, refused alike
 on every rank. A few launches carry every case: 2 ranks save; 2 ranks resume under five other plans
 and then meet the corruption table; 4 ranks resume; one process kills saves at each point."""
+import contextlib
 import json
 import os
 import pickle
@@ -472,14 +473,50 @@ def buffers_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
     pp.save(f"{root}/bn")
     full = load_full_state_dict(f"{root}/bn")
     p2.load(f"{root}/bn")
-    return {"saved": all(torch.equal(full[k], b) for k, b in bufs.items()), "n": len(bufs),
-            "loaded": all(torch.equal(p2.local_buffers()[k], b) for k, b in bufs.items()),
-            "moved": all(w.model.get_buffer(k) is not b for k, b in pp.local_buffers().items())}
+    out = {"saved": all(torch.equal(full[k], b) for k, b in bufs.items()), "n": len(bufs),
+           "loaded": all(torch.equal(p2.local_buffers()[k], b) for k, b in bufs.items()),
+           "moved": all(w.model.get_buffer(k) is not b for k, b in pp.local_buffers().items())}
+    out.update(_unread_parameters(root))
+    return out
 
 
-def test_buffers_are_the_stages_own_tensors(tmp_path: Path) -> None:
-    for r in run_ranks("tests.test_checkpoint:buffers_body", 2, timeout=60, root=str(tmp_path)):
+def _unused(seed: int, meta: bool = False) -> Any:
+    """The MLP with a head its forward never calls (a parameter no stage reads)."""
+    torch.manual_seed(seed)
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        w = _scaled_mlp()
+        w.model.unused = torch.nn.Linear(3, 2)
+    return w
+
+
+def _unread_parameters(root: str) -> dict[str, Any]:
+    """A parameter no stage reads: saved, loaded, exported and given by weights= like the others (it was
+    missing from checkpoints, whose own load then refused them as damaged)."""
+    import pipe
+    from pipe.checkpoint import load_full_state_dict
+    (wa, wb), want = (_unused(0), _unused(1)), _unused(0).model.state_dict()
+    pa, pb = (pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=2, cost="flops")
+              for w in (wa, wb))
+    pa.save(f"{root}/unused")
+    full = load_full_state_dict(f"{root}/unused")
+    pb.load(f"{root}/unused")
+    wm = _unused(2, meta=True)
+    pm = pipe.Pipeline(wm.model, wm.example_args, loss_fn=wm.loss_fn, microbatches=2, cost="flops", weights=want)
+    out = {"checkpoint": sorted(k for k in want if k not in full or not torch.equal(full[k], want[k])),
+           "keys": sorted(full) == sorted(want), "loaded": torch.equal(wb.model.unused.weight, want["unused.weight"])}
+    for name, p in (("exported", pa), ("meta", pm)):
+        sd = p.full_state_dict()
+        if sd is not None:  # rank 0's
+            out[name] = sorted(k for k in want if k not in sd or not torch.equal(sd[k].cpu(), want[k]))
+    return out
+
+
+def test_buffers_are_the_stages_own_tensors_and_unread_parameters_are_kept(tmp_path: Path) -> None:
+    res = run_ranks("tests.test_checkpoint:buffers_body", 2, timeout=90, root=str(tmp_path))
+    for r in res:
         assert r["n"] == 1 and r["moved"] and r["saved"] and r["loaded"], r
+        assert r["checkpoint"] == [] and r["keys"], r
+    assert res[0]["loaded"] and res[0]["exported"] == [] and res[0]["meta"] == [], res[0]
 
 
 def test_keep_counts_versions_in_the_order_they_were_committed(tmp_path: Path) -> None:
