@@ -240,6 +240,7 @@ class Pipeline:
         self._tied_groups = setup.make_tied_groups(self)
         self.transport: comm.Transport = transport or comm.TorchTransport(
             None if self.pp_group is None else self._global)
+        self.grad_scaler: Any = None  # make_grad_scaler's: scales each microbatch's loss before its backward
         self.timeline: list[Event] = []
         self.collectives: list[Event] = []  # the last step's grad all-reduces (REDUCE_GRAD, mb = bucket)
         self.posts: list[Event] = []  # the last step's batches of messages, the host posting each (POST)
@@ -333,6 +334,20 @@ class Pipeline:
         for k, v in self._model.state_dict(keep_vars=True).items():
             out[k] = first.setdefault(id(v), k)
         return out
+
+    def make_grad_scaler(self, **kwargs: Any) -> Any:
+        """Dynamic loss scaling for float16 training: torch.amp.GradScaler's, as torch's ShardedGradScaler
+        over every rank of the job, so that a step whose grads hold an inf or NaN on any rank (a stage's,
+        a replica's) is skipped on every rank, and every rank's scale moves alike. Each later step
+        multiplies its microbatches' losses by the scale before their backward (the loss it returns is
+        not scaled); the loop then calls, as with torch.amp, scaler.unscale_(opt) (before
+        clip_grad_norm_), scaler.step(opt) and scaler.update(). kwargs: GradScaler's (init_scale,
+        growth_factor, backoff_factor, growth_interval, enabled). A collective call's companion: every
+        rank makes it."""
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        self.grad_scaler = ShardedGradScaler(device=self.ctx.device.type, process_group=dist.group.WORLD, **kwargs)
+        self.grad_scaler.scale(torch.zeros((), device=self.ctx.device))  # its scale set up on every rank, not
+        return self.grad_scaler                                          # only where a loss is scaled
 
     def unread_parameters(self) -> dict[str, torch.Tensor]:
         """The model's parameters no stage reads (a head the forward does not call), by original name: rank 0

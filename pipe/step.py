@@ -204,11 +204,12 @@ class StepState:
             else:
                 with pp.memory.forward(s, mb, [self.targets[mb]]):  # the loss's saved tensors count (and offload)
                     loss = self._loss(unflatten_outputs(outs, io.out_spec), self.targets[mb])
-            scale = self._scales()[mb]
+            scale = weight = self._scales()[mb]
             if isinstance(scale, torch.Tensor):  # counted: a microbatch without targets (loss NaN) weighs 0
                 loss = torch.where(scale > 0, loss, 0.0)
+                weight = scale.to(torch.promote_types(loss.dtype, torch.float32))
             self.loss_sum = self.loss_sum + loss.detach().double() * scale  # stays on device: no sync
-            roots = [loss * scale]
+            roots = [loss * weight if pp.grad_scaler is None else pp.grad_scaler.scale(loss * weight)]
         else:
             self.ex.send_activations(s, mb, outs)
             roots = outs

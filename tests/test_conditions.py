@@ -2,7 +2,8 @@
 ReLU after a linear layer that zero bubble splits, a cut right before one), autocast (values crossing
 stages in bfloat16), a module of the user's kept whole that reads its parameter twice (zero bubble
 with offloaded activations), batch norm in recomputed stages, torch.dropout under 'selective', targets
-ignored unevenly over the microbatches (one wholly). Parity with the unpartitioned model, step by step."""
+ignored unevenly over the microbatches (one wholly), float16 with dynamic loss scaling. Parity with the
+unpartitioned model, step by step."""
 from __future__ import annotations
 
 from typing import Any
@@ -226,6 +227,57 @@ def _ignored_targets(rank: int, M: int) -> dict[str, Any]:
     return out
 
 
+def _grad_scaler(rank: int, M: int) -> dict[str, Any]:
+    """float16 autocast with pp.make_grad_scaler against torch.amp.GradScaler on the model, microbatch by
+    microbatch (the same ops): a first scale that overflows skips the step on both, then steps at the backed-off
+    scale train alike; an inf in one rank's grads skips the step on every rank, and every scale backs off."""
+    import partition
+    import pipe
+    from tests.nccl_like import NcclLike
+    w, ref = partition.load("gpt", **TINY_GPT), partition.load("gpt", **TINY_GPT)
+    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, cost="flops",
+                       transport=NcclLike())
+    kw = dict(init_scale=2.0 ** 40, backoff_factor=2.0 ** -24)
+    scaler, ref_scaler = pp.make_grad_scaler(**kw), torch.amp.GradScaler("cpu", **kw)
+    opt = torch.optim.Adam(list(pp.parameters()), lr=1e-3)
+    ref_opt = torch.optim.Adam(ref.model.parameters(), lr=1e-3)
+    out: dict[str, Any] = {"scales": []}
+    for step in range(3):
+        args, _, target = w.batch(w.microbatch_size * M, step)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = pp.step(*args, target=target)
+            want = 0.0
+            for x, t in zip(args[0].chunk(M), target.chunk(M)):
+                part = w.loss_fn(ref.model(x), t) / M
+                ref_scaler.scale(part).backward()
+                want += float(part.detach())
+        assert loss == want, (step, loss, want)  # not scaled
+        for sc, o in ((scaler, opt), (ref_scaler, ref_opt)):
+            sc.unscale_(o)  # (where a loop clips)
+        if step > 0:  # (step 0's overflowed: inf and NaN)
+            _grads_close(pp, ref.model, f"float16 step {step}", rtol=1e-3, atol=1e-6)
+        for sc, o in ((scaler, opt), (ref_scaler, ref_opt)):
+            sc.step(o)
+            sc.update()
+            o.zero_grad(set_to_none=True)
+        out["scales"].append((scaler.get_scale(), ref_scaler.get_scale()))
+    want_params = dict(ref.model.named_parameters())
+    for n, p in pp.named_parameters():
+        torch.testing.assert_close(p, want_params[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"float16 {n}: {m}")
+    args, _, target = w.batch(w.microbatch_size * M, 9)
+    with torch.autocast("cpu", dtype=torch.float16):
+        pp.step(*args, target=target)
+    if rank == 1:  # an overflow on one rank only
+        next(iter(pp.parameters())).grad.view(-1)[0] = float("inf")
+    before = [p.detach().clone() for p in pp.parameters()]
+    scale = scaler.get_scale()
+    scaler.step(opt)
+    scaler.update()
+    out["skipped everywhere"] = all(torch.equal(a, p) for a, p in zip(before, pp.parameters()))
+    out["backed off"] = scaler.get_scale() == scale * 2.0 ** -24
+    return out
+
+
 def conditions_body(rank: int, world: int) -> dict[str, Any]:
     import pipe
     from tests.nccl_like import NcclLike
@@ -317,6 +369,7 @@ def conditions_body(rank: int, world: int) -> dict[str, Any]:
     for n, g in grads[0].items():
         torch.testing.assert_close(grads[1][n], g, msg=lambda m: f"selective with torch.dropout {n}: {m}")
     out["ignored targets"] = _ignored_targets(rank, M)
+    out["grad scaler"] = _grad_scaler(rank, M)
     return out
 
 
@@ -331,3 +384,7 @@ def test_inplace_ops_autocast_and_leaf_modules_train_as_the_model() -> None:
         assert res[0]["ignored targets"][schedule] == [  # the plan says how the batch's loss is formed
             "loss: the batch's, each microbatch's cross_entropy weighs by its targets other than ignore_index=-100 "
             "over the batch's"], res[0]["ignored targets"]
+    for r in res:  # the first step overflowed and was skipped on both, as on the model; then none did
+        scales = r["grad scaler"]["scales"]
+        assert scales == [(2.0 ** 16, 2.0 ** 16)] * 3, scales
+        assert r["grad scaler"]["skipped everywhere"] and r["grad scaler"]["backed off"], r["grad scaler"]
