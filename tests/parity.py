@@ -8,15 +8,26 @@ import torch
 import partition
 
 
+def batch_weights(targets: list[Any]) -> list[float]:
+    """Each microbatch's weight in the batch's loss, worked out here from the targets alone (not by
+    partition.reduction): an integer target tensor counts its entries other than -100 (cross entropy's
+    ignore_index: the test workloads' losses, masked-LM labels) over the batch's, anything else 1/M."""
+    if not all(isinstance(t, torch.Tensor) and not t.is_floating_point() for t in targets):
+        return [1.0 / len(targets)] * len(targets)
+    counts = [float((t != -100).sum()) for t in targets]
+    return [c / sum(counts) for c in counts]
+
+
 def reference_step(w: partition.Workload, args: tuple[Any, ...], target: Any, M: int,
                    kwargs: dict[str, Any] | None = None) -> float:
-    """Loss and grads of the unpartitioned model over the same microbatches (loss / M each)."""
+    """Loss and grads of the unpartitioned model over the same microbatches, each microbatch's loss
+    weighed as in the batch's (batch_weights: 1/M, or its count of targets)."""
     from pipe.runtime import split_microbatches
     mbs = split_microbatches((args, kwargs or {}), M)
     tgts = split_microbatches(target, M, "target") if target is not None else [None] * M
     total = 0.0
-    for (a, k), t in zip(mbs, tgts):
-        loss = w.loss_fn(w.model(*a, **k), t) / M
+    for (a, k), t, weight in zip(mbs, tgts, batch_weights(tgts)):
+        loss = w.loss_fn(w.model(*a, **k), t) * weight
         loss.backward()
         total += float(loss.detach())
     return total
