@@ -37,6 +37,17 @@ class _LossTracer(torch.fx.Tracer):
     def __init__(self, leaves: list[Any], spec: pytree.TreeSpec) -> None:
         super().__init__()
         self._leaves, self._spec = leaves, spec
+        self._held: set[int] = set()
+
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        """A module the loss holds stays one call; one it reaches otherwise (a criterion in a closure:
+        `lambda o, t: criterion(o, t)`), which the graph could not name, is traced through into its ops."""
+        return id(m) in self._held and super().is_leaf_module(m, module_qualified_name)
+
+    def path_of_module(self, mod: torch.nn.Module) -> str:
+        if id(mod) in self._held:
+            return super().path_of_module(mod)
+        return f"<{type(mod).__name__}, traced through>"  # never a call_module target: is_leaf_module says no
 
     def create_args_for_root(self, root_fn: Callable[..., Any], is_module: bool, concrete_args: Any = None
                              ) -> tuple[Callable[..., Any], list[Any]]:
@@ -44,6 +55,8 @@ class _LossTracer(torch.fx.Tracer):
                   for i, x in enumerate(self._leaves)]
         target = self.create_proxy("placeholder", "target", (), {})
         output = pytree.tree_unflatten(values, self._spec)
+
+        self._held = {id(m) for m in self.root.modules()}
 
         def loss_of(root: torch.nn.Module) -> Any:
             return root_fn(root, output, target)

@@ -67,8 +67,10 @@ def _weighting(loss_fn: Any, in_graph: bool) -> Any:
 
 
 WEIGHTS = torch.tensor([0.5, 1.0, 2.0, 0.25, 1.5])
+CRITERION = nn.CrossEntropyLoss(ignore_index=2)  # held by a closure, not by the loss: traced through
 CASES = [  # (loss_fn, kind, what the plan's note says)
     (_ce, "count", "cross_entropy weighs by its targets other than ignore_index=-100"),
+    (lambda o, t: CRITERION(o.flatten(0, 1), t.flatten()), "count", "targets other than ignore_index=2 over"),
     (WithLoss(weight=WEIGHTS, ignore_index=1, label_smoothing=0.1), "count", "ignore_index=1 (by class weight)"),
     (lambda o, t: F.nll_loss(F.log_softmax(o, -1).flatten(0, 1), t.flatten(), ignore_index=3), "count",
      "nll_loss weighs by its targets other than ignore_index=3"),
@@ -101,7 +103,8 @@ def test_a_loss_outside_the_graph_that_fx_cannot_trace_is_averaged_and_says_why(
     assert w.kind == "mean" and "the loss stays outside the graph and its kind is unknown" in w.describe(), w
 
 
-@pytest.mark.parametrize("loss_fn", [_ce, CASES[1][0], CASES[2][0]], ids=["ce", "weighted smoothed", "nll"])
+@pytest.mark.parametrize("loss_fn", [_ce, CASES[1][0], CASES[2][0], CASES[3][0]],
+                         ids=["ce", "criterion in a closure", "weighted smoothed", "nll"])
 @pytest.mark.parametrize("in_graph", [True, False])
 def test_counted_microbatches_weigh_to_the_whole_batchs_loss(loss_fn: Any, in_graph: bool) -> None:
     """Microbatches with 0, few and many counted targets: sum of count / total x each microbatch's loss
@@ -113,15 +116,15 @@ def test_counted_microbatches_weigh_to_the_whole_batchs_loss(loss_fn: Any, in_gr
     ignore = w.ignore_index
     t[:2] = ignore          # microbatch 0: every target ignored
     t[2:4] = ignore         # microbatch 1: one counted
-    t[2, 0] = 2
+    t[2, 0] = 4
     counts = [w.count([xm, tm]) for xm, tm in zip(x.chunk(4), t.chunk(4))]
     assert float(counts[0]) == 0.0
     total = sum(counts)
     got = sum(torch.where(c > 0, loss_fn(model(xm), tm), 0.0) * c / total
               for c, xm, tm in zip(counts, x.chunk(4), t.chunk(4)))
     torch.testing.assert_close(got.float(), loss_fn(model(x), t), rtol=1e-6, atol=1e-6)
-    if loss_fn is CASES[1][0]:  # counted by class weight
-        assert float(counts[1]) == float(WEIGHTS[2])
+    if loss_fn is CASES[2][0]:  # counted by class weight
+        assert float(counts[1]) == float(WEIGHTS[4])
     else:
         assert float(counts[1]) == 1.0
 
