@@ -1,6 +1,7 @@
 """The call a plan was made for (inputs by path, their kinds and dtypes), checked at every call."""
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import torch
@@ -50,14 +51,32 @@ class _Unknown:
         return "(a value not recorded)"
 
 
+def _same_constant(x: Any, v: Any) -> bool:
+    """x is the constant v: of its type and equal (NaN to NaN); a comparison that gives no plain bool is not."""
+    if type(x) is not type(v):
+        return False
+    if isinstance(x, float) and math.isnan(x) and math.isnan(v):
+        return True
+    try:
+        return (x == v) is True
+    except Exception:  # an object whose == raises
+        return False
+
+
 def check_call(plan: Plan, args: Sequence[Any], kwargs: dict[str, Any], *, dynamic: bool = False,
-               microbatches: int = 1, error: type[Exception] = PlanError) -> None:
+               microbatches: int = 1, error: type[Exception] = PlanError,
+               example: tuple[Sequence[Any], dict[str, Any]] | None = None) -> None:
     """Refuse a call whose inputs are not those the plan was made for: a missing or extra input,
     a tensor where the plan has a constant (or the reverse), another dtype, another constant,
-    or (unless `dynamic`) another shape than `microbatches` microbatches of the planned ones."""
+    or (unless `dynamic`) another shape than `microbatches` microbatches of the planned ones. A constant
+    the plan could not record (inf, an Enum, a dtype) is compared with `example`'s (the call traced),
+    when given: the graph is specialised on it as on any other."""
     if not plan.input_spec:
         return
     want = _planned(plan)
+    if example is not None:
+        seen = dict(input_paths(*example))
+        want = [(p, seen[p] if isinstance(v, _Unknown) and p in seen else v) for p, v in want]
     got = input_paths(args, kwargs)
     fix = ("re-plan with an example that has exactly these inputs (example_args=, example_kwargs= of one "
            "microbatch), or call with the inputs of the example")
@@ -86,6 +105,6 @@ def check_call(plan: Plan, args: Sequence[Any], kwargs: dict[str, Any], *, dynam
                             f"microbatch, so {shape} for {microbatches} microbatches; use batches of the planned "
                             f"shape (batch size = {v.shape[0] if v.shape else '?'} x microbatches), pass "
                             f"dynamic_shapes=True, or re-plan with an example of this shape")
-        elif not isinstance(v, _Unknown) and (type(x) is not type(v) or x != v):
+        elif not isinstance(v, _Unknown) and not _same_constant(x, v):
             raise error(f"input {path} is {x!r} but the plan was made with {v!r} there (the graph is specialised "
                         f"on it); pass {v!r}, or {fix}")

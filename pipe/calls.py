@@ -273,7 +273,8 @@ def agree_on_call(pp: Pipeline, batch: tuple[tuple[Any, ...], dict[str, Any]], t
 def check_pipeline_call(pp: Pipeline, batch: tuple[tuple[Any, ...], dict[str, Any]], target: Any,
                         training: bool = True, step: bool = False) -> None:
     """Refuse a call the plan was not made for (`batch`: the whole batch, split in pp.M)."""
-    check_call(pp.plan, batch[0], batch[1], microbatches=pp.M, dynamic=pp.dynamic, error=PipelineError)
+    check_call(pp.plan, batch[0], batch[1], microbatches=pp.M, dynamic=pp.dynamic, error=PipelineError,
+               example=pp._example)
     if not training:
         return
     if step and pp.training != pp._traced_mode:

@@ -196,3 +196,39 @@ def test_a_dataclass_input_is_planned_and_checked() -> None:
     check_call(plan, (b,), {})
     with pytest.raises(partition.PlanError, match=r"args\[0\].x has dtype float64"):
         check_call(plan, (Batch(b.x.double(), b.mask),), {})
+
+
+def test_a_constant_the_plan_cannot_record_is_checked_against_the_example() -> None:
+    """inf, NaN and an Enum are not kept by the plan's JSON: the graph is still specialised on them (fx cannot
+    trace the branch, torch.export takes the example's), so a call with another value is refused against the
+    example's, not accepted unchecked (found by review: clip=0.1 trained with clip=inf, 2.3557 against 1.6094)."""
+    import enum
+    import math
+    import partition
+    from partition.signature import check_call
+
+    class Act(enum.Enum):
+        RELU = 1
+        TANH = 2
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, clip: float, act: Act, eps: float) -> torch.Tensor:
+            h = self.a(x)
+            h = torch.relu(h) if act is Act.RELU else torch.tanh(h)
+            return self.b(h.clamp(max=clip) if clip < math.inf else h) + (0.0 if math.isnan(eps) else eps)
+
+    x = torch.randn(2, 4)
+    example = ((x,), {"clip": math.inf, "act": Act.RELU, "eps": math.nan})
+    plan = partition.plan(Model(), example[0], 2, example_kwargs=example[1], cost="flops")
+    assert not plan.input_constants, plan.input_constants  # none of them recorded
+    check_call(plan, *example, example=example)
+    check_call(plan, (x,), {"clip": math.inf, "act": Act.RELU, "eps": float("nan")}, example=example)
+    for kw, said in [({"clip": 0.1}, "kwargs['clip'] is 0.1 but the plan was made with inf"),
+                     ({"act": Act.TANH}, "kwargs['act'] is <Act.TANH: 2> but the plan was made with <Act.RELU: 1>"),
+                     ({"eps": 0.5}, "kwargs['eps'] is 0.5 but the plan was made with nan")]:
+        with pytest.raises(partition.PlanError, match=re.escape(said)):
+            check_call(plan, (x,), {**example[1], **kw}, example=example)
