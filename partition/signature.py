@@ -90,6 +90,11 @@ def check_call(plan: Plan, args: Sequence[Any], kwargs: dict[str, Any], *, dynam
         differ = "; ".join(parts) or "another order"
         raise error(f"the inputs of this call are not those the plan was made for ({differ}); the plan's inputs "
                     f"are {planned}; an input the plan does not know would be dropped silently, so {fix}")
+    batched = {p: v.shape[0] for p, v in want if isinstance(v, Value) and v.shape}
+    if dynamic and len(set(batched.values())) > 1:  # a shared tensor (a [T, T] mask) would be split when T = batch
+        raise error(f"with dynamic_shapes=True every input tensor carries the batch along dim 0, but the plan's "
+                    f"example had {', '.join(f'{p} {n}' for p, n in batched.items())} there; pass a shared tensor "
+                    f"(a mask of the sequence) with a batch dim, expanded to the batch, or {fix}")
     for path, x in got:
         v = w[path]
         if isinstance(v, Value) != isinstance(x, torch.Tensor):

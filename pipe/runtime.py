@@ -172,6 +172,12 @@ class Pipeline:
             progress(f"building this rank's stages{' (materialized from the meta device)' if self.meta else ''} ...")
         try:
             gm = traced if traced is not None else trace(model, args, kwargs, leaf_modules=self.leaf_modules)
+            if self.dynamic and gm.meta.get("fxpipe_tracer") == "torch.export.export":
+                raise ValueError(f"dynamic_shapes=True needs a graph that reads its sizes from its inputs, but "
+                                 f"torch.fx could not trace {type(model).__name__} and torch.export fixed the "
+                                 "example's sizes in its graph (a mean written as sum / x.shape[1] would keep the "
+                                 "example's length); use batches of the example's shape (one microbatch each) "
+                                 "without dynamic_shapes, or make the model traceable by torch.fx")
             why = attach_loss(gm, loss_fn) if self.plan.loss else None
             if why:
                 raise ValueError(f"the plan puts the loss in the last stage, but loss_fn cannot go into the graph: "

@@ -232,3 +232,24 @@ def test_a_constant_the_plan_cannot_record_is_checked_against_the_example() -> N
                      ({"eps": 0.5}, "kwargs['eps'] is 0.5 but the plan was made with nan")]:
         with pytest.raises(partition.PlanError, match=re.escape(said)):
             check_call(plan, (x,), {**example[1], **kw}, example=example)
+
+
+def test_dynamic_shapes_refuse_an_example_whose_tensors_disagree_on_the_batch() -> None:
+    """With dynamic shapes a shared tensor ([T, T] mask) in the example would be split along dim 0 whenever T
+    equals the batch size (found by review: a loss of 1.1265 against 1.0445): refused at the call, naming both."""
+    import partition
+    from partition.signature import check_call
+
+    class Masked(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) + mask
+
+    x, mask = torch.randn(1, 4, 4), torch.zeros(4, 4)
+    plan = partition.plan(Masked(), (x, mask), 2, cost="flops")
+    with pytest.raises(partition.PlanError, match=re.escape("the plan's example had args[0] 1, args[1] 4 there")):
+        check_call(plan, (x.repeat(4, 1, 1), mask), {}, dynamic=True, microbatches=4)
+    check_call(plan, (x, mask), {}, microbatches=1)  # without dynamic shapes the planned shapes decide
