@@ -19,7 +19,76 @@ from pipe.step import StepState, concat_outputs, failures, placed
 if TYPE_CHECKING:
     from pipe.runtime import Pipeline
 
-__all__ = ["evaluate", "flags", "forward", "stages_in_mode_of"]
+__all__ = ["evaluate", "flags", "forward", "output_layout", "stages_in_mode_of"]
+
+
+def output_layout(pp: Pipeline) -> list[tuple[Any, bool]] | None:
+    """Per leaf of the model's output, as pipe.step.concat_outputs takes it: the dim its batch is along,
+    from a meta copy of the model run on the example microbatch and on twice its samples (the dim that
+    doubles; None when no dim changes; "?" otherwise), and whether the graph computes it from the
+    inputs. None when the model does not run on meta tensors (then dim 0 is taken by its size). Found once
+    per mode."""
+    if pp.training not in pp._layouts:
+        fed, dims = _computed_from_inputs(pp._gm), _batch_dims(pp._model, *pp._example, pp.training)
+        pp._layouts[pp.training] = list(zip(dims, fed)) if fed is not None and dims is not None and \
+            len(fed) == len(dims) else None
+    return pp._layouts[pp.training]
+
+
+def _computed_from_inputs(gm: torch.fx.GraphModule) -> list[bool] | None:
+    """Per leaf of the model's output in gm: whether an input of the model's (not the loss's target) is among
+    the values it is computed from."""
+    from partition.loss import TARGET, has_loss, model_outputs
+    from partition.trace import flatten_outputs
+    nodes = {n.name: n for n in gm.graph.nodes}
+    if has_loss(gm):
+        leaves: list[Any] = [nodes.get(x) if is_node else None for is_node, x in model_outputs(gm)[0]]
+        named = [is_node for is_node, _ in model_outputs(gm)[0]]
+    else:
+        leaves = list(flatten_outputs(gm)[0])
+        named = [isinstance(x, torch.fx.Node) for x in leaves]
+    out = []
+    for leaf, is_node in zip(leaves, named):
+        if not isinstance(leaf, torch.fx.Node):
+            out.append(is_node)  # a node renamed by a rewrite: taken as computed from the inputs
+            continue
+        seen, todo, fed = set(), [leaf], False
+        while todo and not fed:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            fed = n.op == "placeholder" and n.name != TARGET
+            todo.extend(n.all_input_nodes)
+        out.append(fed)
+    return out
+
+
+def _batch_dims(model: torch.nn.Module, args: Any, kwargs: Any, training: bool) -> list[Any] | None:
+    """The batch dim of each leaf of the model's output (see output_layout), or None."""
+    from partition.meta import meta_copy
+    shapes = []
+    try:
+        copy = meta_copy(model).train(training)
+        for k in (1, 2):
+            a, kw = pytree.tree_map(lambda x: torch.cat([x.to("meta")] * k) if isinstance(x, torch.Tensor) and x.dim()
+                                    else x, (tuple(args), dict(kwargs)))
+            with torch.no_grad():
+                out = copy(*a, **kw)
+            shapes.append([tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in pytree.tree_leaves(out)])
+    except Exception:  # noqa: BLE001 - a model that needs values (an .item(), a data-dependent shape)
+        return None
+    if len(shapes[0]) != len(shapes[1]):
+        return None
+    dims: list[Any] = []
+    for one, two in zip(*shapes):
+        if one is None or two is None or len(one) != len(two):
+            dims.append(None if one is None and two is None else "?")
+            continue
+        changed = [d for d, (a, b) in enumerate(zip(one, two)) if a != b]
+        dims.append(None if not changed else changed[0] if len(changed) == 1 and two[changed[0]] == 2 *
+                    one[changed[0]] else "?")
+    return dims
 
 
 def stages_in_mode_of(pp: Pipeline, inference: bool) -> tuple[dict[int, Any] | None, dict[int, Any] | None]:
@@ -107,6 +176,7 @@ def forward(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, A
             error = f"PipelineError: forward() on this pipeline: {e}"
         agree_everywhere(error)
     stages, inference = stages_in_mode_of(pp, inference=True)  # (None, None) in the mode of the trace
+    layout = output_layout(pp)
     flats = pp._flats(mbs, [None] * pp.M)
     sizes = [next((x.shape[0] for x in pytree.tree_leaves(mb) if isinstance(x, torch.Tensor) and x.dim()), 0)
              for mb in mbs]  # each microbatch's: the outputs that hold the batch have it along dim 0
@@ -130,8 +200,8 @@ def forward(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, A
             calls.learned(pp, exchange)
             return placed(concat_outputs([assemble_outputs(pp._gm, {k: v for p in parts for k, v in
                                                                     (p[mb] or {}).items()}) for mb in range(pp.M)],
-                                         sizes), pp.ctx.device)
-        box: list[Any] = [concat_outputs(run.outputs, sizes) if pp.rank == last else None]
+                                         sizes, layout), pp.ctx.device)
+        box: list[Any] = [concat_outputs(run.outputs, sizes, layout) if pp.rank == last else None]
         if pp.world > 1:  # (pickled: through the host, where a device tensor would name the sender's device)
             box = [placed(box[0], torch.device("cpu"))]
             with comm.guarded("the broadcast of the output", last):

@@ -198,6 +198,7 @@ class Pipeline:
         self._traced_mode = self.training = model.training
         self._example = (args, kwargs)
         self._other_mode: dict[str, Any] = {}
+        self._layouts: dict[bool, Any] = {}  # forward()'s output layout by mode (pipe.inference.output_layout)
         self.local = [s for s in range(self.S) if self.place[s] == self.rank]
         if self.plan.loss and not isinstance(example_target, torch.Tensor):  # the shape the plan recorded
             v = self.plan.inputs[-1]

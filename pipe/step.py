@@ -49,11 +49,16 @@ def _batched(dims: list[int], sizes: list[int]) -> bool:
         all(d == dims[0] // sizes[0] * s for d, s in zip(dims, sizes))
 
 
-def concat_outputs(outputs: list[Any], sizes: list[int] | None = None) -> Any:
-    """Microbatch outputs as one batch: tensors whose dim 0 is each microbatch's size or the same multiple of
-    it (`sizes`; without, every tensor of a dim or more) concatenated along it, 0-dim floating ones averaged
-    (a loss), any other leaf kept when every microbatch gave the same (a parameter, a count or flag the
-    batch cannot change), refused otherwise: no batch value can be formed from theirs."""
+def concat_outputs(outputs: list[Any], sizes: list[int] | None = None,
+                   layout: list[tuple[Any, bool]] | None = None) -> Any:
+    """Microbatch outputs as one batch. `layout` (pipe.inference.output_layout), per leaf: the dim its batch
+    is along (an int; None: its shape does not change with the batch; "?": not known) and whether it is
+    computed from the inputs. A leaf with a batch dim is concatenated along it, also when every microbatch
+    gave the same (repeated prompts); one of unknown layout along dim 0 when its dim 0 is each
+    microbatch's size (`sizes`) or the same multiple of it (without sizes, every tensor of a dim or more);
+    0-dim floating ones are averaged (a loss); any other leaf is kept when every microbatch gave the same
+    and it is not computed from the inputs (a parameter, a constant), refused otherwise: no batch value
+    can be formed from theirs (a count of the batch's tokens would come out a microbatch's)."""
     flat = [pytree.tree_flatten(o) for o in outputs]
     spec = flat[0][1]
     leaves = []
@@ -61,20 +66,24 @@ def concat_outputs(outputs: list[Any], sizes: list[int] | None = None) -> Any:
         x = column[0]
         tensor = isinstance(x, torch.Tensor)
         same = _alike(column)
+        d, fed = layout[i] if layout is not None and i < len(layout) else ("?", True)
         dims = [c.shape[0] for c in column] if tensor and x.dim() else []
-        if dims and (sizes is None or dims == list(sizes) or _batched(dims, sizes) and not same):
+        if tensor and isinstance(d, int) and x.dim() > d:
+            leaves.append(torch.cat(column, d))
+        elif d == "?" and dims and (sizes is None or dims == list(sizes) or _batched(dims, sizes) and not same):
             leaves.append(torch.cat(column, 0))  # (a multiple of the size, alike in every microbatch: a parameter)
         elif tensor and not x.dim() and (x.is_floating_point() or x.is_complex()):
             leaves.append(torch.stack(column).mean())
-        elif same:
+        elif same and not (fed and layout is not None):
             leaves.append(x)
         else:
             what = f"a {x.dtype} tensor of shape {list(x.shape)}" if tensor else f"a {type(x).__name__}"
-            raise PipelineError(f"the model's output leaf {i} is {what} without the batch along its dim 0 that "
-                                "differs between microbatches, so forward() cannot form the whole batch's value "
-                                "from theirs (tensors with the batch along dim 0 are concatenated, 0-dim floating "
-                                "ones averaged, as losses); return it with a batch dimension, or compute it outside "
-                                "the model")
+            why = ("computed from the inputs without a batch dimension (a count or a flag of the batch)" if same
+                   else "without the batch along its dim 0 that differs between microbatches")
+            raise PipelineError(f"the model's output leaf {i} is {what} {why}, so forward() cannot form the whole "
+                                "batch's value from theirs (tensors with the batch along a dim are concatenated, "
+                                "0-dim floating ones averaged, as losses); return it with a batch dimension, or "
+                                "compute it outside the model")
     return pytree.tree_unflatten(leaves, spec)
 
 

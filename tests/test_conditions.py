@@ -109,6 +109,19 @@ class Attn(nn.Module):
         return self.head(x)
 
 
+class SeqFirst(nn.Module):
+    """Sequence-first and token-flattened outputs (batch along dim 1, and folded into dim 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lins = nn.ModuleList([nn.Linear(D, D) for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> Any:
+        for lin in self.lins:
+            x = torch.tanh(lin(x))                       # [b, T, D]
+        return x.transpose(0, 1), x.flatten(0, 1)
+
+
 class Unused(nn.Module):
     """In-place writes whose results the code does not use (h.mul_(0.5) as a statement): with the loss in
     the graph, forward()'s stages are cut without it, and the dead-code pass took those writes for pure."""
@@ -356,6 +369,16 @@ def conditions_body(rank: int, world: int) -> dict[str, Any]:
     args, _, _ = w.batch(w.microbatch_size * M, 3)
     with torch.no_grad():
         torch.testing.assert_close(pp.forward(*args), ref.model(*args), msg=lambda m: f"forward: {m}")
+    # forward() lays outputs out as the model does: along dim 1, and along dim 0 with every microbatch alike
+    torch.manual_seed(0)
+    seq, ref = SeqFirst(), SeqFirst()
+    ref.load_state_dict(seq.state_dict())
+    pp = pipe.Pipeline(seq, (torch.randn(2, 4, D),), loss_fn=lambda o, t: o[0].pow(2).mean(), microbatches=M,
+                       cost="flops", trace_loss=False, transport=NcclLike())
+    x = torch.randn(2, 4, D).repeat(M, 1, 1)  # a repeated prompt
+    with torch.no_grad():
+        for got, want in zip(pp.forward(x), ref(x)):
+            torch.testing.assert_close(got, want, msg=lambda m: f"forward's layout: {m}")
     # 'selective' with torch.dropout: the grads of the same draws as without recomputation
     grads = []
     for recompute in ("none", "selective"):

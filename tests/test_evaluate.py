@@ -263,3 +263,42 @@ def test_concat_outputs_forms_the_batch_or_says_why_not() -> None:
         concat_outputs([(torch.ones(2, 3), torch.ones(3) * k) for k in (1, 2)], sizes=[2, 2])
     # the batch folded with the tokens along dim 0 (logits flattened): concatenated too
     assert concat_outputs([torch.randn(10, 7) for _ in range(4)], sizes=[2, 2, 2, 2]).shape == (40, 7)
+
+
+class _Outputs(torch.nn.Module):
+    """Outputs of every layout: sequence-first, flattened tokens, a parameter, a count of the batch, a loss."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        h = self.lin(x)                                      # [b, T, 4]
+        return {"seq_first": h.transpose(0, 1), "tokens": h.flatten(0, 1), "weight": self.lin.weight,
+                "count": (x > 0).sum(), "loss": h.pow(2).mean()}
+
+
+def test_forward_outputs_are_laid_out_by_the_model_not_by_their_values() -> None:
+    """The batch dim of each output from a meta copy of the model run on one and two microbatches' samples,
+    and whether it is computed from the inputs: a sequence-first output is concatenated along dim 1 (it was
+    joined along its sequence), flattened tokens along dim 0 also when every microbatch gave the same
+    (repeated prompts: one microbatch's came back), a parameter kept, a count of the batch refused (a
+    microbatch's came back). Found by review."""
+    import pytest
+
+    from partition.trace import trace
+    from pipe.errors import PipelineError
+    from pipe.inference import _batch_dims, _computed_from_inputs
+    from pipe.step import concat_outputs
+    model, x = _Outputs(), torch.randn(2, 3, 4)
+    dims = _batch_dims(model, (x,), {}, True)
+    fed = _computed_from_inputs(trace(model, (x,), {}))
+    assert dims == [1, 0, None, None, None] and fed == [True, True, False, True, True], (dims, fed)
+    layout = list(zip(dims, fed))
+    same = [model(x)] * 2
+    got = concat_outputs([{k: v for k, v in o.items() if k != "count"} for o in same], [2, 2],
+                         [layout[i] for i in (0, 1, 2, 4)])
+    assert got["seq_first"].shape == (3, 4, 4) and got["tokens"].shape == (12, 4), got["tokens"].shape
+    assert got["weight"] is same[0]["weight"]
+    with pytest.raises(PipelineError, match=r"leaf 0 is a torch.int64 tensor of shape \[\] computed from the inputs"):
+        concat_outputs([{"count": o["count"]} for o in same], [2, 2], [layout[3]])
+    assert model.lin.weight.device.type == "cpu"  # the model itself untouched (a meta copy ran)
