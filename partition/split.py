@@ -214,6 +214,48 @@ def _writes(root: torch.nn.Module, user: torch.fx.Node, value: torch.fx.Node) ->
     return False
 
 
+def _returns_written(root: torch.nn.Module, node: torch.fx.Node) -> bool:
+    """Whether `node`'s value is the tensor it writes in place, its first argument (x.mul_(2), torch.relu_(x),
+    F.relu(x, inplace=True), nn.ReLU(inplace=True), an aten op returning its written self): not a setitem."""
+    first = node.args[0] if node.args else None
+    if not isinstance(first, torch.fx.Node) or not _writes(root, node, first):
+        return False
+    if isinstance(node.target, torch._ops.OpOverload):
+        returns, arguments = node.target._schema.returns, node.target._schema.arguments
+        return len(returns) == 1 and returns[0].alias_info is not None and arguments[0].alias_info is not None \
+            and returns[0].alias_info.before_set == arguments[0].alias_info.before_set
+    return _name(node.target) not in ("setitem", "__setitem__")
+
+
+def read_written_inputs(gm: torch.fx.GraphModule) -> int:
+    """Make the readers of a model input, after an op that writes it in place and returns it (x.mul_(2)), read
+    that op's value: on one process the same tensor, but a value the partitioner sees and sends on, where a later
+    stage would read its own copy of the input, unwritten. In place on gm; returns the uses moved. A write
+    through a view or a setitem is left as it is."""
+    latest: dict[torch.fx.Node, torch.fx.Node] = {}  # an input -> the op that last wrote it and returns it
+    moved = 0
+    for node in list(gm.graph.nodes):
+        if latest and node.op != "output":
+            for p, w in latest.items():
+                if p in node.all_input_nodes:
+                    node.replace_input_with(p, w)
+                    moved += 1
+        if node.op == "output":
+            for p, w in latest.items():  # (an input returned: its written value)
+                if p in node.all_input_nodes:
+                    node.replace_input_with(p, w)
+                    moved += 1
+            continue
+        first = node.args[0] if node.args else None
+        if isinstance(first, torch.fx.Node) and _returns_written(gm, node):
+            base = next((p for p, w in latest.items() if w is first), first)
+            if base.op == "placeholder":
+                latest[base] = node
+    if moved:
+        gm.recompile()
+    return moved
+
+
 def is_in_place(root: torch.nn.Module, node: torch.fx.Node) -> bool:
     """Whether `node` writes one of its inputs in place (`_writes`)."""
     return any(_writes(root, node, a) for a in node.all_input_nodes)

@@ -161,7 +161,9 @@ def _restore(model: torch.nn.Module, values: dict[str, torch.Tensor]) -> None:
 
 
 def _run(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """fn(*args, **kwargs) without autograd, from a fixed RNG state (dropout draws the same masks)."""
+    """fn(*args, **kwargs) without autograd, from a fixed RNG state (dropout draws the same masks), on copies of
+    the input tensors: a model that writes its inputs in place leaves the example as it was for the next run."""
+    args, kwargs = pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, (args, kwargs))
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(0)
         return fn(*args, **kwargs)
@@ -267,6 +269,8 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
             if why is None:
                 gm.meta["fxpipe_tracer"] = tracer
                 gm.meta["fxpipe_out_spec"] = spec
+                from partition.split import read_written_inputs
+                read_written_inputs(gm)  # an input written in place: later readers read the write's value
                 return gm
             reasons.append(f"{tracer} gave a graph that is not the model: {why}")
     raise TraceError(

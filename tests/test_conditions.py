@@ -109,6 +109,22 @@ class Attn(nn.Module):
         return self.head(x)
 
 
+class WritesInput(nn.Module):
+    """Writes its input in place first and reads it again last: the last stage must read the written value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lins = nn.ModuleList([nn.Linear(D, D) for _ in range(6)])
+        self.head = nn.Linear(D, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2.0)
+        h = x
+        for lin in self.lins:
+            h = torch.tanh(lin(h))
+        return self.head(h + x)
+
+
 class SeqFirst(nn.Module):
     """Sequence-first and token-flattened outputs (batch along dim 1, and folded into dim 0)."""
 
@@ -369,6 +385,18 @@ def conditions_body(rank: int, world: int) -> dict[str, Any]:
     args, _, _ = w.batch(w.microbatch_size * M, 3)
     with torch.no_grad():
         torch.testing.assert_close(pp.forward(*args), ref.model(*args), msg=lambda m: f"forward: {m}")
+    # an input written in place (x.mul_) and read after the write on a later stage: it reads the written value
+    w, ref = _workload(WritesInput), _workload(WritesInput)
+    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, cost="flops", trace_loss=False,
+                       transport=NcclLike())
+    args, _, target = w.batch(w.microbatch_size * M, 0)
+    loss = pp.step(args[0].clone(), target=target)
+    want = w.loss_fn(ref.model(args[0].clone()), target)
+    want.backward()
+    torch.testing.assert_close(loss, float(want), rtol=1e-5, atol=1e-6)
+    _grads_close(pp, ref.model, f"input written in place rank {rank}")
+    out["received written input"] = [n.name for s in pp.local for n in pp.stages[s].graph.nodes
+                                     if n.op == "placeholder" and n.name.startswith("mul_")]
     # forward() lays outputs out as the model does: along dim 1, and along dim 0 with every microbatch alike
     torch.manual_seed(0)
     seq, ref = SeqFirst(), SeqFirst()
@@ -407,6 +435,7 @@ def test_inplace_ops_autocast_and_leaf_modules_train_as_the_model() -> None:
         assert res[0]["ignored targets"][schedule] == [  # the plan says how the batch's loss is formed
             "loss: the batch's, each microbatch's cross_entropy weighs by its targets other than ignore_index=-100 "
             "over the batch's"], res[0]["ignored targets"]
+    assert res[1]["received written input"], res[1]  # the last stage received x as written, not its own copy
     for r in res:  # the first step overflowed and was skipped on both, as on the model; then none did
         scales = r["grad scaler"]["scales"]
         assert scales == [(2.0 ** 16, 2.0 ** 16)] * 3, scales
