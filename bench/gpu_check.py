@@ -16,7 +16,7 @@ model; (9) compile=True (inductor) against the model and against the same schedu
 parity, the compilation's seconds, the step's speed-up; (10) measured costs of the whole graph against
 the pipeline's (unit by unit for a model left on the CPU) and its steps' actions; (11) offloaded
 activations and streamed states against the plain step, and in a profiled step how much of the copies' time a
-kernel ran beside.
+kernel ran beside; (12) float16 with pp.make_grad_scaler against torch.amp.GradScaler on the model.
 Uses min(2, GPUs) ranks (one process per GPU; --ranks to choose); with one GPU the single stage runs
 GPipe so that several microbatches are in flight. Writes out/gpu_check/gpu_check.json after each part.
 """
@@ -450,6 +450,64 @@ def offload_check(base: dict[str, Any], M: int, schedule: str, say: Callable[...
     return out
 
 
+def scaler_check(base: dict[str, Any], M: int, schedule: str, say: Callable[..., None]) -> dict[str, Any]:
+    """float16 autocast with pp.make_grad_scaler against torch.amp.GradScaler on the unpartitioned model,
+    microbatch by microbatch: a first scale that overflows (skipped on both), then steps at the backed-off
+    scale; the scales, losses and parameters after 4 steps, and the step's seconds against bfloat16 without a
+    scaler."""
+    import partition
+    import pipe
+    from pipe.launch import context
+    dev = context().device
+    w, ref = partition.load("gpt", **base), partition.load("gpt", **base)
+    ref.model.to(dev)
+    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, schedule=schedule, cost="flops")
+    kw: dict[str, Any] = dict(init_scale=2.0 ** 40, backoff_factor=2.0 ** -24)
+    scaler, ref_scaler = pp.make_grad_scaler(**kw), torch.amp.GradScaler(dev.type, **kw)
+    opt = torch.optim.Adam(list(pp.parameters()), lr=1e-4)
+    ref_opt = torch.optim.Adam(ref.model.parameters(), lr=1e-4)
+    rows, seconds = [], []
+    for step in range(4):
+        args, _, target = w.batch(w.microbatch_size * M, step)
+        _sync(dev)
+        t0 = time.perf_counter()
+        with torch.autocast(dev.type, dtype=torch.float16):
+            loss = pp.step(*args, target=target)
+        scaler.step(opt)
+        scaler.update()
+        _sync(dev)
+        seconds.append(time.perf_counter() - t0)
+        with torch.autocast(dev.type, dtype=torch.float16):
+            want = 0.0
+            for a, t in zip(args[0].to(dev).chunk(M), target.to(dev).chunk(M)):
+                part = w.loss_fn(ref.model(a), t) / M
+                ref_scaler.scale(part).backward()
+                want += float(part.detach())
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        for o in (opt, ref_opt):
+            o.zero_grad(set_to_none=True)
+        rows.append({"loss": loss, "ref_loss": want, "scale": scaler.get_scale(), "ref_scale": ref_scaler.get_scale()})
+    refs = dict(ref.model.named_parameters())
+    err = max(float((p.detach() - refs[n].detach()).abs().max()) for n, p in pp.named_parameters())
+    bf16 = []
+    for step in range(4):
+        args, _, target = w.batch(w.microbatch_size * M, step)
+        _sync(dev)
+        t0 = time.perf_counter()
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            pp.step(*args, target=target)
+        _sync(dev)
+        bf16.append(time.perf_counter() - t0)
+        opt.zero_grad(set_to_none=True)
+    out = {"steps": rows, "param_err": err, "fp16_scaled_s": sorted(seconds[1:])[1], "bf16_s": sorted(bf16[1:])[1]}
+    say(f"    float16 + make_grad_scaler: scales {[r['scale'] for r in rows]} (torch.amp on the model: "
+        f"{[r['ref_scale'] for r in rows]}), losses {[round(r['loss'], 5) for r in rows]} vs "
+        f"{[round(r['ref_loss'], 5) for r in rows]}, max |param - model's| {err:.2e}; step "
+        f"{out['fp16_scaled_s']:.3f} s against bfloat16 unscaled {out['bf16_s']:.3f} s")
+    return out
+
+
 def checkpoint_check(base: dict[str, Any], M: int, say: Callable[..., None]) -> dict[str, Any]:
     """Save on the device and resume into a fresh pipeline of the same plan: with dropout, the next
     step's loss is bitwise the uninterrupted one's only if the device's random state came back too,
@@ -539,6 +597,7 @@ def worker(dry: bool, parts: list[str] | None = None) -> int:
         ("clip_eval", lambda: clip_eval_check(cfg["timed"], 4, schedule, say)),
         ("costs", lambda: costs_check(cfg["timed"], M, schedule, say)),
         ("offload", lambda: offload_check(cfg["timed"], M, schedule, say)),
+        ("scaler", lambda: scaler_check(cfg["timed"], 4, schedule, say)),
         ("compile", lambda: compile_check(cfg["compiled"], 4, ("1f1b", "zb-h1") if world > 1 else ("gpipe", "zbv"),
                                           cfg["compile"], 4, say)),
     ]
@@ -585,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", type=int, default=None, help="processes (default: min(2, GPUs); 2 with --dry-run)")
     p.add_argument("--parts", default=None, metavar="A,B",
                    help="run only these parts (names as printed: copies, schedules, checkpoint, ledger, time, "
-                        "scan_plain, scan_memory, shaped, clip_eval, costs, compile)")
+                        "scan_plain, scan_memory, shaped, clip_eval, costs, offload, scaler, compile)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:

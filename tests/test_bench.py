@@ -211,7 +211,7 @@ def test_gpu_check_dry_run_on_cpu() -> None:
     """The one-script GPU check, exercised on CPU with small sizes so it cannot rot between GPU sessions."""
     out = run_command([sys.executable, "bench/gpu_check.py", "--dry-run"], timeout=240).output
     for part in ("schedules", "checkpoint", "ledger", "time", "scan_plain", "scan_memory", "shaped", "clip_eval",
-                 "costs", "offload", "compile"):
+                 "costs", "offload", "scaler", "compile"):
         assert f"] {part}" in out, out[-3000:]
     assert "largest within" in out and "done in" in out and "Traceback" not in out
     data = json.loads(Path(__file__).resolve().parent.parent.joinpath("out/gpu_check/gpu_check.json").read_text())
@@ -227,6 +227,9 @@ def test_gpu_check_dry_run_on_cpu() -> None:
     for r in data["schedules"]:  # parity, and a timeline no longer than the step that contains it
         assert r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4, r
         assert all(0 < t <= wall for t, wall in zip(r["timeline_ms"], r["wall_ms"])), r
+    scaled = data["scaler"]  # float16: the first scale overflows on both, then the same steps as torch.amp's
+    assert [(r["scale"], r["ref_scale"]) for r in scaled["steps"]] == [(2.0 ** 16, 2.0 ** 16)] * 4, scaled
+    assert all(abs(r["loss"] - r["ref_loss"]) < 1e-6 for r in scaled["steps"]) and scaled["param_err"] < 1e-6, scaled
     clip = data["clip_eval"]  # the whole model's norm and eval-mode loss, as torch's on the unpartitioned model
     assert clip["norm"] > 0.1 and clip["norm_rel_err"] < 1e-5 and clip["clipped_grad_rel_err"] < 1e-5, clip
     assert clip["step_loss_err"] < 1e-5 and clip["eval_loss_err"] < 1e-5 and clip["forward_err"] < 1e-5, clip
