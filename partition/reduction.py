@@ -14,7 +14,7 @@ and the plan's notes say why.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -45,9 +45,25 @@ class Weighting:
     kind: str
     why: str
     loss: str = ""                                 # the loss's name, as the notes give it
-    targets: torch.fx.GraphModule | None = None    # the graph's inputs -> (the loss's target, class weights)
+    # the graph's inputs, then the tensors named by `attrs` -> (the loss's target, class weights)
+    targets: torch.fx.GraphModule | None = None
     ignore_index: int = -100
-    weight: torch.Tensor | None = None             # class weights held by the loss itself (not a value of the graph)
+    attrs: list[str] = field(default_factory=list)  # tensors the target's ops read, by path in `holder`
+    weight_path: str | None = None                 # the class weights of a loss module, by path in `holder`
+    written: list[int] = field(default_factory=list)  # inputs the target's ops write in place: copied first
+    # where `attrs` and `weight_path` are read when counting: the module computing the loss now (the pipeline's
+    # last stage, whose tensors a checkpoint or weights= loaded), else `origin`, the graph the weighting was found in
+    holder: torch.nn.Module | None = None
+    origin: torch.nn.Module | None = None
+
+    def _tensor(self, path: str) -> Any:
+        for root in (self.holder, self.origin):
+            if root is not None:
+                try:
+                    return _attr(root, path)
+                except AttributeError:
+                    continue
+        raise AttributeError(f"the loss's {path} is in neither the last stage nor the graph")
 
     def count(self, values: Sequence[Any]) -> torch.Tensor:
         """The weight of one microbatch, from the values of the graph's inputs (float64, 0-dim, on
@@ -55,9 +71,10 @@ class Weighting:
         weight when the loss has one. Probabilities as the target (soft labels): the loss
         averages over the rows, as many in every microbatch, so their number."""
         assert self.targets is not None
-        target, weight = self.targets(*values)
-        if self.weight is not None:
-            weight = self.weight
+        values = [v.clone() if i in self.written and isinstance(v, torch.Tensor) else v for i, v in enumerate(values)]
+        target, weight = self.targets(*values, *[self._tensor(p) for p in self.attrs])
+        if self.weight_path is not None:
+            weight = self._tensor(self.weight_path)
         if target.is_floating_point():
             return torch.tensor(float(target.numel()), dtype=torch.float64, device=target.device)
         valid = target != self.ignore_index
@@ -69,7 +86,7 @@ class Weighting:
     def describe(self, replicas: int = 1) -> str:
         over = " over every replica's batch" if replicas > 1 else ""
         if self.kind == "count":
-            weighed = " (by class weight)" if self.weight is not None or self._graph_weight() else ""
+            weighed = " (by class weight)" if self.weight_path is not None or self._graph_weight() else ""
             what = (f"each microbatch's {self.loss} weighs by its targets other than ignore_index="
                     f"{self.ignore_index}{weighed} over the batch's{over}")
             return f"loss: the batch's, {what}"
@@ -142,12 +159,12 @@ def weighting(gm: torch.fx.GraphModule) -> Weighting:
     target, weight = args.get("target"), args.get("weight")
     if not isinstance(ignore, int) or not isinstance(target, torch.fx.Node):
         return Weighting("mean", f"its {name}'s ignore_index or target is not a value fxpipe can follow")
-    held = weight if isinstance(weight, torch.Tensor) else None
-    sub, why = _inputs_only(gm, [target, weight if isinstance(weight, torch.fx.Node) else None])
+    weight_path = f"{loss.target}.weight" if loss.op == "call_module" and isinstance(weight, torch.Tensor) else None
+    sub, attrs, written, why = _inputs_only(gm, [target, weight if isinstance(weight, torch.fx.Node) else None], loss)
     if sub is None:
         return Weighting("mean", f"its {name}'s {why}")
-    return Weighting("count", "", loss=name, targets=sub, ignore_index=ignore,
-                     weight=None if held is None else held.detach().clone())
+    return Weighting("count", "", loss=name, targets=sub, ignore_index=ignore, attrs=attrs, weight_path=weight_path,
+                     written=written, origin=gm)
 
 
 def loss_weighting(gm: torch.fx.GraphModule, loss_fn: Any, in_graph: bool) -> Weighting:
@@ -175,34 +192,50 @@ def _what(node: torch.fx.Node) -> str:
     return f"{node.op} {getattr(target, '__name__', None) or str(target)}"
 
 
-def _inputs_only(gm: torch.fx.GraphModule, wanted: list[torch.fx.Node | None]
-                 ) -> tuple[torch.fx.GraphModule | None, str]:
-    """A graph module taking gm's inputs and returning `wanted` (None stays None), made of the
-    nodes they need, or (None, why) when one needs more than the inputs: a module, a parameter,
-    a random op (a node of the model itself)."""
+def _inputs_only(gm: torch.fx.GraphModule, wanted: list[torch.fx.Node | None], before: torch.fx.Node
+                 ) -> tuple[torch.fx.GraphModule | None, list[str], list[int], str]:
+    """(A graph module taking gm's inputs, then the tensors it reads by get_attr, and returning `wanted` (None
+    stays None), made of the nodes they need and the ops before `before` that write those in place; the paths
+    of those tensors; the positions of the inputs those ops write; "") or (None, [], [], why) when one needs more
+    than the inputs: a module, a parameter, a random op (a node of the model itself)."""
+    from partition.split import writes_in_place
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    by_name = {n.name: n for n in gm.graph.nodes}
+    writers = {by_name[u]: [by_name[b] for b in bases] for u, bases in writes_in_place(gm).items()}
     need: set[torch.fx.Node] = set()
     todo = [n for n in wanted if n is not None]
     while todo:
-        n = todo.pop()
-        if n in need:
-            continue
-        if n.op not in _PURE_OPS:
-            return None, f"target is computed by {_what(n)}, not from the inputs alone"
-        if n.op == "get_attr":
-            value = _attr(gm, str(n.target))
-            if isinstance(value, torch.nn.Parameter) or isinstance(value, torch.Tensor) and value.requires_grad:
-                return None, f"target is computed from the parameter {n.target}"
-        elif n.op != "placeholder" and _random(gm, n):
-            return None, f"target is computed by a random op ({_what(n)})"
-        need.add(n)
-        todo.extend(n.all_input_nodes)
+        while todo:
+            n = todo.pop()
+            if n in need:
+                continue
+            if n.op not in _PURE_OPS:
+                return None, [], [], f"target is computed by {_what(n)}, not from the inputs alone"
+            if n.op == "get_attr":
+                value = _attr(gm, str(n.target))
+                if isinstance(value, torch.nn.Parameter) or isinstance(value, torch.Tensor) and value.requires_grad:
+                    return None, [], [], f"target is computed from the parameter {n.target}"
+            elif n.op != "placeholder" and _random(gm, n):
+                return None, [], [], f"target is computed by a random op ({_what(n)})"
+            need.add(n)
+            todo.extend(n.all_input_nodes)
+        # an op writing a value the target is made of (t.masked_fill_(t == 0, -100) whose result goes unused)
+        todo = [u for u, bases in writers.items() if u not in need and order[u] < order[before]
+                and any(b in need for b in bases)]
     g = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
+    attrs = [n for n in gm.graph.nodes if n in need and n.op == "get_attr"]
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for n in inputs:
+        env[n] = g.node_copy(n, lambda x: env[x])
+    for i, n in enumerate(attrs):  # read where the loss is computed now, not as they were here
+        env[n] = g.placeholder(f"fxpipe_attr_{i}", default_value=None)  # (after inputs with defaults)
     for n in gm.graph.nodes:
-        if n.op == "placeholder" or n in need:
+        if n in need and n not in env:
             env[n] = g.node_copy(n, lambda x: env[x])
     g.output(tuple(env[n] if n is not None else None for n in wanted))
-    return torch.fx.GraphModule(gm, g), ""
+    written = sorted({inputs.index(b) for u, bases in writers.items() if u in need for b in bases if b in inputs})
+    return torch.fx.GraphModule(gm, g), [str(n.target) for n in attrs], written, ""
 
 
 def _attr(gm: torch.nn.Module, path: str) -> Any:

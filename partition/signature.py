@@ -58,8 +58,9 @@ def _same_constant(x: Any, v: Any) -> bool:
     if isinstance(x, float) and math.isnan(x) and math.isnan(v):
         return True
     try:
-        return (x == v) is True
-    except Exception:  # an object whose == raises
+        same = x == v
+        return not isinstance(same, torch.Tensor) and bool(same)  # (numpy scalars give numpy's bool)
+    except Exception:  # an object whose == raises, or gives an array
         return False
 
 

@@ -12,7 +12,7 @@ import torch.utils._pytree as pytree
 
 from partition.plan import Plan, PlanError, fingerprint
 from partition.loss import has_loss, model_outputs
-from partition.rewrite import apply_rewrites, linear_rows, vocab_slice
+from partition.rewrite import _op_name, apply_rewrites, linear_rows, vocab_slice
 from partition.trace import flatten_outputs
 
 __all__ = ["StageIO", "stage_io", "split_graph", "inference_stage", "assemble_outputs", "live_values",
@@ -234,6 +234,29 @@ def read_written_inputs(gm: torch.fx.GraphModule) -> int:
     through a view or a setitem is left as it is."""
     latest: dict[torch.fx.Node, torch.fx.Node] = {}  # an input -> the op that last wrote it and returns it
     moved = 0
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    by_name = {n.name: n for n in gm.graph.nodes}
+    chains: dict[torch.fx.Node, list[torch.fx.Node]] = {}  # an input -> it and the ops writing it that return it
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            chains[n] = [n]
+        elif n.args and isinstance(n.args[0], torch.fx.Node) and _returns_written(gm, n):
+            for chain in chains.values():
+                if n.args[0] in chain:
+                    chain.append(n)
+    followed = {n for chain in chains.values() for n in chain[1:]}
+    for name, bases in writes_in_place(gm).items():  # a write the readers cannot follow: refused
+        u = by_name[name]
+        for p in (by_name[b] for b in bases):
+            if p.op == "placeholder" and u not in followed:
+                later = [r.name for r in p.users if order[r] > order[u]]
+                if later:
+                    raise ValueError(
+                        f"the model writes its input {p.name} in place through a view or an op that does not return "
+                        f"it ({u.name}: {_op_name(u)}) and reads it after that ({', '.join(later[:3])}); stages "
+                        f"send values, not writes, so a later stage would read its own copy unwritten: write into "
+                        f"a copy ({p.name} = {p.name}.clone() first), or write the whole tensor with an op that "
+                        f"returns it ({p.name}.mul_(...), {p.name}.masked_fill_(...))")
     for node in list(gm.graph.nodes):
         if latest and node.op != "output":
             for p, w in latest.items():

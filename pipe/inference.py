@@ -25,9 +25,9 @@ __all__ = ["evaluate", "flags", "forward", "output_layout", "stages_in_mode_of"]
 def output_layout(pp: Pipeline) -> list[tuple[Any, bool]] | None:
     """Per leaf of the model's output, as pipe.step.concat_outputs takes it: the dim its batch is along,
     from a meta copy of the model run on the example microbatch and on twice its samples (the dim that
-    doubles; None when no dim changes; "?" otherwise), and whether the graph computes it from the
-    inputs. None when the model does not run on meta tensors (then dim 0 is taken by its size). Found once
-    per mode."""
+    doubles; None when no dim changes, or a value that is not a tensor is the same at both; "?"
+    otherwise), and whether the graph computes it from the inputs. None when the model does not run on
+    meta tensors (then dim 0 is taken by its size). Found once per mode."""
     if pp.training not in pp._layouts:
         fed, dims = _computed_from_inputs(pp._gm), _batch_dims(pp._model, *pp._example, pp.training)
         pp._layouts[pp.training] = list(zip(dims, fed)) if fed is not None and dims is not None and \
@@ -75,15 +75,19 @@ def _batch_dims(model: torch.nn.Module, args: Any, kwargs: Any, training: bool) 
                                     else x, (tuple(args), dict(kwargs)))
             with torch.no_grad():
                 out = copy(*a, **kw)
-            shapes.append([tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in pytree.tree_leaves(out)])
+            shapes.append([tuple(x.shape) if isinstance(x, torch.Tensor) else ("value", x)
+                           for x in pytree.tree_leaves(out)])
     except Exception:  # noqa: BLE001 - a model that needs values (an .item(), a data-dependent shape)
         return None
     if len(shapes[0]) != len(shapes[1]):
         return None
     dims: list[Any] = []
     for one, two in zip(*shapes):
-        if one is None or two is None or len(one) != len(two):
-            dims.append(None if one is None and two is None else "?")
+        if one[:1] == ("value",) or two[:1] == ("value",):  # not a tensor: the batch's when the same at both sizes
+            dims.append(None if one == two else "?")
+            continue
+        if len(one) != len(two):
+            dims.append("?")
             continue
         changed = [d for d, (a, b) in enumerate(zip(one, two)) if a != b]
         dims.append(None if not changed else changed[0] if len(changed) == 1 and two[changed[0]] == 2 *

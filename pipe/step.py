@@ -56,9 +56,10 @@ def concat_outputs(outputs: list[Any], sizes: list[int] | None = None,
     computed from the inputs. A leaf with a batch dim is concatenated along it, also when every microbatch
     gave the same (repeated prompts); one of unknown layout along dim 0 when its dim 0 is each
     microbatch's size (`sizes`) or the same multiple of it (without sizes, every tensor of a dim or more);
-    0-dim floating ones are averaged (a loss); any other leaf is kept when every microbatch gave the same
-    and it is not computed from the inputs (a parameter, a constant), refused otherwise: no batch value
-    can be formed from theirs (a count of the batch's tokens would come out a microbatch's)."""
+    0-dim floating ones are averaged (a loss); any other leaf is kept when every microbatch gave the same,
+    unless the inputs give it and it is a 0-dim tensor or a value the batch's size changes (a count of
+    the batch's tokens would come out a microbatch's); refused otherwise: no batch value can be formed
+    from theirs."""
     flat = [pytree.tree_flatten(o) for o in outputs]
     spec = flat[0][1]
     leaves = []
@@ -74,8 +75,8 @@ def concat_outputs(outputs: list[Any], sizes: list[int] | None = None,
             leaves.append(torch.cat(column, 0))  # (a multiple of the size, alike in every microbatch: a parameter)
         elif tensor and not x.dim() and (x.is_floating_point() or x.is_complex()):
             leaves.append(torch.stack(column).mean())
-        elif same and not (fed and layout is not None):
-            leaves.append(x)
+        elif same and not (layout is not None and fed and (d == "?" or tensor and not x.dim())):
+            leaves.append(x)  # (not a count of the batch: a 0-dim tensor or a value the batch's size changes)
         else:
             what = f"a {x.dtype} tensor of shape {list(x.shape)}" if tensor else f"a {type(x).__name__}"
             why = ("computed from the inputs without a batch dimension (a count or a flag of the batch)" if same

@@ -274,7 +274,8 @@ class _Outputs(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> Any:
         h = self.lin(x)                                      # [b, T, 4]
         return {"seq_first": h.transpose(0, 1), "tokens": h.flatten(0, 1), "weight": self.lin.weight,
-                "count": (x > 0).sum(), "loss": h.pow(2).mean()}
+                "count": (x > 0).sum(), "loss": h.pow(2).mean(), "length": x.shape[1],
+                "zeros": x.new_zeros(x.shape[1], 4), "samples": x.shape[0]}
 
 
 def test_forward_outputs_are_laid_out_by_the_model_not_by_their_values() -> None:
@@ -282,7 +283,7 @@ def test_forward_outputs_are_laid_out_by_the_model_not_by_their_values() -> None
     and whether it is computed from the inputs: a sequence-first output is concatenated along dim 1 (it was
     joined along its sequence), flattened tokens along dim 0 also when every microbatch gave the same
     (repeated prompts: one microbatch's came back), a parameter kept, a count of the batch refused (a
-    microbatch's came back). Found by review."""
+    microbatch's came back), as is the batch's size; its sequence length is kept. Found by review."""
     import pytest
 
     from partition.trace import trace
@@ -292,13 +293,15 @@ def test_forward_outputs_are_laid_out_by_the_model_not_by_their_values() -> None
     model, x = _Outputs(), torch.randn(2, 3, 4)
     dims = _batch_dims(model, (x,), {}, True)
     fed = _computed_from_inputs(trace(model, (x,), {}))
-    assert dims == [1, 0, None, None, None] and fed == [True, True, False, True, True], (dims, fed)
-    layout = list(zip(dims, fed))
+    assert dims == [1, 0, None, None, None, None, None, "?"], dims
+    assert fed == [True, True, False, True, True, True, True, True], fed
+    layout = dict(zip(model(x), zip(dims, fed)))
     same = [model(x)] * 2
-    got = concat_outputs([{k: v for k, v in o.items() if k != "count"} for o in same], [2, 2],
-                         [layout[i] for i in (0, 1, 2, 4)])
+    kept = [k for k in layout if k not in ("count", "samples")]
+    got = concat_outputs([{k: o[k] for k in kept} for o in same], [2, 2], [layout[k] for k in kept])
     assert got["seq_first"].shape == (3, 4, 4) and got["tokens"].shape == (12, 4), got["tokens"].shape
-    assert got["weight"] is same[0]["weight"]
-    with pytest.raises(PipelineError, match=r"leaf 0 is a torch.int64 tensor of shape \[\] computed from the inputs"):
-        concat_outputs([{"count": o["count"]} for o in same], [2, 2], [layout[3]])
+    assert got["weight"] is same[0]["weight"] and got["length"] == 3 and got["zeros"].shape == (3, 4)
+    for k, what in (("count", "a torch.int64 tensor of shape \\[\\]"), ("samples", "a int")):
+        with pytest.raises(PipelineError, match=f"leaf 0 is {what} computed from the inputs"):
+            concat_outputs([{k: o[k]} for o in same], [2, 2], [layout[k]])
     assert model.lin.weight.device.type == "cpu"  # the model itself untouched (a meta copy ran)

@@ -227,6 +227,10 @@ def test_a_constant_the_plan_cannot_record_is_checked_against_the_example() -> N
     assert not plan.input_constants, plan.input_constants  # none of them recorded
     check_call(plan, *example, example=example)
     check_call(plan, (x,), {"clip": math.inf, "act": Act.RELU, "eps": float("nan")}, example=example)
+    import numpy as np  # a numpy scalar compares to numpy's bool (found by review: an unchanged one was refused)
+    numpy_example = ((x,), {"clip": np.float64(math.inf), "act": Act.RELU, "eps": math.nan})
+    check_call(partition.plan(Model(), (x,), 2, example_kwargs=numpy_example[1], cost="flops"),
+               (x,), {**numpy_example[1], "clip": np.float64(math.inf)}, example=numpy_example)
     for kw, said in [({"clip": 0.1}, "kwargs['clip'] is 0.1 but the plan was made with inf"),
                      ({"act": Act.TANH}, "kwargs['act'] is <Act.TANH: 2> but the plan was made with <Act.RELU: 1>"),
                      ({"eps": 0.5}, "kwargs['eps'] is 0.5 but the plan was made with nan")]:

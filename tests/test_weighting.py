@@ -141,3 +141,35 @@ def test_a_models_own_loss_from_shifted_labels_is_counted_on_both_tracers() -> N
         assert w.kind == "count", (tracer, w.why)
         counts = [float(w.count([xm, lm, None])) for xm, lm in zip(x.chunk(2), labels.chunk(2))]
         assert counts == [2 * 4 - 2, 2 * 4], (tracer, counts)  # positions 1..4 of each row; 1, 2 ignored in row 0
+
+
+def _masked_copy(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    t = t.clone()
+    t.masked_fill_(t == 0, -100)  # its result unused: the write is what counts
+    return F.cross_entropy(o.flatten(0, 1), t.flatten())
+
+
+def _masked_target(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    t.masked_fill_(t == 0, -100)  # the target itself, written
+    return F.cross_entropy(o.flatten(0, 1), t.flatten())
+
+
+@pytest.mark.parametrize("in_graph", [True, False])
+def test_writes_to_the_target_count_and_class_weights_are_read_when_counting(in_graph: bool) -> None:
+    """A target masked in place by an op whose result goes unused counts as masked (it was counted unmasked:
+    grads up to 84% off); a target the loss writes itself is copied before counting (the step's loss then
+    writes it once); class weights are read when counting, not as they were when the pipeline was built
+    (weights= or a checkpoint loads them later). Found by review."""
+    t = torch.tensor([[0, 1, 2], [0, 0, 3]])
+    for loss_fn, written in ((_masked_copy, False), (_masked_target, True)):
+        w = _weighting(loss_fn, in_graph)
+        assert w.kind == "count" and bool(w.written) == written, (w.kind, w.why, w.written)
+        given = t.clone()
+        assert float(w.count([torch.randn(2, 3, 4), given])) == 3.0
+        assert torch.equal(given, t)  # the user's target as given
+    held = WithLoss(weight=torch.ones(V), ignore_index=-100)
+    w = _weighting(held, in_graph)
+    assert float(w.count([torch.randn(2, 3, 4), t])) == 6.0
+    with torch.no_grad():
+        held.ce.weight.fill_(0.5)  # as a load writes it
+    assert float(w.count([torch.randn(2, 3, 4), t])) == 3.0
