@@ -14,6 +14,7 @@ and the plan's notes say why.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -55,6 +56,7 @@ class Weighting:
     # last stage, whose tensors a checkpoint or weights= loaded), else `origin`, the graph the weighting was found in
     holder: torch.nn.Module | None = None
     origin: torch.nn.Module | None = None
+    node: str = ""  # the graph's node giving the loss (a model's own loss: an output forward() weighs alike)
 
     def _tensor(self, path: str) -> Any:
         for root in (self.holder, self.origin):
@@ -132,15 +134,62 @@ def _summed(gm: torch.fx.GraphModule, node: torch.fx.Node) -> str | None:
     return None
 
 
-def weighting(gm: torch.fx.GraphModule) -> Weighting:
+_MUL = {operator.mul, torch.mul, torch.ops.aten.mul.Tensor, torch.ops.aten.mul.Scalar, "mul", "__mul__", "__rmul__"}
+_DIV = {operator.truediv, torch.div, torch.true_divide, torch.ops.aten.div.Tensor, torch.ops.aten.div.Scalar, "div",
+        "true_divide", "__truediv__"}
+
+
+def _batch_constants(gm: torch.fx.GraphModule, example: Sequence[Any] | None) -> set[torch.fx.Node]:
+    """Nodes every microbatch of a batch gives the same value: inputs that are not tensors or are 0-dim tensors
+    (repeated, not split: num_items_in_batch), and pure ops of them alone."""
+    out: set[torch.fx.Node] = set()
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, n in enumerate(inputs):
+        x = example[i] if example is not None and i < len(example) else n.meta.get("val")
+        if x is not None and (not isinstance(x, torch.Tensor) or x.dim() == 0) and n.name != "fxpipe_target":
+            out.add(n)
+    for n in gm.graph.nodes:
+        if n.op in ("call_function", "call_method") and n.all_input_nodes and all(a in out for a in n.all_input_nodes) \
+                and not _random(gm, n):
+            out.add(n)
+    return out
+
+
+def _scaled(node: torch.fx.Node, constants: set[torch.fx.Node]) -> torch.fx.Node | None:
+    """The loss `node` multiplies or divides by a value every microbatch shares (a number, num_items_in_batch):
+    the microbatches' losses then form the batch's as that loss's do."""
+    if node.op not in ("call_function", "call_method") or len(node.args) != 2 or node.kwargs:
+        return None
+    a, b = node.args
+    shared = [not isinstance(x, torch.fx.Node) and isinstance(x, (int, float)) or x in constants for x in (a, b)]
+    if node.target in _MUL:
+        return a if shared[1] and isinstance(a, torch.fx.Node) else b if shared[0] and isinstance(b, torch.fx.Node) \
+            else None
+    if node.target in _DIV and shared[1] and isinstance(a, torch.fx.Node):
+        return a
+    return None
+
+
+def weighting(gm: torch.fx.GraphModule, example: Sequence[Any] | None = None) -> Weighting:
     """How the loss `gm` returns (a graph with the loss attached: partition.loss.attach_loss, or the
-    model's own loss) forms the batch's from the microbatches'. See the module's doc."""
+    model's own loss) forms the batch's from the microbatches'; `example`: the values of gm's inputs
+    for one microbatch (which are shared by every microbatch). See the module's doc."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
     loss = out.args[0]
     if isinstance(loss, (tuple, list)) and len(loss) == 1:
         loss = loss[0]
     if not isinstance(loss, torch.fx.Node):
         return Weighting("mean", "the loss is not a value of the graph")
+    top, constants = loss.name, _batch_constants(gm, example)
+    while (inner := _scaled(loss, constants)) is not None:  # x * 0.5, a sum / num_items_in_batch
+        loss = inner
+    found = _found(gm, loss)
+    found.node = top
+    return found
+
+
+def _found(gm: torch.fx.GraphModule, loss: torch.fx.Node) -> Weighting:
+    """weighting's answer for the loss node `loss` (its scaling by shared values peeled)."""
     name = _summed(gm, loss)
     if name is not None:
         return Weighting("sum", "", loss=name)
@@ -167,14 +216,16 @@ def weighting(gm: torch.fx.GraphModule) -> Weighting:
                      written=written, origin=gm)
 
 
-def loss_weighting(gm: torch.fx.GraphModule, loss_fn: Any, in_graph: bool) -> Weighting:
+def loss_weighting(gm: torch.fx.GraphModule, loss_fn: Any, in_graph: bool,
+                   example: Sequence[Any] | None = None) -> Weighting:
     """`weighting` of the loss a pipeline computes: gm's own when the loss is in the graph, else
     loss_fn's traced onto a copy of gm (whose last input is then the target: a step counts a
-    microbatch from its inputs followed by its target). Call it before rewrites change the loss."""
+    microbatch from its inputs followed by its target). `example`: one microbatch's values of gm's
+    inputs. Call it before rewrites change the loss."""
     import copy
     from partition.loss import attach_loss
     if in_graph:
-        return weighting(gm)
+        return weighting(gm, example)
     if loss_fn is None:
         return Weighting("mean", "no loss_fn")
     view = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
@@ -184,7 +235,7 @@ def loss_weighting(gm: torch.fx.GraphModule, loss_fn: Any, in_graph: bool) -> We
     why = attach_loss(view, loss_fn)
     if why:
         return Weighting("mean", f"the loss stays outside the graph and its kind is unknown: {why}")
-    return weighting(view)
+    return weighting(view, example)
 
 
 def _what(node: torch.fx.Node) -> str:

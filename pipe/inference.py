@@ -19,7 +19,7 @@ from pipe.step import StepState, concat_outputs, failures, placed
 if TYPE_CHECKING:
     from pipe.runtime import Pipeline
 
-__all__ = ["evaluate", "flags", "forward", "output_layout", "stages_in_mode_of"]
+__all__ = ["evaluate", "flags", "forward", "loss_weights", "output_layout", "stages_in_mode_of"]
 
 
 def output_layout(pp: Pipeline) -> list[tuple[Any, bool]] | None:
@@ -35,18 +35,43 @@ def output_layout(pp: Pipeline) -> list[tuple[Any, bool]] | None:
     return pp._layouts[pp.training]
 
 
-def _computed_from_inputs(gm: torch.fx.GraphModule) -> list[bool] | None:
-    """Per leaf of the model's output in gm: whether an input of the model's (not the loss's target) is among
-    the values it is computed from."""
-    from partition.loss import TARGET, has_loss, model_outputs
+def _output_nodes(gm: torch.fx.GraphModule) -> tuple[list[Any], list[bool]]:
+    """Per leaf of the model's output in gm: its node (None: a constant, or a node a rewrite renamed), and
+    whether it was a node."""
+    from partition.loss import has_loss, model_outputs
     from partition.trace import flatten_outputs
     nodes = {n.name: n for n in gm.graph.nodes}
     if has_loss(gm):
-        leaves: list[Any] = [nodes.get(x) if is_node else None for is_node, x in model_outputs(gm)[0]]
-        named = [is_node for is_node, _ in model_outputs(gm)[0]]
-    else:
-        leaves = list(flatten_outputs(gm)[0])
-        named = [isinstance(x, torch.fx.Node) for x in leaves]
+        return ([nodes.get(x) if is_node else None for is_node, x in model_outputs(gm)[0]],
+                [is_node for is_node, _ in model_outputs(gm)[0]])
+    leaves = list(flatten_outputs(gm)[0])
+    return leaves, [isinstance(x, torch.fx.Node) for x in leaves]
+
+
+def loss_weights(pp: Pipeline, flats: list[list[Any]]) -> dict[int, list[float]]:
+    """{the leaf of the model's output that is the loss the pipeline weighs (a model's own loss, `out.loss`):
+    each microbatch's weight in the batch's} for forward(), as a step weighs it (partition.reduction: by
+    counted targets, summed); {} for any other output, or when the count needs the target forward() lacks."""
+    w = pp.weighting
+    leaves, _ = _output_nodes(pp._gm)
+    names = [x.name if isinstance(x, torch.fx.Node) else None for x in leaves]
+    if not w.node or w.node not in names or w.kind == "mean":
+        return {}
+    if w.kind == "sum":
+        return {names.index(w.node): [1.0] * len(flats)}
+    try:
+        counts = [float(w.count(f if pp.plan.loss else [*f, None])) for f in flats]
+    except Exception:  # noqa: BLE001 - a count that reads the target (forward() has none), or a tensor not here
+        return {}
+    total = sum(counts)
+    return {names.index(w.node): [c / total for c in counts]} if total > 0 else {}
+
+
+def _computed_from_inputs(gm: torch.fx.GraphModule) -> list[bool] | None:
+    """Per leaf of the model's output in gm: whether an input of the model's (not the loss's target) is among
+    the values it is computed from."""
+    from partition.loss import TARGET
+    leaves, named = _output_nodes(gm)
     out = []
     for leaf, is_node in zip(leaves, named):
         if not isinstance(leaf, torch.fx.Node):
@@ -182,6 +207,7 @@ def forward(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, A
     stages, inference = stages_in_mode_of(pp, inference=True)  # (None, None) in the mode of the trace
     layout = output_layout(pp)
     flats = pp._flats(mbs, [None] * pp.M)
+    weights = loss_weights(pp, flats)  # a model's own loss: weighed as a step weighs it
     sizes = [next((x.shape[0] for x in pytree.tree_leaves(mb) if isinstance(x, torch.Tensor) and x.dim()), 0)
              for mb in mbs]  # each microbatch's: the outputs that hold the batch have it along dim 0
     exchange = calls.exchange(pp)
@@ -204,8 +230,8 @@ def forward(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, A
             calls.learned(pp, exchange)
             return placed(concat_outputs([assemble_outputs(pp._gm, {k: v for p in parts for k, v in
                                                                     (p[mb] or {}).items()}) for mb in range(pp.M)],
-                                         sizes, layout), pp.ctx.device)
-        box: list[Any] = [concat_outputs(run.outputs, sizes, layout) if pp.rank == last else None]
+                                         sizes, layout, weights), pp.ctx.device)
+        box: list[Any] = [concat_outputs(run.outputs, sizes, layout, weights) if pp.rank == last else None]
         if pp.world > 1:  # (pickled: through the host, where a device tensor would name the sender's device)
             box = [placed(box[0], torch.device("cpu"))]
             with comm.guarded("the broadcast of the output", last):

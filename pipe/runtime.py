@@ -183,7 +183,7 @@ class Pipeline:
                 raise ValueError(f"the plan puts the loss in the last stage, but loss_fn cannot go into the graph: "
                                  f"{why}; re-plan without example_target")
             # how the batch's loss is formed from the microbatches' (before rewrites change the loss)
-            self.weighting = loss_weighting(gm, loss_fn, self.plan.loss)
+            self.weighting = loss_weighting(gm, loss_fn, self.plan.loss, flatten_inputs(gm, args, kwargs))
             stages = split_graph(gm, self.plan)
             error = None
         except (ValueError, TypeError) as e:

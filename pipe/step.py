@@ -50,13 +50,14 @@ def _batched(dims: list[int], sizes: list[int]) -> bool:
 
 
 def concat_outputs(outputs: list[Any], sizes: list[int] | None = None,
-                   layout: list[tuple[Any, bool]] | None = None) -> Any:
+                   layout: list[tuple[Any, bool]] | None = None, weights: dict[int, list[float]] | None = None) -> Any:
     """Microbatch outputs as one batch. `layout` (pipe.inference.output_layout), per leaf: the dim its batch
     is along (an int; None: its shape does not change with the batch; "?": not known) and whether it is
     computed from the inputs. A leaf with a batch dim is concatenated along it, also when every microbatch
     gave the same (repeated prompts); one of unknown layout along dim 0 when its dim 0 is each
     microbatch's size (`sizes`) or the same multiple of it (without sizes, every tensor of a dim or more);
-    0-dim floating ones are averaged (a loss); any other leaf is kept when every microbatch gave the same,
+    0-dim floating ones are averaged (a loss), or weighed by `weights` (leaf -> each microbatch's weight: the
+    model's own loss, as a step weighs it); any other leaf is kept when every microbatch gave the same,
     unless the inputs give it and it is a 0-dim tensor or a value the batch's size changes (a count of
     the batch's tokens would come out a microbatch's); refused otherwise: no batch value can be formed
     from theirs."""
@@ -73,6 +74,9 @@ def concat_outputs(outputs: list[Any], sizes: list[int] | None = None,
             leaves.append(torch.cat(column, d))
         elif d == "?" and dims and (sizes is None or dims == list(sizes) or _batched(dims, sizes) and not same):
             leaves.append(torch.cat(column, 0))  # (a multiple of the size, alike in every microbatch: a parameter)
+        elif tensor and not x.dim() and (x.is_floating_point() or x.is_complex()) and i in (weights or {}):
+            w = torch.tensor((weights or {})[i], dtype=torch.float64, device=x.device)
+            leaves.append((torch.where(w > 0, torch.stack(column).double(), 0.0) * w).sum().to(x.dtype))
         elif tensor and not x.dim() and (x.is_floating_point() or x.is_complex()):
             leaves.append(torch.stack(column).mean())
         elif same and not (layout is not None and fed and (d == "?" or tensor and not x.dim())):

@@ -125,6 +125,21 @@ class WritesInput(nn.Module):
         return self.head(h + x)
 
 
+class OwnLoss(nn.Module):
+    """A model computing its own loss from a labels input (as Hugging Face's do), returned with its logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lins = nn.ModuleList([nn.Linear(D, D) for _ in range(4)])
+        self.head = nn.Linear(D, 5)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        for lin in self.lins:
+            x = torch.tanh(lin(x))
+        logits = self.head(x)
+        return {"loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten()), "logits": logits}
+
+
 class SeqFirst(nn.Module):
     """Sequence-first and token-flattened outputs (batch along dim 1, and folded into dim 0)."""
 
@@ -397,6 +412,25 @@ def conditions_body(rank: int, world: int) -> dict[str, Any]:
     _grads_close(pp, ref.model, f"input written in place rank {rank}")
     out["received written input"] = [n.name for s in pp.local for n in pp.stages[s].graph.nodes
                                      if n.op == "placeholder" and n.name.startswith("mul_")]
+    # a model's own loss over labels ignored unevenly: step and forward() give the batch's (forward averaged it)
+    torch.manual_seed(0)
+    own, ref_own = OwnLoss(), OwnLoss()
+    ref_own.load_state_dict(own.state_dict())
+    labels = torch.randint(0, 5, (2 * M, 3))
+    labels[:2] = -100
+    labels[2:4, 1:] = -100
+    x = torch.randn(2 * M, 3, D)
+    pp = pipe.Pipeline(own, (x[:2], labels[:2]), loss_fn=lambda out, _: out["loss"], microbatches=M, cost="flops",
+                       trace_loss=False, transport=NcclLike())
+    loss = pp.step(x, labels)
+    want = ref_own(x, labels)
+    want["loss"].backward()
+    torch.testing.assert_close(loss, float(want["loss"]), rtol=1e-5, atol=1e-6)
+    _grads_close(pp, ref_own, f"a model's own loss rank {rank}")
+    with torch.no_grad():
+        got = pp.forward(x, labels)
+    torch.testing.assert_close(got["loss"], want["loss"].detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got["logits"], want["logits"].detach())
     # forward() lays outputs out as the model does: along dim 1, and along dim 0 with every microbatch alike
     torch.manual_seed(0)
     seq, ref = SeqFirst(), SeqFirst()

@@ -79,7 +79,9 @@ CASES = [  # (loss_fn, kind, what the plan's note says)
     (lambda o, t: F.mse_loss(o, t.float().unsqueeze(-1).expand_as(o), reduction="sum"), "sum", "mse_loss"),
     (lambda o, t: F.mse_loss(o, t.float().unsqueeze(-1).expand_as(o)), "mean",
      "the loss is call_function mse_loss, not a cross entropy or NLL loss"),
-    (lambda o, t: 2 * _ce(o, t), "mean", "the loss is call_function mul"),
+    (lambda o, t: 2 * _ce(o, t), "count", "cross_entropy weighs by its targets"),  # scaled by a shared number
+    (lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten(), reduction="sum") / 7.0, "sum", "reduction='sum'"),
+    (lambda o, t: _ce(o, t) * o.mean(), "mean", "the loss is call_function mul"),  # by a value of the microbatch
     (lambda o, t: F.cross_entropy(o.flatten(0, 1), o.argmax(-1).flatten()), "mean",
      "target is computed by call_module lin, not from the inputs alone"),
 ]
@@ -173,3 +175,23 @@ def test_writes_to_the_target_count_and_class_weights_are_read_when_counting(in_
     with torch.no_grad():
         held.ce.weight.fill_(0.5)  # as a load writes it
     assert float(w.count([torch.randn(2, 3, 4), t])) == 3.0
+
+
+class SumOverItems(nn.Module):
+    """A Hugging Face causal LM's loss given num_items_in_batch: a summed cross entropy over the whole batch's
+    count, an input every microbatch shares (a 0-dim tensor, repeated rather than split)."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, V)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor, num_items: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.lin(x).flatten(0, 1), labels.flatten(), reduction="sum") / num_items
+
+
+def test_a_sum_over_the_batchs_count_sums_the_microbatches() -> None:
+    """Found by review: HF's loss with num_items_in_batch was averaged, halving the loss and every grad."""
+    x, labels, n = torch.randn(2, 3, 4), torch.randint(0, V, (2, 3)), torch.tensor(12.0)
+    gm = trace(SumOverItems(), (x, labels, n), {})
+    w = loss_weighting(gm, lambda out, _: out, False, example=[x, labels, n])
+    assert w.kind == "sum" and "reduction='sum'" in w.describe(), w
+    assert loss_weighting(gm, lambda out, _: out, False).kind == "mean"  # (without the example: not known shared)
