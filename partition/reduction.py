@@ -22,12 +22,10 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from partition.rewrite import _REDUCTIONS, _ce_args
+from partition.rewrite import loss_args
 
 __all__ = ["Weighting", "weighting", "loss_weighting"]
 
-_NLL_SIGNATURE = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction")
-_ATEN_NLL = (torch.ops.aten.nll_loss.default, torch.ops.aten.nll_loss_nd.default)
 # element-wise losses: the batch's sum is the sum of the microbatches' sums
 _SUMMED = {F.mse_loss: "mse_loss", F.l1_loss: "l1_loss", F.smooth_l1_loss: "smooth_l1_loss",
            F.huber_loss: "huber_loss", F.binary_cross_entropy: "binary_cross_entropy",
@@ -103,26 +101,6 @@ class Weighting:
         return isinstance(out.args[0][1], torch.fx.Node)
 
 
-def _nll_args(gm: torch.fx.GraphModule, node: torch.fx.Node) -> dict[str, Any] | None:
-    """The arguments of an NLL-loss node by name, or None if `node` is not one."""
-    if node.op == "call_function" and (node.target is F.nll_loss or node.target in _ATEN_NLL):
-        names = _NLL_SIGNATURE if node.target is F.nll_loss else ("input", "target", "weight", "reduction",
-                                                                   "ignore_index")
-        got: dict[str, Any] = dict(zip(names, node.args))
-        got.update(node.kwargs)
-        if node.target is not F.nll_loss and "reduction" in got:  # ATen: 0 none, 1 mean, 2 sum
-            got["reduction"] = _REDUCTIONS[int(got["reduction"])]
-        return got
-    if node.op == "call_module":
-        mod = gm.get_submodule(str(node.target))
-        if type(mod) is torch.nn.NLLLoss and len(node.args) + len(node.kwargs) == 2:
-            got = dict(zip(("input", "target"), node.args))
-            got.update(node.kwargs)
-            got.update(weight=mod.weight, ignore_index=mod.ignore_index, reduction=mod.reduction)
-            return got
-    return None
-
-
 def _summed(gm: torch.fx.GraphModule, node: torch.fx.Node) -> str | None:
     """The name of an element-wise loss with reduction='sum' that `node` is, or None."""
     if node.op == "call_function" and node.target in _SUMMED and node.kwargs.get("reduction") == "sum":
@@ -193,9 +171,9 @@ def _found(gm: torch.fx.GraphModule, loss: torch.fx.Node) -> Weighting:
     name = _summed(gm, loss)
     if name is not None:
         return Weighting("sum", "", loss=name)
-    args, name = _ce_args(gm, loss), "cross_entropy"
+    args, name = loss_args(gm, loss, "cross_entropy"), "cross_entropy"
     if args is None:
-        args, name = _nll_args(gm, loss), "nll_loss"
+        args, name = loss_args(gm, loss, "nll_loss"), "nll_loss"
     if args is None:
         return Weighting("mean", f"the loss is {_what(loss)}, not a cross entropy or NLL loss fxpipe can weigh by "
                          "its targets")

@@ -15,7 +15,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-__all__ = ["linear_rows", "logit_size", "splittable_linear", "split_linear", "vocab_slice", "vocab_loss",
+__all__ = ["linear_rows", "logit_size", "loss_args", "splittable_linear", "split_linear", "vocab_slice", "vocab_loss",
            "vocab_parallel_loss", "vocab_parallel_why", "vocab_parallel", "apply_rewrites"]
 
 
@@ -148,7 +148,6 @@ def split_linear(gm: torch.fx.GraphModule, name: str, parts: int | Sequence[int]
     gm.recompile()
 
 
-_CE_FUNCTIONS = (F.cross_entropy, torch.ops.aten.cross_entropy_loss.default)
 _CE_SIGNATURE = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction",
                  "label_smoothing")
 _REDUCTIONS = ("none", "mean", "sum")
@@ -157,25 +156,41 @@ _MERGING = {"reshape", "view", "flatten", "contiguous", torch.reshape, torch.fla
             torch.ops.aten._unsafe_view.default, torch.ops.aten.clone.default}
 
 
-def _ce_args(gm: torch.fx.GraphModule, node: torch.fx.Node) -> dict[str, Any] | None:
-    """The arguments of a cross-entropy node by name, or None if `node` is not one."""
-    if node.op == "call_function" and node.target in _CE_FUNCTIONS:
-        names = _CE_SIGNATURE if node.target is F.cross_entropy else \
-            ("input", "target", "weight", "reduction", "ignore_index", "label_smoothing")
-        got: dict[str, Any] = dict(zip(names, node.args))
+# per loss: its function, its ATen ops, their signatures, its module and the module's fields it takes
+_LOSS_FORMS: dict[str, tuple[Any, tuple[Any, ...], tuple[str, ...], tuple[str, ...], type, tuple[str, ...]]] = {
+    "cross_entropy": (F.cross_entropy, (torch.ops.aten.cross_entropy_loss.default,), _CE_SIGNATURE,
+                      ("input", "target", "weight", "reduction", "ignore_index", "label_smoothing"),
+                      torch.nn.CrossEntropyLoss, ("weight", "ignore_index", "reduction", "label_smoothing")),
+    "nll_loss": (F.nll_loss, (torch.ops.aten.nll_loss.default, torch.ops.aten.nll_loss_nd.default),
+                 ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction"),
+                 ("input", "target", "weight", "reduction", "ignore_index"), torch.nn.NLLLoss,
+                 ("weight", "ignore_index", "reduction")),
+}
+
+
+def loss_args(gm: torch.fx.GraphModule, node: torch.fx.Node, kind: str) -> dict[str, Any] | None:
+    """The arguments by name of `node` when it is the loss `kind` ("cross_entropy", "nll_loss") as a function,
+    an ATen op or a module; else None."""
+    fn, aten, names, aten_names, module, fields = _LOSS_FORMS[kind]
+    if node.op == "call_function" and (node.target is fn or node.target in aten):
+        got: dict[str, Any] = dict(zip(names if node.target is fn else aten_names, node.args))
         got.update(node.kwargs)
-        if node.target is not F.cross_entropy and "reduction" in got:  # ATen: 0 none, 1 mean, 2 sum
+        if node.target is not fn and "reduction" in got:  # ATen: 0 none, 1 mean, 2 sum
             got["reduction"] = _REDUCTIONS[int(got["reduction"])]
         return got
     if node.op == "call_module":
         mod = gm.get_submodule(str(node.target))
-        if type(mod) is torch.nn.CrossEntropyLoss and len(node.args) + len(node.kwargs) == 2:
+        if type(mod) is module and len(node.args) + len(node.kwargs) == 2:
             got = dict(zip(("input", "target"), node.args))
             got.update(node.kwargs)
-            got.update(weight=mod.weight, ignore_index=mod.ignore_index, reduction=mod.reduction,
-                       label_smoothing=mod.label_smoothing)
+            got.update({f: getattr(mod, f) for f in fields})
             return got
     return None
+
+
+def _ce_args(gm: torch.fx.GraphModule, node: torch.fx.Node) -> dict[str, Any] | None:
+    """The arguments of a cross-entropy node by name, or None if `node` is not one."""
+    return loss_args(gm, node, "cross_entropy")
 
 
 def vocab_parallel_loss(gm: torch.fx.GraphModule, node: torch.fx.Node,

@@ -271,6 +271,18 @@ def _ignored_targets(rank: int, M: int) -> dict[str, Any]:
     return out
 
 
+def _by_microbatch(w: Any, model: nn.Module, args: tuple[Any, ...], target: torch.Tensor, M: int,
+                   scaler: Any = None) -> float:
+    """The model's loss over the batch's microbatches one by one (the pipeline's ops, in its order), each
+    loss / M (scaled by `scaler` for its backward), the grads accumulated."""
+    want = 0.0
+    for x, t in zip(args[0].chunk(M), target.chunk(M)):
+        part = w.loss_fn(model(x), t) / M
+        (part if scaler is None else scaler.scale(part)).backward()
+        want += float(part.detach())
+    return want
+
+
 def _grad_scaler(rank: int, M: int) -> dict[str, Any]:
     """float16 autocast with pp.make_grad_scaler against torch.amp.GradScaler on the model, microbatch by
     microbatch (the same ops): a first scale that overflows skips the step on both, then steps at the backed-off
@@ -290,11 +302,7 @@ def _grad_scaler(rank: int, M: int) -> dict[str, Any]:
         args, _, target = w.batch(w.microbatch_size * M, step)
         with torch.autocast("cpu", dtype=torch.float16):
             loss = pp.step(*args, target=target)
-            want = 0.0
-            for x, t in zip(args[0].chunk(M), target.chunk(M)):
-                part = w.loss_fn(ref.model(x), t) / M
-                ref_scaler.scale(part).backward()
-                want += float(part.detach())
+            want = _by_microbatch(w, ref.model, args, target, M, ref_scaler)
         assert loss == want, (step, loss, want)  # not scaled
         for sc, o in ((scaler, opt), (ref_scaler, ref_opt)):
             sc.unscale_(o)  # (where a loop clips)
@@ -343,11 +351,7 @@ def conditions_body(rank: int, world: int) -> dict[str, Any]:
             args, _, target = w.batch(w.microbatch_size * M, step)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = pp.step(*args, target=target)
-                want = 0.0
-                for x, t in zip(args[0].chunk(M), target.chunk(M)):
-                    part = w.loss_fn(ref.model(x), t) / M
-                    part.backward()
-                    want += float(part.detach())
+                want = _by_microbatch(w, ref.model, args, target, M)
             assert loss == want, (schedule, step, loss, want)  # the same ops in the same order
             _grads_close(pp, ref.model, f"autocast {schedule} step {step}", rtol=1e-3, atol=1e-5)
         out[f"learned {schedule}"] = {str(k): sorted({str(d) for d in v.values()}) for k, v in pp._cut_dtypes.items()}
