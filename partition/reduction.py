@@ -175,8 +175,12 @@ def _found(gm: torch.fx.GraphModule, loss: torch.fx.Node) -> Weighting:
     if args is None:
         args, name = loss_args(gm, loss, "nll_loss"), "nll_loss"
     if args is None:
-        return Weighting("mean", f"the loss is {_what(loss)}, not a cross entropy or NLL loss fxpipe can weigh by "
-                         "its targets")
+        summed = len(loss.args) == 1 and not loss.kwargs and (
+            loss.op == "call_method" and loss.target == "sum" or loss.target in (torch.sum, torch.ops.aten.sum.default))
+        return Weighting("mean", (
+            "the loss is a .sum() fxpipe cannot split by microbatch: the step's loss and grads are 1/M of the batch's "
+            "sum (a loss with reduction='sum', F.mse_loss(..., reduction='sum'), is summed)") if summed else (
+            f"the loss is {_what(loss)}, not a cross entropy or NLL loss fxpipe can weigh by its targets"))
     reduction = args.get("reduction", "mean")
     if args.get("size_average") is not None or args.get("reduce") is not None or reduction not in ("mean", "sum"):
         return Weighting("mean", f"its {name} has a legacy reduction (size_average/reduce) or reduction={reduction!r}")

@@ -82,6 +82,7 @@ CASES = [  # (loss_fn, kind, what the plan's note says)
     (lambda o, t: 2 * _ce(o, t), "count", "cross_entropy weighs by its targets"),  # scaled by a shared number
     (lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten(), reduction="sum") / 7.0, "sum", "reduction='sum'"),
     (lambda o, t: _ce(o, t) * o.mean(), "mean", "the loss is call_function mul"),  # by a value of the microbatch
+    (lambda o, t: ((o - t.unsqueeze(-1)) ** 2).sum(), "mean", "the step's loss and grads are 1/M of the batch's sum"),
     (lambda o, t: F.cross_entropy(o.flatten(0, 1), o.argmax(-1).flatten()), "mean",
      "target is computed by call_module lin, not from the inputs alone"),
 ]
