@@ -118,7 +118,8 @@ def param_names(model: torch.nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in model.named_parameters()}
 
 
-def _fetch(gm: torch.fx.GraphModule, target: str) -> Any:
+def attr_of(gm: torch.nn.Module, target: str) -> Any:
+    """The attribute a get_attr target names ("layers.0.weight"), from `gm` down."""
     obj: Any = gm
     for part in target.split("."):
         obj = getattr(obj, part)
@@ -153,7 +154,7 @@ def _node_params(gm: torch.fx.GraphModule, node: torch.fx.Node, names: dict[int,
         buffers += _nbytes(list(mod.buffers()))
     for a in node.all_input_nodes:
         if a.op == "get_attr":
-            v = _fetch(gm, str(a.target))
+            v = attr_of(gm, str(a.target))
             if isinstance(v, torch.nn.Parameter) and id(v) in names:
                 params.append(names[id(v)])
             else:
@@ -260,7 +261,7 @@ def _forward(gm: torch.fx.GraphModule, flat_inputs: list[Any], *, observe_saved:
                 env[node.name] = next(placeholders)
                 storages.add(node.name, env[node.name])
             elif node.op == "get_attr":
-                env[node.name] = _fetch(gm, str(node.target))
+                env[node.name] = attr_of(gm, str(node.target))
                 storages.skip |= {storage_key(t) for t in _tensors(env[node.name])}
             elif node.op == "output":
                 p.outputs = _grad_outputs(torch.fx.node.map_arg(node.args[0], lambda n: env[n.name]))

@@ -22,6 +22,8 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from partition.costs import attr_of
+from partition.loss import TARGET
 from partition.rewrite import loss_args
 
 __all__ = ["Weighting", "weighting", "loss_weighting"]
@@ -60,7 +62,7 @@ class Weighting:
         for root in (self.holder, self.origin):
             if root is not None:
                 try:
-                    return _attr(root, path)
+                    return attr_of(root, path)
                 except AttributeError:
                     continue
         raise AttributeError(f"the loss's {path} is in neither the last stage nor the graph")
@@ -124,7 +126,7 @@ def _batch_constants(gm: torch.fx.GraphModule, example: Sequence[Any] | None) ->
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for i, n in enumerate(inputs):
         x = example[i] if example is not None and i < len(example) else n.meta.get("val")
-        if x is not None and (not isinstance(x, torch.Tensor) or x.dim() == 0) and n.name != "fxpipe_target":
+        if x is not None and (not isinstance(x, torch.Tensor) or x.dim() == 0) and n.name != TARGET:
             out.add(n)
     for n in gm.graph.nodes:
         if n.op in ("call_function", "call_method") and n.all_input_nodes and all(a in out for a in n.all_input_nodes) \
@@ -245,7 +247,7 @@ def _inputs_only(gm: torch.fx.GraphModule, wanted: list[torch.fx.Node | None], b
             if n.op not in _PURE_OPS:
                 return None, [], [], f"target is computed by {_what(n)}, not from the inputs alone"
             if n.op == "get_attr":
-                value = _attr(gm, str(n.target))
+                value = attr_of(gm, str(n.target))
                 if isinstance(value, torch.nn.Parameter) or isinstance(value, torch.Tensor) and value.requires_grad:
                     return None, [], [], f"target is computed from the parameter {n.target}"
             elif n.op != "placeholder" and _random(gm, n):
@@ -270,12 +272,6 @@ def _inputs_only(gm: torch.fx.GraphModule, wanted: list[torch.fx.Node | None], b
     written = sorted({inputs.index(b) for u, bases in writers.items() if u in need for b in bases if b in inputs})
     return torch.fx.GraphModule(gm, g), [str(n.target) for n in attrs], written, ""
 
-
-def _attr(gm: torch.nn.Module, path: str) -> Any:
-    obj: Any = gm
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _random(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:

@@ -15,6 +15,8 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from partition.costs import attr_of
+
 __all__ = ["linear_rows", "logit_size", "loss_args", "splittable_linear", "split_linear", "vocab_slice", "vocab_loss",
            "vocab_parallel_loss", "vocab_parallel_why", "vocab_parallel", "apply_rewrites"]
 
@@ -94,12 +96,6 @@ torch.fx.wrap("logit_size")
 _LINEAR_FUNCTIONS = (F.linear, torch.ops.aten.linear.default)
 
 
-def _attr(gm: torch.nn.Module, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
 
 def splittable_linear(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[Any, Any, Any, int] | None:
     """(input, weight, bias, out_features) when `node` is a linear layer whose weight is an attribute."""
@@ -116,7 +112,7 @@ def splittable_linear(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[An
             return None
         if b is not None and not (isinstance(b, torch.fx.Node) and b.op == "get_attr"):
             return None
-        weight = _attr(gm, str(w.target))
+        weight = attr_of(gm, str(w.target))
         return x, w, b, int(weight.shape[0])
     return None
 

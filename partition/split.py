@@ -10,6 +10,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from partition.costs import attr_of
 from partition.plan import Plan, PlanError, fingerprint
 from partition.loss import has_loss, model_outputs
 from partition.rewrite import _op_name, apply_rewrites, linear_rows, vocab_slice
@@ -118,14 +119,8 @@ def _param_names(gm: torch.fx.GraphModule, node: torch.fx.Node) -> list[str]:
     if node.op == "call_module":
         return [f"{node.target}.{n}" for n, _ in gm.get_submodule(str(node.target)).named_parameters()]
     return [str(a.target) for a in node.all_input_nodes
-            if a.op == "get_attr" and isinstance(_attr(gm, str(a.target)), torch.nn.Parameter)]
+            if a.op == "get_attr" and isinstance(attr_of(gm, str(a.target)), torch.nn.Parameter)]
 
-
-def _attr(gm: torch.nn.Module, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def subgraph(gm: torch.fx.GraphModule, own: set[str], stage_of: dict[str, int], recv: list[str],
@@ -230,50 +225,37 @@ def _returns_written(root: torch.nn.Module, node: torch.fx.Node) -> bool:
 def read_written_inputs(gm: torch.fx.GraphModule) -> int:
     """Make the readers of a model input, after an op that writes it in place and returns it (x.mul_(2)), read
     that op's value: on one process the same tensor, but a value the partitioner sees and sends on, where a later
-    stage would read its own copy of the input, unwritten. In place on gm; returns the uses moved. A write
-    through a view or a setitem is left as it is."""
-    latest: dict[torch.fx.Node, torch.fx.Node] = {}  # an input -> the op that last wrote it and returns it
-    moved = 0
+    stage would read its own copy of the input, unwritten. In place on gm; returns the uses moved. An input
+    written otherwise (through a view, by a setitem) and read after the write is refused (ValueError)."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     by_name = {n.name: n for n in gm.graph.nodes}
-    chains: dict[torch.fx.Node, list[torch.fx.Node]] = {}  # an input -> it and the ops writing it that return it
+    base: dict[torch.fx.Node, torch.fx.Node] = {}  # an op writing an input (or its last such op) and returning it
     for n in gm.graph.nodes:
-        if n.op == "placeholder":
-            chains[n] = [n]
-        elif n.args and isinstance(n.args[0], torch.fx.Node) and _returns_written(gm, n):
-            for chain in chains.values():
-                if n.args[0] in chain:
-                    chain.append(n)
-    followed = {n for chain in chains.values() for n in chain[1:]}
+        first = n.args[0] if n.args else None
+        if isinstance(first, torch.fx.Node) and _returns_written(gm, n):
+            p = base.get(first, first)
+            if p.op == "placeholder":
+                base[n] = p
     for name, bases in writes_in_place(gm).items():  # a write the readers cannot follow: refused
         u = by_name[name]
         for p in (by_name[b] for b in bases):
-            if p.op == "placeholder" and u not in followed:
-                later = [r.name for r in p.users if order[r] > order[u]]
-                if later:
-                    raise ValueError(
-                        f"the model writes its input {p.name} in place through a view or an op that does not return "
-                        f"it ({u.name}: {_op_name(u)}) and reads it after that ({', '.join(later[:3])}); stages "
-                        f"send values, not writes, so a later stage would read its own copy unwritten: write into "
-                        f"a copy ({p.name} = {p.name}.clone() first), or write the whole tensor with an op that "
-                        f"returns it ({p.name}.mul_(...), {p.name}.masked_fill_(...))")
+            later = [r.name for r in p.users if order[r] > order[u]] if p.op == "placeholder" and u not in base else []
+            if later:
+                raise ValueError(
+                    f"the model writes its input {p.name} in place through a view or an op that does not return "
+                    f"it ({u.name}: {_op_name(u)}) and reads it after that ({', '.join(later[:3])}); stages send "
+                    f"values, not writes, so a later stage would read its own copy unwritten: write into a copy "
+                    f"({p.name} = {p.name}.clone() first), or write the whole tensor with an op that returns it "
+                    f"({p.name}.mul_(...), {p.name}.masked_fill_(...))")
+    latest: dict[torch.fx.Node, torch.fx.Node] = {}  # an input -> the op that last wrote it so far
+    moved = 0
     for node in list(gm.graph.nodes):
-        if latest and node.op != "output":
-            for p, w in latest.items():
-                if p in node.all_input_nodes:
-                    node.replace_input_with(p, w)
-                    moved += 1
-        if node.op == "output":
-            for p, w in latest.items():  # (an input returned: its written value)
-                if p in node.all_input_nodes:
-                    node.replace_input_with(p, w)
-                    moved += 1
-            continue
-        first = node.args[0] if node.args else None
-        if isinstance(first, torch.fx.Node) and _returns_written(gm, node):
-            base = next((p for p, w in latest.items() if w is first), first)
-            if base.op == "placeholder":
-                latest[base] = node
+        for p, w in latest.items():  # (the output too: an input returned is its written value)
+            if p in node.all_input_nodes:
+                node.replace_input_with(p, w)
+                moved += 1
+        if node in base:
+            latest[base[node]] = node
     if moved:
         gm.recompile()
     return moved

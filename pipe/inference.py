@@ -207,13 +207,14 @@ def forward(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, A
     stages, inference = stages_in_mode_of(pp, inference=True)  # (None, None) in the mode of the trace
     layout = output_layout(pp)
     flats = pp._flats(mbs, [None] * pp.M)
-    weights = loss_weights(pp, flats)  # a model's own loss: weighed as a step weighs it
+    last = pp.place[pp.S - 1]
+    # a model's own loss, weighed as a step weighs it: by the last stage's rank, which holds the loss's tensors
+    weights = loss_weights(pp, flats) if pp.rank == last else {}
     sizes = [next((x.shape[0] for x in pytree.tree_leaves(mb) if isinstance(x, torch.Tensor) and x.dim()), 0)
              for mb in mbs]  # each microbatch's: the outputs that hold the batch have it along dim 0
     exchange = calls.exchange(pp)
     run = StepState(pp, flats, [None] * pp.M, exchange, inference=True, stages=stages,
                     inference_stages=inference)
-    last = pp.place[pp.S - 1]
     with torch.no_grad(), failures(pp, run, "inference"), flags(pp, stages is not None):
         if pp.sharded is not None and (pp._inference or stages):  # gathered as the stages' forward would
             for s in pp.local:
@@ -222,15 +223,15 @@ def forward(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, A
         if pp.sharded is not None:  # inference has no backward to free the gathered parameters
             pp.sharded.reshard()
         if pp._inference:  # each rank holds the outputs its stages computed: every rank gathers them
-            parts: list[Any] = [run.outputs]
+            parts: list[Any] = [(run.outputs, weights)]
             if pp.world > 1:
                 parts = [None] * pp.world
                 with comm.guarded("the gather of the output"):
-                    dist.all_gather_object(parts, run.outputs, group=pp.pp_group)
+                    dist.all_gather_object(parts, (run.outputs, weights), group=pp.pp_group)
             calls.learned(pp, exchange)
-            return placed(concat_outputs([assemble_outputs(pp._gm, {k: v for p in parts for k, v in
+            return placed(concat_outputs([assemble_outputs(pp._gm, {k: v for p, _ in parts for k, v in
                                                                     (p[mb] or {}).items()}) for mb in range(pp.M)],
-                                         sizes, layout, weights), pp.ctx.device)
+                                         sizes, layout, parts[last][1]), pp.ctx.device)
         box: list[Any] = [concat_outputs(run.outputs, sizes, layout, weights) if pp.rank == last else None]
         if pp.world > 1:  # (pickled: through the host, where a device tensor would name the sender's device)
             box = [placed(box[0], torch.device("cpu"))]

@@ -416,25 +416,28 @@ def conditions_body(rank: int, world: int) -> dict[str, Any]:
     _grads_close(pp, ref.model, f"input written in place rank {rank}")
     out["received written input"] = [n.name for s in pp.local for n in pp.stages[s].graph.nodes
                                      if n.op == "placeholder" and n.name.startswith("mul_")]
-    # a model's own loss over labels ignored unevenly: step and forward() give the batch's (forward averaged it)
-    torch.manual_seed(0)
-    own, ref_own = OwnLoss(), OwnLoss()
-    ref_own.load_state_dict(own.state_dict())
+    # a model's own loss over labels ignored unevenly: step and forward() give the batch's (forward averaged it),
+    # with the loss outside the graph and in it (forward()'s stages then cut without it, their outputs gathered)
     labels = torch.randint(0, 5, (2 * M, 3))
     labels[:2] = -100
     labels[2:4, 1:] = -100
     x = torch.randn(2 * M, 3, D)
-    pp = pipe.Pipeline(own, (x[:2], labels[:2]), loss_fn=lambda out, _: out["loss"], microbatches=M, cost="flops",
-                       trace_loss=False, transport=NcclLike())
-    loss = pp.step(x, labels)
-    want = ref_own(x, labels)
-    want["loss"].backward()
-    torch.testing.assert_close(loss, float(want["loss"]), rtol=1e-5, atol=1e-6)
-    _grads_close(pp, ref_own, f"a model's own loss rank {rank}")
-    with torch.no_grad():
-        got = pp.forward(x, labels)
-    torch.testing.assert_close(got["loss"], want["loss"].detach(), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(got["logits"], want["logits"].detach())
+    for where in (dict(trace_loss=False), dict(example_target=labels[:2])):
+        torch.manual_seed(0)
+        own, ref_own = OwnLoss(), OwnLoss()
+        ref_own.load_state_dict(own.state_dict())
+        pp = pipe.Pipeline(own, (x[:2], labels[:2]), loss_fn=lambda out, _: out["loss"], microbatches=M,
+                           cost="flops", transport=NcclLike(), **where)
+        assert pp.plan.loss == ("example_target" in where)
+        loss = pp.step(x, labels, target=labels)
+        want = ref_own(x, labels)
+        want["loss"].backward()
+        torch.testing.assert_close(loss, float(want["loss"]), rtol=1e-5, atol=1e-6)
+        _grads_close(pp, ref_own, f"a model's own loss rank {rank} {where.keys()}")
+        with torch.no_grad():
+            got = pp.forward(x, labels)
+        torch.testing.assert_close(got["loss"], want["loss"].detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got["logits"], want["logits"].detach())
     # forward() lays outputs out as the model does: along dim 1, and along dim 0 with every microbatch alike
     torch.manual_seed(0)
     seq, ref = SeqFirst(), SeqFirst()
