@@ -98,6 +98,12 @@ class Plan:
     def n_stages(self) -> int:
         return len(self.stages)
 
+    def example_target(self) -> Any:
+        """Zeros shaped as the target of one microbatch the plan recorded (its loss in the graph), else None."""
+        import torch
+        v = self.inputs[-1] if self.loss and self.inputs else None
+        return None if v is None else torch.zeros(v.shape, dtype=getattr(torch, v.dtype))
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -9,24 +9,30 @@ has them: there the mean of the microbatches' losses weighs a microbatch with fe
 every target is ignored gives NaN. `weighting` finds such a loss at the end of the graph and the
 targets it reads, computed from the graph's inputs alone; a step then weighs each microbatch's
 loss by its count of targets over the batch's (pipe.step), which is the batch's loss exactly. A
-loss with reduction="sum" is the sum of the microbatches' losses. Any other loss: their mean,
-and the plan's notes say why.
+loss with reduction="sum", or a .sum() over a tensor holding every sample's terms (its elements
+double when the batch does), is the sum of the microbatches' losses. A ratio of two such sums, the
+divisor computed from the inputs alone (a masked mean written by hand: (loss * mask).sum() /
+mask.sum(), clamped below or not), is the batch's when every microbatch's numerator is divided by
+the batch's divisor: the graph returns the numerator (`keep_numerator`) and a step scales it by
+one over the batch's divisor. Any other loss: their mean, and the plan's notes say why.
 """
 from __future__ import annotations
 
 import operator
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 import torch.fx
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 
 from partition.costs import attr_of
 from partition.loss import TARGET
 from partition.rewrite import loss_args
 
-__all__ = ["Weighting", "weighting", "loss_weighting"]
+__all__ = ["Weighting", "keep_numerator", "loss_weighting", "weighting"]
 
 # element-wise losses: the batch's sum is the sum of the microbatches' sums
 _SUMMED = {F.mse_loss: "mse_loss", F.l1_loss: "l1_loss", F.smooth_l1_loss: "smooth_l1_loss",
@@ -42,7 +48,9 @@ class Weighting:
     """How the batch's loss is formed from the microbatches' losses.
 
     kind: "count" (each microbatch's loss weighs by `count` of its targets over the batch's),
-    "sum" (their sum) or "mean" (their mean). `describe` is the plan's note."""
+    "sum" (their sum), "ratio" (the loss is a sum over a sum, `ratio` = `numerator` / a divisor
+    that `count` gives per microbatch, at least `floor`: each microbatch's numerator over the batch's
+    divisor) or "mean" (their mean). `describe` is the plan's note."""
     kind: str
     why: str
     loss: str = ""                                 # the loss's name, as the notes give it
@@ -57,6 +65,10 @@ class Weighting:
     holder: torch.nn.Module | None = None
     origin: torch.nn.Module | None = None
     node: str = ""  # the graph's node giving the loss (a model's own loss: an output forward() weighs alike)
+    ratio: str = ""       # "ratio": the division node, the numerator the graph returns in its place, the node
+    numerator: str = ""   # reading the division on the way to the output ("": the output), and the divisor's
+    reader: str = ""      # lower bound (x.clamp(min=1)), if any
+    floor: float | None = None
 
     def _tensor(self, path: str) -> Any:
         for root in (self.holder, self.origin):
@@ -75,6 +87,8 @@ class Weighting:
         assert self.targets is not None
         values = [v.clone() if i in self.written and isinstance(v, torch.Tensor) else v for i, v in enumerate(values)]
         target, weight = self.targets(*values, *[self._tensor(p) for p in self.attrs])
+        if self.kind == "ratio":  # the divisor's sum over this microbatch
+            return target.to(torch.float64)
         if self.weight_path is not None:
             weight = self._tensor(self.weight_path)
         if target.is_floating_point():
@@ -93,7 +107,11 @@ class Weighting:
                     f"{self.ignore_index}{weighed} over the batch's{over}")
             return f"loss: the batch's, {what}"
         if self.kind == "sum":
-            return f"loss: the batch's, the sum of the microbatches' ({self.loss}, reduction='sum'){over}"
+            return f"loss: the batch's, the sum of the microbatches' ({self.loss}){over}"
+        if self.kind == "ratio":
+            floor = f", at least {self.floor:g}" if self.floor is not None else ""
+            return (f"loss: the batch's, {self.loss}: each microbatch's numerator over the batch's divisor{floor} "
+                    f"(computed from the inputs){over}")
         return (f"loss: the mean of the microbatches' losses (the batch's when each averages as many elements): "
                 f"{self.why}")
 
@@ -153,41 +171,182 @@ def _scaled(node: torch.fx.Node, constants: set[torch.fx.Node]) -> torch.fx.Node
 def weighting(gm: torch.fx.GraphModule, example: Sequence[Any] | None = None) -> Weighting:
     """How the loss `gm` returns (a graph with the loss attached: partition.loss.attach_loss, or the
     model's own loss) forms the batch's from the microbatches'; `example`: the values of gm's inputs
-    for one microbatch (which are shared by every microbatch). See the module's doc."""
+    for one microbatch, the loss's target last when it is one (without them, a .sum() is not known
+    to be over the samples, nor an input to be shared by every microbatch). See the module's doc."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
     loss = out.args[0]
     if isinstance(loss, (tuple, list)) and len(loss) == 1:
         loss = loss[0]
     if not isinstance(loss, torch.fx.Node):
         return Weighting("mean", "the loss is not a value of the graph")
-    top, constants = loss.name, _batch_constants(gm, example)
-    while (inner := _scaled(loss, constants)) is not None:  # x * 0.5, a sum / num_items_in_batch
-        loss = inner
-    found = _found(gm, loss)
+    top, constants, reader, sizes = loss.name, _batch_constants(gm, example), "", _Sizes(gm, example)
+    # x * 0.5, a sum / num_items_in_batch, loss.float(), the .sum() of one number
+    while (inner := _scaled(loss, constants) or _as_it_is(loss, sizes)) is not None:
+        loss, reader = inner, loss.name
+    found = _found(gm, loss, sizes)
     found.node = top
+    if found.kind == "ratio":
+        found.reader = reader
     return found
 
 
-def _found(gm: torch.fx.GraphModule, loss: torch.fx.Node) -> Weighting:
-    """weighting's answer for the loss node `loss` (its scaling by shared values peeled)."""
-    name = _summed(gm, loss)
+def keep_numerator(gm: torch.fx.GraphModule, w: Weighting) -> None:
+    """For a "ratio" weighting found in `gm`: the graph's loss reads the numerator where it read the
+    ratio (in place; the ratio stays, a model's own output forward() may return). A step then scales
+    each microbatch's numerator by one over the batch's divisor, the batch's loss exactly, also where a
+    microbatch's divisor is 0 (its ratio NaN, and the grads through it)."""
+    if w.kind != "ratio":
+        return
+    nodes = {n.name: n for n in gm.graph.nodes}
+    reader = nodes[w.reader] if w.reader else next(n for n in gm.graph.nodes if n.op == "output")
+    reader.replace_input_with(nodes[w.ratio], nodes[w.numerator])
+    gm.recompile()
+
+
+class _Sizes:
+    """The number of elements of gm's values on one microbatch and on two (a meta copy of gm run on the
+    example, then on it twice along dim 0, as microbatches are split), found at the first question."""
+    def __init__(self, gm: torch.fx.GraphModule, example: Sequence[Any] | None) -> None:
+        self.gm, self.example = gm, example
+        self.numels: dict[str, list[int]] | None = None
+
+    def of(self, node: torch.fx.Node) -> tuple[int, int] | None:
+        if self.numels is None:
+            self.numels = self._run()
+        got = self.numels.get(node.name, [])
+        return (got[0], got[1]) if len(got) == 2 else None
+
+    def _run(self) -> dict[str, list[int]]:
+        from partition.meta import meta_copy
+        if self.example is None or len(self.example) != sum(n.op == "placeholder" for n in self.gm.graph.nodes):
+            return {}
+        numels: dict[str, list[int]] = {}
+
+        class Recorder(torch.fx.Interpreter):
+            def run_node(self, n: torch.fx.Node) -> Any:
+                value = super().run_node(n)
+                if isinstance(value, torch.Tensor):
+                    numels.setdefault(n.name, []).append(value.numel())
+                return value
+        try:
+            with warnings.catch_warnings():  # (copying the graph's recorded tree specs warns of their deprecated kind)
+                warnings.simplefilter("ignore", FutureWarning)
+                copy = meta_copy(self.gm)
+            for k in (1, 2):
+                values = pytree.tree_map(lambda x: (torch.cat([x.to("meta")] * k) if x.dim() else x.to("meta"))
+                                         if isinstance(x, torch.Tensor) else x, list(self.example))
+                with torch.no_grad():
+                    Recorder(copy).run(*values)
+        except Exception:  # noqa: BLE001 - a graph that needs values (.item(), a data-dependent shape) or fixed sizes
+            return {}
+        return numels
+
+
+_SUMS = {torch.sum, torch.ops.aten.sum.default, torch.ops.aten.sum.dim_IntList, "sum"}
+_MEANS = {torch.mean, torch.ops.aten.mean.default, torch.ops.aten.mean.dim, "mean"}
+_CASTS = {torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default, "float", "double", "to",
+          "type_as"}
+_CLAMPS = {torch.clamp, torch.clamp_min, torch.ops.aten.clamp.default, torch.ops.aten.clamp_min.default, "clamp",
+           "clamp_min", "clip"}
+
+
+def _as_it_is(node: torch.fx.Node, sizes: _Sizes) -> torch.fx.Node | None:
+    """The value `node` gives as it is: a dtype cast's, or the .sum() or .mean() of one number's; else None."""
+    if node.op not in ("call_function", "call_method") or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return None
+    if node.target in _CASTS:
+        return node.args[0]
+    if node.target in _SUMS | _MEANS and sizes.of(node.args[0]) == (1, 1) and sizes.of(node) == (1, 1):
+        return node.args[0]
+    return None
+
+
+def _sums_the_batch(node: torch.fx.Node, sizes: _Sizes) -> bool:
+    """Whether `node` sums a tensor holding every sample's terms into one number: the summed tensor's
+    elements double with the batch, the sum stays one."""
+    if node.op not in ("call_function", "call_method") or node.target not in _SUMS or not node.args \
+            or not isinstance(node.args[0], torch.fx.Node):
+        return False
+    summed, result = sizes.of(node.args[0]), sizes.of(node)
+    return summed is not None and result == (1, 1) and summed[0] > 0 and summed[1] == 2 * summed[0]
+
+
+def _additive(gm: torch.fx.GraphModule, node: torch.fx.Node, sizes: _Sizes) -> str | None:
+    """What `node` is when it is the sum of its microbatches' values (a loss with reduction='sum', a
+    .sum() over the samples), else None."""
+    name = _summed(gm, node)
     if name is not None:
-        return Weighting("sum", "", loss=name)
+        return f"{name}, reduction='sum'"
+    for kind in ("cross_entropy", "nll_loss"):
+        args = loss_args(gm, node, kind)
+        if args is not None:
+            plain = args.get("size_average") is None and args.get("reduce") is None
+            return f"{kind}, reduction='sum'" if plain and args.get("reduction", "mean") == "sum" else None
+    return "a .sum() over the samples" if _sums_the_batch(node, sizes) else None
+
+
+def _divisor(node: torch.fx.Node) -> tuple[torch.fx.Node, float | None] | None:
+    """(The sum under the dtype casts and the one lower bound of a divisor, the bound or None), else None."""
+    floor = None
+    while node.op in ("call_function", "call_method"):
+        if node.target in _CASTS and node.args and isinstance(node.args[0], torch.fx.Node):
+            node = node.args[0]
+            continue
+        if node.target in _CLAMPS and floor is None and node.args and isinstance(node.args[0], torch.fx.Node):
+            low = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
+            high = node.args[2] if len(node.args) > 2 else node.kwargs.get("max")
+            if isinstance(low, (int, float)) and not isinstance(low, bool) and high is None:
+                floor, node = float(low), node.args[0]
+                continue
+            return None
+        break
+    return node, floor
+
+
+def _ratio(gm: torch.fx.GraphModule, loss: torch.fx.Node, sizes: _Sizes) -> Weighting | None:
+    """A "ratio" weighting for `loss` = a sum over the samples / a sum over the samples computed from the
+    inputs alone (dtype casts and a lower bound on the way); a "mean" one saying why when the divisor
+    needs more than the inputs; None when `loss` is no such ratio."""
+    if loss.op not in ("call_function", "call_method") or loss.target not in _DIV or len(loss.args) != 2 \
+            or loss.kwargs:
+        return None
+    numerator, divisor = loss.args
+    if not isinstance(numerator, torch.fx.Node) or not isinstance(divisor, torch.fx.Node):
+        return None
+    found = _divisor(divisor)
+    if found is None or not _sums_the_batch(found[0], sizes):
+        return None
+    what = _additive(gm, numerator, sizes)
+    if what is None:
+        return None
+    sub, attrs, written, why = _inputs_only(gm, [found[0], None], loss)
+    if sub is None:
+        return Weighting("mean", f"it is {what} over a sum whose {why.replace('target', 'value', 1)}")
+    return Weighting("ratio", "", loss=f"{numerator.name} ({what}) / {found[0].name}", targets=sub, attrs=attrs,
+                     written=written, origin=gm, ratio=loss.name, numerator=numerator.name, floor=found[1])
+
+
+def _found(gm: torch.fx.GraphModule, loss: torch.fx.Node, sizes: _Sizes) -> Weighting:
+    """weighting's answer for the loss node `loss` (its scaling by shared values peeled)."""
+    name = _additive(gm, loss, sizes)
+    if name is not None:
+        return Weighting("sum", "", loss=name if "reduction" in name else f"{loss.name}: {name}")
+    ratio = _ratio(gm, loss, sizes)
+    if ratio is not None:
+        return ratio
     args, name = loss_args(gm, loss, "cross_entropy"), "cross_entropy"
     if args is None:
         args, name = loss_args(gm, loss, "nll_loss"), "nll_loss"
     if args is None:
-        summed = len(loss.args) == 1 and not loss.kwargs and (
-            loss.op == "call_method" and loss.target == "sum" or loss.target in (torch.sum, torch.ops.aten.sum.default))
+        summed = len(loss.args) == 1 and not loss.kwargs and loss.target in _SUMS
         return Weighting("mean", (
-            "the loss is a .sum() fxpipe cannot split by microbatch: the step's loss and grads are 1/M of the batch's "
-            "sum (a loss with reduction='sum', F.mse_loss(..., reduction='sum'), is summed)") if summed else (
-            f"the loss is {_what(loss)}, not a cross entropy or NLL loss fxpipe can weigh by its targets"))
+            "the loss is a .sum() fxpipe cannot tell is over the samples (a meta run of the graph at two batch "
+            "sizes did not show its elements doubling): the step's loss and grads are 1/M of the batch's sum") if
+            summed else (f"the loss is {_what(loss)}, not a cross entropy or NLL loss fxpipe can weigh by its "
+                         "targets"))
     reduction = args.get("reduction", "mean")
     if args.get("size_average") is not None or args.get("reduce") is not None or reduction not in ("mean", "sum"):
         return Weighting("mean", f"its {name} has a legacy reduction (size_average/reduce) or reduction={reduction!r}")
-    if reduction == "sum":
-        return Weighting("sum", "", loss=name)
     ignore = args.get("ignore_index", -100)
     target, weight = args.get("target"), args.get("weight")
     if not isinstance(ignore, int) or not isinstance(target, torch.fx.Node):
@@ -201,11 +360,13 @@ def _found(gm: torch.fx.GraphModule, loss: torch.fx.Node) -> Weighting:
 
 
 def loss_weighting(gm: torch.fx.GraphModule, loss_fn: Any, in_graph: bool,
-                   example: Sequence[Any] | None = None) -> Weighting:
+                   example: Sequence[Any] | None = None, target: Any = None) -> Weighting:
     """`weighting` of the loss a pipeline computes: gm's own when the loss is in the graph, else
     loss_fn's traced onto a copy of gm (whose last input is then the target: a step counts a
     microbatch from its inputs followed by its target). `example`: one microbatch's values of gm's
-    inputs. Call it before rewrites change the loss."""
+    inputs (the target last when the loss is in the graph), `target`: its target otherwise. Call it
+    before rewrites change the loss. A ratio (see the module's doc) is weighed only in the graph,
+    where the graph can return its numerator."""
     import copy
     from partition.loss import attach_loss
     if in_graph:
@@ -219,7 +380,12 @@ def loss_weighting(gm: torch.fx.GraphModule, loss_fn: Any, in_graph: bool,
     why = attach_loss(view, loss_fn)
     if why:
         return Weighting("mean", f"the loss stays outside the graph and its kind is unknown: {why}")
-    return weighting(view, example)
+    found = weighting(view, None if example is None else [*example, target])
+    if found.kind == "ratio":
+        return Weighting("mean", f"the loss is {found.loss}, which fxpipe weighs only with the loss in the graph, "
+                                 "whose numerator a stage can return (a plan with the loss in its last stage: "
+                                 "give example_target=)")
+    return found
 
 
 def _what(node: torch.fx.Node) -> str:

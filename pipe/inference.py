@@ -11,7 +11,9 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from partition.plan import PlanError
+from partition.reduction import keep_numerator, weighting
 from partition.split import assemble_outputs, inference_stage, param_nodes_of
+from partition.trace import flatten_inputs
 from pipe import calls, comm, modes
 from pipe.errors import ModeError, agree_everywhere
 from pipe.step import StepState, concat_outputs, failures, placed
@@ -51,7 +53,9 @@ def _output_nodes(gm: torch.fx.GraphModule) -> tuple[list[Any], list[bool]]:
 def loss_weights(pp: Pipeline, flats: list[list[Any]]) -> dict[int, list[float]]:
     """{the leaf of the model's output that is the loss the pipeline weighs (a model's own loss, `out.loss`):
     each microbatch's weight in the batch's} for forward(), as a step weighs it (partition.reduction: by
-    counted targets, summed); {} for any other output, or when the count needs the target forward() lacks."""
+    counted targets, summed; a ratio by its divisor over the batch's, each at least the ratio's floor: exact
+    unless a microbatch's divisor is 0 where its numerator is not); {} for any other output, or when the
+    count needs the target forward() lacks."""
     w = pp.weighting
     leaves, _ = _output_nodes(pp._gm)
     names = [x.name if isinstance(x, torch.fx.Node) else None for x in leaves]
@@ -64,6 +68,8 @@ def loss_weights(pp: Pipeline, flats: list[list[Any]]) -> dict[int, list[float]]
     except Exception:  # noqa: BLE001 - a count that reads the target (forward() has none), or a tensor not here
         return {}
     total = sum(counts)
+    if w.kind == "ratio" and w.floor is not None:  # each ratio = its numerator / max(its divisor, floor)
+        counts, total = [max(c, w.floor) for c in counts], max(total, w.floor)
     return {names.index(w.node): [c / total for c in counts]} if total > 0 else {}
 
 
@@ -136,6 +142,11 @@ def stages_in_mode_of(pp: Pipeline, inference: bool) -> tuple[dict[int, Any] | N
             gm, fresh = (modes.traced_in_mode(model, *pp._example, mode, leaf_modules=pp.leaf_modules,
                                               loss_fn=pp.loss_fn, loss=pp.plan.loss, device=pp.ctx.device)
                          for mode in (pp.training, pp._traced_mode))  # (fresh: before the plan's rewrites)
+            if pp.weighting.kind == "ratio":  # its numerator returned, as in the plan's mode
+                found = weighting(gm, flatten_inputs(gm, *pp._example, pp._example_target))
+                if found.kind != "ratio":
+                    raise ValueError(f"its loss is no longer a ratio of sums ({found.describe()})")
+                keep_numerator(gm, found)
             pp._other_mode["stages"] = _streamed(pp, modes.stages_in_mode(gm, fresh, pp._gm, pp.plan, pp._trained))
             pp._other_mode["gm"] = gm
         except (PlanError, ValueError, TypeError) as e:

@@ -14,7 +14,7 @@ from partition.plan import Plan
 from partition.split import StageIO
 from partition.split import split_graph
 from partition.loss import attach_loss
-from partition.reduction import loss_weighting
+from partition.reduction import keep_numerator, loss_weighting
 from partition.trace import flatten_inputs, trace
 from memory import MemoryManager
 from pipe import calls, comm, grads, inference, launch, optim, options, planning, setup, state_dicts, timing
@@ -182,8 +182,13 @@ class Pipeline:
             if why:
                 raise ValueError(f"the plan puts the loss in the last stage, but loss_fn cannot go into the graph: "
                                  f"{why}; re-plan without example_target")
-            # how the batch's loss is formed from the microbatches' (before rewrites change the loss)
-            self.weighting = loss_weighting(gm, loss_fn, self.plan.loss, flatten_inputs(gm, args, kwargs))
+            # how the batch's loss is formed from the microbatches' (before rewrites change the loss); a ratio's
+            # numerator returned in its place
+            target = example_target if isinstance(example_target, torch.Tensor) or not self.plan.loss else \
+                self.plan.example_target()
+            self.weighting = loss_weighting(gm, loss_fn, self.plan.loss, flatten_inputs(gm, args, kwargs, target),
+                                            target)
+            keep_numerator(gm, self.weighting)
             stages = split_graph(gm, self.plan)
             error = None
         except (ValueError, TypeError) as e:
@@ -201,9 +206,7 @@ class Pipeline:
         self._layouts: dict[bool, Any] = {}  # forward()'s output layout by mode (pipe.inference.output_layout)
         self.local = [s for s in range(self.S) if self.place[s] == self.rank]
         if self.plan.loss and not isinstance(example_target, torch.Tensor):  # the shape the plan recorded
-            v = self.plan.inputs[-1]
-            assert v is not None
-            example_target = torch.zeros(v.shape, dtype=getattr(torch, v.dtype))
+            example_target = self.plan.example_target()
         self._example_target = example_target
         self._wants_target = example_target is not None
         self._target_fixed = calls.target_bound(self)

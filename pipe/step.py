@@ -238,10 +238,11 @@ class StepState:
     def _scales(self) -> list[float | torch.Tensor]:
         """Each microbatch's weight in the batch's loss (partition.reduction): its count of targets over
         the batch's (every replica's: one all-reduce of the count, made before this rank's first loss),
-        1 for a summed loss, else 1/M; times the replicas, whose grads and losses are averaged."""
+        one over the batch's divisor for a ratio's numerator, 1 for a summed loss, else 1/M; times the
+        replicas, whose grads and losses are averaged."""
         if self.scales is None:
             pp, w = self.pp, self.pp.weighting
-            if w.kind != "count":
+            if w.kind not in ("count", "ratio"):
                 self.scales = [float(pp.dp) if w.kind == "sum" else 1.0 / pp.M] * pp.M
             else:
                 values = self.flats if pp.plan.loss else [f + [t] for f, t in zip(self.flats, self.targets)]
@@ -250,7 +251,10 @@ class StepState:
                 if pp.dp_group is not None:
                     with comm.guarded("the data-parallel all-reduce of the batch's count of targets"):
                         dist.all_reduce(total, group=pp.dp_group)
-                self.scales = list(counts * (pp.dp / total))
+                if w.kind == "ratio":
+                    self.scales = [pp.dp / (total if w.floor is None else total.clamp(min=w.floor))] * pp.M
+                else:
+                    self.scales = list(counts * (pp.dp / total))
         return self.scales
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:

@@ -2,8 +2,9 @@
 ReLU after a linear layer that zero bubble splits, a cut right before one), autocast (values crossing
 stages in bfloat16), a module of the user's kept whole that reads its parameter twice (zero bubble
 with offloaded activations), batch norm in recomputed stages, torch.dropout under 'selective', targets
-ignored unevenly over the microbatches (one wholly), float16 with dynamic loss scaling. Parity with the
-unpartitioned model, step by step."""
+ignored unevenly over the microbatches (one wholly), losses written by hand as a .sum() or a masked mean
+(one microbatch wholly masked), float16 with dynamic loss scaling. Parity with the unpartitioned model,
+step by step."""
 from __future__ import annotations
 
 from typing import Any
@@ -138,6 +139,22 @@ class OwnLoss(nn.Module):
             x = torch.tanh(lin(x))
         logits = self.head(x)
         return {"loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten()), "logits": logits}
+
+
+class OwnMaskedMean(nn.Module):
+    """A model computing its own loss as a masked mean written by hand: (per-token loss * mask).sum() / mask.sum()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lins = nn.ModuleList([nn.Linear(D, D) for _ in range(4)])
+        self.head = nn.Linear(D, 5)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        for lin in self.lins:
+            x = torch.tanh(lin(x))
+        logits = self.head(x)
+        per = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(mask)
+        return {"loss": (per * mask).sum() / mask.sum(), "logits": logits}
 
 
 class SeqFirst(nn.Module):
@@ -281,6 +298,74 @@ def _by_microbatch(w: Any, model: nn.Module, args: tuple[Any, ...], target: torc
         (part if scaler is None else scaler.scale(part)).backward()
         want += float(part.detach())
     return want
+
+
+def _summed(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return ((o - t) ** 2).sum()
+
+
+def _masked(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    mask = (t > 0).float()
+    return (((o - t) ** 2) * mask).sum() / mask.sum()
+
+
+def _masked_floor(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    mask = t > 0
+    return (((o - t) ** 2) * mask).sum() / mask.sum().clamp(min=1)
+
+
+def _sums_and_ratios(rank: int, M: int) -> dict[str, Any]:
+    """Losses written by hand, a microbatch's mask all 0: a .sum() over the samples (was averaged: loss and grads
+    1/M of the batch's) and masked means, clamped or not (were averaged; each microbatch's numerator now over the
+    batch's divisor), trained two steps in parity on 1f1b and zb-h1; a model's own masked mean through step,
+    evaluate in eval mode (stages traced again) and forward()."""
+    import pipe
+    from tests.nccl_like import NcclLike
+    notes = {}
+    for loss_fn in (_summed, _masked, _masked_floor):
+        for schedule in ("1f1b", "zb-h1"):
+            w, ref = _workload(Chain), _workload(Chain)
+            pp = pipe.Pipeline(w.model, w.example_args, loss_fn=loss_fn, microbatches=M, cost="flops",
+                               schedule=schedule, example_target=_batch(2, 0)[1], transport=NcclLike())
+            assert pp.plan.loss
+            label = f"{loss_fn.__name__} {schedule} rank {rank}"
+            for step in range(2):
+                args, _, target = w.batch(w.microbatch_size * M, step)
+                target[:w.microbatch_size] = -1.0  # microbatch 0: every term masked
+                loss = pp.step(*args, target=target)
+                want = loss_fn(ref.model(*args), target)
+                want.backward()
+                torch.testing.assert_close(loss, float(want), rtol=1e-5, atol=1e-6, msg=lambda m: f"{label}: {m}")
+                _grads_close(pp, ref.model, label)
+                for p in (*pp.parameters(), *ref.model.parameters()):
+                    p.grad = None
+            notes[loss_fn.__name__] = [n for n in pp.plan.notes if n.startswith("loss:")]
+    torch.manual_seed(0)
+    own, ref_own = OwnMaskedMean(), OwnMaskedMean()
+    ref_own.load_state_dict(own.state_dict())
+    x, labels, mask = torch.randn(2 * M, 3, D), torch.randint(0, 5, (2 * M, 3)), torch.ones(2 * M, 3)
+    mask[:2] = 0
+    mask[2:4, 1:] = 0
+    pp = pipe.Pipeline(own, (x[:2], labels[:2], mask[:2]), loss_fn=lambda out, _: out["loss"], microbatches=M,
+                       cost="flops", example_target=labels[:2], transport=NcclLike())
+    assert pp.plan.loss
+    loss = pp.step(x, labels, mask, target=labels)
+    want = ref_own(x, labels, mask)
+    want["loss"].backward()
+    torch.testing.assert_close(loss, float(want["loss"]), rtol=1e-5, atol=1e-6)
+    _grads_close(pp, ref_own, f"a model's own masked mean rank {rank}")
+    with torch.no_grad():
+        torch.testing.assert_close(pp.forward(x, labels, mask)["loss"], want["loss"].detach(), rtol=1e-5, atol=1e-6)
+    pp.eval()
+    ref_own.eval()
+    with torch.no_grad():
+        want = ref_own(x, labels, mask)
+        torch.testing.assert_close(pp.evaluate(x, labels, mask, target=labels), float(want["loss"]), rtol=1e-5,
+                                   atol=1e-6)
+        got = pp.forward(x, labels, mask)
+    torch.testing.assert_close(got["loss"], want["loss"], rtol=1e-5, atol=1e-6)
+    notes["own"] = [n for n in pp.plan.notes if n.startswith("loss:")]
+    return notes
 
 
 def _grad_scaler(rank: int, M: int) -> dict[str, Any]:
@@ -461,6 +546,7 @@ def conditions_body(rank: int, world: int) -> dict[str, Any]:
     for n, g in grads[0].items():
         torch.testing.assert_close(grads[1][n], g, msg=lambda m: f"selective with torch.dropout {n}: {m}")
     out["ignored targets"] = _ignored_targets(rank, M)
+    out["sums and ratios"] = _sums_and_ratios(rank, M)
     out["grad scaler"] = _grad_scaler(rank, M)
     return out
 
@@ -477,7 +563,14 @@ def test_inplace_ops_autocast_and_leaf_modules_train_as_the_model() -> None:
             "loss: the batch's, each microbatch's cross_entropy weighs by its targets other than ignore_index=-100 "
             "over the batch's"], res[0]["ignored targets"]
     assert res[1]["received written input"], res[1]  # the last stage received x as written, not its own copy
+    notes = res[0]["sums and ratios"]
+    assert notes["_summed"] == ["loss: the batch's, the sum of the microbatches' (sum_1: a .sum() over the samples)"]
+    assert notes["_masked_floor"] == ["loss: the batch's, sum_1 (a .sum() over the samples) / sum_2: each "
+                                      "microbatch's numerator over the batch's divisor, at least 1 (computed from the "
+                                      "inputs)"], notes
+    assert all("numerator over the batch's divisor" in n[0] for n in (notes["_masked"], notes["own"])), notes
     for r in res:  # the first step overflowed and was skipped on both, as on the model; then none did
         scales = r["grad scaler"]["scales"]
         assert scales == [(2.0 ** 16, 2.0 ** 16)] * 3, scales
         assert r["grad scaler"]["skipped everywhere"] and r["grad scaler"]["backed off"], r["grad scaler"]
+

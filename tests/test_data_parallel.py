@@ -159,6 +159,36 @@ def _grads_after_two_steps(**pipe_kw: Any) -> dict[str, Any]:
     return {n: float((_full(p.grad) - refs[n].grad).abs().max()) for n, p in pp.named_parameters()}
 
 
+def _masked_mean(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The GPT's cross entropy as a masked mean written by hand: its per-token loss times the mask, summed,
+    over the mask's sum."""
+    import torch.nn.functional as F
+    mask = (target >= 0).flatten()
+    per = F.cross_entropy(logits.flatten(0, 1), target.clamp(min=0).flatten(), reduction="none")
+    return (per * mask).sum() / mask.sum()
+
+
+def _ratio_over_replicas() -> dict[str, float]:
+    """Two steps of the masked mean on 2 replicas whose masks fall unevenly (a microbatch of replica 1 wholly
+    masked): each microbatch's numerator over both replicas' divisor. The largest difference from one process
+    over the replicas' batches, of the losses and of each parameter's grads."""
+    import pipe
+    w, ref = _gpt(), _gpt()
+    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=_masked_mean, microbatches=M, cost="flops", data_parallel=2,
+                       example_target=w.example_target)
+    assert pp.plan.loss and pp.weighting.kind == "ratio", pp.weighting
+    out = {"loss": 0.0}
+    for step in range(2):
+        args, target = _batch(w, step, pp.dp_rank)
+        loss = pp.step(*args, target=target)
+        parts = [_batch(ref, step, j) for j in range(pp.dp)]
+        want = _masked_mean(ref.model(torch.cat([p[0][0] for p in parts])), torch.cat([p[1] for p in parts]))
+        want.backward()
+        out["loss"] = max(out["loss"], abs(loss - float(want)))
+    refs = dict(ref.model.named_parameters())
+    return {**out, **{n: float((p.grad - refs[n].grad).abs().max()) for n, p in pp.named_parameters()}}
+
+
 def four_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
     import pipe
     from torch.distributed.device_mesh import init_device_mesh
@@ -201,6 +231,7 @@ def four_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
             opt.zero_grad(set_to_none=True)
     for shard in SHARDS:
         res[f"two steps {shard}"] = _grads_after_two_steps(data_parallel=2, dp_shard=shard)
+    res["ratio"] = _ratio_over_replicas()
     # states streamed in chunks: grads averaged after the step (said in the plan's notes), one bucket at a time
     res["streamed states"] = _case("gpt", GPT, data_parallel=2, offload="states", dp_bucket_mb=0.01)
     res["streamed states"]["notes"] = res["streamed states"].pop("pp").plan.notes
@@ -230,6 +261,8 @@ def test_pipeline_times_data_parallel_on_4_ranks(tmp_path: Path) -> None:
         for shard in SHARDS:
             for name, err in r[f"two steps {shard}"].items():
                 assert err < 1e-5, (shard, name, err)
+        for name, err in r["ratio"].items():
+            assert err < 1e-5, ("masked mean over replicas", name, err)
         assert any("averaged after the step" in n for n in r["streamed states"]["notes"])
         streamed = r["streamed states"]
         torch.testing.assert_close(torch.tensor(streamed["losses"]), torch.tensor(streamed["ref"]),
@@ -237,7 +270,7 @@ def test_pipeline_times_data_parallel_on_4_ranks(tmp_path: Path) -> None:
         torch.testing.assert_close(*torch.tensor(streamed["norms"]).T, rtol=1e-5, atol=0)
         torch.testing.assert_close(*streamed["evaluated"], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(*streamed["evaluated in eval mode"], rtol=1e-5, atol=1e-6)
-    cases = [k for k in res[0] if k not in ("errors", "streamed states")
+    cases = [k for k in res[0] if k not in ("errors", "streamed states", "ratio")
              and not k.startswith(("loaded into", "two steps"))]
     assert len(cases) == 2 * len(SCHEDULES) * len(SHARDS) + 1
     for case in cases:

@@ -59,11 +59,21 @@ def _ce(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(o.flatten(0, 1), t.flatten())
 
 
-def _weighting(loss_fn: Any, in_graph: bool) -> Any:
-    gm = trace(Head(), (torch.randn(2, 3, 4),), {})
+def _weighting(loss_fn: Any, in_graph: bool, model: nn.Module | None = None) -> Any:
+    x, t = torch.randn(2, 3, 4), torch.randint(0, V, (2, 3))
+    gm = trace(model or Head(), (x,), {})
     if in_graph:
         assert attach_loss(gm, loss_fn) is None
-    return loss_weighting(gm, loss_fn, in_graph)
+        return loss_weighting(gm, loss_fn, True, [x, t])
+    return loss_weighting(gm, loss_fn, False, [x], t)
+
+
+def _masked_mean(o: torch.Tensor, t: torch.Tensor, floor: int | None = None) -> torch.Tensor:
+    """A mean over the targets other than 0, written by hand (a masked mean), its divisor clamped or not."""
+    mask = t != 0
+    per = F.cross_entropy(o.flatten(0, 1), t.flatten(), reduction="none") * mask.flatten()
+    count = mask.sum().float()
+    return per.sum() / (count if floor is None else count.clamp(min=floor))
 
 
 WEIGHTS = torch.tensor([0.5, 1.0, 2.0, 0.25, 1.5])
@@ -82,7 +92,18 @@ CASES = [  # (loss_fn, kind, what the plan's note says)
     (lambda o, t: 2 * _ce(o, t), "count", "cross_entropy weighs by its targets"),  # scaled by a shared number
     (lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten(), reduction="sum") / 7.0, "sum", "reduction='sum'"),
     (lambda o, t: _ce(o, t) * o.mean(), "mean", "the loss is call_function mul"),  # by a value of the microbatch
-    (lambda o, t: ((o - t.unsqueeze(-1)) ** 2).sum(), "mean", "the step's loss and grads are 1/M of the batch's sum"),
+    (lambda o, t: ((o - t.unsqueeze(-1)) ** 2).sum(), "sum", "(sum_1: a .sum() over the samples)"),
+    (lambda o, t: ((o - t.unsqueeze(-1)) ** 2).sum(-1).sum((0, 1)).mul(0.5), "sum", "a .sum() over the samples"),
+    (lambda o, t: ((o - t.unsqueeze(-1)) ** 2).mean(0).sum(), "mean",  # over no sample's terms: one per microbatch
+     "a .sum() fxpipe cannot tell is over the samples"),
+    (lambda o, t: _ce(o, t).float().sum(), "count", "cross_entropy weighs by its targets"),  # one number: as it is
+    (lambda o, t: _masked_mean(o, t), "ratio", "each microbatch's numerator over the batch's divisor (computed"),
+    (lambda o, t: _masked_mean(o, t, 1), "ratio", "over the batch's divisor, at least 1 (computed from the inputs)"),
+    (lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten(), reduction="sum") / (t != 0).sum(), "ratio",
+     "(cross_entropy, reduction='sum') / sum"),
+    (lambda o, t: _ce(o, t) / (t != 0).sum(), "mean", "not a cross entropy or NLL loss"),  # a mean over a count
+    (lambda o, t: ((o - t.unsqueeze(-1)) ** 2).sum() / o.abs().sum(), "mean",
+     "over a sum whose value is computed by call_module lin, not from the inputs alone"),
     (lambda o, t: F.cross_entropy(o.flatten(0, 1), o.argmax(-1).flatten()), "mean",
      "target is computed by call_module lin, not from the inputs alone"),
 ]
@@ -93,6 +114,9 @@ CASES = [  # (loss_fn, kind, what the plan's note says)
 def test_which_losses_are_weighed_and_what_the_plan_says(case: int, in_graph: bool) -> None:
     loss_fn, kind, said = CASES[case]
     w = _weighting(loss_fn, in_graph)
+    if kind == "ratio" and not in_graph:  # the step calls loss_fn, which returns the ratio, not its numerator
+        assert w.kind == "mean" and "which fxpipe weighs only with the loss in the graph" in w.describe(), w
+        return
     assert w.kind == kind, (case, w)
     assert said in w.describe(), w.describe()
     if kind != "mean":
@@ -196,3 +220,48 @@ def test_a_sum_over_the_batchs_count_sums_the_microbatches() -> None:
     w = loss_weighting(gm, lambda out, _: out, False, example=[x, labels, n])
     assert w.kind == "sum" and "reduction='sum'" in w.describe(), w
     assert loss_weighting(gm, lambda out, _: out, False).kind == "mean"  # (without the example: not known shared)
+
+
+@pytest.mark.parametrize("floor", [None, 1])
+def test_a_ratio_of_sums_is_the_batchs_with_a_microbatch_whose_divisor_is_0(floor: int | None) -> None:
+    """A masked mean written by hand, (loss * mask).sum() / mask.sum() (clamped below or not), with a
+    microbatch whose every target is masked: the graph returns the numerator (keep_numerator), each scaled by
+    one over the batch's divisor, as a step does; loss and grads are the whole batch's, finite (that
+    microbatch's own ratio is NaN without the floor, and so were its grads through it)."""
+    from partition.reduction import keep_numerator
+    torch.manual_seed(0)
+    model, ref = Head(), Head()
+    ref.load_state_dict(model.state_dict())
+    x, t = torch.randn(8, 3, 4), torch.randint(1, V, (8, 3))
+    t[:2] = 0                 # microbatch 0: every target masked
+    t[2:4, 1:] = 0            # microbatch 1: two counted
+    gm = trace(model, (x[:2],), {})
+    assert attach_loss(gm, lambda o, tt: _masked_mean(o, tt, floor)) is None
+    w = loss_weighting(gm, None, True, [x[:2], t[:2]])
+    assert w.kind == "ratio" and w.floor == floor, w
+    keep_numerator(gm, w)
+    counts = [w.count([xm, tm]) for xm, tm in zip(x.chunk(4), t.chunk(4))]
+    assert [float(c) for c in counts] == [0.0, 2.0, 6.0, 6.0]
+    total = sum(counts)
+    scale = 1 / (total if floor is None else total.clamp(min=floor))
+    got = sum(gm(xm, tm) * scale for xm, tm in zip(x.chunk(4), t.chunk(4)))
+    got.backward()
+    want = _masked_mean(ref(x), t, floor)
+    want.backward()
+    torch.testing.assert_close(got.float(), want, rtol=1e-6, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad is not None and bool(torch.isfinite(p.grad).all()), name
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_sum_over_the_samples_sums_the_microbatches_and_one_over_none_is_averaged() -> None:
+    """A .sum() over every sample's terms is the sum of the microbatches' (it was averaged: loss and grads 1/M
+    of the batch's); a .sum() of values without the batch (a mean over it first, a parameter's) is not."""
+    x = torch.randn(2, 3, 4)
+    for loss_fn, kind in ((lambda o, t: (o - t.unsqueeze(-1)).pow(2).sum(), "sum"),
+                          (lambda o, t: (o - t.unsqueeze(-1)).pow(2).mean((0, 1)).sum(), "mean")):
+        w = _weighting(loss_fn, True)
+        assert w.kind == kind, w
+    gm = trace(Head(), (x,), {})
+    assert attach_loss(gm, lambda o, t: (o - t.unsqueeze(-1)).pow(2).sum()) is None
+    assert loss_weighting(gm, None, True).kind == "mean"  # without the example: not known to be over the samples
