@@ -209,6 +209,7 @@ class _Sizes:
     def __init__(self, gm: torch.fx.GraphModule, example: Sequence[Any] | None) -> None:
         self.gm, self.example = gm, example
         self.numels: dict[str, list[int]] | None = None
+        self.why = ""  # why the run gave nothing
 
     def of(self, node: torch.fx.Node) -> tuple[int, int] | None:
         if self.numels is None:
@@ -219,6 +220,10 @@ class _Sizes:
     def _run(self) -> dict[str, list[int]]:
         from partition.meta import meta_copy
         if self.example is None or len(self.example) != sum(n.op == "placeholder" for n in self.gm.graph.nodes):
+            self.why = "no example of its inputs was given"
+            return {}
+        if self.example[-1] is None and any(n.op == "placeholder" and n.name == TARGET for n in self.gm.graph.nodes):
+            self.why = "no example target was given (example_target= gives one)"
             return {}
         numels: dict[str, list[int]] = {}
 
@@ -237,7 +242,8 @@ class _Sizes:
                                          if isinstance(x, torch.Tensor) else x, list(self.example))
                 with torch.no_grad():
                     Recorder(copy).run(*values)
-        except Exception:  # noqa: BLE001 - a graph that needs values (.item(), a data-dependent shape) or fixed sizes
+        except Exception as e:  # noqa: BLE001 - a graph that needs values (.item(), a data-dependent shape) or fixed sizes
+            self.why = f"the graph does not run on the meta device at twice the example's samples ({type(e).__name__})"
             return {}
         return numels
 
@@ -338,12 +344,13 @@ def _found(gm: torch.fx.GraphModule, loss: torch.fx.Node, sizes: _Sizes) -> Weig
     if args is None:
         args, name = loss_args(gm, loss, "nll_loss"), "nll_loss"
     if args is None:
-        summed = len(loss.args) == 1 and not loss.kwargs and loss.target in _SUMS
-        return Weighting("mean", (
-            "the loss is a .sum() fxpipe cannot tell is over the samples (a meta run of the graph at two batch "
-            "sizes did not show its elements doubling): the step's loss and grads are 1/M of the batch's sum") if
-            summed else (f"the loss is {_what(loss)}, not a cross entropy or NLL loss fxpipe can weigh by its "
-                         "targets"))
+        if len(loss.args) == 1 and not loss.kwargs and loss.target in _SUMS:
+            return Weighting("mean", (
+                "the loss is a .sum() fxpipe cannot tell is over the samples (a run of the graph on the meta device "
+                f"at two batch sizes: {sizes.why or 'the summed elements did not double'}): the step's loss and "
+                "grads are 1/M of the batch's sum"))
+        return Weighting("mean", f"the loss is {_what(loss)}, not a cross entropy or NLL loss fxpipe can weigh by "
+                                 "its targets")
     reduction = args.get("reduction", "mean")
     if args.get("size_average") is not None or args.get("reduce") is not None or reduction not in ("mean", "sum"):
         return Weighting("mean", f"its {name} has a legacy reduction (size_average/reduce) or reduction={reduction!r}")

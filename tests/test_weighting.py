@@ -262,6 +262,10 @@ def test_a_sum_over_the_samples_sums_the_microbatches_and_one_over_none_is_avera
                           (lambda o, t: (o - t.unsqueeze(-1)).pow(2).mean((0, 1)).sum(), "mean")):
         w = _weighting(loss_fn, True)
         assert w.kind == kind, w
+    summed = lambda o, t: (o - t.unsqueeze(-1)).pow(2).sum()  # noqa: E731
+    outside = loss_weighting(trace(Head(), (x,), {}), summed, False, [x], None)  # no target: not known to be over
+    assert outside.kind == "mean" and "no example target was given (example_target=" in outside.describe(), outside
     gm = trace(Head(), (x,), {})
-    assert attach_loss(gm, lambda o, t: (o - t.unsqueeze(-1)).pow(2).sum()) is None
-    assert loss_weighting(gm, None, True).kind == "mean"  # without the example: not known to be over the samples
+    assert attach_loss(gm, summed) is None
+    w = loss_weighting(gm, None, True)
+    assert w.kind == "mean" and "no example of its inputs was given" in w.describe(), w
