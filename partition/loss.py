@@ -137,6 +137,12 @@ def attach_loss(gm: torch.fx.GraphModule, loss_fn: Callable[[Any, Any], torch.Te
         loss_graph = _LossTracer(leaves, spec).trace(wrapper)
     except Exception as e:  # fx raises many kinds of errors on untraceable code
         return f"torch.fx cannot trace the loss function ({type(e).__name__}: {first_line(e)})"
+    grads = [str(n.target) for n in loss_graph.nodes if n.op == "get_attr"
+             and isinstance(t := _attr(wrapper, str(n.target)), torch.Tensor) and t.requires_grad]
+    if grads:  # w.pow(2).sum() of a parameter the loss reaches through a closure: computed once, when traced
+        return ("the loss function computes a value from a tensor that requires grad and is not one of its "
+                "arguments (a parameter reached through a closure, as in `ce + 0.01 * w.pow(2).sum()`): traced, it "
+                "would be a constant, its value fixed and its grads lost")
     result = next(n for n in loss_graph.nodes if n.op == "output").args[0]
     if not isinstance(result, torch.fx.Node):
         return f"the loss function returns {type(result).__name__}, not one tensor"
@@ -192,3 +198,11 @@ def _differs(traced: torch.fx.GraphModule, leaves: list[Any], target: Any, expec
             not torch.allclose(got, expected, rtol=1e-5, atol=1e-6, equal_nan=True)):  # meta: the shape only
         return "the loss traced by torch.fx differs from loss_fn's value on the example"
     return None
+
+
+def _attr(root: torch.nn.Module, path: str) -> Any:
+    from partition.costs import attr_of
+    try:
+        return attr_of(root, path)
+    except AttributeError:
+        return None

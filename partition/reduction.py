@@ -64,7 +64,9 @@ class Weighting:
     # last stage, whose tensors a checkpoint or weights= loaded), else `origin`, the graph the weighting was found in
     holder: torch.nn.Module | None = None
     origin: torch.nn.Module | None = None
-    node: str = ""  # the graph's node giving the loss (a model's own loss: an output forward() weighs alike)
+    # the graph's nodes giving the loss, from the output in: each passes on the next's value (a cast, a shared
+    # scale); one of them a model's own loss (`out.loss`), an output forward() weighs alike
+    chain: list[str] = field(default_factory=list)
     ratio: str = ""       # "ratio": the division node, the numerator the graph returns in its place, the node
     numerator: str = ""   # reading the division on the way to the output ("": the output), and the divisor's
     reader: str = ""      # lower bound (x.clamp(min=1)), if any
@@ -144,13 +146,19 @@ def _batch_constants(gm: torch.fx.GraphModule, example: Sequence[Any] | None) ->
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for i, n in enumerate(inputs):
         x = example[i] if example is not None and i < len(example) else n.meta.get("val")
-        if x is not None and (not isinstance(x, torch.Tensor) or x.dim() == 0) and n.name != TARGET:
+        if x is not None and not _split(x) and n.name != TARGET:
             out.add(n)
     for n in gm.graph.nodes:
         if n.op in ("call_function", "call_method") and n.all_input_nodes and all(a in out for a in n.all_input_nodes) \
                 and not _random(gm, n):
             out.add(n)
     return out
+
+
+def _split(value: Any) -> bool:
+    """Whether microbatches split `value` (pipe.calls.split_microbatches: a tensor of 1 dim or more, in any
+    container), rather than each getting it whole."""
+    return any(isinstance(x, torch.Tensor) and x.dim() > 0 for x in pytree.tree_leaves(value))
 
 
 def _scaled(node: torch.fx.Node, constants: set[torch.fx.Node]) -> torch.fx.Node | None:
@@ -179,12 +187,13 @@ def weighting(gm: torch.fx.GraphModule, example: Sequence[Any] | None = None) ->
         loss = loss[0]
     if not isinstance(loss, torch.fx.Node):
         return Weighting("mean", "the loss is not a value of the graph")
-    top, constants, reader, sizes = loss.name, _batch_constants(gm, example), "", _Sizes(gm, example)
+    chain, constants, reader, sizes = [loss.name], _batch_constants(gm, example), "", _Sizes(gm, example)
     # x * 0.5, a sum / num_items_in_batch, loss.float(), the .sum() of one number
     while (inner := _scaled(loss, constants) or _as_it_is(loss, sizes)) is not None:
         loss, reader = inner, loss.name
+        chain.append(loss.name)
     found = _found(gm, loss, sizes)
-    found.node = top
+    found.chain = chain
     if found.kind == "ratio":
         found.reader = reader
     return found
@@ -204,48 +213,94 @@ def keep_numerator(gm: torch.fx.GraphModule, w: Weighting) -> None:
 
 
 class _Sizes:
-    """The number of elements of gm's values on one microbatch and on two (a meta copy of gm run on the
-    example, then on it twice along dim 0, as microbatches are split), found at the first question."""
+    """gm's values on one microbatch and on two (a meta copy of gm run on the example, then on it twice
+    along dim 0, as microbatches are split), found at the first question: a tensor's number of elements, a
+    number's or a size's value. From them, `of` and `mixed`."""
     def __init__(self, gm: torch.fx.GraphModule, example: Sequence[Any] | None) -> None:
         self.gm, self.example = gm, example
-        self.numels: dict[str, list[int]] | None = None
+        self.values: dict[str, list[Any]] | None = None
         self.why = ""  # why the run gave nothing
+        self._mixed: dict[torch.fx.Node, bool] = {}
 
     def of(self, node: torch.fx.Node) -> tuple[int, int] | None:
-        if self.numels is None:
-            self.numels = self._run()
-        got = self.numels.get(node.name, [])
-        return (got[0], got[1]) if len(got) == 2 else None
+        """The number of elements of the tensor `node` gives, on one microbatch and on two; None unknown."""
+        got = self._values(node)
+        return (got[0][1], got[1][1]) if got is not None and got[0][0] == "tensor" else None
 
-    def _run(self) -> dict[str, list[int]]:
+    def _values(self, node: torch.fx.Node) -> list[Any] | None:
+        if self.values is None:
+            self.values = self._run()
+        got = self.values.get(node.name)
+        return got if got is not None and len(got) == 2 else None
+
+    def _carries(self, node: torch.fx.Node) -> bool:
+        n = self.of(node)
+        return n is not None and n[0] > 0 and n[1] == 2 * n[0]
+
+    def _changes(self, node: torch.fx.Node) -> bool:
+        got = self._values(node)
+        return got is not None and got[0][0] == "value" and got[0] != got[1]
+
+    def mixed(self, node: torch.fx.Node) -> bool | None:
+        """Whether a sample's values in `node` may depend on other samples of its microbatch (None: unknown):
+        it is computed from a tensor made of the batch that is not one per sample (a .sum(), a .mean(0), a
+        mask's count), or from the batch's size as a value (x / x.shape[0], not x.view(x.shape[0], -1))."""
+        if self._values(node) is None and node.op != "placeholder":
+            return None
+        if not self._mixed:
+            made: dict[torch.fx.Node, bool] = {}  # computed from values the batch makes (per sample, its size)
+            for n in self.gm.graph.nodes:  # (in program order: inputs first)
+                ins = n.all_input_nodes
+                made[n] = any(made[a] or self._carries(a) or self._changes(a) for a in ins)
+                if n.op == "placeholder" or any(self._mixed[a] for a in ins) or self.of(n) is None:
+                    self._mixed[n] = n.op != "placeholder" and any(self._mixed[a] for a in ins)
+                    continue
+                reduced = [a for a in ins if self.of(a) is not None and not self._carries(a) and made[a]]
+                counted = [a for a in ins if self._changes(a)] if n.target not in _SHAPES else []
+                self._mixed[n] = bool(reduced or counted)
+        return self._mixed[node]
+
+    def _run(self) -> dict[str, list[Any]]:
         from partition.meta import meta_copy
         if self.example is None or len(self.example) != sum(n.op == "placeholder" for n in self.gm.graph.nodes):
             self.why = "no example of its inputs was given"
             return {}
-        if self.example[-1] is None and any(n.op == "placeholder" and n.name == TARGET for n in self.gm.graph.nodes):
+        if self.example[-1] is None and any(n.op == "placeholder" and n.name == TARGET and n.users
+                                            for n in self.gm.graph.nodes):
             self.why = "no example target was given (example_target= gives one)"
             return {}
-        numels: dict[str, list[int]] = {}
+        values: dict[str, list[Any]] = {}
 
         class Recorder(torch.fx.Interpreter):
             def run_node(self, n: torch.fx.Node) -> Any:
                 value = super().run_node(n)
                 if isinstance(value, torch.Tensor):
-                    numels.setdefault(n.name, []).append(value.numel())
+                    values.setdefault(n.name, []).append(("tensor", value.numel()))
+                elif isinstance(value, (int, float, torch.Size)) or isinstance(value, tuple) and all(
+                        isinstance(v, (int, float)) for v in value):
+                    values.setdefault(n.name, []).append(("value", tuple(value) if isinstance(value, tuple)
+                                                          else value))
                 return value
         try:
             with warnings.catch_warnings():  # (copying the graph's recorded tree specs warns of their deprecated kind)
                 warnings.simplefilter("ignore", FutureWarning)
                 copy = meta_copy(self.gm)
             for k in (1, 2):
-                values = pytree.tree_map(lambda x: (torch.cat([x.to("meta")] * k) if x.dim() else x.to("meta"))
-                                         if isinstance(x, torch.Tensor) else x, list(self.example))
+                example = pytree.tree_map(lambda x: (torch.cat([x.to("meta")] * k) if x.dim() else x.to("meta"))
+                                          if isinstance(x, torch.Tensor) else x, list(self.example))
                 with torch.no_grad():
-                    Recorder(copy).run(*values)
+                    Recorder(copy).run(*example)
         except Exception as e:  # noqa: BLE001 - a graph that needs values (.item(), a data-dependent shape) or fixed sizes
             self.why = f"the graph does not run on the meta device at twice the example's samples ({type(e).__name__})"
             return {}
-        return numels
+        return values
+
+
+# ops reading numbers as sizes (x.view(x.shape[0], -1)): the batch's size in them is not a value of a sample
+_SHAPES = {"view", "reshape", "expand", "repeat", "new_zeros", "new_ones", "new_full", "new_empty", "unflatten",
+           "split", "chunk", "flatten", "permute", "transpose", "unsqueeze", "squeeze", "size", "narrow",
+           torch.reshape, torch.zeros, torch.ones, torch.full, torch.empty, torch.arange, torch.split, torch.chunk,
+           torch.flatten, torch.unflatten, torch.narrow, operator.getitem, getattr}
 
 
 _SUMS = {torch.sum, torch.ops.aten.sum.default, torch.ops.aten.sum.dim_IntList, "sum"}
@@ -273,21 +328,21 @@ def _sums_the_batch(node: torch.fx.Node, sizes: _Sizes) -> bool:
     if node.op not in ("call_function", "call_method") or node.target not in _SUMS or not node.args \
             or not isinstance(node.args[0], torch.fx.Node):
         return False
-    summed, result = sizes.of(node.args[0]), sizes.of(node)
-    return summed is not None and result == (1, 1) and summed[0] > 0 and summed[1] == 2 * summed[0]
+    return sizes.of(node) == (1, 1) and sizes._carries(node.args[0]) and sizes.mixed(node.args[0]) is False
 
 
 def _additive(gm: torch.fx.GraphModule, node: torch.fx.Node, sizes: _Sizes) -> str | None:
     """What `node` is when it is the sum of its microbatches' values (a loss with reduction='sum', a
     .sum() over the samples), else None."""
     name = _summed(gm, node)
-    if name is not None:
-        return f"{name}, reduction='sum'"
     for kind in ("cross_entropy", "nll_loss"):
-        args = loss_args(gm, node, kind)
+        args = loss_args(gm, node, kind) if name is None else None
         if args is not None:
             plain = args.get("size_average") is None and args.get("reduce") is None
-            return f"{kind}, reduction='sum'" if plain and args.get("reduction", "mean") == "sum" else None
+            name = kind if plain and args.get("reduction", "mean") == "sum" else None
+            break
+    if name is not None:  # (a loss whose inputs mix the samples is no sum of theirs; unknown: taken as one)
+        return f"{name}, reduction='sum'" if sizes.mixed(node) is not True else None
     return "a .sum() over the samples" if _sums_the_batch(node, sizes) else None
 
 
@@ -345,10 +400,13 @@ def _found(gm: torch.fx.GraphModule, loss: torch.fx.Node, sizes: _Sizes) -> Weig
         args, name = loss_args(gm, loss, "nll_loss"), "nll_loss"
     if args is None:
         if len(loss.args) == 1 and not loss.kwargs and loss.target in _SUMS:
+            summed = loss.args[0]
+            why = sizes.why or ("its terms are computed from values of the whole microbatch (a sum over it, its "
+                                "size), not each from its own sample" if isinstance(summed, torch.fx.Node) and
+                                sizes._carries(summed) else "the summed elements did not double")
             return Weighting("mean", (
                 "the loss is a .sum() fxpipe cannot tell is over the samples (a run of the graph on the meta device "
-                f"at two batch sizes: {sizes.why or 'the summed elements did not double'}): the step's loss and "
-                "grads are 1/M of the batch's sum"))
+                f"at two batch sizes: {why}): the step's loss and grads are 1/M of the batch's sum"))
         return Weighting("mean", f"the loss is {_what(loss)}, not a cross entropy or NLL loss fxpipe can weigh by "
                                  "its targets")
     reduction = args.get("reduction", "mean")

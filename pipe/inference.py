@@ -59,10 +59,11 @@ def loss_weights(pp: Pipeline, flats: list[list[Any]]) -> dict[int, list[float]]
     w = pp.weighting
     leaves, _ = _output_nodes(pp._gm)
     names = [x.name if isinstance(x, torch.fx.Node) else None for x in leaves]
-    if not w.node or w.node not in names or w.kind == "mean":
+    leaf = next((names.index(n) for n in w.chain if n in names), None)  # (out.loss, not the loss_fn's cast of it)
+    if leaf is None or w.kind == "mean":
         return {}
     if w.kind == "sum":
-        return {names.index(w.node): [1.0] * len(flats)}
+        return {leaf: [1.0] * len(flats)}
     try:
         counts = [float(w.count(f if pp.plan.loss else [*f, None])) for f in flats]
     except Exception:  # noqa: BLE001 - a count that reads the target (forward() has none), or a tensor not here
@@ -70,7 +71,7 @@ def loss_weights(pp: Pipeline, flats: list[list[Any]]) -> dict[int, list[float]]
     total = sum(counts)
     if w.kind == "ratio" and w.floor is not None:  # each ratio = its numerator / max(its divisor, floor)
         counts, total = [max(c, w.floor) for c in counts], max(total, w.floor)
-    return {names.index(w.node): [c / total for c in counts]} if total > 0 else {}
+    return {leaf: [c / total for c in counts]} if total > 0 else {}
 
 
 def _computed_from_inputs(gm: torch.fx.GraphModule) -> list[bool] | None:

@@ -219,6 +219,7 @@ class Pipeline:
         self._placed = {id(t) for st in stages for t in (*st.buffers(), *st.parameters())}
         self._names = {id(p): n for n, p in model.named_parameters()}
         self._model = model
+        self._loss_reads_checked = False  # loss_fn reads grads only through the model's output (pipe.step)
         self.sharded: ShardedStages | None = None
         self._unplaced: dict[str, torch.Tensor] = {}  # a meta model's tensors no stage reads (rank 0's)
         if self.meta:

@@ -92,6 +92,45 @@ def concat_outputs(outputs: list[Any], sizes: list[int] | None = None,
     return pytree.tree_unflatten(leaves, spec)
 
 
+def check_loss_reads(pp: Pipeline, loss: torch.Tensor, through: list[Any]) -> None:
+    """loss_fn, run by the last stage's rank, must reach the tensors that require grad only through the
+    stage's outputs (`through`, and its inputs): a parameter it reads otherwise (a closure's regulariser,
+    `ce + 0.01 * w.pow(2).sum()`) gets its grad only where this rank trains that very tensor, and where
+    B and W are not split apart (zero bubble's B computes the grads of named tensors only). PipelineError
+    naming them otherwise: the grads would go to a copy no optimizer steps, or be lost."""
+    if loss.grad_fn is None:
+        return
+    mine = [t for t in through if isinstance(t, torch.Tensor)]
+    stop, ids = {t.grad_fn for t in mine if t.grad_fn is not None}, {id(t) for t in mine}
+    seen: set[Any] = set()
+    todo: list[Any] = [loss.grad_fn]
+    found: list[torch.Tensor] = []
+    while todo:  # the loss's own ops, down to the stage's outputs
+        fn = todo.pop()
+        if fn is None or fn in seen or fn in stop:
+            continue
+        seen.add(fn)
+        var = getattr(fn, "variable", None)  # AccumulateGrad: a leaf tensor
+        if var is not None:
+            if id(var) not in ids:
+                found.append(var)
+            continue
+        todo.extend(f for f, _ in fn.next_functions)
+    held = {id(p) for t in pp.local for p in pp.stages[t].parameters()}
+    wrong = [v for v in found if pp.split_w or id(v) not in held]
+    if wrong:
+        names = {id(p): n for n, p in pp._model.named_parameters()}
+        what = ", ".join(names.get(id(v), f"a tensor of shape {list(v.shape)}") for v in wrong)
+        why = ("this schedule's B computes the grads of the stage's own tensors only (zero bubble)" if pp.split_w
+               else f"rank {pp.rank} does not train {'them' if len(wrong) > 1 else 'it'} (its stages are "
+                    f"{sorted(pp.local)})")
+        raise PipelineError(
+            f"loss_fn reads {what}, which require{'s' if len(wrong) == 1 else ''} grad, other than through the "
+            f"model's output (a parameter reached through a closure, as in `ce + 0.01 * w.pow(2).sum()`): {why}, so "
+            "its grads would be lost; compute the term inside the model's forward and return it with the output, or "
+            "use the optimizer's weight_decay")
+
+
 class StepState:
     """The state of one step on one rank: microbatch inputs, messages, saved activations."""
 
@@ -218,6 +257,9 @@ class StepState:
             else:
                 with pp.memory.forward(s, mb, [self.targets[mb]]):  # the loss's saved tensors count (and offload)
                     loss = self._loss(unflatten_outputs(outs, io.out_spec), self.targets[mb])
+                if not self.evaluating and not pp._loss_reads_checked:
+                    check_loss_reads(pp, loss, [*outs, *leaves])
+                    pp._loss_reads_checked = True
             scale = weight = self._scales()[mb]
             if isinstance(scale, torch.Tensor):  # counted: a microbatch without targets (loss NaN) weighs 0
                 loss = torch.where(scale > 0, loss, 0.0)
@@ -348,10 +390,27 @@ _HANDLERS: dict[str, Callable[[StepState, Action], None]] = {
 
 def sum_tied_grads(pp: Pipeline, held: dict[int, torch.Tensor]) -> None:
     """Sum each tied parameter's grad over the ranks that hold it; `held`: what grads held before the step
-    (accumulated over steps), so that only this step's part is summed."""
-    with comm.guarded("the all-reduce of tied parameters' grads"):
+    (accumulated over steps), so that only this step's part is summed. One frozen on every holder keeps no
+    grad, as on the model (a zero grad would have the optimizer step it: weight decay, momentum); first the
+    holders count who trains it (one small all-reduce per group), and one frozen on some holders only is
+    refused on each of them."""
+    counts: list[list[int]] = []
+    with comm.guarded("the all-reduce of which tied parameters are trained"):
         for group, params in pp._tied_groups:
-            for p in params:
+            trained = torch.tensor([int(p.requires_grad) for p in params], device=pp.ctx.device)
+            dist.all_reduce(trained, group=group)
+            counts.append(trained.tolist())
+    some = [n for n, p in pp.named_parameters() for (group, params), cs in zip(pp._tied_groups, counts)
+            for q, c in zip(params, cs) if p is q and 0 < c < dist.get_world_size(group)]
+    if some:
+        raise PipelineError(f"the tied parameters {', '.join(some)} are frozen (requires_grad=False) on some of the "
+                            "ranks holding them and trained on others, which would train them apart; freeze or "
+                            "unfreeze them on every rank")
+    with comm.guarded("the all-reduce of tied parameters' grads"):
+        for (group, params), cs in zip(pp._tied_groups, counts):
+            for p, c in zip(params, cs):
+                if c == 0:  # frozen on every holder
+                    continue
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 g = p.grad  # dp_shard="full": every holder keeps the same shard of it

@@ -219,6 +219,9 @@ def _workload(cls: type[nn.Module]) -> Workload:
 def _grads_close(pp: Any, ref: nn.Module, label: str, rtol: float = 1e-4, atol: float = 1e-6) -> None:
     want = dict(ref.named_parameters())
     for name, p in pp.named_parameters():
+        if want[name].grad is None:  # frozen
+            assert p.grad is None, f"{label}: {name} got a grad the model's did not"
+            continue
         assert p.grad is not None, f"{label}: {name} got no grad"
         torch.testing.assert_close(p.grad, want[name].grad, rtol=rtol, atol=atol, msg=lambda m: f"{label} {name}: {m}")
 
@@ -368,6 +371,71 @@ def _sums_and_ratios(rank: int, M: int) -> dict[str, Any]:
     return notes
 
 
+def frozen_tied_body(rank: int, world: int) -> dict[str, Any]:
+    """Found by review: a tied weight (the GPT's embedding and head, on both ranks) frozen on every rank keeps no
+    grad, as on the model; its grad summed over the holders was set to zeros, so AdamW's weight decay moved it and
+    every later loss drifted. Frozen on one rank only, the step is refused on both (the step that ends the
+    process group: last)."""
+    import partition
+    import pipe
+    from tests.nccl_like import NcclLike
+    pipe.init()
+    M = 4
+    w, ref = partition.load("gpt", **TINY_GPT), partition.load("gpt", **TINY_GPT)
+    for m in (w.model, ref.model):
+        m.tok_emb.weight.requires_grad_(False)
+    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, cost="flops",
+                       example_target=w.example_target, transport=NcclLike())
+    frozen = dict(pp.named_parameters())["tok_emb.weight"]
+    before = frozen.detach().clone()
+    opt = torch.optim.AdamW(list(pp.parameters()), lr=1e-2, weight_decay=0.1, eps=1e-6)
+    ref_opt = torch.optim.AdamW(ref.model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)  # (eps: not rounding)
+    for step in range(2):
+        args, _, target = w.batch(w.microbatch_size * M, step)
+        loss = pp.step(*args, target=target)
+        want = ref.loss_fn(ref.model(*args), target)
+        want.backward()
+        torch.testing.assert_close(loss, float(want), rtol=1e-5, atol=1e-6)
+        assert frozen.grad is None, "a frozen tied weight got a grad"
+        _grads_close(pp, ref.model, f"frozen tied weight step {step} rank {rank}")
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad(set_to_none=True)
+    assert torch.equal(frozen, before), "the optimizer moved a frozen tied weight"
+    for n, p in ref.model.named_parameters():
+        torch.testing.assert_close(dict(pp.named_parameters()).get(n, p), p, rtol=1e-5, atol=1e-5)
+    if rank == 0:
+        frozen.requires_grad_(True)  # unfrozen on this rank only
+    args, _, target = w.batch(w.microbatch_size * M, 2)
+    try:
+        pp.step(*args, target=target)
+        return {"frozen on one rank": "trained"}
+    except pipe.PipelineError as e:
+        return {"frozen on one rank": str(e)}
+
+
+def _closure(rank: int, M: int) -> str:
+    """Found by review: a loss_fn reading a parameter through a closure (a regulariser on the first stage's
+    weight) is refused: traced into the graph it was a constant (its grads lost), run on the last rank it trained
+    that rank's copy. The step that ends the process group: last."""
+    import partition
+    import pipe
+    from tests.nccl_like import NcclLike
+    w = partition.load("gpt", **TINY_GPT)
+    lin = w.model.blocks[0].mlp.fc.weight  # held by the first stage's rank
+    reg = lambda o, t: w.loss_fn(o, t) + 0.01 * lin.pow(2).sum()  # noqa: E731
+    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=reg, microbatches=M, cost="flops",
+                       example_target=w.example_target, transport=NcclLike())
+    assert not pp.plan.loss and any("a parameter reached through a closure" in n for n in pp.plan.notes), \
+        pp.plan.notes
+    args, _, target = w.batch(w.microbatch_size * M, 0)
+    try:
+        pp.step(*args, target=target)
+        return "trained"
+    except Exception as e:  # noqa: BLE001 - the last rank's own error; the first's: that the last stopped
+        return f"{type(e).__name__}: {e}"
+
+
 def _grad_scaler(rank: int, M: int) -> dict[str, Any]:
     """float16 autocast with pp.make_grad_scaler against torch.amp.GradScaler on the model, microbatch by
     microbatch (the same ops): a first scale that overflows skips the step on both, then steps at the backed-off
@@ -507,11 +575,14 @@ def conditions_body(rank: int, world: int) -> dict[str, Any]:
     labels[:2] = -100
     labels[2:4, 1:] = -100
     x = torch.randn(2 * M, 3, D)
-    for where in (dict(trace_loss=False), dict(example_target=labels[:2])):
+    own_loss = lambda out, _: out["loss"]  # noqa: E731
+    cast = lambda out, _: out["loss"].float()  # noqa: E731 - forward() averaged the model's loss (found by review)
+    for where, loss_fn in ((dict(trace_loss=False), own_loss), (dict(example_target=labels[:2]), own_loss),
+                           (dict(example_target=labels[:2]), cast)):
         torch.manual_seed(0)
         own, ref_own = OwnLoss(), OwnLoss()
         ref_own.load_state_dict(own.state_dict())
-        pp = pipe.Pipeline(own, (x[:2], labels[:2]), loss_fn=lambda out, _: out["loss"], microbatches=M,
+        pp = pipe.Pipeline(own, (x[:2], labels[:2]), loss_fn=loss_fn, microbatches=M,
                            cost="flops", transport=NcclLike(), **where)
         assert pp.plan.loss == ("example_target" in where)
         loss = pp.step(x, labels, target=labels)
@@ -548,6 +619,7 @@ def conditions_body(rank: int, world: int) -> dict[str, Any]:
     out["ignored targets"] = _ignored_targets(rank, M)
     out["sums and ratios"] = _sums_and_ratios(rank, M)
     out["grad scaler"] = _grad_scaler(rank, M)
+    out["closure"] = _closure(rank, M)
     return out
 
 
@@ -573,4 +645,15 @@ def test_inplace_ops_autocast_and_leaf_modules_train_as_the_model() -> None:
         scales = r["grad scaler"]["scales"]
         assert scales == [(2.0 ** 16, 2.0 ** 16)] * 3, scales
         assert r["grad scaler"]["skipped everywhere"] and r["grad scaler"]["backed off"], r["grad scaler"]
+    assert res[1]["closure"].startswith("PipelineError: loss_fn reads blocks.0.mlp.fc.weight, which requires grad, "
+                                        "other than through the model's output"), res[1]["closure"]
+    assert "rank 1 does not train it" in res[1]["closure"], res[1]["closure"]
+    assert "because rank 1" in res[0]["closure"], res[0]["closure"]
+
+
+def test_a_frozen_tied_weight_keeps_no_grad_and_frozen_on_one_rank_is_refused_on_both() -> None:
+    for r in run_ranks("tests.test_conditions:frozen_tied_body", 2, timeout=120):
+        assert r["frozen on one rank"].startswith("the tied parameters tok_emb.weight are frozen (requires_grad="
+                                                  "False) on some of the ranks holding them"), r
+
 

@@ -181,6 +181,8 @@ def test_attach_loss_says_why_not_and_leaves_the_graph_alone() -> None:
     assert "cannot trace the loss function" in str(attach_loss(lin, _value_branch))
     assert str(attach_loss(lin, _Weighted())).startswith("the loss function holds parameters")
     assert "returns tuple, not one tensor" in str(attach_loss(lin, lambda o, t: (o.sum(), t)))
+    w = torch.nn.Parameter(torch.ones(3))  # reached through a closure: traced, w.pow(2).sum() was a constant
+    assert "a parameter reached through a closure" in str(attach_loss(lin, lambda o, t: o.sum() + w.pow(2).sum()))
     assert lin.code == code and not has_loss(lin)
 
 

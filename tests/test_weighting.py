@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from partition.loss import attach_loss
 from partition.reduction import loss_weighting
-from partition.trace import trace
+from partition.trace import flatten_inputs, trace
 
 V = 5
 
@@ -68,6 +68,10 @@ def _weighting(loss_fn: Any, in_graph: bool, model: nn.Module | None = None) -> 
     return loss_weighting(gm, loss_fn, False, [x], t)
 
 
+def _ce_none(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(o.flatten(0, 1), t.flatten(), reduction="none").view_as(t)
+
+
 def _masked_mean(o: torch.Tensor, t: torch.Tensor, floor: int | None = None) -> torch.Tensor:
     """A mean over the targets other than 0, written by hand (a masked mean), its divisor clamped or not."""
     mask = t != 0
@@ -102,6 +106,14 @@ CASES = [  # (loss_fn, kind, what the plan's note says)
     (lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten(), reduction="sum") / (t != 0).sum(), "ratio",
      "(cross_entropy, reduction='sum') / sum"),
     (lambda o, t: _ce(o, t) / (t != 0).sum(), "mean", "not a cross entropy or NLL loss"),  # a mean over a count
+    # found by review: a sum of terms each divided by a value of the whole microbatch was summed (4x the loss)
+    (lambda o, t: ((o - t.unsqueeze(-1)) ** 2 / o.shape[0]).sum(), "mean", "not each from its own sample"),
+    (lambda o, t: (_ce_none(o, t) * (t != 0) / (t != 0).sum().clamp(min=1)).sum(), "mean", "not each from its own"),
+    (lambda o, t: (o - o.mean(0)).pow(2).sum(), "mean", "not each from its own sample"),
+    (lambda o, t: F.mse_loss(o - o.mean(0), t.float().unsqueeze(-1).expand_as(o), reduction="sum"), "mean",
+     "the loss is call_function mse_loss"),
+    (lambda o, t: ((o - t.unsqueeze(-1)) ** 2 / o.shape[1]).sum(), "sum", "a .sum() over the samples"),  # a length
+    (lambda o, t: ((o - t.unsqueeze(-1)) ** 2).view(o.shape[0], -1).sum(), "sum", "a .sum() over the samples"),
     (lambda o, t: ((o - t.unsqueeze(-1)) ** 2).sum() / o.abs().sum(), "mean",
      "over a sum whose value is computed by call_module lin, not from the inputs alone"),
     (lambda o, t: F.cross_entropy(o.flatten(0, 1), o.argmax(-1).flatten()), "mean",
@@ -269,3 +281,23 @@ def test_a_sum_over_the_samples_sums_the_microbatches_and_one_over_none_is_avera
     assert attach_loss(gm, summed) is None
     w = loss_weighting(gm, None, True)
     assert w.kind == "mean" and "no example of its inputs was given" in w.describe(), w
+
+
+class DictIn(nn.Module):
+    """Takes its inputs in a dict (microbatches split the tensors in it) and returns its own summed loss over
+    the microbatch's size, read from the dict."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, b: dict[str, torch.Tensor]) -> torch.Tensor:
+        return ((self.lin(b["x"]).squeeze(-1) - b["y"]) ** 2).sum() / b["x"].shape[0]
+
+
+def test_an_input_dict_of_tensors_is_split_not_shared() -> None:
+    """Found by review: a dict input was taken as a value every microbatch shares, so a sum over the size read
+    from it was summed over the microbatches (4x the loss, grads 3x off)."""
+    b = {"x": torch.randn(2, 3, 4), "y": torch.randn(2, 3)}
+    gm = trace(DictIn(), (b,), {})
+    w = loss_weighting(gm, lambda out, _: out, False, flatten_inputs(gm, (b,), {}), torch.zeros(2))
+    assert w.kind == "mean", w
