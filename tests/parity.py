@@ -43,7 +43,7 @@ def check_step(pp: Any, loss: float, ref: Any, args: Any, kwargs: dict[str, Any]
     for name, p in pp.named_parameters():
         rp = ref_params[name]
         if rp.grad is None:
-            assert p.grad is None or not p.grad.any(), name
+            assert p.grad is None, f"{name} got a grad the model's did not ({label}): an optimizer would step it"
             continue
         assert p.grad is not None, f"{name} got no grad ({label})"
         torch.testing.assert_close(p.grad, rp.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{label} {name}: {m}")
