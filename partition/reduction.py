@@ -251,7 +251,13 @@ class _Sizes:
             made: dict[torch.fx.Node, bool] = {}  # computed from values the batch makes (per sample, its size)
             for n in self.gm.graph.nodes:  # (in program order: inputs first)
                 ins = n.all_input_nodes
-                made[n] = any(made[a] or self._carries(a) or self._changes(a) for a in ins)
+                got = self._values(n)
+                if got is not None and got[0][0] == "value":  # a number, a size: made of the batch if it changes
+                    made[n] = self._changes(n)
+                elif got is None and n.target is getattr:  # x.device, x.dtype: no value of the batch's
+                    made[n] = False
+                else:
+                    made[n] = any(made[a] or self._carries(a) for a in ins)
                 if n.op == "placeholder" or any(self._mixed[a] for a in ins) or self.of(n) is None:
                     self._mixed[n] = n.op != "placeholder" and any(self._mixed[a] for a in ins)
                     continue

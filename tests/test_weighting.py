@@ -301,3 +301,21 @@ def test_an_input_dict_of_tensors_is_split_not_shared() -> None:
     gm = trace(DictIn(), (b,), {})
     w = loss_weighting(gm, lambda out, _: out, False, flatten_inputs(gm, (b,), {}), torch.zeros(2))
     assert w.kind == "mean", w
+
+
+def test_values_made_of_the_sequence_length_or_device_do_not_mix_the_samples() -> None:
+    """The GPT's positions, arange(T, device=idx.device) with T read from idx's shape, are not a value of the
+    batch (T and the device are the same at any batch size): a masked mean on its logits is a ratio (it was
+    taken for one mixing the samples, and averaged)."""
+    import partition
+    from partition.loss import attach_loss as attach
+
+    def masked(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        mask = (target >= 0).flatten()
+        per = F.cross_entropy(logits.flatten(0, 1), target.clamp(min=0).flatten(), reduction="none")
+        return (per * mask).sum() / mask.sum()
+    w = partition.load("gpt", n_layer=1, d_model=16, n_head=2, seq_len=8, vocab=32)
+    gm = trace(w.model, w.example_args, {})
+    assert attach(gm, masked) is None
+    got = loss_weighting(gm, None, True, flatten_inputs(gm, w.example_args, {}, w.example_target))
+    assert got.kind == "ratio", got
