@@ -85,12 +85,17 @@ def _needed(gm: torch.fx.GraphModule, own: set[str], stage_of: dict[str, int], r
 
 
 def linear_input(gm: torch.nn.Module, node: torch.fx.Node) -> torch.fx.Node | None:
-    """The input of `node` when it calls an nn.Linear (exactly that class) on one tensor and trains its
-    weight (autograd then keeps that input for the weight's grad anyway), else None."""
+    """The input of `node` when it calls an nn.Linear (exactly that class, without hooks: a forward pre-hook
+    changes its input, a forward or backward hook its output or grads) on one tensor and trains its weight
+    (autograd then keeps that input for the weight's grad anyway), else None."""
     if node.op != "call_module" or node.kwargs or len(node.args) != 1 or not isinstance(node.args[0], torch.fx.Node):
         return None
     mod = gm.get_submodule(str(node.target))
-    return node.args[0] if type(mod) is torch.nn.Linear and mod.weight.requires_grad else None
+    from torch.nn.modules import module as hooks
+    hooked = any((mod._forward_hooks, mod._forward_pre_hooks, mod._backward_hooks, mod._backward_pre_hooks,
+                  hooks._global_forward_hooks, hooks._global_forward_pre_hooks, hooks._global_backward_hooks,
+                  hooks._global_backward_pre_hooks))
+    return node.args[0] if type(mod) is torch.nn.Linear and mod.weight.requires_grad and not hooked else None
 
 
 def w_nodes(gm: torch.fx.GraphModule, param_nodes: dict[str, list[str]]) -> list[str]:

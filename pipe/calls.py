@@ -277,6 +277,13 @@ def check_pipeline_call(pp: Pipeline, batch: tuple[tuple[Any, ...], dict[str, An
                example=pp._example)
     if not training:
         return
+    grads = [path for path, x in input_paths(batch[0], batch[1]) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if grads:
+        raise PipelineError(f"the input{'s' if len(grads) > 1 else ''} {', '.join(grads)} require"
+                            f"{'' if len(grads) > 1 else 's'} grad, but a step computes the grads of the model's "
+                            "parameters only: each rank would keep the part of an input's grad its own stages give, "
+                            "or none under zero bubble; pass it detached (x.detach()), or make the module that "
+                            "computes it part of the model")
     if step and pp.training != pp._traced_mode:
         mode, traced = ("training", "eval") if pp.training else ("eval", "training")
         raise PipelineError(f"step() in {mode} mode, but this pipeline's stages were traced in {traced} mode (the "

@@ -56,6 +56,16 @@ class Chain(nn.Module):
         return self.head(self.net(x))
 
 
+class Hooked(Chain):
+    """Found by review: zero bubble's W computed a hooked nn.Linear's weight grads from the input before its
+    forward pre-hook and the grad of the output after its forward hook (a weight grad halved)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net[2].register_forward_hook(lambda m, i, o: o * 2)
+        self.head.register_forward_pre_hook(lambda m, i: (i[0] * 0.5 + 1,))
+
+
 class Twice(nn.Module):
     """Kept whole (leaf_modules): reads its parameter twice, (x * g) * g."""
 
@@ -540,6 +550,18 @@ def conditions_body(rank: int, world: int) -> dict[str, Any]:
         raise AssertionError("a meta model's non-persistent buffers were taken from a state dict without values")
     except pipe.PipelineError as e:
         assert "keep, position_ids of Positions (on the meta device) got no value" in str(e), str(e)
+    # hooked linear layers under zero bubble: their W by autograd, hooks and all
+    _two_steps(Hooked, M, f"hooked linears zb-h1 rank {rank}", schedule="zb-h1")
+    # an input that requires grad: refused on every rank (each rank would keep its stages' part of its grad)
+    w = _workload(Chain)
+    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, cost="flops", trace_loss=False,
+                       transport=NcclLike())
+    args, _, target = w.batch(w.microbatch_size * M, 0)
+    try:
+        pp.step(args[0].requires_grad_(), target=target)
+        out["input grad"] = "trained"
+    except pipe.PipelineError as e:
+        out["input grad"] = str(e)
     # a module of the user's that reads its parameter twice, under zero bubble with offloaded activations
     _two_steps(Scaled, M, f"leaf module rank {rank}", schedule="zb-h1", offload="activations", leaf_modules=(Twice,))
     # batch norm in stages recomputed whole: its statistics as the model's forwards left them
@@ -635,6 +657,9 @@ def test_inplace_ops_autocast_and_leaf_modules_train_as_the_model() -> None:
             "loss: the batch's, each microbatch's cross_entropy weighs by its targets other than ignore_index=-100 "
             "over the batch's"], res[0]["ignored targets"]
     assert res[1]["received written input"], res[1]  # the last stage received x as written, not its own copy
+    for r in res:
+        assert r["input grad"].startswith("the input args[0] requires grad, but a step computes the grads of the "
+                                          "model's parameters only"), r["input grad"]
     notes = res[0]["sums and ratios"]
     assert notes["_summed"] == ["loss: the batch's, the sum of the microbatches' (sum_1: a .sum() over the samples)"]
     assert notes["_masked_floor"] == ["loss: the batch's, sum_1 (a .sum() over the samples) / sum_2: each "
