@@ -169,6 +169,38 @@ def _run(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return fn(*args, **kwargs)
 
 
+def _grads_differ(model: torch.nn.Module, gm: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  start: dict[str, torch.Tensor]) -> str | None:
+    """Why the graph's grads of the trained parameters differ from the model's on the example (the grads of
+    a fixed random projection of the float outputs, from the same RNG state), or None. A trace keeps the
+    forward's values but can lose what only autograd sees: a torch.no_grad() block (its parameters then get
+    grads), a custom autograd.Function's own backward, hooks on grads registered inside forward."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    theirs = dict(gm.named_parameters())  # (a parameter the graph does not read is not in it: no grad)
+    if not named or not any(n in theirs for n, _ in named):
+        return None
+    grads = []
+    for fn, params in ((model, [p for _, p in named]), (gm, [theirs.get(n, p) for n, p in named])):
+        _restore(model, start)
+        a, k = pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, (args, kwargs))
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+            torch.manual_seed(0)
+            outs = [x for x in pytree.tree_leaves(fn(*a, **k)) if isinstance(x, torch.Tensor) and x.requires_grad
+                    and x.is_floating_point()]
+            g = torch.Generator().manual_seed(1)
+            total = sum(((x * torch.randn(x.shape, generator=g).to(x)).sum() for x in outs), torch.zeros(()))
+            grads.append(torch.autograd.grad(total, params, allow_unused=True) if total.requires_grad
+                         else (None,) * len(params))
+    _restore(model, start)
+    differ = [n for (n, _), a, b in zip(named, *grads) if (a is None) != (b is None) or a is not None and b is not None
+              and not torch.allclose(a, b, rtol=1e-4, atol=1e-6)]
+    if not differ:
+        return None
+    return (f"its grads differ from the model's for {', '.join(differ[:3])}{' ...' if len(differ) > 3 else ''} (a "
+            "trace keeps no torch.no_grad() block, custom autograd.Function backward or hook on a grad registered "
+            "inside forward; keep the module doing it whole with leaf_modules=)")
+
+
 def graph_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of `gm` to rewrite without touching it: its graph, modules and meta copied, its parameters,
     buffers and tensor constants shared (the same objects, under the same names and in the same order)."""
@@ -263,6 +295,11 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
                 expected = got
                 gm.meta["fxpipe_unchecked"] = f"not run eagerly on the meta device ({eager})"
             why = _same(got, expected)
+            if why is None and not meta:
+                try:
+                    why = _grads_differ(model, gm, args, kwargs, start)
+                except Exception:  # noqa: BLE001 - a backward that needs the stages' handling (a buffer the graph
+                    _restore(model, start)  # writes after reading it for its grads): the forward check stands
             spec = pytree.tree_flatten(expected)[1]
             if why is None and len(flatten_outputs(gm, check=False)[0]) != spec.num_leaves:
                 why = "its output node does not list the output's tensors one by one (a dataclass built in the graph)"

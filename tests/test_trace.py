@@ -9,7 +9,7 @@ import torch.fx
 
 import partition
 from bench import models
-from partition.trace import flatten_inputs, flatten_outputs, unflatten_outputs
+from partition.trace import TraceError, flatten_inputs, flatten_outputs, unflatten_outputs
 from tests.test_split import hf_bert, hf_gpt2
 
 
@@ -233,3 +233,56 @@ def test_export_runs_from_the_state_the_eager_run_started_from() -> None:
     gm = partition.trace(_Averages(), (torch.randn(2, 4),))
     assert gm.meta["fxpipe_tracer"] == "torch.export.export"
 
+
+
+class _Cube(torch.autograd.Function):
+    """x ** 2 forward with the backward of x ** 3 (3x^2): a trace keeps the forward only."""
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return g * 3 * x * x
+
+
+class _GradOnly(torch.nn.Module):
+    """Values a trace keeps, grads it does not: a torch.no_grad() block over a layer, a custom autograd.Function,
+    a hook on a grad registered inside forward, by `kind`."""
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.a, self.b, self.kind = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2), kind
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "no_grad":
+            with torch.no_grad():
+                h = self.a(x)
+        elif self.kind == "function":
+            h = _Cube.apply(self.a(x))
+        else:
+            h = self.a(x)
+            if h.requires_grad:
+                h.register_hook(lambda g: g * 3)
+        return self.b(torch.tanh(h))
+
+
+@pytest.mark.parametrize("kind", ["no_grad", "function", "hook"])
+def test_a_graph_whose_grads_differ_from_the_models_is_refused(kind: str) -> None:
+    """Found by review: each traced silently (the forward's values are the model's): a.weight got grads the model
+    gives none (no_grad), or grads of x^2 for the user's backward of x^3, or not tripled. Kept whole as a leaf
+    module, the model's own code runs."""
+    with pytest.raises(TraceError, match="its grads differ from the model's for a.weight"):
+        partition.trace(_GradOnly(kind), (torch.randn(3, 4),))
+    gm = partition.trace(_Outer(_GradOnly(kind)), (torch.randn(3, 4),), leaf_modules=(_GradOnly,))
+    assert any(n.op == "call_module" for n in gm.graph.nodes)
+
+
+class _Outer(torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner, self.c = inner, torch.nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.inner(x))
