@@ -326,6 +326,7 @@ def split_graph(gm: torch.fx.GraphModule, plan: Plan) -> list[torch.fx.GraphModu
     missing = [n for n in stage_of if n not in names]
     if missing:
         raise PlanError(f"plan nodes {missing[:5]} are not in the traced graph; re-create the plan")
+    check_state_writes(gm, stage_of)
     recv = live_values(gm, stage_of, S)
     leaves, out_spec = flatten_outputs(gm)
     stages = []
@@ -338,6 +339,50 @@ def split_graph(gm: torch.fx.GraphModule, plan: Plan) -> list[torch.fx.GraphModu
                            out_spec=out_spec if last else None, param_nodes=param_nodes)
         stages.append(stage)
     return stages
+
+
+def check_state_writes(gm: torch.fx.GraphModule, stage_of: dict[str, int]) -> None:
+    """PlanError when the graph writes a buffer or parameter in place (an EMA of activations, a weight clamped
+    through .data) on one stage and reads it on another: each stage holds its own copy of it (on another rank),
+    and under a schedule another microbatch's turn comes between, so the read would not see the write as the
+    model's does. A module written and read inside one call (batch norm's statistics) is one node: no cut."""
+    attrs = {n.name: str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    names = {n.name: n for n in gm.graph.nodes}
+    written: dict[str, set[int]] = {}
+    for u, bases in writes_in_place(gm).items():
+        for b in bases:
+            n = names[b]
+            while n.op != "get_attr" and n.args and isinstance(n.args[0], torch.fx.Node) and (
+                    _name(n.target) in _VIEWS or n.target is getattr and n.args[1:] == ("data",)):
+                n = n.args[0]  # w.data, a view of it
+            b = n.name
+            if b in attrs and u in stage_of:
+                written.setdefault(attrs[b], set()).add(stage_of[u])
+    for target, writers in written.items():
+        readers = {stage_of[u.name] for n in gm.graph.nodes if n.op == "get_attr" and str(n.target) == target
+                   for u in _viewers(n) if u.name in stage_of}
+        readers |= {stage_of[n.name] for n in gm.graph.nodes if n.op == "call_module" and n.name in stage_of
+                    and target.startswith(f"{n.target}.")}  # a module reading its own
+        if len(readers | writers) > 1:
+            raise PlanError(f"the model writes {target} in place on stage {min(writers)} and reads it on stage "
+                            f"{max((readers | writers) - {min(writers)})}: each stage holds its own copy, and "
+                            "another microbatch's turn comes between, so the read would not see the write as the "
+                            "model's does; keep the modules that write and read it in one stage (leaf_modules=), or "
+                            "compute the value in the forward instead of keeping it in the module")
+
+
+def _viewers(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes reading `node`, directly or through views of it (a .data, a slice)."""
+    out, todo, seen = [], [node], {node}
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            out.append(u)
+            if u not in seen and u.args and u.args[0] is n and (_name(u.target) in _VIEWS
+                                                                 or u.target is getattr and u.args[1:] == ("data",)):
+                seen.add(u)
+                todo.append(u)
+    return out
 
 
 def inference_stage(gm: torch.fx.GraphModule, plan: Plan, s: int, root: torch.nn.Module

@@ -154,9 +154,13 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _restore(model: torch.nn.Module, values: dict[str, torch.Tensor]) -> None:
+    """The buffers as `values` has them, with no autograd history (a graph without the model's torch.no_grad()
+    block writes them with grad)."""
     with torch.no_grad():
         for n, b in model.named_buffers():
             if n in values:
+                if b.grad_fn is not None:
+                    b.detach_()
                 b.copy_(values[n])
 
 
@@ -183,7 +187,10 @@ def _grads_differ(model: torch.nn.Module, gm: torch.nn.Module, args: tuple[Any, 
     for fn, params in ((model, [p for _, p in named]), (gm, [theirs.get(n, p) for n, p in named])):
         _restore(model, start)
         a, k = pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, (args, kwargs))
-        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+        # (a graph writing a buffer it read for its grads, as torch.export writes batch norm's statistics: the
+        # stages run such writes, and here the grads see the values read)
+        with torch.random.fork_rng(devices=[]), torch.enable_grad(), \
+                torch.autograd.graph.allow_mutation_on_saved_tensors():
             torch.manual_seed(0)
             outs = [x for x in pytree.tree_leaves(fn(*a, **k)) if isinstance(x, torch.Tensor) and x.requires_grad
                     and x.is_floating_point()]

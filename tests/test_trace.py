@@ -286,3 +286,27 @@ class _Outer(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c(self.inner(x))
+
+
+class _Ema(torch.nn.Module):
+    """An EMA of activations kept in a buffer, written under torch.no_grad() and read after."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        with torch.no_grad():
+            self.ema.add_(0.1 * (h.mean(0) - self.ema))
+        return self.b(h - self.ema)
+
+
+def test_an_ema_written_under_no_grad_is_refused_and_the_buffer_left_as_it_was() -> None:
+    """Found by review: traced without its no_grad block, the EMA carried grads from one microbatch into the next
+    (a step failed with 'backward through the graph a second time'); refused, the model's buffer as it was,
+    without autograd history."""
+    m = _Ema()
+    with pytest.raises(TraceError, match="its grads differ from the model's for a.weight"):
+        partition.trace(m, (torch.randn(3, 4),))
+    assert m.ema.grad_fn is None and not m.ema.requires_grad and not m.ema.any()
