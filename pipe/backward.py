@@ -86,7 +86,10 @@ def _one_op(stage: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
 
 
 def _versions(out: torch.Tensor, x: torch.Tensor) -> tuple[int, int]:
-    """The version counters of a linear node's output and input (called in the graph right after the node)."""
+    """The version counters of a linear node's output and input (called in the graph right after the node);
+    (0, 0) for inference tensors, which keep none (evaluate() under torch.inference_mode(): no W follows)."""
+    if out.is_inference() or x.is_inference():
+        return 0, 0
     return out._version, x._version
 
 

@@ -277,6 +277,11 @@ def check_pipeline_call(pp: Pipeline, batch: tuple[tuple[Any, ...], dict[str, An
                example=pp._example)
     if not training:
         return
+    if step and not torch.is_grad_enabled():
+        within = "torch.inference_mode()" if torch.is_inference_mode_enabled() else "torch.no_grad()"
+        raise PipelineError(f"step() under {within}: no grads can be computed (the model itself raises 'element 0 of "
+                            "tensors does not require grad'); call step() with grad enabled, and evaluate() or "
+                            "forward() for inference")
     grads = [path for path, x in input_paths(batch[0], batch[1]) if isinstance(x, torch.Tensor) and x.requires_grad]
     if grads:
         raise PipelineError(f"the input{'s' if len(grads) > 1 else ''} {', '.join(grads)} require"

@@ -49,8 +49,11 @@ def local_part(grads: Sequence[torch.Tensor], norm_type: float) -> float:
 
 
 def combine(parts: Iterable[float], norm_type: float) -> float:
-    """The parts of several ranks as one part (their sum, or their largest for p = inf)."""
+    """The parts of several ranks as one part (their sum, or their largest for p = inf; NaN where any is, as
+    torch's norm of them all is: max() keeps a finite value that comes before a NaN)."""
     values = list(parts)
+    if any(math.isnan(v) for v in values):
+        return math.nan
     return max(values) if math.isinf(norm_type) else sum(values)
 
 

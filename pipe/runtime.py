@@ -217,6 +217,11 @@ class Pipeline:
         self._buffer_names = {s: {n: orig[id(b)] for n, b in stages[s].named_buffers() if id(b) in orig}
                               for s in self.local}
         self._placed = {id(t) for st in stages for t in (*st.buffers(), *st.parameters())}
+        # by name, as the model has them now: sharding (dp_shard="full") replaces the stages' parameters, which
+        # are the model's, with new tensors, so that ids would no longer find them nor their tied aliases
+        self._placed_names = {k for k, t in model.state_dict(keep_vars=True).items() if id(t) in self._placed}
+        first: dict[int, str] = {}
+        self._key_names = {k: first.setdefault(id(t), k) for k, t in model.state_dict(keep_vars=True).items()}
         self._names = {id(p): n for n, p in model.named_parameters()}
         self._model = model
         self._loss_reads_checked = False  # loss_fn reads grads only through the model's output (pipe.step)
@@ -341,12 +346,8 @@ class Pipeline:
 
     def state_key_names(self) -> dict[str, str]:
         """Every key of the model's state dict -> the name its tensor is saved under (tied aliases
-        point at the first name)."""
-        first: dict[int, str] = {}
-        out = {}
-        for k, v in self._model.state_dict(keep_vars=True).items():
-            out[k] = first.setdefault(id(v), k)
-        return out
+        point at the first name), as the model had them when the pipeline was built."""
+        return dict(self._key_names)
 
     def make_grad_scaler(self, **kwargs: Any) -> Any:
         """Dynamic loss scaling for float16 training: torch.amp.GradScaler's, as torch's ShardedGradScaler
@@ -368,7 +369,7 @@ class Pipeline:
         weights= hold every key of the model; {} on other ranks."""
         if self.rank != 0:
             return {}
-        return {k: self._unplaced.get(k, p) for k, p in self._model.named_parameters() if id(p) not in self._placed}
+        return {k: self._unplaced.get(k, p) for k, p in self._model.named_parameters() if k not in self._placed_names}
 
     def local_buffers(self) -> dict[str, torch.Tensor]:
         """Buffers of this rank's stages by original name (the stages' own tensors, on its device);
@@ -380,7 +381,7 @@ class Pipeline:
                     out[self._buffer_names[s][n]] = b
         if self.rank == 0:
             for k, b in self._model.named_buffers():
-                if id(b) not in self._placed:
+                if k not in self._placed_names:
                     out.setdefault(k, self._unplaced.get(k, b))
         return out
 
@@ -405,7 +406,8 @@ class Pipeline:
         checkpoint.load_model_state(self, path)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """On rank 0: a state dict that loads into the unpartitioned model; None on other ranks."""
+        """On rank 0: a state dict that loads into the unpartitioned model; None on other ranks. Collective:
+        every rank calls it (each sends its stages' tensors)."""
         return state_dicts.full_state_dict(self)
 
     # ----- one step -----

@@ -523,6 +523,15 @@ def conditions_body(rank: int, world: int) -> dict[str, Any]:
             got = pp.evaluate(*args, target=target)
             want = sum(float(w.loss_fn(ref.model(x), t)) for x, t in zip(args[0].chunk(M), target.chunk(M))) / M
         assert got == want, (schedule, got, want)
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.inference_mode():  # (zb-h1's stages read version
+            assert pp.evaluate(*args, target=target) == want, schedule  # counters, which inference tensors lack)
+        for within in (torch.no_grad, torch.inference_mode):  # found by review: trained on zero grads
+            try:
+                with within():
+                    pp.step(*args, target=target)
+                out[f"step under {within.__name__} {schedule}"] = "trained"
+            except pipe.PipelineError as e:
+                out[f"step under {within.__name__} {schedule}"] = str(e)
     # built under autocast (its plan's dtypes bfloat16), stepped without: the plain dtypes are learned too; an
     # evaluate under autocast before any step learns its dtypes once
     w, ref = _workload(Chain), _workload(Chain)
@@ -658,6 +667,10 @@ def test_inplace_ops_autocast_and_leaf_modules_train_as_the_model() -> None:
             "over the batch's"], res[0]["ignored targets"]
     assert res[1]["received written input"], res[1]  # the last stage received x as written, not its own copy
     for r in res:
+        for within in ("no_grad", "inference_mode"):
+            for schedule in ("1f1b", "zb-h1"):
+                assert r[f"step under {within} {schedule}"].startswith(f"step() under torch.{within}(): no grads "
+                                                                         "can be computed"), r
         assert r["input grad"].startswith("the input args[0] requires grad, but a step computes the grads of the "
                                           "model's parameters only"), r["input grad"]
     notes = res[0]["sums and ratios"]

@@ -91,6 +91,12 @@ def _case(name: str, kw: dict[str, Any], **pipe_kw: Any) -> dict[str, Any]:
         ref_opt.zero_grad(set_to_none=True)
     for n, p in pp.named_parameters():
         torch.testing.assert_close(_full(p.detach()), ref_params[n].detach(), rtol=1e-4, atol=1e-5, msg=_named(n))
+    whole = pp.full_state_dict()  # found by review: under dp_shard="full" rank 0 gave shards, and an untied head
+    if whole is not None:         # untrained
+        want = ref.model.state_dict()
+        assert sorted(whole) == sorted(want), (sorted(set(whole) ^ set(want)))
+        for k, v in want.items():
+            torch.testing.assert_close(whole[k], v, rtol=1e-4, atol=1e-5, msg=_named(f"full_state_dict {k}"))
     args, target = _batch(w, 99, pp.dp_rank)  # a held-out batch per replica: the mean loss over both
     parts = [_batch(ref, 99, j) for j in range(pp.dp)]
     with torch.no_grad():

@@ -29,6 +29,8 @@ def test_parts_of_ranks_combine_into_the_norm_of_all_grads(p: float) -> None:
     total = part if math.isinf(p) else part ** (1 / p)
     torch.testing.assert_close(torch.tensor(total, dtype=torch.float32), torch.nn.utils.get_total_norm(every, p))
     assert grads.local_part([], p) == 0.0
+    ranks[3] = [torch.tensor([math.nan])]  # a NaN on a later rank: the norm is NaN, as torch's (max() kept 4.1)
+    assert math.isnan(grads.combine([grads.local_part(gs, p) for gs in ranks], p))
 
 
 def _params(seed: int, scale: float = 1.0) -> list[torch.nn.Parameter]:
