@@ -193,7 +193,7 @@ def evaluate(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, 
     stages, _ = stages_in_mode_of(pp, inference=False)
     run = StepState(pp, pp._flats(mbs, targets), targets, calls.exchange(pp), inference=True, evaluating=True,
                     stages=stages)
-    with torch.no_grad(), failures(pp, run, "evaluation"), flags(pp, stages is not None):
+    with _plain(pp), torch.no_grad(), failures(pp, run, "evaluation"), flags(pp, stages is not None):
         if stages is not None and pp.sharded is not None:  # gathered as the stages' own forward would
             for s in pp.local:
                 pp._trained[s].unshard()  # type: ignore[operator]
@@ -203,6 +203,12 @@ def evaluate(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, 
         loss = pp._mean_loss(run)
         calls.learned(pp, run.ex)  # (the loss's broadcast: the last collective of every rank)
     return float(loss.item())
+
+
+def _plain(pp: Pipeline) -> Any:
+    """Outside torch.inference_mode() for a sharded pipeline (dp_shard="full"): the parameters its first
+    gather allocates would be inference tensors, which no later step could write."""
+    return torch.inference_mode(False) if pp.sharded is not None else contextlib.nullcontext()
 
 
 def forward(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, Any]) -> Any:
@@ -227,7 +233,7 @@ def forward(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, A
     exchange = calls.exchange(pp)
     run = StepState(pp, flats, [None] * pp.M, exchange, inference=True, stages=stages,
                     inference_stages=inference)
-    with torch.no_grad(), failures(pp, run, "inference"), flags(pp, stages is not None):
+    with _plain(pp), torch.no_grad(), failures(pp, run, "inference"), flags(pp, stages is not None):
         if pp.sharded is not None and (pp._inference or stages):  # gathered as the stages' forward would
             for s in pp.local:
                 pp._trained[s].unshard()  # type: ignore[operator]

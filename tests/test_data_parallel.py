@@ -71,6 +71,8 @@ def _case(name: str, kw: dict[str, Any], **pipe_kw: Any) -> dict[str, Any]:
     ref_opt = torch.optim.AdamW(ref.model.parameters(), lr=1e-2, eps=1e-4)
     ref_params = dict(ref.model.named_parameters())
     out: dict[str, Any] = {"losses": [], "ref": [], "norms": [], "dp": pp.dp, "world": pp.world}
+    with torch.inference_mode():  # a validation before training: under FSDP the first gather made inference
+        pp.evaluate(*_batch(w, 98, pp.dp_rank)[0], target=_batch(w, 98, pp.dp_rank)[1])  # tensors no step could write
     for step in range(STEPS):
         args, target = _batch(w, step, pp.dp_rank)
         out["losses"].append(pp.step(*args, target=target))
