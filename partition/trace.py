@@ -6,8 +6,9 @@ import copy
 import dataclasses
 import inspect
 import io
+import math
 import warnings
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.fx
@@ -164,26 +165,60 @@ def _restore(model: torch.nn.Module, values: dict[str, torch.Tensor]) -> None:
                 b.copy_(values[n])
 
 
-def _run(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _run(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], watch: list[str] | None = None) -> Any:
     """fn(*args, **kwargs) without autograd, from a fixed RNG state (dropout draws the same masks), on copies of
-    the input tensors: a model that writes its inputs in place leaves the example as it was for the next run."""
+    the input tensors: a model that writes its inputs in place leaves the example as it was for the next run.
+    `watch`: where to record what the call does that only autograd sees (_watching)."""
     args, kwargs = pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, (args, kwargs))
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(0)
-        return fn(*args, **kwargs)
+        with _watching(watch) if watch is not None else contextlib.nullcontext():
+            return fn(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _watching(seen: list[str]) -> Iterator[None]:
+    """Record in `seen` what a forward does that only autograd sees, so that a trace would lose it: a grad
+    mode switch (torch.no_grad(), @torch.no_grad()), a custom autograd.Function (reentrant checkpointing
+    is one), a hook registered on a tensor."""
+    import torch.autograd.function as function
+    grad_mode, hook = torch._C._set_grad_enabled, torch.Tensor.register_hook
+    apply = function.Function.__dict__["apply"]  # the classmethod itself, put back as it was
+
+    def switch(mode: bool) -> None:
+        seen.append("a grad mode switch")
+        grad_mode(mode)
+
+    def applied(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(f"the autograd.Function {cls.__name__}")
+        return apply.__func__(cls, *args, **kwargs)
+
+    def hooked(self: torch.Tensor, fn: Any) -> Any:
+        seen.append("a hook on a tensor")
+        return hook(self, fn)
+    torch._C._set_grad_enabled = switch  # type: ignore[assignment]
+    function.Function.apply = classmethod(applied)  # type: ignore[assignment,method-assign]
+    torch.Tensor.register_hook = hooked  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch._C._set_grad_enabled = grad_mode
+        function.Function.apply = apply  # type: ignore[method-assign]
+        torch.Tensor.register_hook = hook  # type: ignore[method-assign]
 
 
 def _grads_differ(model: torch.nn.Module, gm: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                   start: dict[str, torch.Tensor]) -> str | None:
     """Why the graph's grads of the trained parameters differ from the model's on the example (the grads of
-    a fixed random projection of the float outputs, from the same RNG state), or None. A trace keeps the
-    forward's values but can lose what only autograd sees: a torch.no_grad() block (its parameters then get
-    grads), a custom autograd.Function's own backward, hooks on grads registered inside forward."""
+    a fixed random projection of the float outputs, from the same RNG state, each compared as its projection
+    on a fixed random direction and its norm), or None. A trace keeps the forward's values but can lose what
+    only autograd sees: a torch.no_grad() block (its parameters then get grads), a custom autograd.Function's
+    own backward, hooks on grads."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     theirs = dict(gm.named_parameters())  # (a parameter the graph does not read is not in it: no grad)
     if not named or not any(n in theirs for n, _ in named):
         return None
-    grads = []
+    seen: list[list[tuple[float, float] | None]] = []
     for fn, params in ((model, [p for _, p in named]), (gm, [theirs.get(n, p) for n, p in named])):
         _restore(model, start)
         a, k = pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, (args, kwargs))
@@ -196,16 +231,28 @@ def _grads_differ(model: torch.nn.Module, gm: torch.nn.Module, args: tuple[Any, 
                     and x.is_floating_point()]
             g = torch.Generator().manual_seed(1)
             total = sum(((x * torch.randn(x.shape, generator=g).to(x)).sum() for x in outs), torch.zeros(()))
-            grads.append(torch.autograd.grad(total, params, allow_unused=True) if total.requires_grad
-                         else (None,) * len(params))
+            grads = torch.autograd.grad(total, params, allow_unused=True) if total.requires_grad \
+                else (None,) * len(params)
+        g = torch.Generator().manual_seed(2)
+        seen.append([None if t is None else (float((t.double() * torch.randn(t.shape, generator=g, dtype=torch.float64))
+                                                   .sum()), float(t.double().norm())) for t in grads])
+        del grads
     _restore(model, start)
-    differ = [n for (n, _), a, b in zip(named, *grads) if (a is None) != (b is None) or a is not None and b is not None
-              and not torch.allclose(a, b, rtol=1e-3, atol=1e-5, equal_nan=True)]
+    differ = [n for (n, _), a, b in zip(named, *seen) if (a is None) != (b is None) or a is not None and b is not None
+              and not all(math.isclose(x, y, rel_tol=1e-3, abs_tol=1e-5 * max(1.0, a[1])) or math.isnan(x) and
+                          math.isnan(y) for x, y in zip(a, b))]
     if not differ:
         return None
     return (f"its grads differ from the model's for {', '.join(differ[:3])}{' ...' if len(differ) > 3 else ''} (a "
             "trace keeps no torch.no_grad() block, custom autograd.Function backward or hook on a grad registered "
             "inside forward; keep the module doing it whole with leaf_modules=)")
+
+
+def _backward_hooks(model: torch.nn.Module) -> bool:
+    """Whether a module of `model`, or every module, has a backward hook."""
+    from torch.nn.modules import module as hooks
+    return bool(hooks._global_backward_hooks or hooks._global_backward_pre_hooks) or any(
+        m._backward_hooks or m._backward_pre_hooks for m in model.modules())
 
 
 def graph_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -271,10 +318,17 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
         eager = ""
         start = {n: b.detach().clone() for n, b in model.named_buffers()}
         written: dict[str, torch.Tensor] = {}  # the buffers the eager run wrote, as it left them
+        autograd_only: list[str] = []  # what the eager run did that only autograd sees (then grads are compared)
         try:
-            expected = _run(model, args, kwargs)
+            expected = _run(model, args, kwargs, autograd_only)
             written = {n: b.detach().clone() for n, b in model.named_buffers() if not _close(b, start[n])}
         except Exception as e:
+            if not meta and "a hook on a tensor" in autograd_only:  # (the eager check runs without grads)
+                raise TraceError(f"cannot trace {name}: its forward registers a hook on a tensor, which a graph "
+                                 "would not keep and which fails in the check's run without grads "
+                                 f"({type(e).__name__}: {first_line(e, 200)}); register the hook outside the "
+                                 "forward (a module's register_full_backward_hook is kept with the module, given "
+                                 "in leaf_modules=)") from e
             if not meta:
                 raise TraceError(f"cannot trace {name}: calling it on the example inputs fails "
                                  f"({type(e).__name__}: {first_line(e, 300)}); pass one microbatch the model "
@@ -302,7 +356,7 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
                 expected = got
                 gm.meta["fxpipe_unchecked"] = f"not run eagerly on the meta device ({eager})"
             why = _same(got, expected)
-            if why is None and not meta:
+            if why is None and not meta and (autograd_only or _backward_hooks(model)):
                 try:
                     why = _grads_differ(model, gm, args, kwargs, start)
                 except Exception:  # noqa: BLE001 - a backward that needs the stages' handling (a buffer the graph
