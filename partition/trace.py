@@ -225,7 +225,8 @@ def _grads_differ(model: torch.nn.Module, gm: torch.nn.Module, args: tuple[Any, 
         # (a graph writing a buffer it read for its grads, as torch.export writes batch norm's statistics: the
         # stages run such writes, and here the grads see the values read)
         with torch.random.fork_rng(devices=[]), torch.enable_grad(), \
-                torch.autograd.graph.allow_mutation_on_saved_tensors():
+                torch.autograd.graph.allow_mutation_on_saved_tensors(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # (a full backward hook's: the example needs no grads)
             torch.manual_seed(0)
             outs = [x for x in pytree.tree_leaves(fn(*a, **k)) if isinstance(x, torch.Tensor) and x.requires_grad
                     and x.is_floating_point()]
