@@ -166,6 +166,8 @@ class Pipeline:
             agree_everywhere(error)
         self.plan = planning.agree_on_plan(self, model, args, kwargs, plan, cost, memory_budget, (recompute, offload),
                                         example_target, traced)
+        if self.plan.loss and not isinstance(example_target, torch.Tensor):  # the shape the plan recorded
+            example_target = self.plan.example_target()
         if self.meta:
             release_memory()  # what planning held (fx graphs in reference cycles, the heap it grew)
         if progress is not None:
@@ -184,10 +186,8 @@ class Pipeline:
                                  f"{why}; re-plan without example_target")
             # how the batch's loss is formed from the microbatches' (before rewrites change the loss); a ratio's
             # numerator returned in its place
-            target = example_target if isinstance(example_target, torch.Tensor) or not self.plan.loss else \
-                self.plan.example_target()
-            self.weighting = loss_weighting(gm, loss_fn, self.plan.loss, flatten_inputs(gm, args, kwargs, target),
-                                            target)
+            self.weighting = loss_weighting(gm, loss_fn, self.plan.loss,
+                                            flatten_inputs(gm, args, kwargs, example_target), example_target)
             keep_numerator(gm, self.weighting)
             stages = split_graph(gm, self.plan)
             error = None
@@ -205,8 +205,6 @@ class Pipeline:
         self._other_mode: dict[str, Any] = {}
         self._layouts: dict[bool, Any] = {}  # forward()'s output layout by mode (pipe.inference.output_layout)
         self.local = [s for s in range(self.S) if self.place[s] == self.rank]
-        if self.plan.loss and not isinstance(example_target, torch.Tensor):  # the shape the plan recorded
-            example_target = self.plan.example_target()
         self._example_target = example_target
         self._wants_target = example_target is not None
         self._target_fixed = calls.target_bound(self)

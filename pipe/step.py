@@ -394,12 +394,12 @@ def sum_tied_grads(pp: Pipeline, held: dict[int, torch.Tensor]) -> None:
     grad, as on the model (a zero grad would have the optimizer step it: weight decay, momentum); first the
     holders count who trains it (one small all-reduce per group), and one frozen on some holders only is
     refused on each of them."""
-    counts: list[list[int]] = []
+    flags = [torch.tensor([int(p.requires_grad) for p in params], device=pp.ctx.device)
+             for _, params in pp._tied_groups]
     with comm.guarded("the all-reduce of which tied parameters are trained"):
-        for group, params in pp._tied_groups:
-            trained = torch.tensor([int(p.requires_grad) for p in params], device=pp.ctx.device)
+        for (group, _), trained in zip(pp._tied_groups, flags):
             dist.all_reduce(trained, group=group)
-            counts.append(trained.tolist())
+        counts: list[list[int]] = [trained.tolist() for trained in flags]  # (read once all are issued)
     some = [n for n, p in pp.named_parameters() for (group, params), cs in zip(pp._tied_groups, counts)
             for q, c in zip(params, cs) if p is q and 0 < c < dist.get_world_size(group)]
     if some:
