@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import inspect
 import io
+import itertools
 import math
 import warnings
 from typing import Any, Iterator, Sequence
@@ -163,6 +164,12 @@ def _restore(model: torch.nn.Module, values: dict[str, torch.Tensor]) -> None:
                 if b.grad_fn is not None:
                     b.detach_()
                 b.copy_(values[n])
+
+
+def _versions(model: torch.nn.Module) -> dict[str, int]:
+    """Each parameter's and buffer's version counter (an in-place write bumps it, whatever value it writes)."""
+    return {n: t._version for n, t in itertools.chain(model.named_parameters(), model.named_buffers())
+            if not t.is_inference()}
 
 
 def _run(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], watch: list[str] | None = None) -> Any:
@@ -340,12 +347,19 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
         register_dataclasses((args, kwargs))
         reasons: list[str] = []
         for tracer, fn in tracers:
+            versions = _versions(model)
             try:
                 gm = fn()
+                rewritten = [n for n, v in _versions(model).items() if v != versions[n]]
                 _restore(model, start)  # each graph runs from the state the eager run started from
                 got = _run(gm, args, kwargs)
             except Exception as e:  # both tracers raise many kinds of errors
                 reasons.append(f"{tracer} failed with {type(e).__name__}: {first_line(e, 300)}")
+                continue
+            if tracer == "torch.fx.symbolic_trace" and rewritten:  # run once at tracing, on the tensor itself
+                reasons.append(f"{tracer} wrote {rewritten[:3]} in place while tracing, a write the graph does not "
+                               "hold (an update of a buffer or parameter from no traced value, e.g. "
+                               "`self.ema.mul_(0.9)`)")
                 continue
             if tracer == "torch.fx.symbolic_trace" and not meta:
                 lost = [n for n, b in model.named_buffers() if not _close(b, written.get(n, start[n]))]

@@ -1,6 +1,7 @@
 """Tests for partition/trace.py: fx first, torch.export as the fallback, inputs flattened, clear errors."""
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -222,6 +223,35 @@ def test_trace_keeps_what_a_models_first_call_settles_and_takes_fx_with_a_nan_bu
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.lin(x)
     assert partition.trace(Sentinel(), (torch.randn(2, 4),)).meta["fxpipe_tracer"] == "torch.fx.symbolic_trace"
+
+
+class _DecaysFromZero(torch.nn.Module):
+    """A write whose value the example does not change: the decay of an average that starts at 0. fx ran it once,
+    on the buffer, while it traced; its graph left it out, and the buffer's value after the check could not tell
+    (0 * 0.9 is 0), so from the second step on the average never decayed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.ema.mul_(0.9)
+        h = self.lin(x)
+        self.ema.add_(0.1 * h.mean(0).detach())
+        return h + self.ema
+
+
+def test_a_write_fx_ran_while_tracing_is_not_taken_even_where_it_left_the_value() -> None:
+    m = _DecaysFromZero()
+    gm = partition.trace(m, (torch.randn(2, 4),))
+    assert gm.meta["fxpipe_tracer"] == "torch.export.export"
+    assert torch.equal(m.ema, torch.zeros(4))
+    twin = copy.deepcopy(m)  # (the graph writes the model's own buffer)
+    x = torch.randn(2, 4)  # (export fixes the sizes)
+    for _ in range(3):  # the graph decays the average at each call, as the model does
+        assert torch.allclose(gm(x), twin(x))
+    assert torch.allclose(m.ema, twin.ema)
 
 
 class _Averages(_Counts):
