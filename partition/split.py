@@ -285,6 +285,24 @@ def writes_in_place(gm: torch.fx.GraphModule) -> dict[str, list[str]]:
     return out
 
 
+def trained_parameters_written(gm: torch.fx.GraphModule) -> list[str]:
+    """The parameters requiring grad that the graph writes in place, directly or through a view (not through
+    .data or a detach): the model's write ran under torch.no_grad(), which the graph does not keep, so under
+    autograd it fails ("a leaf Variable that requires grad is being used in an in-place operation")."""
+    trained = {n for n, p in gm.named_parameters() if p.requires_grad}
+    out: list[str] = []
+    for u in gm.graph.nodes:
+        for a in u.all_input_nodes:
+            if not _writes(gm, u, a):
+                continue
+            while a.op != "get_attr" and a.args and isinstance(a.args[0], torch.fx.Node) \
+                    and _name(a.target) in _VIEWS - {"detach"}:
+                a = a.args[0]
+            if a.op == "get_attr" and str(a.target) in trained and str(a.target) not in out:
+                out.append(str(a.target))
+    return out
+
+
 def written_in_place(root: torch.nn.Module, node: torch.fx.Node) -> bool:
     """Whether an op of `node`'s graph writes its value in place, directly or through a view of it."""
     todo, seen = [node], {node}

@@ -380,9 +380,15 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
             if why is None and len(flatten_outputs(gm, check=False)[0]) != spec.num_leaves:
                 why = "its output node does not list the output's tensors one by one (a dataclass built in the graph)"
             if why is None:
+                from partition.split import read_written_inputs, trained_parameters_written
+                written_params = trained_parameters_written(gm)
+                if written_params:
+                    raise TraceError(f"cannot train {name}: its forward writes parameters {written_params[:3]} in "
+                                     "place (a clamp or a renormalization under torch.no_grad()), which a traced "
+                                     "graph runs under autograd and cannot; write them through .data "
+                                     "(`self.w.data.clamp_(...)`) or after optimizer.step()")
                 gm.meta["fxpipe_tracer"] = tracer
                 gm.meta["fxpipe_out_spec"] = spec
-                from partition.split import read_written_inputs
                 read_written_inputs(gm)  # an input written in place: later readers read the write's value
                 return gm
             reasons.append(f"{tracer} gave a graph that is not the model: {why}")

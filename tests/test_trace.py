@@ -254,6 +254,32 @@ def test_a_write_fx_ran_while_tracing_is_not_taken_even_where_it_left_the_value(
     assert torch.allclose(m.ema, twin.ema)
 
 
+class _ClampsInForward(torch.nn.Module):
+    def __init__(self, through_data: bool) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.through_data = through_data
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.through_data:
+            self.lin.weight.data.clamp_(-0.1, 0.1)
+        else:
+            with torch.no_grad():
+                self.lin.weight.clamp_(-0.1, 0.1)
+        return self.lin(x)
+
+
+def test_a_parameter_written_under_no_grad_in_forward_is_refused_by_name() -> None:
+    """The graph keeps the write but not the no_grad block: planning failed with autograd's "a leaf Variable that
+    requires grad is being used in an in-place operation", naming neither the parameter nor the fix."""
+    with pytest.raises(TraceError, match=r"writes parameters \['lin.weight'\] in place.*\.data"):
+        partition.trace(_ClampsInForward(False), (torch.randn(2, 4),))
+    gm = partition.trace(_ClampsInForward(True), (torch.randn(2, 4),))  # through .data: a write autograd allows
+    gm(torch.randn(2, 4)).sum().backward()
+    frozen = _ClampsInForward(False).requires_grad_(False)  # nothing to train: the write is the model's
+    partition.trace(frozen, (torch.randn(2, 4),))
+
+
 class _Averages(_Counts):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # the output reads the average it writes
         return super().forward(x) + self.ema
