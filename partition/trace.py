@@ -172,12 +172,19 @@ def _versions(model: torch.nn.Module) -> dict[str, int]:
             if not t.is_inference()}
 
 
+def _never_unpacked(_: Any) -> torch.Tensor:
+    raise RuntimeError("the trace's check runs no backward")
+
+
 def _run(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], watch: list[str] | None = None) -> Any:
-    """fn(*args, **kwargs) without autograd, from a fixed RNG state (dropout draws the same masks), on copies of
-    the input tensors: a model that writes its inputs in place leaves the example as it was for the next run.
+    """fn(*args, **kwargs) as training calls it, under autograd (what a forward does only when its values require
+    grad, a hook registered `if h.requires_grad`, is done), but keeping no tensor for a backward (the activations
+    are freed as without autograd); from a fixed RNG state (dropout draws the same masks), on copies of the input
+    tensors: a model that writes its inputs in place leaves the example as it was for the next run.
     `watch`: where to record what the call does that only autograd sees (_watching)."""
     args, kwargs = pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, (args, kwargs))
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
+    with torch.random.fork_rng(devices=[]), torch.enable_grad(), \
+            torch.autograd.graph.saved_tensors_hooks(lambda t: None, _never_unpacked):
         torch.manual_seed(0)
         with _watching(watch) if watch is not None else contextlib.nullcontext():
             return fn(*args, **kwargs)
@@ -319,6 +326,7 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
     meta = on_meta(model)
     if meta:
         args, kwargs = to_meta((args, kwargs))
+    from partition.split import read_written_inputs, trained_parameters_written
     tracers = [("torch.fx.symbolic_trace", lambda: _symbolic(model, leaves)),
                ("torch.export.export", lambda: _export(model, args, kwargs))]
     with preserve_state(model):
@@ -350,11 +358,21 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
             versions = _versions(model)
             try:
                 gm = fn()
-                rewritten = [n for n, v in _versions(model).items() if v != versions[n]]
-                _restore(model, start)  # each graph runs from the state the eager run started from
-                got = _run(gm, args, kwargs)
             except Exception as e:  # both tracers raise many kinds of errors
                 reasons.append(f"{tracer} failed with {type(e).__name__}: {first_line(e, 300)}")
+                continue
+            rewritten = [n for n, v in _versions(model).items() if v != versions[n]]
+            written_params = trained_parameters_written(gm)
+            if written_params:
+                raise TraceError(f"cannot train {name}: its forward writes parameters {written_params[:3]} in "
+                                 "place (a clamp or a renormalization under torch.no_grad()), which a traced "
+                                 "graph runs under autograd and cannot; write them through .data "
+                                 "(`self.w.data.clamp_(...)`) or after optimizer.step()")
+            try:
+                _restore(model, start)  # each graph runs from the state the eager run started from
+                got = _run(gm, args, kwargs)
+            except Exception as e:
+                reasons.append(f"{tracer} gave a graph that fails: {type(e).__name__}: {first_line(e, 300)}")
                 continue
             if tracer == "torch.fx.symbolic_trace" and rewritten:  # run once at tracing, on the tensor itself
                 reasons.append(f"{tracer} wrote {rewritten[:3]} in place while tracing, a write the graph does not "
@@ -380,13 +398,6 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
             if why is None and len(flatten_outputs(gm, check=False)[0]) != spec.num_leaves:
                 why = "its output node does not list the output's tensors one by one (a dataclass built in the graph)"
             if why is None:
-                from partition.split import read_written_inputs, trained_parameters_written
-                written_params = trained_parameters_written(gm)
-                if written_params:
-                    raise TraceError(f"cannot train {name}: its forward writes parameters {written_params[:3]} in "
-                                     "place (a clamp or a renormalization under torch.no_grad()), which a traced "
-                                     "graph runs under autograd and cannot; write them through .data "
-                                     "(`self.w.data.clamp_(...)`) or after optimizer.step()")
                 gm.meta["fxpipe_tracer"] = tracer
                 gm.meta["fxpipe_out_spec"] = spec
                 read_written_inputs(gm)  # an input written in place: later readers read the write's value

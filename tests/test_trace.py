@@ -322,22 +322,24 @@ class _GradOnly(torch.nn.Module):
         elif self.kind == "hook":
             h = self.a(x)
             h.register_hook(lambda g: g * 3)
+        elif self.kind == "guarded hook":  # (registered only where the check runs with grads)
+            h = self.a(x)
+            if h.requires_grad:
+                h.register_hook(lambda g: g * 3)
         else:
             h = self.a(x)
         return self.b(torch.tanh(h))
 
 
-@pytest.mark.parametrize("kind", ["no_grad", "function", "hook", "module hook"])
+@pytest.mark.parametrize("kind", ["no_grad", "function", "hook", "guarded hook", "module hook"])
 def test_a_graph_whose_grads_differ_from_the_models_is_refused(kind: str) -> None:
     """Found by review: each traced silently (the forward's values are the model's): a.weight got grads the model
-    gives none (no_grad), or grads of x^2 for the user's backward of x^3, or not tripled (hooks). The eager run
-    watches for what only autograd sees, then the grads are compared. Kept whole as a leaf module, the model's
-    own code runs."""
-    with pytest.raises(TraceError, match="its grads differ from the model's for a.weight" if kind != "hook" else
-                       "registers a hook on a tensor"):
+    gives none (no_grad), or grads of x^2 for the user's backward of x^3, or not tripled (hooks). The eager run,
+    under autograd, watches for what only autograd sees, then the grads are compared (a hook registered only
+    `if h.requires_grad` was not seen while the check ran without grads). Kept whole as a leaf module, the
+    model's own code runs."""
+    with pytest.raises(TraceError, match="its grads differ from the model's for a.weight"):
         partition.trace(_GradOnly(kind), (torch.randn(3, 4),))
-    if kind == "hook":  # (a tensor hook in forward fails without grads: no check run can keep it)
-        return
     gm = partition.trace(_Outer(_GradOnly(kind)), (torch.randn(3, 4),), leaf_modules=(_GradOnly,))
     assert any(n.op == "call_module" for n in gm.graph.nodes)
 
