@@ -370,8 +370,7 @@ def check_state_writes(gm: torch.fx.GraphModule, stage_of: dict[str, int]) -> No
     for u, bases in writes_in_place(gm).items():
         for b in bases:
             n = names[b]
-            while n.op != "get_attr" and n.args and isinstance(n.args[0], torch.fx.Node) and (
-                    _name(n.target) in _VIEWS or n.target is getattr and n.args[1:] == ("data",)):
+            while n.op != "get_attr" and n.args and isinstance(n.args[0], torch.fx.Node) and _view_or_data(n):
                 n = n.args[0]  # w.data, a view of it
             b = n.name
             if b in attrs and u in stage_of:
@@ -389,6 +388,11 @@ def check_state_writes(gm: torch.fx.GraphModule, stage_of: dict[str, int]) -> No
                             "compute the value in the forward instead of keeping it in the module")
 
 
+def _view_or_data(n: torch.fx.Node) -> bool:
+    """Whether `n` is a view of its first argument or its .data (the same storage)."""
+    return _name(n.target) in _VIEWS or n.target is getattr and n.args[1:] == ("data",)
+
+
 def _viewers(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The nodes reading `node`, directly or through views of it (a .data, a slice)."""
     out, todo, seen = [], [node], {node}
@@ -396,8 +400,7 @@ def _viewers(node: torch.fx.Node) -> list[torch.fx.Node]:
         n = todo.pop()
         for u in n.users:
             out.append(u)
-            if u not in seen and u.args and u.args[0] is n and (_name(u.target) in _VIEWS
-                                                                 or u.target is getattr and u.args[1:] == ("data",)):
+            if u not in seen and u.args and u.args[0] is n and _view_or_data(u):
                 seen.add(u)
                 todo.append(u)
     return out
