@@ -248,9 +248,7 @@ def agreed_call(pp: Pipeline, batch: tuple[tuple[Any, ...], dict[str, Any]], tar
             targets = split_microbatches(target, pp.M, "target")
     except PipelineError as e:
         refused = e
-    agree_on_call(pp, batch, target, what, refused)
-    if refused is not None:
-        raise refused
+    agree_on_call(pp, batch, target, what, refused)  # (raises on every rank when a rank refused)
     return mbs, targets
 
 
@@ -266,8 +264,39 @@ def agree_on_call(pp: Pipeline, batch: tuple[tuple[Any, ...], dict[str, Any]], t
                                                 if key in pp._cut_dtypes else ", dtypes to learn")
         salt = int.from_bytes(hashlib.blake2b(cast.encode(), digest_size=7).digest(), "little")
         call = Call(call.digest ^ int(not pp.training) ^ (salt << 1), call.parts + [f"mode: {mode}", cast])
-        agree(call, refused, group=pp.pp_group, ranks=pp._global, device=pp.ctx.device, what=what,
-              error=PipelineError)
+        try:
+            agree(call, refused, group=pp.pp_group, ranks=pp._global, device=pp.ctx.device, what=what,
+                  error=PipelineError)
+        except PipelineError as e:
+            refused = e
+        else:
+            refused = None
+    if pp.dp > 1:
+        _replicas_agree(pp, refused, what)
+    elif refused is not None:
+        raise refused
+
+
+def _replicas_agree(pp: Pipeline, stopped: PipelineError | None, what: str) -> None:
+    """Raise on every replica when one replica's pipeline stopped its call (`stopped`: this rank's error, the
+    same kind on every rank of its pipeline): the replicas' grads are averaged together, so the others would
+    pair this step's collectives with the stopped replica's next step, averaging grads of two batches, then
+    wait for it until the timeout. One all-reduce of a flag over the replicas; the errors are gathered only
+    when one stopped."""
+    flag = torch.tensor([int(stopped is not None)], dtype=torch.int64, device=pp.ctx.device)
+    with comm.guarded(f"the check that every replica makes its {what} call"):
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pp.dp_group)
+    if not int(flag.item()):
+        return
+    got: list[Any] = [None] * pp.dp
+    with comm.guarded(f"gathering the replicas' {what} errors"):
+        dist.all_gather_object(got, (None if stopped is None else str(stopped), pp._global), group=pp.dp_group)
+    if stopped is not None:
+        raise stopped
+    i, (msg, ranks) = next((i, g) for i, g in enumerate(got) if g[0] is not None)
+    raise PipelineError(f"replica {i} (global ranks {ranks}) stopped this {what} call, so this replica stops "
+                        f"too (the replicas' grads are averaged together, and every replica must make the same "
+                        f"calls); its error: {msg}")
 
 
 def check_pipeline_call(pp: Pipeline, batch: tuple[tuple[Any, ...], dict[str, Any]], target: Any,

@@ -197,6 +197,31 @@ def _ratio_over_replicas() -> dict[str, float]:
     return {**out, **{n: float((p.grad - refs[n].grad).abs().max()) for n, p in pp.named_parameters()}}
 
 
+def _one_replica_refuses() -> dict[str, Any]:
+    """Found by review: replica 1 given a short last batch refused it while replica 0 ran its step, whose grads'
+    all-reduce then paired with replica 1's next step (both losses the mean of two steps' batches, 4.167271 where
+    4.171211), and replica 0 waited for replica 1 until the timeout. Every replica now stops the call; a loop that
+    skips it goes on in step. Returns each rank's error and the next step's loss against one process's."""
+    import pipe
+    w, ref = _gpt(), _gpt()
+    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, cost="flops", data_parallel=2)
+    out: dict[str, Any] = {}
+    args, target = _batch(w, 0, pp.dp_rank)
+    if pp.dp_rank == 1:  # a last batch of half the size on this replica only
+        args, target = tuple(a[: a.shape[0] // 2] for a in args), target[: target.shape[0] // 2]
+    try:
+        pp.step(*args, target=target)
+        out["error"] = "no error"
+    except pipe.PipelineError as e:
+        out["error"] = str(e)
+    args, target = _batch(w, 1, pp.dp_rank)
+    out["loss"] = pp.step(*args, target=target)
+    parts = [_batch(ref, 1, j) for j in range(pp.dp)]
+    want = ref.loss_fn(ref.model(torch.cat([p[0][0] for p in parts])), torch.cat([p[1] for p in parts]))
+    out["want"] = float(want)
+    return out
+
+
 def four_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
     import pipe
     from torch.distributed.device_mesh import init_device_mesh
@@ -240,6 +265,7 @@ def four_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
     for shard in SHARDS:
         res[f"two steps {shard}"] = _grads_after_two_steps(data_parallel=2, dp_shard=shard)
     res["ratio"] = _ratio_over_replicas()
+    res["refused replica"] = _one_replica_refuses()
     # states streamed in chunks: grads averaged after the step (said in the plan's notes), one bucket at a time
     res["streamed states"] = _case("gpt", GPT, data_parallel=2, offload="states", dp_bucket_mb=0.01)
     res["streamed states"]["notes"] = res["streamed states"].pop("pp").plan.notes
@@ -271,6 +297,11 @@ def test_pipeline_times_data_parallel_on_4_ranks(tmp_path: Path) -> None:
                 assert err < 1e-5, (shard, name, err)
         for name, err in r["ratio"].items():
             assert err < 1e-5, ("masked mean over replicas", name, err)
+        refused = r["refused replica"]
+        assert "not divisible into 4 microbatches" in refused["error"] or "planned shape" in refused["error"], refused
+        assert refused["error"].startswith("replica 1 (global ranks [1, 3]) stopped") == (r is res[0] or r is res[2]), \
+            refused  # (the mesh (pp, dp): replica 0 is global ranks 0 and 2)
+        assert abs(refused["loss"] - refused["want"]) < 1e-5, refused
         assert any("averaged after the step" in n for n in r["streamed states"]["notes"])
         streamed = r["streamed states"]
         torch.testing.assert_close(torch.tensor(streamed["losses"]), torch.tensor(streamed["ref"]),
@@ -278,7 +309,7 @@ def test_pipeline_times_data_parallel_on_4_ranks(tmp_path: Path) -> None:
         torch.testing.assert_close(*torch.tensor(streamed["norms"]).T, rtol=1e-5, atol=0)
         torch.testing.assert_close(*streamed["evaluated"], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(*streamed["evaluated in eval mode"], rtol=1e-5, atol=1e-6)
-    cases = [k for k in res[0] if k not in ("errors", "streamed states", "ratio")
+    cases = [k for k in res[0] if k not in ("errors", "streamed states", "ratio", "refused replica")
              and not k.startswith(("loaded into", "two steps"))]
     assert len(cases) == 2 * len(SCHEDULES) * len(SHARDS) + 1
     for case in cases:
