@@ -318,23 +318,28 @@ _CLAMPS = {torch.clamp, torch.clamp_min, torch.ops.aten.clamp.default, torch.ops
 
 
 def _as_it_is(node: torch.fx.Node, sizes: _Sizes) -> torch.fx.Node | None:
-    """The value `node` gives as it is: a dtype cast's, or the .sum() or .mean() of one number's; else None."""
+    """The value `node` gives as it is, or scaled by a number every microbatch shares: a dtype cast's, or the .sum()
+    or .mean() into one number of a tensor as large in every microbatch (one number; the per-feature sums over the
+    samples of `x.sum(0).mean()`); else None."""
     if node.op not in ("call_function", "call_method") or not node.args or not isinstance(node.args[0], torch.fx.Node):
         return None
     if node.target in _CASTS:
         return node.args[0]
-    if node.target in _SUMS | _MEANS and sizes.of(node.args[0]) == (1, 1) and sizes.of(node) == (1, 1):
+    inner = sizes.of(node.args[0])
+    if node.target in _SUMS | _MEANS and inner is not None and inner[0] == inner[1] > 0 and sizes.of(node) == (1, 1):
         return node.args[0]
     return None
 
 
-def _sums_the_batch(node: torch.fx.Node, sizes: _Sizes) -> bool:
-    """Whether `node` sums a tensor holding every sample's terms into one number: the summed tensor's
-    elements double with the batch, the sum stays one."""
+def _sums_the_batch(node: torch.fx.Node, sizes: _Sizes, one: bool = True) -> bool:
+    """Whether `node` sums a tensor holding every sample's terms over the samples: the summed tensor's elements
+    double with the batch, the sum stays one number (`one`), or as many numbers (a sum over dim 0 alone)."""
     if node.op not in ("call_function", "call_method") or node.target not in _SUMS or not node.args \
             or not isinstance(node.args[0], torch.fx.Node):
         return False
-    return sizes.of(node) == (1, 1) and sizes._carries(node.args[0]) and sizes.mixed(node.args[0]) is False
+    n = sizes.of(node)
+    return n is not None and (n == (1, 1) or not one and n[0] == n[1] > 0) and sizes._carries(node.args[0]) \
+        and sizes.mixed(node.args[0]) is False
 
 
 def _additive(gm: torch.fx.GraphModule, node: torch.fx.Node, sizes: _Sizes) -> str | None:
@@ -349,7 +354,7 @@ def _additive(gm: torch.fx.GraphModule, node: torch.fx.Node, sizes: _Sizes) -> s
             break
     if name is not None:  # (a loss whose inputs mix the samples is no sum of theirs; unknown: taken as one)
         return f"{name}, reduction='sum'" if sizes.mixed(node) is not True else None
-    return "a .sum() over the samples" if _sums_the_batch(node, sizes) else None
+    return "a .sum() over the samples" if _sums_the_batch(node, sizes, one=False) else None
 
 
 def _divisor(node: torch.fx.Node) -> tuple[torch.fx.Node, float | None] | None:

@@ -99,7 +99,14 @@ CASES = [  # (loss_fn, kind, what the plan's note says)
     (lambda o, t: ((o - t.unsqueeze(-1)) ** 2).sum(), "sum", "(sum_1: a .sum() over the samples)"),
     (lambda o, t: ((o - t.unsqueeze(-1)) ** 2).sum(-1).sum((0, 1)).mul(0.5), "sum", "a .sum() over the samples"),
     (lambda o, t: ((o - t.unsqueeze(-1)) ** 2).mean(0).sum(), "mean",  # over no sample's terms: one per microbatch
-     "a .sum() fxpipe cannot tell is over the samples"),
+     "the loss is call_method mean"),
+    # found by review: a sum over the samples alone, then a mean over the features, was averaged (1/M)
+    (lambda o, t: ((o - t.unsqueeze(-1)) ** 2).sum(0).mean(), "sum", "a .sum() over the samples"),
+    (lambda o, t: ((o - t.unsqueeze(-1)) ** 2).sum(0).sum(), "sum", "a .sum() over the samples"),
+    (lambda o, t: ((o - t.unsqueeze(-1)) ** 2).sum(0).pow(2).mean(), "mean", "the loss is call_method pow"),
+    (lambda o, t: ((_ce_none(o, t) * (t != 0)).sum(0) / (t != 0).sum()).mean(), "ratio", "over the batch's divisor"),
+    (lambda o, t: (((o - t.unsqueeze(-1)) ** 2).sum(0) / (t != 0).sum(0).unsqueeze(-1)).mean(), "mean",
+     "not a cross entropy"),  # a divisor per feature: no one number to divide by
     (lambda o, t: _ce(o, t).float().sum(), "count", "cross_entropy weighs by its targets"),  # one number: as it is
     (lambda o, t: _masked_mean(o, t), "ratio", "each microbatch's numerator over the batch's divisor (computed"),
     (lambda o, t: _masked_mean(o, t, 1), "ratio", "over the batch's divisor, at least 1 (computed from the inputs)"),
@@ -281,6 +288,36 @@ def test_a_sum_over_the_samples_sums_the_microbatches_and_one_over_none_is_avera
     assert attach_loss(gm, summed) is None
     w = loss_weighting(gm, None, True)
     assert w.kind == "mean" and "no example of its inputs was given" in w.describe(), w
+
+
+@pytest.mark.parametrize("ratio", [False, True])
+def test_a_sum_over_the_samples_alone_then_a_mean_is_the_batchs(ratio: bool) -> None:
+    """`((o - t) ** 2).sum(0).mean()` (each feature's sum over the samples, averaged over the features), and the
+    same over a masked count: the microbatches' losses (numerators over the batch's divisor) add up to the
+    batch's loss and grads."""
+    from partition.reduction import keep_numerator
+    torch.manual_seed(0)
+    model, ref = Head(), Head()
+    ref.load_state_dict(model.state_dict())
+    x, t = torch.randn(8, 3, 4), torch.randint(0, V, (8, 3))
+    t[2:4] = 0
+
+    def loss_fn(o: torch.Tensor, tt: torch.Tensor) -> torch.Tensor:
+        per = (o - tt.unsqueeze(-1)) ** 2
+        return (per.sum(0) / (tt != 0).sum()).mean() if ratio else per.sum(0).mean()
+    gm = trace(model, (x[:2],), {})
+    assert attach_loss(gm, loss_fn) is None
+    w = loss_weighting(gm, None, True, [x[:2], t[:2]])
+    assert w.kind == ("ratio" if ratio else "sum"), w
+    keep_numerator(gm, w)
+    scale = 1 / sum(w.count([xm, tm]) for xm, tm in zip(x.chunk(4), t.chunk(4))) if ratio else 1.0
+    got = sum(gm(xm, tm) * scale for xm, tm in zip(x.chunk(4), t.chunk(4)))
+    got.backward()
+    want = loss_fn(ref(x), t)
+    want.backward()
+    torch.testing.assert_close(got.float(), want, rtol=1e-6, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 class DictIn(nn.Module):
