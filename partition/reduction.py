@@ -32,7 +32,7 @@ from partition.costs import attr_of
 from partition.loss import TARGET
 from partition.rewrite import loss_args
 
-__all__ = ["Weighting", "keep_numerator", "loss_weighting", "weighting"]
+__all__ = ["Weighting", "batch_statistics", "keep_numerator", "loss_weighting", "weighting"]
 
 # element-wise losses: the batch's sum is the sum of the microbatches' sums
 _SUMMED = {F.mse_loss: "mse_loss", F.l1_loss: "l1_loss", F.smooth_l1_loss: "smooth_l1_loss",
@@ -71,6 +71,7 @@ class Weighting:
     numerator: str = ""   # reading the division on the way to the output ("": the output), and the divisor's
     reader: str = ""      # lower bound (x.clamp(min=1)), if any
     floor: float | None = None
+    paired: bool = False  # "mean" of losses each pairing its own microbatch's samples only: not the batch's
 
     def _tensor(self, path: str) -> Any:
         for root in (self.holder, self.origin):
@@ -114,6 +115,8 @@ class Weighting:
             floor = f", at least {self.floor:g}" if self.floor is not None else ""
             return (f"loss: the batch's, {self.loss}: each microbatch's numerator over the batch's divisor{floor} "
                     f"(computed from the inputs){over}")
+        if self.paired:
+            return f"loss: NOT the batch's, the mean of the microbatches' losses: {self.why}"
         return (f"loss: the mean of the microbatches' losses (the batch's when each averages as many elements): "
                 f"{self.why}")
 
@@ -192,11 +195,42 @@ def weighting(gm: torch.fx.GraphModule, example: Sequence[Any] | None = None) ->
     while (inner := _scaled(loss, constants) or _as_it_is(loss, sizes)) is not None:
         loss, reader = inner, loss.name
         chain.append(loss.name)
-    found = _found(gm, loss, sizes)
+    pairs = sizes.paired(loss)
+    if pairs is not None:
+        k = sizes.of(pairs)
+        found = Weighting("mean", f"the loss pairs the samples of a microbatch ({pairs.name} has {k[0] if k else '?'} "
+                                  f"elements on one microbatch and {k[1] if k else '?'} on two, not twice as many: "
+                                  "in-batch negatives, a similarity of every two samples), and a pipeline computes "
+                                  "each microbatch alone, so each pairs its own samples only (fewer microbatches "
+                                  "pair more)", paired=True)
+    else:
+        found = _found(gm, loss, sizes)
     found.chain = chain
     if found.kind == "ratio":
         found.reader = reader
     return found
+
+
+_aten = torch.ops.aten
+_BATCH_NORMS = {F.batch_norm, torch.batch_norm, _aten.batch_norm.default, _aten._native_batch_norm_legit.default,
+                _aten._native_batch_norm_legit_functional.default, _aten._native_batch_norm_legit.no_stats,
+                _aten.native_batch_norm.default, _aten._native_batch_norm_legit_no_training.default}
+
+
+def batch_statistics(gm: torch.fx.GraphModule) -> list[str]:
+    """The batch norms of `gm` normalizing by the statistics of the samples they are given (training mode): a
+    pipeline gives them one microbatch's, where the model over the batch uses the batch's."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            m = gm.get_submodule(str(n.target))
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and (m.training or m.running_mean is None):
+                out.append(str(n.target))
+        elif n.op == "call_function" and n.target in _BATCH_NORMS \
+                and n.target is not _aten._native_batch_norm_legit_no_training.default:
+            if n.kwargs.get("training", next((a for a in n.args if isinstance(a, bool)), False)):  # (its first bool)
+                out.append(n.name)
+    return out
 
 
 def keep_numerator(gm: torch.fx.GraphModule, w: Weighting) -> None:
@@ -221,6 +255,7 @@ class _Sizes:
         self.values: dict[str, list[Any]] | None = None
         self.why = ""  # why the run gave nothing
         self._mixed: dict[torch.fx.Node, bool] = {}
+        self._paired: dict[torch.fx.Node, torch.fx.Node | None] | None = None
 
     def of(self, node: torch.fx.Node) -> tuple[int, int] | None:
         """The number of elements of the tensor `node` gives, on one microbatch and on two; None unknown."""
@@ -236,6 +271,19 @@ class _Sizes:
     def _carries(self, node: torch.fx.Node) -> bool:
         n = self.of(node)
         return n is not None and n[0] > 0 and n[1] == 2 * n[0]
+
+    def paired(self, node: torch.fx.Node) -> torch.fx.Node | None:
+        """The first value `node` is computed from whose elements grow with the batch other than by its samples
+        (neither the same nor double at twice the samples: logits [B, B] of in-batch negatives pair every two),
+        or None (also when unknown)."""
+        if self._paired is None:
+            self._paired = {}
+            for n in self.gm.graph.nodes:
+                k = self.of(n)
+                own = n if k is not None and k[0] > 0 and k[1] not in (k[0], 2 * k[0]) else None
+                self._paired[n] = own or next((p for a in n.all_input_nodes if (p := self._paired[a]) is not None),
+                                              None)
+        return self._paired.get(node)
 
     def _changes(self, node: torch.fx.Node) -> bool:
         got = self._values(node)
@@ -294,7 +342,7 @@ class _Sizes:
             for k in (1, 2):
                 example = pytree.tree_map(lambda x: (torch.cat([x.to("meta")] * k) if x.dim() else x.to("meta"))
                                           if isinstance(x, torch.Tensor) else x, list(self.example))
-                with torch.no_grad():
+                with torch.no_grad(), torch.device("meta"):  # (a tensor made without a device: on meta too)
                     Recorder(copy).run(*example)
         except Exception as e:  # noqa: BLE001 - a graph that needs values (.item(), a data-dependent shape) or fixed sizes
             self.why = f"the graph does not run on the meta device at twice the example's samples ({type(e).__name__})"

@@ -324,11 +324,12 @@ def check_pipeline_call(pp: Pipeline, batch: tuple[tuple[Any, ...], dict[str, An
                             f"model's mode when it was built), and step() trains the stages as traced; call "
                             f"pp.{'eval' if pp.training else 'train'}() before step(), or build the Pipeline "
                             f"from the model in {mode} mode")
-    if target is None and (pp.plan.loss or pp._wants_target):
-        raise PipelineError("step() got no target, but this pipeline's loss reads one (loss_fn(output, target) "
-                            "is planned into its last stage); call pp.step(*inputs, target=y) with the batch's "
-                            "target")
-    if pp.plan.loss:
+    call = "step" if step else "evaluate"
+    if target is None and pp._wants_target:
+        raise PipelineError(f"{call}() got no target, but this pipeline's loss reads one (loss_fn(output, target) "
+                            f"{'is planned into its last stage' if pp.plan.loss else 'was given example_target='}); "
+                            f"call pp.{call}(*inputs, target=y) with the batch's target")
+    if pp.plan.loss and target is not None:
         v = pp.plan.inputs[-1]
         assert v is not None
         if not isinstance(target, torch.Tensor):

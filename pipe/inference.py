@@ -4,6 +4,7 @@ to it while they run."""
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,7 +17,7 @@ from partition.split import assemble_outputs, inference_stage, param_nodes_of
 from partition.trace import flatten_inputs
 from pipe import calls, comm, modes
 from pipe.errors import ModeError, agree_everywhere
-from pipe.step import StepState, concat_outputs, failures, placed
+from pipe.step import StepState, check_layout, concat_outputs, failures, placed
 
 if TYPE_CHECKING:
     from pipe.runtime import Pipeline
@@ -27,7 +28,8 @@ __all__ = ["evaluate", "flags", "forward", "loss_weights", "output_layout", "sta
 def output_layout(pp: Pipeline) -> list[tuple[Any, bool]] | None:
     """Per leaf of the model's output, as pipe.step.concat_outputs takes it: the dim its batch is along,
     from a meta copy of the model run on the example microbatch and on twice its samples (the dim that
-    doubles; None when no dim changes, or a value that is not a tensor is the same at both; "?"
+    doubles; None when no dim changes, or a value that is not a tensor is the same at both; ("pairs", shape
+    on one, shape on two) when it grows more than twice, as logits [B, B] of in-batch negatives; "?"
     otherwise), and whether the graph computes it from the inputs. None when the model does not run on
     meta tensors (then dim 0 is taken by its size). Found once per mode."""
     if pp.training not in pp._layouts:
@@ -105,7 +107,7 @@ def _batch_dims(model: torch.nn.Module, args: Any, kwargs: Any, training: bool) 
         for k in (1, 2):
             a, kw = pytree.tree_map(lambda x: torch.cat([x.to("meta")] * k) if isinstance(x, torch.Tensor) and x.dim()
                                     else x, (tuple(args), dict(kwargs)))
-            with torch.no_grad():
+            with torch.no_grad(), torch.device("meta"):  # (a tensor made without a device: on meta too)
                 out = copy(*a, **kw)
             shapes.append([tuple(x.shape) if isinstance(x, torch.Tensor) else ("value", x)
                            for x in pytree.tree_leaves(out)])
@@ -122,8 +124,9 @@ def _batch_dims(model: torch.nn.Module, args: Any, kwargs: Any, training: bool) 
             dims.append("?")
             continue
         changed = [d for d, (a, b) in enumerate(zip(one, two)) if a != b]
+        grows = math.prod(two) / max(1, math.prod(one))
         dims.append(None if not changed else changed[0] if len(changed) == 1 and two[changed[0]] == 2 *
-                    one[changed[0]] else "?")
+                    one[changed[0]] else ("pairs", one, two) if grows > 2 else "?")
     return dims
 
 
@@ -224,6 +227,7 @@ def forward(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, A
         agree_everywhere(error)
     stages, inference = stages_in_mode_of(pp, inference=True)  # (None, None) in the mode of the trace
     layout = output_layout(pp)
+    check_layout(layout)  # (the same on every rank: a meta run's)
     flats = pp._flats(mbs, [None] * pp.M)
     last = pp.place[pp.S - 1]
     # a model's own loss, weighed as a step weighs it: by the last stage's rank, which holds the loss's tensors

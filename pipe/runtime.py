@@ -13,8 +13,8 @@ from torch.distributed.tensor import DTensor
 from partition.plan import Plan
 from partition.split import StageIO
 from partition.split import split_graph
-from partition.loss import attach_loss
-from partition.reduction import keep_numerator, loss_weighting
+from partition.loss import TARGET, attach_loss
+from partition.reduction import batch_statistics, keep_numerator, loss_weighting
 from partition.trace import flatten_inputs, trace
 from memory import MemoryManager
 from pipe import calls, comm, grads, inference, launch, optim, options, planning, setup, state_dicts, timing
@@ -196,6 +196,14 @@ class Pipeline:
         agree_everywhere(error)
         self._gm = gm
         self.plan.notes.append(self.weighting.describe(self.dp))
+        norms = batch_statistics(gm) if self.M > 1 else []
+        if norms:
+            self.plan.notes.append(
+                f"batch norm ({', '.join(norms[:3])}{' ...' if len(norms) > 3 else ''}) normalizes each microbatch by "
+                "its own samples' statistics, where the model over the whole batch uses the batch's (as under "
+                "gradient accumulation; SyncBatchNorm spans replicas, not microbatches): the microbatches' losses add "
+                "up as above, but each is computed with its own microbatch's statistics, so the loss and grads are "
+                "not one process's over the batch")
         # forward() on a plan with the loss in the graph: each stage without it (built at the first call)
         self._inference: dict[int, tuple[torch.fx.GraphModule, list[int], list[Any]]] = {}
         # the mode the stages were traced in, the mode evaluate() and forward() run in (pp.train / pp.eval), and
@@ -206,7 +214,9 @@ class Pipeline:
         self._layouts: dict[bool, Any] = {}  # forward()'s output layout by mode (pipe.inference.output_layout)
         self.local = [s for s in range(self.S) if self.place[s] == self.rank]
         self._example_target = example_target
-        self._wants_target = example_target is not None
+        # a step needs a target: the loss's graph reads it, or loss_fn outside the graph was given an example one
+        self._wants_target = any(n.op == "placeholder" and n.name == TARGET and n.users for n in gm.graph.nodes) \
+            if self.plan.loss else example_target is not None
         self._target_fixed = calls.target_bound(self)
         costs = setup.memory_costs(self, args, kwargs, recompute, offload, memory_budget)
         # buffers by original name, read before the move: moving a module to a device replaces its

@@ -49,6 +49,17 @@ def _batched(dims: list[int], sizes: list[int]) -> bool:
         all(d == dims[0] // sizes[0] * s for d, s in zip(dims, sizes))
 
 
+def check_layout(layout: list[tuple[Any, bool]] | None) -> None:
+    """Refuse outputs no batch value can be formed of before forward() runs: one pairing the samples."""
+    for i, (d, _) in enumerate(layout or []):
+        if isinstance(d, tuple):  # ("pairs", shape on one microbatch, on two)
+            raise PipelineError(f"the model's output leaf {i} pairs the samples of a microbatch (shape {list(d[1])} "
+                                f"on one, {list(d[2])} on two: more than twice the elements, as a similarity of "
+                                "every two samples), and a pipeline computes each microbatch alone, so forward() "
+                                "cannot form the batch's value; return per-sample values (embeddings) and pair "
+                                "them outside the model")
+
+
 def concat_outputs(outputs: list[Any], sizes: list[int] | None = None,
                    layout: list[tuple[Any, bool]] | None = None, weights: dict[int, list[float]] | None = None) -> Any:
     """Microbatch outputs as one batch. `layout` (pipe.inference.output_layout), per leaf: the dim its batch
@@ -61,6 +72,7 @@ def concat_outputs(outputs: list[Any], sizes: list[int] | None = None,
     unless the inputs give it and it is a 0-dim tensor or a value the batch's size changes (a count of
     the batch's tokens would come out a microbatch's); refused otherwise: no batch value can be formed
     from theirs."""
+    check_layout(layout)
     flat = [pytree.tree_flatten(o) for o in outputs]
     spec = flat[0][1]
     leaves = []

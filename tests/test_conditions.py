@@ -3,7 +3,8 @@ ReLU after a linear layer that zero bubble splits, a cut right before one), auto
 stages in bfloat16), a module of the user's kept whole that reads its parameter twice (zero bubble
 with offloaded activations), batch norm in recomputed stages, torch.dropout under 'selective', targets
 ignored unevenly over the microbatches (one wholly), losses written by hand as a .sum() or a masked mean
-(one microbatch wholly masked), float16 with dynamic loss scaling. Parity with the unpartitioned model,
+(one microbatch wholly masked), float16 with dynamic loss scaling, a loss pairing the samples
+(in-batch negatives) and batch norm, each said in the plan's notes. Parity with the unpartitioned model,
 step by step."""
 from __future__ import annotations
 
@@ -493,6 +494,52 @@ def _grad_scaler(rank: int, M: int) -> dict[str, Any]:
     return out
 
 
+class Pairwise(nn.Module):
+    """Two towers and the similarity of every two samples, logits [B, B], as CLIP's in-batch negatives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, D))
+        self.b = nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, D))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return self.a(x) @ self.b(z).t()
+
+
+def _contrastive(logits: torch.Tensor, _: Any) -> torch.Tensor:
+    """CLIP's loss; it reads no target."""
+    labels = torch.arange(logits.shape[0], device=logits.device)
+    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
+
+
+def _pairs(rank: int, M: int) -> dict[str, Any]:
+    """Found by review: a loss pairing the samples (in-batch negatives) was said to be the batch's mean (each
+    microbatch pairs its own samples only: 1.403 where the batch's is 2.785), forward() concatenated the [4, 4]
+    logits into [16, 4], and a step without a target was refused though the loss reads none. The plan now says the
+    loss is NOT the batch's, forward() refuses, and step(x, z) runs, each microbatch's loss of its own pairs."""
+    import pipe
+    from tests.nccl_like import NcclLike
+    torch.manual_seed(0)
+    model, ref = Pairwise(), Pairwise()
+    ref.load_state_dict(model.state_dict())
+    x, z = torch.randn(4 * M, D), torch.randn(4 * M, D)
+    pp = pipe.Pipeline(model, (x[:4], z[:4]), loss_fn=_contrastive, microbatches=M, cost="flops",
+                       transport=NcclLike())
+    out: dict[str, Any] = {"notes": [n for n in pp.plan.notes if n.startswith("loss:")]}
+    loss = pp.step(x, z)
+    want = sum(_contrastive(ref(a, b), None) for a, b in zip(x.chunk(M), z.chunk(M))) / M
+    want.backward()
+    torch.testing.assert_close(loss, float(want), rtol=1e-5, atol=1e-6)
+    _grads_close(pp, ref, f"contrastive rank {rank}")
+    try:
+        with torch.no_grad():
+            pp.forward(x, z)
+        out["forward"] = "formed"
+    except pipe.PipelineError as e:
+        out["forward"] = str(e)
+    return out
+
+
 def conditions_body(rank: int, world: int) -> dict[str, Any]:
     import pipe
     from tests.nccl_like import NcclLike
@@ -577,6 +624,7 @@ def conditions_body(rank: int, world: int) -> dict[str, Any]:
     pp, ref = _two_steps(Normed, M, f"batch norm recomputed rank {rank}", recompute="full")
     mine = pp.local_buffers()
     assert any("running_mean" in k for k in mine), mine
+    out["batch norm notes"] = [n for n in pp.plan.notes if n.startswith("batch norm")]
     for k, b in ref.model.named_buffers():
         if k in mine:
             torch.testing.assert_close(mine[k], b, msg=lambda m: f"recomputed batch norm {k}: {m}")
@@ -650,7 +698,8 @@ def conditions_body(rank: int, world: int) -> dict[str, Any]:
     out["ignored targets"] = _ignored_targets(rank, M)
     out["sums and ratios"] = _sums_and_ratios(rank, M)
     out["grad scaler"] = _grad_scaler(rank, M)
-    out["closure"] = _closure(rank, M)
+    out["pairs"] = _pairs(rank, M)
+    out["closure"] = _closure(rank, M)  # (last: its refused step ends the process group)
     return out
 
 
@@ -687,6 +736,15 @@ def test_inplace_ops_autocast_and_leaf_modules_train_as_the_model() -> None:
                                         "other than through the model's output"), res[1]["closure"]
     assert "rank 1 does not train it" in res[1]["closure"], res[1]["closure"]
     assert "because rank 1" in res[0]["closure"], res[0]["closure"]
+    for r in res:
+        assert r["batch norm notes"] and "normalizes each microbatch by its own samples' statistics" in \
+            r["batch norm notes"][0], r["batch norm notes"]
+        pairs = r["pairs"]
+        assert len(pairs["notes"]) == 1 and pairs["notes"][0].startswith(
+            "loss: NOT the batch's, the mean of the microbatches' losses: the loss pairs the samples of a "
+            "microbatch"), pairs["notes"]
+        assert pairs["forward"].startswith("the model's output leaf 0 pairs the samples of a microbatch (shape "
+                                           "[4, 4] on one, [8, 8] on two"), pairs["forward"]
 
 
 def test_a_frozen_tied_weight_keeps_no_grad_and_frozen_on_one_rank_is_refused_on_both() -> None:

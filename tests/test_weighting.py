@@ -356,3 +356,58 @@ def test_values_made_of_the_sequence_length_or_device_do_not_mix_the_samples() -
     assert attach(gm, masked) is None
     got = loss_weighting(gm, None, True, flatten_inputs(gm, w.example_args, {}, w.example_target))
     assert got.kind == "ratio", got
+
+
+class _Pairs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return self.a(x) @ self.b(z).t()
+
+
+def _in_batch_negatives(logits: torch.Tensor, _: Any) -> torch.Tensor:
+    labels = torch.arange(logits.shape[0])
+    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
+
+
+@pytest.mark.parametrize("in_graph", [True, False])
+def test_a_loss_pairing_the_samples_is_said_not_to_be_the_batchs(in_graph: bool) -> None:
+    """Found by review: CLIP's loss over in-batch negatives (logits [B, B]) was said to be the batch's: each
+    microbatch pairs its own samples only, 1.403 where the batch's is 2.785. Its logits grow 4x at twice the
+    samples."""
+    x, z, t = torch.randn(3, 4), torch.randn(3, 4), torch.zeros(3, dtype=torch.long)
+    gm = trace(_Pairs(), (x, z), {})
+    if in_graph:
+        assert attach_loss(gm, _in_batch_negatives) is None
+        w = loss_weighting(gm, None, True, [x, z, t])
+    else:
+        w = loss_weighting(gm, _in_batch_negatives, False, [x, z], t)
+    assert w.kind == "mean" and w.paired, w
+    assert w.describe().startswith("loss: NOT the batch's, the mean of the microbatches' losses: the loss pairs the "
+                                   "samples of a microbatch (matmul has 9 elements on one microbatch and 36 on two"), \
+        w.describe()
+
+
+def test_batch_norms_in_training_mode_are_found_on_both_tracers() -> None:
+    """The plan says a batch norm normalizes each microbatch by its own statistics (not the batch's)."""
+    from partition.reduction import batch_statistics
+
+    class Normed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.bn = nn.Linear(4, 4), nn.BatchNorm1d(4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.batch_norm(self.bn(self.lin(x)), None, None, training=True)
+
+    class Exported(Normed):  # (control flow on a size: torch.export traces it, its batch norm an aten op)
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.bn(self.lin(x)) if x.size(0) > 0 else x
+    x = torch.randn(3, 4)
+    assert batch_statistics(trace(Normed(), (x,), {})) == ["bn", "batch_norm"]
+    assert batch_statistics(trace(Normed().eval(), (x,), {})) == ["batch_norm"]  # (the functional one trains)
+    gm = trace(Exported(), (x,), {})
+    assert gm.meta["fxpipe_tracer"] == "torch.export.export" and len(batch_statistics(gm)) == 1, gm.graph
+    assert batch_statistics(trace(Exported().eval(), (x,), {})) == []
