@@ -85,10 +85,10 @@ def check_call(plan: Plan, args: Sequence[Any], kwargs: dict[str, Any], *, dynam
     w, g = dict(want), dict(got)
     missing = [p for p in w if p not in g]
     extra = [p for p in g if p not in w]
-    if missing or extra or [p for p, _ in want] != [p for p, _ in got]:
+    if missing or extra:  # (keywords in another order are the same call: the graph's inputs are bound by name)
         parts = ([f"missing {', '.join(missing)}"] if missing else []) + \
                 ([f"not planned for: {', '.join(f'{p} ({describe(g[p])})' for p in extra)}"] if extra else [])
-        differ = "; ".join(parts) or "another order"
+        differ = "; ".join(parts)
         raise error(f"the inputs of this call are not those the plan was made for ({differ}); the plan's inputs "
                     f"are {planned}; an input the plan does not know would be dropped silently, so {fix}")
     batched = {p: v.shape[0] for p, v in want if isinstance(v, Value) and v.shape}
@@ -105,7 +105,7 @@ def check_call(plan: Plan, args: Sequence[Any], kwargs: dict[str, Any], *, dynam
             if str(x.dtype).removeprefix("torch.") != v.dtype:
                 raise error(f"input {path} has dtype {str(x.dtype).removeprefix('torch.')} but the plan was made "
                             f"for {v.dtype}; convert it (e.g. x.to(torch.{v.dtype})) or {fix}")
-            shape = [v.shape[0] * microbatches, *v.shape[1:]] if v.shape and x.dim() else v.shape
+            shape = [v.shape[0] * microbatches, *v.shape[1:]] if v.shape else v.shape
             if not dynamic and list(x.shape) != shape:
                 raise error(f"input {path} has shape {list(x.shape)} but the plan was made for {v.shape} per "
                             f"microbatch, so {shape} for {microbatches} microbatches; use batches of the planned "

@@ -24,6 +24,7 @@ certainty, and reading at most that many elements costs microseconds whatever th
 from __future__ import annotations
 
 import hashlib
+import inspect
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -223,14 +224,36 @@ def split_microbatches(tree: Any, n: int, what: str = "batch") -> list[Any]:
     leaves, spec = pytree.tree_flatten(tree)
     sizes = {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0}
     if len(sizes) > 1:
-        raise PipelineError(f"the {what}'s tensors disagree on the batch size (dim 0): {sorted(sizes)}; "
-                            "every input tensor must have the batch along dim 0")
+        paths = [(pytree.keystr(k), x) for k, x in pytree.tree_flatten_with_path(tree)[0]]
+        each = ", ".join(f"{p} {x.shape[0]}" for p, x in paths if isinstance(x, torch.Tensor) and x.dim() > 0)
+        raise PipelineError(f"the {what}'s tensors disagree on the batch size (dim 0): {each}; every input tensor "
+                            "carries the batch along dim 0, split into the microbatches: expand a tensor every sample "
+                            "shares to the batch (x.expand(batch, ...)), or pass it as one every microbatch takes "
+                            "whole (a 0-dim tensor, a number)")
     size = sizes.pop() if sizes else n
     if size % n:
         raise PipelineError(f"a {what} of {size} samples is not divisible into {n} microbatches; use a "
                             f"batch size that is a multiple of {n}, or another microbatches=")
     parts = [x.chunk(n) if isinstance(x, torch.Tensor) and x.dim() > 0 else [x] * n for x in leaves]
     return [pytree.tree_unflatten([p[i] for p in parts], spec) for i in range(n)]
+
+
+def _defaults_as_planned(pp: Pipeline, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` with a keyword set to its default in the model's forward (a plain constant: `mask=None`) as the
+    example set it: given explicitly where the example left it out, or left out where the example gave it; the
+    model's call is the same."""
+    try:
+        params = inspect.signature(pp._model.forward).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    planned = pp._example[1]
+
+    def default(k: str, v: Any) -> bool:
+        d = params[k].default if k in params else inspect.Parameter.empty
+        return v is d or type(v) is type(d) and isinstance(v, _PLAIN) and v == d
+    out = {k: v for k, v in kwargs.items() if k in planned or not default(k, v)}
+    out.update({k: v for k, v in planned.items() if k not in out and default(k, v)})
+    return out
 
 
 def agreed_call(pp: Pipeline, batch: tuple[tuple[Any, ...], dict[str, Any]], target: Any, what: str,
@@ -241,9 +264,13 @@ def agreed_call(pp: Pipeline, batch: tuple[tuple[Any, ...], dict[str, Any]], tar
     refused: PipelineError | None = None
     mbs: list[Any] = []
     targets: list[Any] = [None] * pp.M
-    try:
+    batch = (batch[0], _defaults_as_planned(pp, batch[1]))
+    try:  # (with fixed shapes, the plan's first: they say which one batch size it takes)
+        if not pp.dynamic:
+            check_pipeline_call(pp, batch, target, training, step=what == "step")
         mbs = split_microbatches(batch, pp.M)
-        check_pipeline_call(pp, batch, target, training, step=what == "step")
+        if pp.dynamic:
+            check_pipeline_call(pp, batch, target, training, step=what == "step")
         if target is not None:
             targets = split_microbatches(target, pp.M, "target")
     except PipelineError as e:

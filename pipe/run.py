@@ -192,12 +192,20 @@ def main(argv: list[str] | None = None) -> int:
     except (WorkloadError, TypeError) as e:
         print(error_line(ctx.rank, e), file=sys.stderr)
         return 2
+    ex_args, ex_kwargs, ex_target = w.example_args, w.example_kwargs, w.example_target
+    if args.batch_size and args.schedule != "auto":  # (auto weighs the microbatch counts dividing the batch)
+        if args.batch_size % args.microbatches:
+            print(error_line(ctx.rank, ValueError(
+                f"a batch of {args.batch_size} samples is not divisible into {args.microbatches} microbatches; pass "
+                "a --batch-size that is a multiple of --microbatches")), file=sys.stderr)
+            return 2
+        ex_args, ex_kwargs, ex_target = w.batch(args.batch_size // args.microbatches, 0)  # one microbatch
     try:
-        pp = pipe.Pipeline(w.model, w.example_args, example_kwargs=w.example_kwargs, loss_fn=w.loss_fn,
+        pp = pipe.Pipeline(w.model, ex_args, example_kwargs=ex_kwargs, loss_fn=w.loss_fn,
                            microbatches=args.microbatches, schedule=args.schedule, plan=args.plan,
                            stages_per_rank=args.stages_per_rank, cost=args.cost, memory_budget=args.memory_budget,
                            recompute=args.recompute, offload=args.offload, leaf_modules=w.leaf_modules,
-                           example_target=None if args.loss_outside else w.example_target,
+                           example_target=None if args.loss_outside else ex_target,
                            trace_loss=not args.loss_outside,
                            skip_nonfinite=args.skip_nonfinite, data_parallel=args.data_parallel,
                            dp_shard=args.dp_shard, compile=args.compile, calibration=args.calibration,

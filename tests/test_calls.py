@@ -1,5 +1,7 @@
 """pipe.calls: the digest by which the ranks of a pipeline agree on a call (pure; the ranks' agreement
 itself runs in tests/test_reliability.py's launch)."""
+from typing import Any
+
 import torch
 
 from pipe.calls import SAMPLE, call_of
@@ -111,3 +113,23 @@ def test_with_weights_the_model_s_own_values_are_not_compared_but_the_weights_ar
     assert build_of(a, (torch.zeros(2, 4),), {}, None, {"weights": None}).digest \
         != build_of(b, (torch.zeros(2, 4),), {}, None, {"weights": None}).digest
     assert any(p.startswith("weights=a state dict of 2 entries, digest ") for p in given.parts)
+
+
+def test_a_keyword_given_as_its_default_is_the_call_the_example_made() -> None:
+    """Found by review: `attention_mask=None` passed explicitly to a pipeline built without it (its default) was
+    refused as an input the plan does not know; and the reverse. A tensor is never taken as a default."""
+    from types import SimpleNamespace
+    from pipe.calls import _defaults_as_planned
+
+    class Model(torch.nn.Module):
+        def forward(self, x: torch.Tensor, attention_mask: Any = None, scale: float = 1.0) -> torch.Tensor:
+            return x
+
+    x = torch.zeros(2)
+    pp = SimpleNamespace(_model=Model(), _example=((x,), {}))
+    assert _defaults_as_planned(pp, {"attention_mask": None, "scale": 1.0}) == {}
+    assert _defaults_as_planned(pp, {"scale": 2.0}) == {"scale": 2.0}  # not the default: the check refuses it
+    assert _defaults_as_planned(pp, {"scale": 1}) == {"scale": 1}  # (an int for a float default: another constant)
+    assert list(_defaults_as_planned(pp, {"attention_mask": x})) == ["attention_mask"]
+    pp = SimpleNamespace(_model=Model(), _example=((x,), {"attention_mask": None}))
+    assert _defaults_as_planned(pp, {}) == {"attention_mask": None}

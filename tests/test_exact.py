@@ -257,3 +257,34 @@ def test_dynamic_shapes_refuse_an_example_whose_tensors_disagree_on_the_batch() 
     with pytest.raises(partition.PlanError, match=re.escape("the plan's example had args[0] 1, args[1] 4 there")):
         check_call(plan, (x.repeat(4, 1, 1), mask), {}, dynamic=True, microbatches=4)
     check_call(plan, (x, mask), {}, microbatches=1)  # without dynamic shapes the planned shapes decide
+
+
+def test_keywords_in_another_order_are_the_same_call_and_a_shape_is_named_per_batch() -> None:
+    """Found by review: keywords given in another order than the example's were refused ("another order"), though
+    the graph binds them by name; a 0-dim tensor where the plan has [2, 1, 1] per microbatch was told to pass
+    [2, 1, 1] for 4 microbatches (the batch's is [8, 1, 1])."""
+    import partition
+    from partition.signature import check_call
+
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x) * mask) * scale
+
+    x, mask, scale = torch.randn(2, 4), torch.ones(2, 4), torch.ones(2, 1)
+    plan = partition.plan(Scaled(), (x,), 2, example_kwargs={"mask": mask, "scale": scale}, cost="flops")
+    check_call(plan, (x.repeat(4, 1),), {"scale": scale.repeat(4, 1), "mask": mask.repeat(4, 1)}, microbatches=4)
+    with pytest.raises(partition.PlanError, match=re.escape("has shape [] but the plan was made for [2, 1] per "
+                                                            "microbatch, so [8, 1] for 4 microbatches")):
+        check_call(plan, (x.repeat(4, 1),), {"mask": mask.repeat(4, 1), "scale": torch.tensor(1.0)}, microbatches=4)
+
+
+def test_a_batch_whose_tensors_disagree_on_dim_0_names_each() -> None:
+    from pipe.calls import split_microbatches
+    from pipe.errors import PipelineError
+    with pytest.raises(PipelineError, match=re.escape("(dim 0): [0] 8, [1]['scale'] 1; every input tensor carries "
+                                                      "the batch along dim 0")):
+        split_microbatches((torch.zeros(8, 3), {"scale": torch.zeros(1, 1)}), 4)

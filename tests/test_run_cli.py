@@ -20,10 +20,14 @@ def test_run_command(launcher: str, tmp_path: Path) -> None:
     """pipe.run on 4 processes with --data-parallel 2 (two 2-rank pipelines): as two torchrun "nodes"
     on this machine (the parameters sharded, FSDP), or one mpiexec (the optimizer state sharded,
     ZeRO-1); the plan, the steps, the outputs with the grad all-reduce's lane, and losses that are
-    the unpartitioned model's over both replicas' batches."""
+    the unpartitioned model's over both replicas' batches. Under mpiexec with --batch-size 8 (microbatches of 2,
+    where the workload's example is of 4: every step was refused for its shape)."""
     shard = "optimizer" if launcher == "mpiexec" else "full"
+    batch = 8 if launcher == "mpiexec" else 16
     argv = ["-m", "pipe.run", *TINY, "--steps", "5", "--data-parallel", "2", "--dp-shard", shard,
             "--clip-grad-norm", str(CLIP), "--eval-every", "2", "--out", str(tmp_path)]
+    if batch != 16:
+        argv += ["--batch-size", str(batch)]
     if launcher == "mpiexec":
         # each rank's exit status, and a Python traceback from a rank that a signal ends (both only in the output;
         # a rank killed after the run was pipe.run's os._exit: tests/test_harness.py::test_mpiexec_exit_process)
@@ -47,7 +51,7 @@ def test_run_command(launcher: str, tmp_path: Path) -> None:
     assert summary["ranks"] == 4 and summary["data_parallel"] == 2 and summary["dp_shard"] == shard
     assert 0 <= summary["measured_bubble"] < 1 and 0 <= summary["predicted_bubble"] < 1
     import torch
-    losses, norms, held = _dp_reference(5)
+    losses, norms, held = _dp_reference(5, batch)
     torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-5)
     assert [s for s, _ in summary["eval_losses"]] == [2, 4] and sum("eval loss" in s for s in steps) == 2
     torch.testing.assert_close(torch.tensor([x for _, x in summary["eval_losses"]]), torch.tensor(held),
@@ -229,7 +233,7 @@ def test_help_says_what_out_and_timeout_do(capsys: pytest.CaptureFixture[str]) -
     assert "FXPIPE_TIMEOUT" in text and "300" in text
 
 
-def _dp_reference(steps: int) -> tuple[list[float], list[float], list[float]]:
+def _dp_reference(steps: int, batch: int) -> tuple[list[float], list[float], list[float]]:
     """One process over both replicas' batches (replica r of 2 trains on batch step * 2 + r), AdamW as
     pipe.run builds it, grads clipped to CLIP: the losses, the grad norms, and after every second step the
     loss of both replicas' held-out batches (HELD_OUT + r)."""
@@ -240,7 +244,7 @@ def _dp_reference(steps: int) -> tuple[list[float], list[float], list[float]]:
     opt = torch.optim.AdamW(w.model.parameters(), lr=1e-3)
     out, norms, held = [], [], []
     for step in range(steps):
-        parts = [w.batch(w.microbatch_size * 4, step * 2 + r) for r in range(2)]
+        parts = [w.batch(batch, step * 2 + r) for r in range(2)]
         loss = w.loss_fn(w.model(torch.cat([p[0][0] for p in parts])), torch.cat([p[2] for p in parts]))
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(w.model.parameters(), CLIP)))
@@ -248,7 +252,7 @@ def _dp_reference(steps: int) -> tuple[list[float], list[float], list[float]]:
         opt.zero_grad(set_to_none=True)
         out.append(float(loss.detach()))
         if (step + 1) % 2 == 0:
-            parts = [w.batch(w.microbatch_size * 4, HELD_OUT + r) for r in range(2)]
+            parts = [w.batch(batch, HELD_OUT + r) for r in range(2)]
             with torch.no_grad():
                 held.append(float(w.loss_fn(w.model(torch.cat([p[0][0] for p in parts])),
                                             torch.cat([p[2] for p in parts]))))
