@@ -107,6 +107,16 @@ def check_call(plan: Plan, args: Sequence[Any], kwargs: dict[str, Any], *, dynam
                             f"for {v.dtype}; convert it (e.g. x.to(torch.{v.dtype})) or {fix}")
             shape = [v.shape[0] * microbatches, *v.shape[1:]] if v.shape else v.shape
             if not dynamic and list(x.shape) != shape:
+                later = [d for d in range(1, min(x.dim(), len(v.shape))) if microbatches > 1 and x.shape[0] ==
+                         v.shape[0] and x.shape[d] == v.shape[d] * microbatches and list(x.shape[1:d]) ==
+                         v.shape[1:d] and list(x.shape[d + 1:]) == v.shape[d + 1:]]
+                if later:  # the batch along another dim: dynamic shapes would split the wrong one
+                    raise error(f"input {path} has shape {list(x.shape)} but the plan was made for {v.shape} per "
+                                f"microbatch, so {shape} for {microbatches} microbatches; its dim {later[0]} holds "
+                                f"{microbatches} microbatches' worth, as if the batch were along dim {later[0]} "
+                                f"(sequence-first), but microbatches are split along dim 0 of every input (with "
+                                f"dynamic_shapes=True too); put the batch first (x.transpose(0, {later[0]}), and "
+                                f"the example's likewise)")
                 raise error(f"input {path} has shape {list(x.shape)} but the plan was made for {v.shape} per "
                             f"microbatch, so {shape} for {microbatches} microbatches; use batches of the planned "
                             f"shape (batch size = {v.shape[0] if v.shape else '?'} x microbatches), pass "

@@ -280,6 +280,11 @@ def test_keywords_in_another_order_are_the_same_call_and_a_shape_is_named_per_ba
     with pytest.raises(partition.PlanError, match=re.escape("has shape [] but the plan was made for [2, 1] per "
                                                             "microbatch, so [8, 1] for 4 microbatches")):
         check_call(plan, (x.repeat(4, 1),), {"mask": mask.repeat(4, 1), "scale": torch.tensor(1.0)}, microbatches=4)
+    # found by review: a sequence-first batch [T, B] was told to pass dynamic_shapes=True, which then split it
+    # along the sequence (a loss of 4.427 for 4.207, no error)
+    with pytest.raises(partition.PlanError, match=r"its dim 1 holds 4 microbatches' worth, as if the batch were "
+                                                  r"along dim 1 \(sequence-first\)"):
+        check_call(plan, (x.repeat(1, 4),), {"mask": mask.repeat(4, 1), "scale": scale.repeat(4, 1)}, microbatches=4)
 
 
 def test_a_batch_whose_tensors_disagree_on_dim_0_names_each() -> None:
