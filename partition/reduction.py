@@ -72,6 +72,7 @@ class Weighting:
     reader: str = ""      # lower bound (x.clamp(min=1)), if any
     floor: float | None = None
     paired: bool = False  # "mean" of losses each pairing its own microbatch's samples only: not the batch's
+    elements: bool = False  # "count": of the target's elements (an element-wise loss over values a mask selects)
 
     def _tensor(self, path: str) -> Any:
         for root in (self.holder, self.origin):
@@ -94,7 +95,7 @@ class Weighting:
             return target.to(torch.float64)
         if self.weight_path is not None:
             weight = self._tensor(self.weight_path)
-        if target.is_floating_point():
+        if target.is_floating_point() or self.elements:
             return torch.tensor(float(target.numel()), dtype=torch.float64, device=target.device)
         valid = target != self.ignore_index
         if weight is None:
@@ -104,6 +105,9 @@ class Weighting:
 
     def describe(self, replicas: int = 1) -> str:
         over = " over every replica's batch" if replicas > 1 else ""
+        if self.kind == "count" and self.elements:
+            return (f"loss: the batch's, each microbatch's {self.loss} weighs by its target's elements (the values "
+                    f"a mask selects) over the batch's{over}")
         if self.kind == "count":
             weighed = " (by class weight)" if self.weight_path is not None or self._graph_weight() else ""
             what = (f"each microbatch's {self.loss} weighs by its targets other than ignore_index="
@@ -446,6 +450,32 @@ def _ratio(gm: torch.fx.GraphModule, loss: torch.fx.Node, sizes: _Sizes) -> Weig
                      written=written, origin=gm, ratio=loss.name, numerator=numerator.name, floor=found[1])
 
 
+_ATEN_ELEMENTWISE = {torch.ops.aten.mse_loss.default: "mse_loss", torch.ops.aten.l1_loss.default: "l1_loss",
+                     torch.ops.aten.smooth_l1_loss.default: "smooth_l1_loss",
+                     torch.ops.aten.huber_loss.default: "huber_loss",
+                     torch.ops.aten.binary_cross_entropy.default: "binary_cross_entropy",
+                     torch.ops.aten.binary_cross_entropy_with_logits.default: "binary_cross_entropy_with_logits"}
+
+
+def _elementwise_mean(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[str, Any] | None:
+    """(name, target) when `node` is an element-wise loss averaging over its elements (mse_loss, l1_loss, ...,
+    reduction='mean', as a function, an ATen op or a module), else None."""
+    if node.op == "call_function" and node.target in _SUMMED and len(node.args) <= 2 \
+            and node.kwargs.get("size_average") is None and node.kwargs.get("reduce") is None:
+        if node.kwargs.get("reduction", "mean") != "mean":
+            return None
+        return _SUMMED[node.target], node.args[1] if len(node.args) > 1 else node.kwargs.get("target")
+    if node.op == "call_function" and node.target in _ATEN_ELEMENTWISE:
+        got = dict(zip([a.name for a in node.target._schema.arguments], node.args))
+        got.update(node.kwargs)
+        return (_ATEN_ELEMENTWISE[node.target], got.get("target")) if got.get("reduction", 1) == 1 else None
+    if node.op == "call_module" and len(node.args) == 2 and not node.kwargs:
+        mod = gm.get_submodule(str(node.target))
+        if type(mod) in _SUMMED_MODULES and getattr(mod, "reduction", None) == "mean":
+            return type(mod).__name__, node.args[1]
+    return None
+
+
 def _found(gm: torch.fx.GraphModule, loss: torch.fx.Node, sizes: _Sizes) -> Weighting:
     """weighting's answer for the loss node `loss` (its scaling by shared values peeled)."""
     name = _additive(gm, loss, sizes)
@@ -454,6 +484,13 @@ def _found(gm: torch.fx.GraphModule, loss: torch.fx.Node, sizes: _Sizes) -> Weig
     ratio = _ratio(gm, loss, sizes)
     if ratio is not None:
         return ratio
+    mean = _elementwise_mean(gm, loss)
+    if mean is not None and isinstance(mean[1], torch.fx.Node) and sizes.of(loss) is None and sizes.why.startswith(
+            "the graph does not run on the meta device"):  # a count the values decide (t[~isnan(t)]): weighed by it
+        sub, attrs, written, why = _inputs_only(gm, [mean[1], None], loss)
+        if sub is not None:
+            return Weighting("count", "", loss=mean[0], targets=sub, attrs=attrs, written=written, origin=gm,
+                             elements=True)
     args, name = loss_args(gm, loss, "cross_entropy"), "cross_entropy"
     if args is None:
         args, name = loss_args(gm, loss, "nll_loss"), "nll_loss"

@@ -328,15 +328,22 @@ def _masked_floor(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return (((o - t) ** 2) * mask).sum() / mask.sum().clamp(min=1)
 
 
+def _selected(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """A mean over the values a mask selects (labels missing: found by review, averaged over the microbatches)."""
+    m = t > 0
+    return F.mse_loss(o[m], t[m])
+
+
 def _sums_and_ratios(rank: int, M: int) -> dict[str, Any]:
     """Losses written by hand, a microbatch's mask all 0: a .sum() over the samples (was averaged: loss and grads
     1/M of the batch's) and masked means, clamped or not (were averaged; each microbatch's numerator now over the
-    batch's divisor), trained two steps in parity on 1f1b and zb-h1; a model's own masked mean through step,
-    evaluate in eval mode (stages traced again) and forward()."""
+    batch's divisor), and an mse_loss over the values a mask selects (weighed by their count), trained two steps
+    in parity on 1f1b and zb-h1; a model's own masked mean through step, evaluate in eval mode (stages traced
+    again) and forward()."""
     import pipe
     from tests.nccl_like import NcclLike
     notes = {}
-    for loss_fn in (_summed, _masked, _masked_floor):
+    for loss_fn in (_summed, _masked, _masked_floor, _selected):
         for schedule in ("1f1b", "zb-h1"):
             w, ref = _workload(Chain), _workload(Chain)
             pp = pipe.Pipeline(w.model, w.example_args, loss_fn=loss_fn, microbatches=M, cost="flops",
@@ -728,6 +735,8 @@ def test_inplace_ops_autocast_and_leaf_modules_train_as_the_model() -> None:
                                       "microbatch's numerator over the batch's divisor, at least 1 (computed from the "
                                       "inputs)"], notes
     assert all("numerator over the batch's divisor" in n[0] for n in (notes["_masked"], notes["own"])), notes
+    assert notes["_selected"] == ["loss: the batch's, each microbatch's mse_loss weighs by its target's elements (the "
+                                  "values a mask selects) over the batch's"], notes
     for r in res:  # the first step overflowed and was skipped on both, as on the model; then none did
         scales = r["grad scaler"]["scales"]
         assert scales == [(2.0 ** 16, 2.0 ** 16)] * 3, scales

@@ -93,6 +93,11 @@ CASES = [  # (loss_fn, kind, what the plan's note says)
     (lambda o, t: F.mse_loss(o, t.float().unsqueeze(-1).expand_as(o), reduction="sum"), "sum", "mse_loss"),
     (lambda o, t: F.mse_loss(o, t.float().unsqueeze(-1).expand_as(o)), "mean",
      "the loss is call_function mse_loss, not a cross entropy or NLL loss"),
+    # found by review: a mean over the values a mask selects (labels missing) was averaged over the microbatches
+    (lambda o, t: F.mse_loss(o[t != 0], t.float().unsqueeze(-1).repeat(1, 1, V)[t != 0]), "count",
+     "mse_loss weighs by its target's elements (the values a mask selects)"),
+    (lambda o, t: nn.L1Loss()(o[t != 0], t.float().unsqueeze(-1).repeat(1, 1, V)[t != 0]), "count",
+     "l1_loss weighs by its target's elements"),  # (a module of the closure's: traced through)
     (lambda o, t: 2 * _ce(o, t), "count", "cross_entropy weighs by its targets"),  # scaled by a shared number
     (lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten(), reduction="sum") / 7.0, "sum", "reduction='sum'"),
     (lambda o, t: _ce(o, t) * o.mean(), "mean", "the loss is call_function mul"),  # by a value of the microbatch
