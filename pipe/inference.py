@@ -153,7 +153,7 @@ def stages_in_mode_of(pp: Pipeline, inference: bool) -> tuple[dict[int, Any] | N
                 keep_numerator(gm, found)
             pp._other_mode["stages"] = _streamed(pp, modes.stages_in_mode(gm, fresh, pp._gm, pp.plan, pp._trained))
             pp._other_mode["gm"] = gm
-        except (PlanError, ValueError, TypeError) as e:
+        except Exception as e:  # noqa: BLE001 - whatever the trace or the cut raises: on every rank, not one
             error = (f"{type(e).__name__}: in {'training' if pp.training else 'eval'} mode the model traces "
                      f"otherwise than the plan's graph ({e}); build a Pipeline from the model in that mode")
         agree_everywhere(error, ModeError)
@@ -168,8 +168,11 @@ def stages_in_mode_of(pp: Pipeline, inference: bool) -> tuple[dict[int, Any] | N
             try:
                 pp._other_mode["inference"] = _streamed(pp, {s: inference_stage(gm, pp.plan, s, pp._trained[s])
                                                              for s in pp.local})
-            except PlanError as e:
-                error = f"PipelineError: forward() on this pipeline: {e}"
+            except Exception as e:  # noqa: BLE001 - a value the cut misses (found by review: a KeyError on one
+                # rank, the other waiting for it until the timeout)
+                error = (f"forward() in {'training' if pp.training else 'eval'} mode, the loss in the graph: the "
+                         f"stages without the loss cannot be cut from the mode's graph ({type(e).__name__}: {e}); "
+                         "evaluate() works, or build a Pipeline from the model in that mode")
         agree_everywhere(error, ModeError)
     return pp._other_mode["stages"], pp._other_mode.get("inference") if inference else None
 
@@ -224,6 +227,8 @@ def forward(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, A
             pp._inference = _streamed(pp, {s: inference_stage(pp._gm, pp.plan, s, pp._trained[s]) for s in pp.local})
         except PlanError as e:
             error = f"PipelineError: forward() on this pipeline: {e}"
+        except Exception as e:  # noqa: BLE001 - raised on every rank, not on one while the others wait
+            error = f"PipelineError: forward() on this pipeline: the stages without the loss: {type(e).__name__}: {e}"
         agree_everywhere(error)
     stages, inference = stages_in_mode_of(pp, inference=True)  # (None, None) in the mode of the trace
     layout = output_layout(pp)

@@ -8,6 +8,7 @@ and without streamed parameters, and Hugging Face GPT-2 and T5 (torch.export) wi
 eval mode skips a layer refused. The data-parallel case (the mean over the replicas' batches) is in
 test_data_parallel."""
 import itertools
+import time
 from typing import Any
 
 import torch
@@ -164,6 +165,36 @@ def _hugging_face(name: str) -> dict[str, Any]:
     return {"train": train, "eval": evaluated, "ref": want, "loss in graph": pp.plan.loss, "forward": forward}
 
 
+def _llama_attention_dropout() -> dict[str, Any]:
+    """Found by review: Llama with attention dropout (read from `self.training`), built in training mode, then
+    forward() in eval mode with its loss in the graph: the eval graph's names match the plan's, but cutting the
+    stages without the loss failed with a KeyError on rank 0 while rank 1 waited for it until the timeout. Now
+    refused on every rank at once; evaluate() gives the model's eval loss."""
+    import transformers as tf
+    import pipe
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64, max_position_embeddings=32, use_cache=False,
+                         attention_dropout=0.2)
+    model = tf.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 64, (2 * M, 8), generator=torch.Generator().manual_seed(0))
+    pp = pipe.Pipeline(model, (), example_kwargs={"input_ids": ids[:2], "labels": ids[:2]},
+                       loss_fn=lambda out, _: out.loss, microbatches=M, cost="flops", example_target=ids[:2])
+    out: dict[str, Any] = {"loss in graph": pp.plan.loss}
+    with torch.no_grad():
+        out["evaluate"] = (pp.eval().evaluate(input_ids=ids, labels=ids, target=ids),
+                           float(model.eval()(input_ids=ids, labels=ids).loss))
+        start = time.monotonic()
+        try:
+            pp.forward(input_ids=ids, labels=ids)
+            out["forward"] = "ran"
+        except pipe.PipelineError as e:
+            out["forward"] = f"{type(e).__name__}: {e}"
+        out["s"] = time.monotonic() - start
+    pp.train()
+    return out
+
+
 def _refused_mode() -> str:
     """A model whose eval mode skips a layer: refused on every rank."""
     import pipe
@@ -186,6 +217,7 @@ def two_body(rank: int, world: int) -> dict[str, Any]:
     res["modes"] = {fused: _modes(fused) for fused in (False, True)}
     res["modes, streamed states"] = {fused: _modes(fused, offload="states") for fused in (False, True)}
     res["hugging face"] = {name: _hugging_face(f"bench.hf_models:{name}") for name in ("gpt2", "t5")}
+    res["llama attention dropout"] = _llama_attention_dropout()
     res["mode refused"] = _refused_mode()
     return res
 
@@ -216,6 +248,12 @@ def test_evaluate_on_2_ranks_is_the_whole_models_loss_without_grads() -> None:
     for r in res:
         assert r["mode refused"].startswith("ModeError: ") and "in eval mode the model traces otherwise" in \
             r["mode refused"] and "build a Pipeline from the model in that mode" in r["mode refused"], r["mode refused"]
+    for r in res:
+        got = r["llama attention dropout"]
+        assert got["loss in graph"], got
+        torch.testing.assert_close(*got["evaluate"], rtol=1e-5, atol=1e-6)
+        assert got["forward"].startswith("ModeError") and "the stages without the loss cannot be cut from the " \
+            "mode's graph (KeyError" in got["forward"] and got["s"] < 30, got
     for r in res:
         assert "got no target" in r["refused"]["no target"] and "target=" in r["refused"]["no target"], r
 
