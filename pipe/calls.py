@@ -331,6 +331,14 @@ def check_pipeline_call(pp: Pipeline, batch: tuple[tuple[Any, ...], dict[str, An
     """Refuse a call the plan was not made for (`batch`: the whole batch, split in pp.M)."""
     check_call(pp.plan, batch[0], batch[1], microbatches=pp.M, dynamic=pp.dynamic, error=PipelineError,
                example=pp._example)
+    user = getattr(pp._model, "training", pp._traced_mode)
+    if user != pp._traced_mode and pp.training != user:  # the model switched, the pipeline not: found by review
+        now, was = ("training", "eval") if user else ("eval", "training")
+        raise PipelineError(f"the model was put in {now} mode after this pipeline was built from it in {was} mode, "
+                            f"but the pipeline's mode is its own: its stages were traced in {was} mode (a model "
+                            "from_pretrained comes in eval mode), and step() trains them so; build the Pipeline "
+                            f"after model.{'train' if user else 'eval'}(), or switch the pipeline's mode for "
+                            f"evaluate() and forward() with pp.{'train' if user else 'eval'}()")
     if not training:
         return
     if step and not torch.is_grad_enabled():

@@ -195,6 +195,28 @@ def _llama_attention_dropout() -> dict[str, Any]:
     return out
 
 
+def _user_switched() -> dict[str, str]:
+    """Found by review: a model built into a pipeline in eval mode (as from_pretrained returns it), then put in
+    training mode by the user's loop (model.train()), trained without dropout: the pipeline's mode is its own.
+    Now refused at the call, naming the fix; switched back, the step runs."""
+    import partition
+    import pipe
+    w = partition.load("gpt", **{**GPT, "dropout": 0.1})
+    pp = pipe.Pipeline(w.model.eval(), w.example_args, loss_fn=w.loss_fn, microbatches=M, cost="flops")
+    args, _, target = w.batch(w.microbatch_size * M, 0)
+    w.model.train()
+    out = {}
+    for call in ("step", "evaluate"):
+        try:
+            getattr(pp, call)(*args, target=target)
+            out[call] = "ran"
+        except pipe.PipelineError as e:
+            out[call] = str(e)
+    w.model.eval()
+    out["back"] = str(pp.step(*args, target=target))
+    return out
+
+
 def _refused_mode() -> str:
     """A model whose eval mode skips a layer: refused on every rank."""
     import pipe
@@ -218,6 +240,7 @@ def two_body(rank: int, world: int) -> dict[str, Any]:
     res["modes, streamed states"] = {fused: _modes(fused, offload="states") for fused in (False, True)}
     res["hugging face"] = {name: _hugging_face(f"bench.hf_models:{name}") for name in ("gpt2", "t5")}
     res["llama attention dropout"] = _llama_attention_dropout()
+    res["user switched"] = _user_switched()
     res["mode refused"] = _refused_mode()
     return res
 
@@ -254,6 +277,11 @@ def test_evaluate_on_2_ranks_is_the_whole_models_loss_without_grads() -> None:
         torch.testing.assert_close(*got["evaluate"], rtol=1e-5, atol=1e-6)
         assert got["forward"].startswith("ModeError") and "the stages without the loss cannot be cut from the " \
             "mode's graph (KeyError" in got["forward"] and got["s"] < 30, got
+    for r in res:
+        for call in ("step", "evaluate"):
+            assert r["user switched"][call].startswith("the model was put in training mode after this pipeline was "
+                                                       "built from it in eval mode"), r["user switched"]
+        float(r["user switched"]["back"])
     for r in res:
         assert "got no target" in r["refused"]["no target"] and "target=" in r["refused"]["no target"], r
 
