@@ -122,5 +122,8 @@ def check_call(plan: Plan, args: Sequence[Any], kwargs: dict[str, Any], *, dynam
                             f"shape (batch size = {v.shape[0] if v.shape else '?'} x microbatches), pass "
                             f"dynamic_shapes=True, or re-plan with an example of this shape")
         elif not isinstance(v, _Unknown) and not _same_constant(x, v):
+            varies = (" If it changes from batch to batch (a count such as num_items_in_batch), make it a 0-dim "
+                      "tensor in the example and the calls (torch.tensor(n)): every microbatch takes it whole, a "
+                      "value of the graph." if isinstance(x, (int, float)) and not isinstance(x, bool) else "")
             raise error(f"input {path} is {x!r} but the plan was made with {v!r} there (the graph is specialised "
-                        f"on it); pass {v!r}, or {fix}")
+                        f"on it); pass {v!r}, or {fix}.{varies}")

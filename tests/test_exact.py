@@ -232,6 +232,7 @@ def test_a_constant_the_plan_cannot_record_is_checked_against_the_example() -> N
     check_call(partition.plan(Model(), (x,), 2, example_kwargs=numpy_example[1], cost="flops"),
                (x,), {**numpy_example[1], "clip": np.float64(math.inf)}, example=numpy_example)
     for kw, said in [({"clip": 0.1}, "kwargs['clip'] is 0.1 but the plan was made with inf"),
+                     ({"clip": 0.1}, "(a count such as num_items_in_batch), make it a 0-dim tensor"),
                      ({"act": Act.TANH}, "kwargs['act'] is <Act.TANH: 2> but the plan was made with <Act.RELU: 1>"),
                      ({"eps": 0.5}, "kwargs['eps'] is 0.5 but the plan was made with nan")]:
         with pytest.raises(partition.PlanError, match=re.escape(said)):
