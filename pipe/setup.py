@@ -81,6 +81,7 @@ def materialize(pp: Pipeline, model: torch.nn.Module, stages: list[torch.fx.Grap
                 pp._unplaced[k] = made.setdefault(id(t), empty_like(t, device) if t.is_meta else t.detach().to(device))
     pp._names = {id(made[i]): n for i, n in pp._names.items() if i in made}
     pp._made = made
+    pp._fresh = {id(t): t._version for t in made.values()}  # a source that writes a tensor bumps its version
     for s, c in zip(pp.local, copies):
         c.io = stages[s].io
         retarget(c, device)
@@ -110,17 +111,6 @@ def note_param_placement(pp: Pipeline, model: torch.nn.Module) -> None:
             "with glibc: steps of a model with 33 MB of logits per microbatch measured 0-20% faster)")
 
 
-def _meta_non_persistent(model: torch.nn.Module) -> list[str]:
-    """The model's non-persistent buffers on the meta device, by name (BERT's position ids, a causal mask)."""
-    out = []
-    for name, module in model.named_modules():
-        for b in module._non_persistent_buffers_set:
-            t = module._buffers.get(b)
-            if t is not None and t.is_meta:
-                out.append(f"{name}.{b}" if name else b)
-    return out
-
-
 def fill(pp: Pipeline, model: torch.nn.Module) -> None:
     """Give a meta model's local stages their values (weights=), or load a state dict into a real
     model's; every rank fails alike, naming the tensors no source gave a value."""
@@ -148,16 +138,20 @@ def fill(pp: Pipeline, model: torch.nn.Module) -> None:
     named: dict[str, torch.Tensor] = dict(pp.named_parameters())
     named.update(pp.unread_parameters())
     named.update(pp.local_buffers())
-    mine = unset(named)  # floating ones still NaN; and, from a state dict, the non-persistent buffers on the meta
-    if not isinstance(w, Init):  # device, which no state dict holds (an integer one would stay 0 unseen)
-        mine += sorted(k for k in _meta_non_persistent(model) if k in named and k not in mine)
+    mine = unset(named)  # floating ones still NaN; and the other buffers allocated here no source wrote (an
+    # integer or boolean one would stay 0 or False unseen: a state dict holds no non-persistent buffer, BERT's
+    # position ids, and an init of parameters alone writes none)
+    mine += sorted(k for k, t in pp.local_buffers().items() if not t.is_floating_point() and k not in mine
+                   and pp._fresh.get(id(t)) == t._version)
     missing = sorted(set().union(*gather(mine))) if pp.ctx.world_size > 1 else mine
     if missing:  # every rank's, named on every rank
         raise PipelineError(
             f"{', '.join(missing[:8])}{' and more' if len(missing) > 8 else ''} of {type(model).__name__} (on the "
             f"meta device) got no value from {what}: a state dict does not hold non-persistent buffers, and an "
-            "init must write every parameter and buffer; give an init function that writes them, or build these "
-            "tensors outside `with torch.device('meta')`")
+            "init must write every parameter and buffer; give an init function that writes them, build these "
+            "tensors outside `with torch.device('meta')`, or build the pipeline without weights= (each rank "
+            "then runs the model's own init on its stages, as Hugging Face's _init_weights sets rotary "
+            "frequencies) and load the state dict after it: pp.load_model_state(source)")
     pp.plan.notes.append(f"built on the meta device: each rank allocated only its stages, on {pp.ctx.device}, "
                          f"and took their values from {what}" + (
                              f" (seeded per module from seed {w.seed})" if isinstance(w, Init) else ""))
