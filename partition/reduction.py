@@ -350,8 +350,64 @@ class _Sizes:
                     Recorder(copy).run(*example)
         except Exception as e:  # noqa: BLE001 - a graph that needs values (.item(), a data-dependent shape) or fixed sizes
             self.why = f"the graph does not run on the meta device at twice the example's samples ({type(e).__name__})"
-            return {}
+            values.clear()
+            try:
+                self._loss_part(Recorder)
+            except Exception:  # noqa: BLE001 - the loss's own ops need values too
+                values.clear()
+                return {}
+            self.why = ""
         return values
+
+    def _loss_part(self, recorder: type[torch.fx.Interpreter]) -> None:
+        """Record the loss's own ops alone, on one microbatch and two, where the whole graph does not run (torch.export
+        fixes the model's sizes in its graph; Hugging Face's mask helpers copy to the CPU): the model's outputs the
+        loss reads are taken as the graph recorded their shapes (export's `val`), doubled along dim 0 when it is the
+        example's microbatch size (one per sample, as the model computes them)."""
+        from partition.loss import has_loss, model_outputs
+        if not has_loss(self.gm):
+            raise ValueError("no loss in the graph")
+        out = next(n for n in self.gm.graph.nodes if n.op == "output")
+        loss = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]
+        model: set[torch.fx.Node] = set()  # the model's outputs and what they are computed from
+        names = {n.name: n for n in self.gm.graph.nodes}
+        todo = [names[x] for is_node, x in model_outputs(self.gm)[0] if is_node and x in names]
+        while todo:
+            n = todo.pop()
+            if n not in model:
+                model.add(n)
+                todo += n.all_input_nodes
+        needed, todo = set(), [loss]  # the loss's own ops
+        while todo:
+            n = todo.pop()
+            if n not in needed and n not in model and n.op != "placeholder":
+                needed.add(n)
+                todo += n.all_input_nodes
+        part = [n for n in self.gm.graph.nodes if n in needed]
+        bounds = list(dict.fromkeys(a for n in part for a in n.all_input_nodes if a not in needed))
+        inputs = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        size = next(x.shape[0] for x in pytree.tree_leaves(list(self.example)) if _split(x))
+        g = torch.fx.Graph()
+        env = {b: g.placeholder(b.name) for b in bounds}
+        for n in part:
+            env[n] = g.node_copy(n, lambda a: env[a])
+        g.output(env[loss])
+        sub = torch.fx.GraphModule(self.gm, g)
+        for k in (1, 2):
+            given = []
+            for b in bounds:
+                if b.op == "placeholder":
+                    x = self.example[inputs.index(b)]
+                else:
+                    v = b.meta.get("val")
+                    if not isinstance(v, torch.Tensor):
+                        raise ValueError(f"no recorded shape for {b.name}")
+                    x = torch.empty(v.shape, dtype=v.dtype, device="meta")
+                doubled = isinstance(x, torch.Tensor) and x.dim() > 0 and (b.op == "placeholder" or x.shape[0] == size)
+                given.append(torch.cat([x.to("meta")] * k) if doubled else x.to("meta")
+                             if isinstance(x, torch.Tensor) else x)
+            with torch.no_grad(), torch.device("meta"):  # (recorded by the nodes' own names)
+                recorder(sub).run(*given)
 
 
 # ops reading numbers as sizes (x.view(x.shape[0], -1)): the batch's size in them is not a value of a sample

@@ -416,3 +416,24 @@ def test_batch_norms_in_training_mode_are_found_on_both_tracers() -> None:
     gm = trace(Exported(), (x,), {})
     assert gm.meta["fxpipe_tracer"] == "torch.export.export" and len(batch_statistics(gm)) == 1, gm.graph
     assert batch_statistics(trace(Exported().eval(), (x,), {})) == []
+
+
+class HeadExported(Head):
+    """Control flow on a size: torch.export traces it, with the example's sizes fixed in its graph."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x.reshape(-1, 4)).view(x.shape[0], x.shape[1], V) if x.size(0) > 0 else x
+
+
+@pytest.mark.parametrize("loss_fn, kind", [(lambda o, t: ((o - t.unsqueeze(-1)) ** 2).sum(), "sum"),
+                                           (lambda o, t: _masked_mean(o, t), "ratio"),
+                                           (lambda o, t: ((o - t.unsqueeze(-1)) ** 2).mean(0).sum(), "mean")])
+def test_on_a_graph_with_fixed_sizes_the_losss_own_ops_are_weighed(loss_fn: Any, kind: str) -> None:
+    """Found by review: on torch.export's graphs (Hugging Face models) a .sum() loss and a masked mean were averaged
+    (a token sum at 1/M of the batch's): the graph does not run at twice the samples. The loss's own ops are then
+    run alone, the model's outputs as export recorded them, doubled along dim 0."""
+    x, t = torch.randn(2, 3, 4), torch.randint(0, V, (2, 3))
+    gm = trace(HeadExported(), (x,), {})
+    assert gm.meta["fxpipe_tracer"] == "torch.export.export"
+    assert attach_loss(gm, loss_fn) is None
+    w = loss_weighting(gm, None, True, [x, t])
+    assert w.kind == kind, w
