@@ -365,7 +365,7 @@ class _Sizes:
         loss reads are taken as the graph recorded their shapes (export's `val`), doubled along dim 0 when it is the
         example's microbatch size (one per sample, as the model computes them)."""
         from partition.loss import has_loss, model_outputs
-        if not has_loss(self.gm):
+        if not has_loss(self.gm) or self.example is None:
             raise ValueError("no loss in the graph")
         out = next(n for n in self.gm.graph.nodes if n.op == "output")
         loss = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]
