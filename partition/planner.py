@@ -181,6 +181,10 @@ def qualnames(types: Sequence[type]) -> list[str]:
 
 def check_scalar_loss(loss: Any, where: str, error: type[Exception] = PlanError) -> None:
     """loss_fn must return one number (a tensor of one element) to be differentiated."""
+    if loss is None:
+        raise error(f"loss_fn must return a scalar tensor (one element), but {where} it returned None (a Hugging "
+                    "Face model's out.loss is None unless the call passes labels=: pass them among the inputs, or "
+                    "compute the loss from the output and the target, e.g. F.cross_entropy on out.logits)")
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise error(f"loss_fn must return a scalar tensor (one element), but {where} it returned "
                     f"{_kind(loss)}; reduce it, e.g. loss.mean() or F.cross_entropy(..., reduction='mean')")

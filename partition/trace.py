@@ -403,14 +403,26 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
                 read_written_inputs(gm)  # an input written in place: later readers read the write's value
                 return gm
             reasons.append(f"{tracer} gave a graph that is not the model: {why}")
+    cache = _cache_in(expected)
     raise TraceError(
-        f"cannot trace {name}: " + "; ".join(reasons) + ". Fix: make control flow independent of "
+        f"cannot trace {name}: " + (f"its output holds a {cache} (a cache of keys and values for generation, "
+                                    "use_cache=True): train with config.use_cache=False (model.config.use_cache = "
+                                    "False before building the pipeline), or pass use_cache=False in the call; " if
+                                    cache else "") + "; ".join(reasons) + ". Fix: make control flow independent of "
         "tensor values (no `if` on a tensor, no .item()/.tolist() deciding what runs), or move the "
         "dynamic part into a module passed as leaf_modules=(ThatModule,) (to partition.plan and "
         "pipe.Pipeline, or a Workload's leaf_modules) so fx treats it as one op; "
         "return tensors in tuples, lists, dicts, dataclasses or registered pytree types; turn off caches and "
         "dropout for tracing (e.g. config.use_cache=False); pass the inputs the model really takes "
         "as example_args/example_kwargs.")
+
+
+def _cache_in(value: Any, depth: int = 0) -> str | None:
+    """The type name of a generation cache in a model's output (Hugging Face's DynamicCache), or None."""
+    if type(value).__name__.endswith("Cache"):
+        return type(value).__name__
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return next((c for c in (_cache_in(v, depth + 1) for v in items) if c), None) if depth < 4 else None
 
 
 def flatten_inputs(gm: torch.fx.GraphModule, args: Sequence[Any], kwargs: dict[str, Any] | None = None,

@@ -241,6 +241,12 @@ def test_a_target_that_does_not_fit_the_example_is_a_clear_error() -> None:
     with pytest.raises(partition.PlanError, match=r"must return a scalar tensor.*returned a tensor of shape \[64\]"):
         partition.plan(w.model, w.example_args, 2, cost="flops", example_target=w.example_target,
                        loss_fn=lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten(), reduction="none"))
+    # found by review: a Hugging Face model called without labels= returns out.loss None; the message said to
+    # reduce it with .mean()
+    with pytest.raises(partition.PlanError, match=r"returned None \(a Hugging Face model's out.loss is None unless "
+                                                  r"the call passes labels="):
+        partition.plan(w.model, w.example_args, 2, cost="flops", example_target=w.example_target,
+                       loss_fn=lambda o, t: None)
 
 
 def _float_loss(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

@@ -375,3 +375,14 @@ def test_an_ema_written_under_no_grad_is_refused_and_the_buffer_left_as_it_was()
     with pytest.raises(TraceError, match="its grads differ from the model's for a.weight"):
         partition.trace(m, (torch.randn(3, 4),))
     assert m.ema.grad_fn is None and not m.ema.requires_grad and not m.ema.any()
+
+
+def test_a_generation_cache_in_the_output_is_named_first_with_its_fix() -> None:
+    """Found by review: a causal LM with use_cache=True (Hugging Face's default) was refused with the generic list
+    of fixes, config.use_cache=False somewhere inside it."""
+    import transformers as tf
+    cfg = tf.LlamaConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64)
+    with pytest.raises(TraceError, match=r"^cannot trace LlamaForCausalLM: its output holds a DynamicCache .*"
+                                         r"train with config.use_cache=False"):
+        partition.trace(tf.LlamaForCausalLM(cfg), (), {"input_ids": torch.randint(0, 64, (2, 8))})
