@@ -277,14 +277,16 @@ class _Sizes:
         return n is not None and n[0] > 0 and n[1] == 2 * n[0]
 
     def paired(self, node: torch.fx.Node) -> torch.fx.Node | None:
-        """The first value `node` is computed from whose elements grow with the batch other than by its samples
-        (neither the same nor double at twice the samples: logits [B, B] of in-batch negatives pair every two),
-        or None (also when unknown)."""
+        """The first value `node` is computed from, among the model's outputs and the loss's own ops, whose elements
+        grow more than twice at twice the samples (logits [B, B] of in-batch negatives pair every two), or None
+        (also when unknown). Inside the model such a value may pair nothing (a block-diagonal mask of packed
+        sequences, [B T, B T]): the values the loss reads decide."""
         if self._paired is None:
             self._paired = {}
+            inside = _model_part(self.gm)
             for n in self.gm.graph.nodes:
                 k = self.of(n)
-                own = n if k is not None and k[0] > 0 and k[1] not in (k[0], 2 * k[0]) else None
+                own = n if k is not None and k[0] > 0 and k[1] > 2 * k[0] and n not in inside else None
                 self._paired[n] = own or next((p for a in n.all_input_nodes if (p := self._paired[a]) is not None),
                                               None)
         return self._paired.get(node)
@@ -364,19 +366,17 @@ class _Sizes:
         fixes the model's sizes in its graph; Hugging Face's mask helpers copy to the CPU): the model's outputs the
         loss reads are taken as the graph recorded their shapes (export's `val`), doubled along dim 0 when it is the
         example's microbatch size (one per sample, as the model computes them)."""
-        from partition.loss import has_loss, model_outputs
+        from partition.loss import has_loss
         if not has_loss(self.gm) or self.example is None:
             raise ValueError("no loss in the graph")
         out = next(n for n in self.gm.graph.nodes if n.op == "output")
         loss = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]
-        model: set[torch.fx.Node] = set()  # the model's outputs and what they are computed from
-        names = {n.name: n for n in self.gm.graph.nodes}
-        todo = [names[x] for is_node, x in model_outputs(self.gm)[0] if is_node and x in names]
-        while todo:
-            n = todo.pop()
-            if n not in model:
-                model.add(n)
-                todo += n.all_input_nodes
+        model = _model_part(self.gm) | _model_outputs(self.gm)
+        inputs = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        fed = {p for p, x in zip(inputs, self.example) if _split(x)}  # made from inputs the microbatches split
+        for n in self.gm.graph.nodes:
+            if n.op != "placeholder" and any(a in fed for a in n.all_input_nodes):
+                fed.add(n)
         needed, todo = set(), [loss]  # the loss's own ops
         while todo:
             n = todo.pop()
@@ -403,11 +403,35 @@ class _Sizes:
                     if not isinstance(v, torch.Tensor):
                         raise ValueError(f"no recorded shape for {b.name}")
                     x = torch.empty(v.shape, dtype=v.dtype, device="meta")
-                doubled = isinstance(x, torch.Tensor) and x.dim() > 0 and (b.op == "placeholder" or x.shape[0] == size)
+                # (an output of parameters alone, K centres, is no sample's, whatever its dim 0: found by review)
+                doubled = isinstance(x, torch.Tensor) and x.dim() > 0 and b in fed and (
+                    b.op == "placeholder" or x.shape[0] == size)
                 given.append(torch.cat([x.to("meta")] * k) if doubled else x.to("meta")
                              if isinstance(x, torch.Tensor) else x)
             with torch.no_grad(), torch.device("meta"):  # (recorded by the nodes' own names)
                 recorder(sub).run(*given)
+
+
+def _model_outputs(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """The nodes of the model's outputs in a graph its loss was attached to (empty without one)."""
+    from partition.loss import has_loss, model_outputs
+    if not has_loss(gm):
+        return set()
+    names = {n.name: n for n in gm.graph.nodes}
+    return {names[x] for is_node, x in model_outputs(gm)[0] if is_node and x in names}
+
+
+def _model_part(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """The nodes the model's outputs are computed from, the outputs left out (empty without a loss attached)."""
+    outs = _model_outputs(gm)
+    inside: set[torch.fx.Node] = set()
+    todo = [a for n in outs for a in n.all_input_nodes]
+    while todo:
+        n = todo.pop()
+        if n not in inside:
+            inside.add(n)
+            todo += n.all_input_nodes
+    return inside - outs
 
 
 # ops reading numbers as sizes (x.view(x.shape[0], -1)): the batch's size in them is not a value of a sample

@@ -176,18 +176,31 @@ def _never_unpacked(_: Any) -> torch.Tensor:
     raise RuntimeError("the trace's check runs no backward")
 
 
-def _run(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], watch: list[str] | None = None) -> Any:
+def _run(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], watch: list[str] | None = None,
+         restore: Any = None) -> Any:
     """fn(*args, **kwargs) as training calls it, under autograd (what a forward does only when its values require
     grad, a hook registered `if h.requires_grad`, is done), but keeping no tensor for a backward (the activations
     are freed as without autograd); from a fixed RNG state (dropout draws the same masks), on copies of the input
     tensors: a model that writes its inputs in place leaves the example as it was for the next run.
     `watch`: where to record what the call does that only autograd sees (_watching)."""
-    args, kwargs = pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, (args, kwargs))
-    with torch.random.fork_rng(devices=[]), torch.enable_grad(), \
-            torch.autograd.graph.saved_tensors_hooks(lambda t: None, _never_unpacked):
-        torch.manual_seed(0)
-        with _watching(watch) if watch is not None else contextlib.nullcontext():
-            return fn(*args, **kwargs)
+    given = (args, kwargs)
+    for keep in (False, True):  # (kept only where the forward takes grads itself: torch.autograd.grad, torch.func)
+        args, kwargs = pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, given)
+        seen = len(watch) if watch is not None else 0
+        try:
+            with torch.random.fork_rng(devices=[]), torch.enable_grad(), contextlib.nullcontext() if keep else \
+                    torch.autograd.graph.saved_tensors_hooks(lambda t: None, _never_unpacked):
+                torch.manual_seed(0)
+                with _watching(watch) if watch is not None else contextlib.nullcontext():
+                    out = fn(*args, **kwargs)
+            return pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out) if keep else out
+        except Exception:
+            if keep or restore is None:
+                raise
+            restore()  # the state the failed run started from
+            if watch is not None:
+                del watch[seen:]
+    raise AssertionError("unreachable")
 
 
 @contextlib.contextmanager
@@ -336,7 +349,7 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
         written: dict[str, torch.Tensor] = {}  # the buffers the eager run wrote, as it left them
         autograd_only: list[str] = []  # what the eager run did that only autograd sees (then grads are compared)
         try:
-            expected = _run(model, args, kwargs, autograd_only)
+            expected = _run(model, args, kwargs, autograd_only, restore=lambda: _restore(model, start))
             written = {n: b.detach().clone() for n, b in model.named_buffers() if not _close(b, start[n])}
         except Exception as e:
             if not meta and "a hook on a tensor" in autograd_only:  # (the eager check runs without grads)
@@ -370,7 +383,7 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
                                  "(`self.w.data.clamp_(...)`) or after optimizer.step()")
             try:
                 _restore(model, start)  # each graph runs from the state the eager run started from
-                got = _run(gm, args, kwargs)
+                got = _run(gm, args, kwargs, restore=lambda: _restore(model, start))
             except Exception as e:
                 reasons.append(f"{tracer} gave a graph that fails: {type(e).__name__}: {first_line(e, 300)}")
                 continue

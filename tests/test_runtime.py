@@ -194,7 +194,8 @@ def test_bad_input_errors_on_every_rank() -> None:
     assert "3" in too_few and "microbatch" in too_few
     assert "loss_fn" in no_loss
     assert "3 stages" in world and "world size 2" in world
-    assert "not divisible into 4 microbatches" in divisible
+    # (with fixed shapes the planned shape is named first: it says the one batch size the plan takes)
+    assert "has shape [17, 32]" in divisible and "so [16, 32] for 4 microbatches" in divisible, divisible
     # the whole batch's figures: 4 microbatches of 4 sequences of 16 tokens, planned for 32
     assert "has shape [16, 16]" in shape and "[4, 32] per microbatch, so [16, 32] for 4 microbatches" in shape
     assert "got no target" in no_target and "target=y" in no_target

@@ -386,3 +386,35 @@ def test_a_generation_cache_in_the_output_is_named_first_with_its_fix() -> None:
     with pytest.raises(TraceError, match=r"^cannot trace LlamaForCausalLM: its output holds a DynamicCache .*"
                                          r"train with config.use_cache=False"):
         partition.trace(tf.LlamaForCausalLM(cfg), (), {"input_ids": torch.randint(0, 64, (2, 8))})
+
+
+class _Energy(torch.nn.Module):
+    """Forces as the grad of an energy, taken inside forward (kept whole with leaf_modules=)."""
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.lin, self.kind = torch.nn.Linear(4, 1), kind
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "autograd":
+            with torch.enable_grad():
+                x = x if x.requires_grad else x.detach().requires_grad_()
+                return -torch.autograd.grad(torch.tanh(self.lin(x)).sum(), x, create_graph=True)[0]
+        return -torch.func.grad(lambda v: torch.tanh(self.lin(v)).sum())(x)
+
+
+class _Forces(torch.nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.inp, self.f, self.out = torch.nn.Linear(4, 4), _Energy(kind), torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.f(self.inp(x)))
+
+
+@pytest.mark.parametrize("kind", ["autograd", "func"])
+def test_a_forward_taking_grads_itself_is_checked_with_its_saved_tensors(kind: str) -> None:
+    """Found by review: the check's run keeps no saved tensors, so a forward calling torch.autograd.grad (or
+    torch.func.grad, which refuses saved-tensor hooks) failed, and the model was refused as if its example were
+    wrong. Such a run is made again keeping them."""
+    gm = partition.trace(_Forces(kind), (torch.randn(8, 4),), leaf_modules=(_Energy,))
+    assert any(n.op == "call_module" and n.target == "f" for n in gm.graph.nodes)

@@ -437,3 +437,48 @@ def test_on_a_graph_with_fixed_sizes_the_losss_own_ops_are_weighed(loss_fn: Any,
     assert attach_loss(gm, loss_fn) is None
     w = loss_weighting(gm, None, True, [x, t])
     assert w.kind == kind, w
+
+
+class _Packed(nn.Module):
+    """The microbatch packed into one sequence, attending with a block-diagonal mask [B T, B T]: no sample reads
+    another's tokens, though the mask grows 4x at twice the samples."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.qkv, self.head = nn.Embedding(V, 8), nn.Linear(8, 24), nn.Linear(8, V)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        b, t = ids.shape
+        h = self.emb(ids).reshape(1, b * t, 8)
+        seg = torch.arange(b * t, device=ids.device) // t
+        q, k, v = self.qkv(h).chunk(3, -1)
+        h = h + F.scaled_dot_product_attention(q, k, v, attn_mask=seg[:, None] == seg[None, :])
+        return self.head(h).reshape(b, t, V)
+
+
+class _Centres(nn.Module):
+    """The prediction [B, 4] and K cluster centres [K, 4] (parameters: no sample's), traced by torch.export."""
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.lin, self.centres = nn.Linear(4, 4), nn.Parameter(torch.randn(k, 4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self.lin(x).view(x.shape[0], 4), self.centres) if x.size(0) > 0 else (x, self.centres)
+
+
+def test_pairing_is_judged_on_what_the_loss_reads() -> None:
+    """Found by review: a block-diagonal mask inside a model (packed sequences), or offsets [B + 1], made the loss
+    "NOT the batch's", averaged where its counted targets weigh it (2.8236 for 2.7535); and on a graph with fixed
+    sizes, K centres with K the microbatch size were doubled as if one per sample."""
+    ids, t = torch.randint(0, V, (2, 3)), torch.randint(0, V, (2, 3))
+    gm = trace(_Packed(), (ids,), {})
+    assert attach_loss(gm, _ce) is None
+    w = loss_weighting(gm, None, True, [ids, t])
+    assert w.kind == "count" and not w.paired, w.describe()
+    nearest = lambda out, _: torch.cdist(out[0], out[1]).min(1).values.pow(2).sum()  # noqa: E731
+    for k in (3, 2):
+        x = torch.randn(2, 4)
+        gm = trace(_Centres(k), (x,), {})
+        assert gm.meta["fxpipe_tracer"] == "torch.export.export"
+        assert attach_loss(gm, nearest) is None
+        w = loss_weighting(gm, None, True, [x, torch.zeros(2)])
+        assert w.kind == "sum", (k, w.describe())
