@@ -62,7 +62,6 @@ class Pipeline:
     # set by pipe.setup while it builds the pipeline: each meta stage's tensors as allocated, and under dp_shard=
     # "full" each stage's zero-bubble parameter lists by name
     _made: dict[int, Any]
-    _fresh: dict[int, int]
     _zb_names: dict[int, tuple[list[tuple[str, list[str]]], list[str]]]
     _zb_callable: dict[int, frozenset[str]]
     _zb_kept: set[int]  # the stages whose B kept the graph for W though planned not to (pipe.setup.zero_bubble)

@@ -81,7 +81,6 @@ def materialize(pp: Pipeline, model: torch.nn.Module, stages: list[torch.fx.Grap
                 pp._unplaced[k] = made.setdefault(id(t), empty_like(t, device) if t.is_meta else t.detach().to(device))
     pp._names = {id(made[i]): n for i, n in pp._names.items() if i in made}
     pp._made = made
-    pp._fresh = {id(t): t._version for t in made.values()}  # a source that writes a tensor bumps its version
     for s, c in zip(pp.local, copies):
         c.io = stages[s].io
         retarget(c, device)
@@ -111,6 +110,17 @@ def note_param_placement(pp: Pipeline, model: torch.nn.Module) -> None:
             "with glibc: steps of a model with 33 MB of logits per microbatch measured 0-20% faster)")
 
 
+def _meta_non_persistent(model: torch.nn.Module) -> list[str]:
+    """The model's non-persistent buffers on the meta device, by name (BERT's position ids, a causal mask)."""
+    out = []
+    for name, module in model.named_modules():
+        for b in module._non_persistent_buffers_set:
+            t = module._buffers.get(b)
+            if t is not None and t.is_meta:
+                out.append(f"{name}.{b}" if name else b)
+    return out
+
+
 def fill(pp: Pipeline, model: torch.nn.Module) -> None:
     """Give a meta model's local stages their values (weights=), or load a state dict into a real
     model's; every rank fails alike, naming the tensors no source gave a value."""
@@ -138,11 +148,11 @@ def fill(pp: Pipeline, model: torch.nn.Module) -> None:
     named: dict[str, torch.Tensor] = dict(pp.named_parameters())
     named.update(pp.unread_parameters())
     named.update(pp.local_buffers())
-    mine = unset(named)  # floating ones still NaN; and the other buffers allocated here no source wrote (an
-    # integer or boolean one would stay 0 or False unseen: a state dict holds no non-persistent buffer, BERT's
-    # position ids, and an init of parameters alone writes none)
-    mine += sorted(k for k, t in pp.local_buffers().items() if not t.is_floating_point() and k not in mine
-                   and pp._fresh.get(id(t)) == t._version)
+    mine = unset(named)  # floating ones still NaN, integer ones still their least value (an init of parameters
+    # alone writes no buffer; a state dict holds no non-persistent one, BERT's position ids); and, from a state
+    # dict, the boolean non-persistent buffers on the meta device, which no value marks (a causal mask)
+    if not isinstance(w, Init):
+        mine += sorted(k for k in _meta_non_persistent(model) if k in named and k not in mine)
     missing = sorted(set().union(*gather(mine))) if pp.ctx.world_size > 1 else mine
     if missing:  # every rank's, named on every rank
         raise PipelineError(

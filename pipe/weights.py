@@ -103,7 +103,7 @@ def empty_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """An uninitialised tensor like `t` on `device`: NaN when floating point (so one nothing wrote
     is found), else zeros."""
     new = torch.empty(t.shape, dtype=t.dtype, device=device)
-    new.fill_(float("nan") if new.is_floating_point() or new.is_complex() else 0)
+    new.fill_(float("nan") if new.is_floating_point() or new.is_complex() else _UNSET.get(new.dtype, 0))
     if isinstance(t, torch.nn.Parameter):
         return torch.nn.Parameter(new, requires_grad=t.requires_grad)
     return new
@@ -162,10 +162,18 @@ def init_stages(model: torch.nn.Module, made: dict[int, torch.Tensor], fn: Calla
     _run_init(shadow, fn, seed)
 
 
+# what an integer tensor allocated for a source holds until the source writes it (its dtype's least value)
+_UNSET = {d: torch.iinfo(d).min for d in (torch.int8, torch.int16, torch.int32, torch.int64)}
+
+
 def unset(named: Mapping[str, torch.Tensor]) -> list[str]:
-    """Names of the floating-point tensors still all NaN: no source gave them a value (checked a
-    million elements at a time, so the check allocates little)."""
-    def all_nan(t: torch.Tensor) -> bool:
+    """Names of the tensors no source gave a value: floating-point ones still all NaN, integer ones still all their
+    dtype's least value (a source writing through .data or a file read into the storage bumps no version counter,
+    so the values tell); checked a million elements at a time, so the check allocates little."""
+    def all_unset(t: torch.Tensor) -> bool:
         flat = t.detach().reshape(-1)
-        return all(bool(torch.isnan(part).all()) for part in flat.split(1 << 20))
-    return [n for n, t in named.items() if (t.is_floating_point() or t.is_complex()) and t.numel() and all_nan(t)]
+        floating = t.is_floating_point() or t.is_complex()
+        return all(bool((torch.isnan(part) if floating else part == _UNSET[t.dtype]).all())
+                   for part in flat.split(1 << 20))
+    return [n for n, t in named.items() if (t.is_floating_point() or t.is_complex() or t.dtype in _UNSET)
+            and t.numel() and all_unset(t)]

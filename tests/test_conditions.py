@@ -614,14 +614,14 @@ def conditions_body(rank: int, world: int) -> dict[str, Any]:
     except pipe.PipelineError as e:
         assert "keep, position_ids of Positions (on the meta device) got no value" in str(e), str(e)
         assert "build the pipeline without weights=" in str(e) and "pp.load_model_state(source)" in str(e), str(e)
-    with torch.device("meta"):  # the init of parameters alone (reset_parameters) wrote no buffer: they stayed 0
-        meta = Positions()
+    with torch.device("meta"):  # the init of parameters alone (reset_parameters) wrote no buffer: the position
+        meta = Positions()  # ids stayed 0 (a boolean buffer has no value to mark it unwritten)
     try:
         pipe.Pipeline(meta, _batch(2, 0)[0], loss_fn=F.mse_loss, microbatches=M, cost="flops", trace_loss=False,
                       transport=NcclLike())
         raise AssertionError("a meta model's integer and boolean buffers were left 0 and False by its init")
     except pipe.PipelineError as e:
-        assert "keep, position_ids of Positions (on the meta device) got no value from the init function" in str(e)
+        assert "position_ids of Positions (on the meta device) got no value from the init function" in str(e), e
     # hooked linear layers under zero bubble: their W by autograd, hooks and all
     _two_steps(Hooked, M, f"hooked linears zb-h1 rank {rank}", schedule="zb-h1")
     # an input that requires grad: refused on every rank (each rank would keep its stages' part of its grad)

@@ -555,3 +555,21 @@ def test_meta_models_on_2_and_4_ranks(tmp_path: Path) -> None:
     assert "not on the meta device" in e["init for a real model"], e
     four = run_ranks("tests.test_meta:four_body", 4, timeout=400, root=str(tmp_path))
     _check_common(four, ["gpt safetensors", "gpt pt", "unet safetensors", "gpt2 shards"])
+
+
+def test_an_integer_tensor_no_source_wrote_is_told_by_its_values() -> None:
+    """A meta model's integer buffer allocated for a source holds its dtype's least value until the source writes it
+    (zeros passed unseen: an init of parameters alone left position ids 0). Found by review of a version-counter
+    check: a .safetensors file read into the storage, or an init writing through .data, bumps no version counter,
+    and the values are what tell."""
+    from pipe.weights import empty_like, unset
+    ids = empty_like(torch.empty(4, dtype=torch.long, device="meta"), torch.device("cpu"))
+    flag = empty_like(torch.empty(3, dtype=torch.bool, device="meta"), torch.device("cpu"))
+    steps = empty_like(torch.empty((), dtype=torch.uint8, device="meta"), torch.device("cpu"))
+    named = {"ids": ids, "flag": flag, "steps": steps, "w": empty_like(torch.empty(2, device="meta"),
+                                                                        torch.device("cpu"))}
+    assert unset(named) == ["ids", "w"]  # (a bool or uint8 one has no value to spare as the mark)
+    ids.data.copy_(torch.arange(4))
+    ids.numpy()[:] = torch.arange(4).numpy()  # as a file read into the storage writes it
+    named["w"].data.zero_()
+    assert unset(named) == [] and ids.tolist() == [0, 1, 2, 3]
