@@ -298,8 +298,8 @@ def agree_on_call(pp: Pipeline, batch: tuple[tuple[Any, ...], dict[str, Any]], t
             refused = e
         else:
             refused = None
-    if pp.dp > 1:
-        _replicas_agree(pp, refused, what)
+    if pp.dp > 1 and (what != "forward" or pp.sharded is not None):  # (a replica's forward() is its own, unless
+        _replicas_agree(pp, refused, what)  # its parameters are sharded over the replicas: gathered from them all)
     elif refused is not None:
         raise refused
 

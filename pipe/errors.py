@@ -23,15 +23,16 @@ class NonFiniteLoss(FxpipeError, FloatingPointError):
     """The loss of a step was NaN or infinite."""
 
 
-def agree_everywhere(error: str | None, cls: type[PipelineError] | None = None) -> None:
-    """Raise `cls` (PipelineError) on every rank of the job when any rank failed, naming the first failing
-    (global) rank."""
-    world = dist.get_world_size()
+def agree_everywhere(error: str | None, cls: type[PipelineError] | None = None, group: Any = None) -> None:
+    """Raise `cls` (PipelineError) on every rank of the job (of `group`: one pipeline's, whose replicas need not
+    take part) when any rank failed, naming the first failing (global) rank."""
+    world = dist.get_world_size(group)
     errors: list[Any] = [None] * world
     if world > 1:
-        dist.all_gather_object(errors, error)
+        dist.all_gather_object(errors, error, group=group)
     else:
         errors = [error]
-    for r, e in enumerate(errors):
+    ranks = list(range(world)) if group is None else dist.get_process_group_ranks(group)
+    for r, e in zip(ranks, errors):
         if e is not None:
             raise (cls or PipelineError)(f"rank {r} failed while setting up the pipeline: {e}")

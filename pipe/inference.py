@@ -156,7 +156,7 @@ def stages_in_mode_of(pp: Pipeline, inference: bool) -> tuple[dict[int, Any] | N
         except Exception as e:  # noqa: BLE001 - whatever the trace or the cut raises: on every rank, not one
             error = (f"{type(e).__name__}: in {'training' if pp.training else 'eval'} mode the model traces "
                      f"otherwise than the plan's graph ({e}); build a Pipeline from the model in that mode")
-        agree_everywhere(error, ModeError)
+        agree_everywhere(error, ModeError, pp.pp_group)
     if inference and pp.plan.loss and "inference" not in pp._other_mode:
         error, gm = None, pp._other_mode["gm"]
         known = {n.name: (n.op, n.target) for n in pp._gm.graph.nodes}
@@ -173,7 +173,7 @@ def stages_in_mode_of(pp: Pipeline, inference: bool) -> tuple[dict[int, Any] | N
                 error = (f"forward() in {'training' if pp.training else 'eval'} mode, the loss in the graph: the "
                          f"stages without the loss cannot be cut from the mode's graph ({type(e).__name__}: {e}); "
                          "evaluate() works, or build a Pipeline from the model in that mode")
-        agree_everywhere(error, ModeError)
+        agree_everywhere(error, ModeError, pp.pp_group)
     return pp._other_mode["stages"], pp._other_mode.get("inference") if inference else None
 
 
@@ -229,7 +229,7 @@ def forward(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, A
             error = f"PipelineError: forward() on this pipeline: {e}"
         except Exception as e:  # noqa: BLE001 - raised on every rank, not on one while the others wait
             error = f"PipelineError: forward() on this pipeline: the stages without the loss: {type(e).__name__}: {e}"
-        agree_everywhere(error)
+        agree_everywhere(error, group=pp.pp_group)
     stages, inference = stages_in_mode_of(pp, inference=True)  # (None, None) in the mode of the trace
     layout = output_layout(pp)
     check_layout(layout)  # (the same on every rank: a meta run's)

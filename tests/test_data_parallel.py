@@ -201,7 +201,8 @@ def _one_replica_refuses() -> dict[str, Any]:
     """Found by review: replica 1 given a short last batch refused it while replica 0 ran its step, whose grads'
     all-reduce then paired with replica 1's next step (both losses the mean of two steps' batches, 4.167271 where
     4.171211), and replica 0 waited for replica 1 until the timeout. Every replica now stops the call; a loop that
-    skips it goes on in step. Returns each rank's error and the next step's loss against one process's."""
+    skips it goes on in step. Then forward() on replica 0 alone (it waited for replica 1's ranks in a check over
+    the whole job). Returns each rank's error and the next step's loss against one process's."""
     import pipe
     w, ref = _gpt(), _gpt()
     pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, cost="flops", data_parallel=2)
@@ -215,6 +216,9 @@ def _one_replica_refuses() -> dict[str, Any]:
     except pipe.PipelineError as e:
         out["error"] = str(e)
     args, target = _batch(w, 1, pp.dp_rank)
+    if pp.dp_rank == 0:  # forward() on one replica alone: its own (it waited on the other replica's ranks)
+        with torch.no_grad():
+            out["forward"] = list(pp.forward(*args).shape)
     out["loss"] = pp.step(*args, target=target)
     parts = [_batch(ref, 1, j) for j in range(pp.dp)]
     want = ref.loss_fn(ref.model(torch.cat([p[0][0] for p in parts])), torch.cat([p[1] for p in parts]))
@@ -302,6 +306,7 @@ def test_pipeline_times_data_parallel_on_4_ranks(tmp_path: Path) -> None:
         assert refused["error"].startswith("replica 1 (global ranks [1, 3]) stopped") == (r is res[0] or r is res[2]), \
             refused  # (the mesh (pp, dp): replica 0 is global ranks 0 and 2)
         assert abs(refused["loss"] - refused["want"]) < 1e-5, refused
+        assert ("forward" in refused) == (r is res[0] or r is res[2]), refused
         assert any("averaged after the step" in n for n in r["streamed states"]["notes"])
         streamed = r["streamed states"]
         torch.testing.assert_close(torch.tensor(streamed["losses"]), torch.tensor(streamed["ref"]),
