@@ -18,6 +18,7 @@ one over the batch's divisor. Any other loss: their mean, and the plan's notes s
 """
 from __future__ import annotations
 
+import inspect
 import operator
 import warnings
 from dataclasses import dataclass, field
@@ -40,6 +41,11 @@ _SUMMED = {F.mse_loss: "mse_loss", F.l1_loss: "l1_loss", F.smooth_l1_loss: "smoo
            F.binary_cross_entropy_with_logits: "binary_cross_entropy_with_logits"}
 _SUMMED_MODULES = (torch.nn.MSELoss, torch.nn.L1Loss, torch.nn.SmoothL1Loss, torch.nn.HuberLoss, torch.nn.BCELoss,
                    torch.nn.BCEWithLogitsLoss)
+_ATEN_ELEMENTWISE = {torch.ops.aten.mse_loss.default: "mse_loss", torch.ops.aten.l1_loss.default: "l1_loss",
+                     torch.ops.aten.smooth_l1_loss.default: "smooth_l1_loss",
+                     torch.ops.aten.huber_loss.default: "huber_loss",
+                     torch.ops.aten.binary_cross_entropy.default: "binary_cross_entropy",
+                     torch.ops.aten.binary_cross_entropy_with_logits.default: "binary_cross_entropy_with_logits"}
 _PURE_OPS = ("placeholder", "call_function", "call_method", "get_attr")
 
 
@@ -130,15 +136,30 @@ class Weighting:
         return isinstance(out.args[0][1], torch.fx.Node)
 
 
+def _elementwise(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[str, Any, str] | None:
+    """(name, target, reduction) when `node` is an element-wise loss (mse_loss, l1_loss, ... as a function, an ATen
+    op or a module; not under a legacy size_average/reduce), else None."""
+    if node.op == "call_function" and node.target in _SUMMED:
+        got: dict[str, Any] = dict(zip(inspect.signature(node.target).parameters, node.args))
+        got.update(node.kwargs)
+        if got.get("size_average") is not None or got.get("reduce") is not None:
+            return None
+        return _SUMMED[node.target], got.get("target"), got.get("reduction", "mean")
+    if node.op == "call_function" and node.target in _ATEN_ELEMENTWISE:
+        got = {a.name: x for a, x in zip(node.target._schema.arguments, node.args)}
+        got.update(node.kwargs)
+        return _ATEN_ELEMENTWISE[node.target], got.get("target"), ("none", "mean", "sum")[int(got.get("reduction", 1))]
+    if node.op == "call_module" and len(node.args) == 2 and not node.kwargs:
+        mod = gm.get_submodule(str(node.target))
+        if type(mod) in _SUMMED_MODULES:
+            return type(mod).__name__, node.args[1], str(getattr(mod, "reduction", "mean"))
+    return None
+
+
 def _summed(gm: torch.fx.GraphModule, node: torch.fx.Node) -> str | None:
     """The name of an element-wise loss with reduction='sum' that `node` is, or None."""
-    if node.op == "call_function" and node.target in _SUMMED and node.kwargs.get("reduction") == "sum":
-        return _SUMMED[node.target]
-    if node.op == "call_module":
-        mod = gm.get_submodule(str(node.target))
-        if type(mod) in _SUMMED_MODULES and getattr(mod, "reduction", None) == "sum":
-            return type(mod).__name__
-    return None
+    found = _elementwise(gm, node)
+    return found[0] if found is not None and found[2] == "sum" else None
 
 
 _MUL = {operator.mul, torch.mul, torch.ops.aten.mul.Tensor, torch.ops.aten.mul.Scalar, "mul", "__mul__", "__rmul__"}
@@ -201,9 +222,9 @@ def weighting(gm: torch.fx.GraphModule, example: Sequence[Any] | None = None) ->
         chain.append(loss.name)
     pairs = sizes.paired(loss)
     if pairs is not None:
-        k = sizes.of(pairs)
-        found = Weighting("mean", f"the loss pairs the samples of a microbatch ({pairs.name} has {k[0] if k else '?'} "
-                                  f"elements on one microbatch and {k[1] if k else '?'} on two, not twice as many: "
+        one, two = sizes.of(pairs) or (0, 0)  # (known: its growth is what pairs)
+        found = Weighting("mean", f"the loss pairs the samples of a microbatch ({pairs.name} has {one} "
+                                  f"elements on one microbatch and {two} on two, not twice as many: "
                                   "in-batch negatives, a similarity of every two samples), and a pipeline computes "
                                   "each microbatch alone, so each pairs its own samples only (fewer microbatches "
                                   "pair more)", paired=True)
@@ -364,8 +385,8 @@ class _Sizes:
     def _loss_part(self, recorder: type[torch.fx.Interpreter]) -> None:
         """Record the loss's own ops alone, on one microbatch and two, where the whole graph does not run (torch.export
         fixes the model's sizes in its graph; Hugging Face's mask helpers copy to the CPU): the model's outputs the
-        loss reads are taken as the graph recorded their shapes (export's `val`), doubled along dim 0 when it is the
-        example's microbatch size (one per sample, as the model computes them)."""
+        loss reads are taken as the graph recorded their shapes (export's `val`), doubled along dim 0 when they are
+        computed from inputs the microbatches split and dim 0 is the example's microbatch size (one per sample)."""
         from partition.loss import has_loss
         if not has_loss(self.gm) or self.example is None:
             raise ValueError("no loss in the graph")
@@ -385,7 +406,6 @@ class _Sizes:
                 todo += n.all_input_nodes
         part = [n for n in self.gm.graph.nodes if n in needed]
         bounds = list(dict.fromkeys(a for n in part for a in n.all_input_nodes if a not in needed))
-        inputs = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         size = next(x.shape[0] for x in pytree.tree_leaves(list(self.example)) if _split(x))
         g = torch.fx.Graph()
         env = {b: g.placeholder(b.name) for b in bounds}
@@ -530,32 +550,6 @@ def _ratio(gm: torch.fx.GraphModule, loss: torch.fx.Node, sizes: _Sizes) -> Weig
                      written=written, origin=gm, ratio=loss.name, numerator=numerator.name, floor=found[1])
 
 
-_ATEN_ELEMENTWISE = {torch.ops.aten.mse_loss.default: "mse_loss", torch.ops.aten.l1_loss.default: "l1_loss",
-                     torch.ops.aten.smooth_l1_loss.default: "smooth_l1_loss",
-                     torch.ops.aten.huber_loss.default: "huber_loss",
-                     torch.ops.aten.binary_cross_entropy.default: "binary_cross_entropy",
-                     torch.ops.aten.binary_cross_entropy_with_logits.default: "binary_cross_entropy_with_logits"}
-
-
-def _elementwise_mean(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[str, Any] | None:
-    """(name, target) when `node` is an element-wise loss averaging over its elements (mse_loss, l1_loss, ...,
-    reduction='mean', as a function, an ATen op or a module), else None."""
-    if node.op == "call_function" and node.target in _SUMMED and len(node.args) <= 2 \
-            and node.kwargs.get("size_average") is None and node.kwargs.get("reduce") is None:
-        if node.kwargs.get("reduction", "mean") != "mean":
-            return None
-        return _SUMMED[node.target], node.args[1] if len(node.args) > 1 else node.kwargs.get("target")
-    if node.op == "call_function" and node.target in _ATEN_ELEMENTWISE:
-        got = dict(zip([a.name for a in node.target._schema.arguments], node.args))
-        got.update(node.kwargs)
-        return (_ATEN_ELEMENTWISE[node.target], got.get("target")) if got.get("reduction", 1) == 1 else None
-    if node.op == "call_module" and len(node.args) == 2 and not node.kwargs:
-        mod = gm.get_submodule(str(node.target))
-        if type(mod) in _SUMMED_MODULES and getattr(mod, "reduction", None) == "mean":
-            return type(mod).__name__, node.args[1]
-    return None
-
-
 def _found(gm: torch.fx.GraphModule, loss: torch.fx.Node, sizes: _Sizes) -> Weighting:
     """weighting's answer for the loss node `loss` (its scaling by shared values peeled)."""
     name = _additive(gm, loss, sizes)
@@ -564,8 +558,9 @@ def _found(gm: torch.fx.GraphModule, loss: torch.fx.Node, sizes: _Sizes) -> Weig
     ratio = _ratio(gm, loss, sizes)
     if ratio is not None:
         return ratio
-    mean = _elementwise_mean(gm, loss)
-    if mean is not None and isinstance(mean[1], torch.fx.Node) and sizes.of(loss) is None and sizes.why.startswith(
+    mean = _elementwise(gm, loss)
+    if mean is not None and mean[2] == "mean" and isinstance(mean[1], torch.fx.Node) and sizes.of(loss) is None \
+            and sizes.why.startswith(
             "the graph does not run on the meta device"):  # a count the values decide (t[~isnan(t)]): weighed by it
         sub, attrs, written, why = _inputs_only(gm, [mean[1], None], loss)
         if sub is not None:

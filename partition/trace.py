@@ -352,12 +352,11 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
             expected = _run(model, args, kwargs, autograd_only, restore=lambda: _restore(model, start))
             written = {n: b.detach().clone() for n, b in model.named_buffers() if not _close(b, start[n])}
         except Exception as e:
-            if not meta and "a hook on a tensor" in autograd_only:  # (the eager check runs without grads)
-                raise TraceError(f"cannot trace {name}: its forward registers a hook on a tensor, which a graph "
-                                 "would not keep and which fails in the check's run without grads "
-                                 f"({type(e).__name__}: {first_line(e, 200)}); register the hook outside the "
-                                 "forward (a module's register_full_backward_hook is kept with the module, given "
-                                 "in leaf_modules=)") from e
+            if not meta and "a hook on a tensor" in autograd_only:  # (on a tensor that requires no grad)
+                raise TraceError(f"cannot trace {name}: its forward registers a hook on a tensor, which fails "
+                                 f"({type(e).__name__}: {first_line(e, 200)}) and which a graph would not keep; "
+                                 "register the hook outside the forward (a module's register_full_backward_hook "
+                                 "is kept with the module, given in leaf_modules=)") from e
             if not meta:
                 raise TraceError(f"cannot trace {name}: calling it on the example inputs fails "
                                  f"({type(e).__name__}: {first_line(e, 300)}); pass one microbatch the model "

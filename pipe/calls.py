@@ -238,13 +238,25 @@ def split_microbatches(tree: Any, n: int, what: str = "batch") -> list[Any]:
     return [pytree.tree_unflatten([p[i] for p in parts], spec) for i in range(n)]
 
 
+_FORWARDS: dict[Any, Any] = {}  # a model class -> its forward's parameters, or None (looked up once, not per call)
+
+
+def _forward_parameters(cls: Any) -> Any:
+    """The parameters of `cls.forward`, or None."""
+    if cls not in _FORWARDS:
+        try:
+            _FORWARDS[cls] = inspect.signature(cls.forward).parameters
+        except (TypeError, ValueError):
+            _FORWARDS[cls] = None
+    return _FORWARDS[cls]
+
+
 def _defaults_as_planned(pp: Pipeline, kwargs: dict[str, Any]) -> dict[str, Any]:
     """`kwargs` with a keyword set to its default in the model's forward (a plain constant: `mask=None`) as the
     example set it: given explicitly where the example left it out, or left out where the example gave it; the
     model's call is the same."""
-    try:
-        params = inspect.signature(pp._model.forward).parameters
-    except (TypeError, ValueError):
+    params = _forward_parameters(type(pp._model))
+    if params is None:
         return kwargs
     planned = pp._example[1]
 

@@ -418,3 +418,18 @@ def test_a_forward_taking_grads_itself_is_checked_with_its_saved_tensors(kind: s
     wrong. Such a run is made again keeping them."""
     gm = partition.trace(_Forces(kind), (torch.randn(8, 4),), leaf_modules=(_Energy,))
     assert any(n.op == "call_module" and n.target == "f" for n in gm.graph.nodes)
+
+
+class _HooksAnInput(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.register_hook(lambda g: g)  # (an input requires no grad: the model's own call fails)
+        return self.lin(x)
+
+
+def test_a_hook_that_fails_in_forward_is_named() -> None:
+    with pytest.raises(TraceError, match=r"its forward registers a hook on a tensor, which fails \(RuntimeError"):
+        partition.trace(_HooksAnInput(), (torch.randn(2, 4),))

@@ -482,3 +482,25 @@ def test_pairing_is_judged_on_what_the_loss_reads() -> None:
         assert attach_loss(gm, nearest) is None
         w = loss_weighting(gm, None, True, [x, torch.zeros(2)])
         assert w.kind == "sum", (k, w.describe())
+
+
+class _OwnSummedExported(nn.Module):
+    """Its own summed squared error, traced by torch.export: an ATen mse_loss with reduction 2 (sum)."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x).view(x.shape[0]) if x.size(0) > 0 else x.sum(-1)
+        return F.mse_loss(out, y, reduction="sum")
+
+
+def test_an_aten_element_wise_loss_is_read_as_the_function_is() -> None:
+    """The element-wise losses are read by one function for their three forms (function, module, ATen op): a
+    model's own mse_loss(reduction="sum") in torch.export's graph is the microbatches' sum (it was averaged)."""
+    x, y = torch.randn(2, 4), torch.randn(2)
+    gm = trace(_OwnSummedExported(), (x, y), {})
+    assert gm.meta["fxpipe_tracer"] == "torch.export.export"
+    assert any(n.target is torch.ops.aten.mse_loss.default for n in gm.graph.nodes), gm.graph
+    w = loss_weighting(gm, lambda out, _: out, False, [x, y], None)
+    assert w.kind == "sum" and "mse_loss, reduction='sum'" in w.describe(), w.describe()
