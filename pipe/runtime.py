@@ -407,11 +407,13 @@ class Pipeline:
         self.loaded = checkpoint.load(self, path, optimizer)
         return self.loaded.step
 
-    def load_model_state(self, path: str | Path) -> None:
+    def load_model_state(self, path: str | Path) -> str | None:
         """Load a state dict of the unpartitioned model (.pt, .safetensors, a folder of Hugging Face
-        shards, or a checkpoint), each rank reading only its tensors (collective)."""
+        shards, or a checkpoint), each rank reading only its tensors (collective). A Hugging Face
+        checkpoint in an older layout than the model's (transformers' conversion mapping) is read as
+        from_pretrained reads it; returns how, or None."""
         from pipe import checkpoint
-        checkpoint.load_model_state(self, path)
+        return checkpoint.load_model_state(self, path)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """On rank 0: a state dict that loads into the unpartitioned model; None on other ranks. Collective:

@@ -121,6 +121,28 @@ def _meta_non_persistent(model: torch.nn.Module) -> list[str]:
     return out
 
 
+def _non_persistent_by_init(pp: Pipeline, model: torch.nn.Module) -> list[str]:
+    """A state dict holds no non-persistent buffer (rotary frequencies, position ids): this rank's are given
+    by the model's own init (default_init), run for their modules alone (the modules' other tensors are
+    scratch, so what the state dict gave stays), as from_pretrained initialises what its file lacks; the
+    names of those it ran for, every rank failing alike if the init fails."""
+    fn = default_init(model)
+    names = set(_meta_non_persistent(model))
+    local = {k: t for k, t in pp.local_buffers().items() if k in names and not t.is_meta and t.dtype != torch.bool}
+    ids = {id(t) for t in local.values()}
+    made = {mid: t for mid, t in pp._made.items() if id(t) in ids}
+    error = None
+    if fn is not None and made:
+        try:
+            init_stages(model, made, fn, 0)
+        except Exception as e:  # the model's own init
+            error = f"the model's own init failed on this rank's non-persistent buffers ({type(e).__name__}: " \
+                    f"{first_line(e)}); give weights= an init function, or build those buffers off the meta device"
+    agree_everywhere(error)
+    mine = sorted(k for k in local if fn is not None)
+    return sorted(set().union(*gather(mine))) if pp.ctx.world_size > 1 else mine  # the same note on every rank
+
+
 def fill(pp: Pipeline, model: torch.nn.Module) -> None:
     """Give a meta model's local stages their values (weights=), or load a state dict into a real
     model's; every rank fails alike, naming the tensors no source gave a value."""
@@ -130,10 +152,16 @@ def fill(pp: Pipeline, model: torch.nn.Module) -> None:
     if not isinstance(w, Init):
         from pipe.ckpt_format import CheckpointError
         try:
-            pp.load_model_state(w)
+            read_as = pp.load_model_state(w)
         except CheckpointError as e:  # raised alike on every rank
             raise PipelineError(f"weights= cannot give {type(model).__name__}'s stages their values: {e}") from None
-        what = "the state dict given" if isinstance(w, dict) else str(w)
+        what = ("the state dict given" if isinstance(w, dict) else str(w)) + (f", {read_as}" if read_as else "")
+        if pp.meta:
+            by_init = _non_persistent_by_init(pp, model)
+            if by_init:
+                what += (f"; {len(by_init)} non-persistent buffer{'s' if len(by_init) > 1 else ''}, which a state "
+                         f"dict does not hold ({', '.join(by_init[:3])}{', ...' if len(by_init) > 3 else ''}), from "
+                         "the model's own init (reset_parameters, _init_weights), as from_pretrained gives them")
     else:
         assert w.fn is not None
         error = None
@@ -144,6 +172,7 @@ def fill(pp: Pipeline, model: torch.nn.Module) -> None:
         agree_everywhere(error)
         what = "the init function"
     if not pp.meta:
+        pp.plan.notes.append(f"the stages took their values from {what}")
         return
     named: dict[str, torch.Tensor] = dict(pp.named_parameters())
     named.update(pp.unread_parameters())
@@ -152,16 +181,15 @@ def fill(pp: Pipeline, model: torch.nn.Module) -> None:
     # alone writes no buffer; a state dict holds no non-persistent one, BERT's position ids); and, from a state
     # dict, the boolean non-persistent buffers on the meta device, which no value marks (a causal mask)
     if not isinstance(w, Init):
-        mine += sorted(k for k in _meta_non_persistent(model) if k in named and k not in mine)
+        mine += sorted(k for k in _meta_non_persistent(model) if k in named and named[k].dtype == torch.bool)
     missing = sorted(set().union(*gather(mine))) if pp.ctx.world_size > 1 else mine
     if missing:  # every rank's, named on every rank
         raise PipelineError(
             f"{', '.join(missing[:8])}{' and more' if len(missing) > 8 else ''} of {type(model).__name__} (on the "
-            f"meta device) got no value from {what}: a state dict does not hold non-persistent buffers, and an "
-            "init must write every parameter and buffer; give an init function that writes them, build these "
-            "tensors outside `with torch.device('meta')`, or build the pipeline without weights= (each rank "
-            "then runs the model's own init on its stages, as Hugging Face's _init_weights sets rotary "
-            "frequencies) and load the state dict after it: pp.load_model_state(source)")
+            f"meta device) got no value from {what}: a state dict does not hold non-persistent buffers (the "
+            "model's own init, reset_parameters or _init_weights, gives those it writes, but no value marks a "
+            "boolean one as written), and an init must write every parameter and buffer; give an init function "
+            "that writes them, or build these tensors outside `with torch.device('meta')`")
     pp.plan.notes.append(f"built on the meta device: each rank allocated only its stages, on {pp.ctx.device}, "
                          f"and took their values from {what}" + (
                              f" (seeded per module from seed {w.seed})" if isinstance(w, Init) else ""))

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from pipe import hf_keys
 from pipe.ckpt_format import (CheckpointError, check_model, check_tensors, dcp_load, optimizer_state_dict, share,
                               resolve_everywhere, everywhere, key_difference, model_tensors, optimizer_targets,
                               read_manifest, read_metadata, resolve, verify)
@@ -241,14 +242,16 @@ class _Source:
         return out
 
 
-def load_model_state(pp: "Pipeline", path: str | Path | Mapping[str, torch.Tensor]) -> None:
+def load_model_state(pp: "Pipeline", path: str | Path | Mapping[str, torch.Tensor]) -> str | None:
     """Load a state dict of the unpartitioned model into the pipeline (a collective call), strictly:
     every key of the model (a tied weight under any of its names), no key it lacks, the same
     shapes. `path`: a .pt/.bin (read with weights_only and mmap), a .safetensors, a folder of
     Hugging Face shards (model.safetensors.index.json or pytorch_model.bin.index.json, or one
     model.safetensors / pytorch_model.bin), an fxpipe checkpoint or another torch.distributed.checkpoint
     folder, or a dict. Each rank reads only the tensors its stages hold; every key and shape is
-    checked before any tensor changes, then a file's tensors are read and copied one at a time."""
+    checked before any tensor changes, then a file's tensors are read and copied one at a time. A
+    Hugging Face checkpoint whose keys are not the model's is read as transformers' from_pretrained
+    reads it (pipe.hf_keys); returns what was so read, or None."""
     names = pp.state_key_names()
     aliases: dict[str, list[str]] = {}
     for key, first in names.items():
@@ -257,6 +260,7 @@ def load_model_state(pp: "Pipeline", path: str | Path | Mapping[str, torch.Tenso
     # an fxpipe checkpoint: the version rank 0 resolved
     folder = None if isinstance(path, Mapping) else resolve_everywhere(path, optional=True)
     where = "the state dict given" if isinstance(path, Mapping) else str(path)
+    read_as: list[str] = []  # how a Hugging Face checkpoint's keys were read (pipe.hf_keys)
 
     def check() -> dict[str, Any]:
         """This rank's tensors, read and checked before anything changes."""
@@ -267,13 +271,23 @@ def load_model_state(pp: "Pipeline", path: str | Path | Mapping[str, torch.Tenso
             model = model_tensors(pp)
             check_tensors(read_metadata(folder), model, folder)
             return {k: torch.empty_like(t.detach(), device="cpu") for k, t in model.items()}
-        src = _Source(path)
-        unexpected = sorted(src.keys - set(names))
-        missing = sorted(first for first, keys in aliases.items() if not any(k in src.keys for k in keys))
-        if unexpected or missing:
-            raise CheckpointError(f"{where} does not match this model: it {key_difference(missing, unexpected)}; "
-                                  "load a state dict of this model (strip or add a prefix to its keys if that "
-                                  "is all that differs)")
+        src: Any = _Source(path)
+
+        def difference(keys: set[str]) -> str:
+            unexpected = sorted(keys - set(names))
+            missing = sorted(first for first, ks in aliases.items() if not any(k in keys for k in ks))
+            return key_difference(missing, unexpected) if unexpected or missing else ""
+        differs = difference(src.keys)
+        view = hf_keys.converted(src, pp._model, set(names)) if differs else None
+        if view is not None:  # a Hugging Face checkpoint in an older layout, or of the base model
+            if difference(view.keys):
+                raise CheckpointError(f"{where} does not match this model: it {differs}, and it "
+                                      f"{difference(view.keys)} {view.describe()}; load a state dict of this model")
+            src, differs = view, ""
+            read_as.append(view.describe())
+        if differs:
+            raise CheckpointError(f"{where} does not match this model: it {differs}; load a state dict of this model "
+                                  "(strip or add a prefix to its keys if that is all that differs)")
         first = {}
         wrong = []
         for k, t in model_tensors(pp).items():
@@ -309,6 +323,7 @@ def load_model_state(pp: "Pipeline", path: str | Path | Mapping[str, torch.Tenso
                 else:
                     t.copy_(value)
     everywhere(apply)
+    return read_as[0] if read_as else None
 
 
 # ----- one file of the unpartitioned model -----

@@ -350,6 +350,54 @@ def _write_sources(root: Path) -> None:
              no_dist=True)
     h = partition.load("bench.hf_models:gpt2", **HF)
     h.model.save_pretrained(str(root / "gpt2"), max_shard_size="100KB")
+    for name, make in _OLDER_LAYOUTS.items():  # checkpoints whose keys are not the model's (pipe.hf_keys)
+        torch.manual_seed(0)
+        make()[0].save_pretrained(str(root / name))
+
+
+def _neox() -> Any:
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    cfg = GPTNeoXConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                        vocab_size=64, max_position_embeddings=64, use_cache=False)
+    return GPTNeoXForCausalLM(cfg), GPTNeoXForCausalLM
+
+
+def _gpt2_base() -> Any:
+    from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+                     attn_pdrop=0.0)
+    return GPT2Model(cfg), GPT2LMHeadModel
+
+
+# what is saved, and the class loaded from it: GPT-NeoX's head saved as embed_out (its rotary frequencies, a
+# non-persistent buffer, from the model's own init), and GPT-2's base model into one with a head
+_OLDER_LAYOUTS = {"neox": _neox, "gpt2-base": _gpt2_base}
+
+
+def _older_layout_parity(folder: Path, make: Any, **pipe_kw: Any) -> dict[str, Any]:
+    """A meta model of the class loaded from `folder`, its weights= that folder: the loss and every grad
+    of the model from_pretrained loads from it."""
+    import pipe
+    saved, cls = make()
+    ref = cls.from_pretrained(str(folder))
+    ref.config.use_cache = False
+    with torch.device("meta"):
+        meta = cls(ref.config)
+    ids = torch.randint(0, 64, (2 * M, 16), generator=torch.Generator().manual_seed(3))
+    pp = pipe.Pipeline(meta, (ids[:2],), example_kwargs={"labels": ids[:2]}, loss_fn=_model_loss, microbatches=M,
+                       cost="flops", weights=str(folder), **pipe_kw)
+    loss = pp.step(ids, labels=ids)
+    want = ref(ids, labels=ids).loss
+    want.backward()
+    torch.testing.assert_close(torch.tensor(loss), want.detach(), rtol=1e-5, atol=1e-6)
+    named = dict(ref.named_parameters())
+    for n, p in pp.named_parameters():
+        torch.testing.assert_close(p.grad, named[n].grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+    return {"loss": float(loss), "notes": pp.plan.notes, "report": pp.memory_report()}
+
+
+def _model_loss(out: Any, target: Any) -> torch.Tensor:
+    return out.loss
 
 
 def _reference(name: str, kw: dict[str, Any], state: dict[str, torch.Tensor] | None) -> Any:
@@ -443,6 +491,9 @@ def two_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
         state = sd.get(name) if name != "bench.hf_models:gpt2" else None  # gpt2: the model that was saved
         res[case] = {"loss": _parity(pp, _reference(name, kw, state)), "notes": pp.plan.notes,
                      "cost": pp.plan.cost_method, "report": pp.memory_report()}
+    for name, make in _OLDER_LAYOUTS.items():
+        schedule = "zb-h1" if name == "neox" else "1f1b"
+        res[f"{name} older layout"] = _older_layout_parity(r / name, make, schedule=schedule)
     # planned as on accelerators: each rank measures a share of the units, then (one plan, not auto's
     # candidates) times the stages it will run whole (calibrate), all collective; on the CPU every rank
     # measures everything, so costing is told otherwise
@@ -527,8 +578,12 @@ def test_meta_models_on_2_and_4_ranks(tmp_path: Path) -> None:
     two = run_ranks("tests.test_meta:two_body", 2, timeout=400, root=str(tmp_path))
     _check_common(two, ["gpt safetensors 1f1b", "gpt pt zb-h1", "gpt dict measured", "gpt dcp interleaved",
                         "unet safetensors", "gpt2 shards", "real model from a file", "as on devices 1f1b",
-                        "as on devices auto"])
+                        "as on devices auto", "neox older layout", "gpt2-base older layout"])
     for r in two:
+        neox = " ".join(r["neox older layout"]["notes"])
+        assert "read as transformers' from_pretrained reads it into GPTNeoXForCausalLM (1 key renamed)" in neox, neox
+        assert "non-persistent buffer" in neox and "rotary_emb.inv_freq" in neox, neox
+        assert "into GPT2LMHeadModel" in " ".join(r["gpt2-base older layout"]["notes"])
         notes = r["gpt safetensors 1f1b"]["notes"]
         assert any("built on the meta device" in n and "gpt.safetensors" in n for n in notes), notes
         assert any(n.startswith("parameters per rank, on the host") for n in r["gpt pt zb-h1"]["notes"])
