@@ -28,7 +28,8 @@ def converted(src: Any, model: torch.nn.Module, model_keys: set[str]) -> "Conver
     transformers model or its mapping changes no key of `src`."""
     try:
         from transformers import PreTrainedModel
-    except ImportError:
+        from transformers import conversion_mapping, core_model_loading  # noqa: F401 - transformers 5's
+    except ImportError:  # no transformers, or one before its conversion mapping (4.x renames on its own)
         return None
     if not isinstance(model, PreTrainedModel):
         return None

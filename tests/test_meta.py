@@ -8,6 +8,7 @@ safetensors reader, the costs pass holding nothing). One 2-rank and one 4-rank l
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -372,6 +373,7 @@ def _gpt2_base() -> Any:
 # what is saved, and the class loaded from it: GPT-NeoX's head saved as embed_out (its rotary frequencies, a
 # non-persistent buffer, from the model's own init), and GPT-2's base model into one with a head
 _OLDER_LAYOUTS = {"neox": _neox, "gpt2-base": _gpt2_base}
+_TRANSFORMERS_5 = importlib.util.find_spec("transformers.conversion_mapping") is not None
 
 
 def _older_layout_parity(folder: Path, make: Any, **pipe_kw: Any) -> dict[str, Any]:
@@ -581,9 +583,10 @@ def test_meta_models_on_2_and_4_ranks(tmp_path: Path) -> None:
                         "as on devices auto", "neox older layout", "gpt2-base older layout"])
     for r in two:
         neox = " ".join(r["neox older layout"]["notes"])
-        assert "read as transformers' from_pretrained reads it into GPTNeoXForCausalLM (1 key renamed)" in neox, neox
         assert "non-persistent buffer" in neox and "rotary_emb.inv_freq" in neox, neox
-        assert "into GPT2LMHeadModel" in " ".join(r["gpt2-base older layout"]["notes"])
+        if _TRANSFORMERS_5:  # transformers 4 named the head embed_out, and added the prefix itself
+            assert "read as transformers' from_pretrained reads it into GPTNeoXForCausalLM (1 key renamed)" in neox
+            assert "into GPT2LMHeadModel" in " ".join(r["gpt2-base older layout"]["notes"])
         notes = r["gpt safetensors 1f1b"]["notes"]
         assert any("built on the meta device" in n and "gpt.safetensors" in n for n in notes), notes
         assert any(n.startswith("parameters per rank, on the host") for n in r["gpt pt zb-h1"]["notes"])
