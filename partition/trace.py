@@ -5,6 +5,7 @@ import contextlib
 import copy
 import dataclasses
 import inspect
+import re
 import io
 import itertools
 import math
@@ -415,7 +416,7 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
                 read_written_inputs(gm)  # an input written in place: later readers read the write's value
                 return gm
             reasons.append(f"{tracer} gave a graph that is not the model: {why}")
-    cache = _cache_in(expected)
+    cache = _cache_in(expected) or _cache_named(reasons)
     raise TraceError(
         f"cannot trace {name}: " + (f"its output holds a {cache} (a cache of keys and values for generation, "
                                     "use_cache=True): train with config.use_cache=False (model.config.use_cache = "
@@ -427,6 +428,13 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
         "return tensors in tuples, lists, dicts, dataclasses or registered pytree types; turn off caches and "
         "dropout for tracing (e.g. config.use_cache=False); pass the inputs the model really takes "
         "as example_args/example_kwargs.")
+
+
+def _cache_named(reasons: list[str]) -> str | None:
+    """A generation cache torch.export found in the output (where the eager call could not run to show it:
+    a model on the meta device), by the type its error names."""
+    found = re.search(r"<class '[\w.]*?(\w+Cache)'> in output", " ".join(reasons))
+    return found.group(1) if found else None
 
 
 def _cache_in(value: Any, depth: int = 0) -> str | None:

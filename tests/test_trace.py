@@ -386,6 +386,11 @@ def test_a_generation_cache_in_the_output_is_named_first_with_its_fix() -> None:
     with pytest.raises(TraceError, match=r"^cannot trace LlamaForCausalLM: its output holds a DynamicCache .*"
                                          r"train with config.use_cache=False"):
         partition.trace(tf.LlamaForCausalLM(cfg), (), {"input_ids": torch.randint(0, 64, (2, 8))})
+    with torch.device("meta"):  # traced by torch.export alone, whose error names the cache
+        meta = tf.LlamaForCausalLM(cfg)
+    with pytest.raises(TraceError, match=r"^cannot trace LlamaForCausalLM: its output holds a DynamicCache .*"
+                                         r"train with config.use_cache=False"):
+        partition.trace(meta, (), {"input_ids": torch.randint(0, 64, (2, 8))})
 
 
 class _Energy(torch.nn.Module):
