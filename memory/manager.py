@@ -73,6 +73,30 @@ class _Held:
     inputs: set[int] = field(default_factory=set)   # storages of the model inputs (kept, never offloaded)
 
 
+class _Saved:
+    """A tensor autograd saved, kept as it is, with its version then: saved-tensor hooks turn off autograd's own
+    check that a saved tensor was not written in place before the backward reads it, so unpack makes it."""
+    __slots__ = ("t", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t, self.version = t, t._version
+
+    def unpack(self) -> torch.Tensor:
+        if self.t._version != self.version:
+            raise modified_in_place(self.t, self.version, self.t._version)
+        return self.t
+
+
+def modified_in_place(t: torch.Tensor, saved: int, now: int | None) -> RuntimeError:
+    """autograd's error for a tensor the backward needs that was written in place after the forward saved it."""
+    return RuntimeError(
+        f"one of the variables needed for gradient computation has been modified by an inplace operation: a "
+        f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')} tensor the forward saved at version {saved} is at "
+        f"version {now if now is not None else 'later'} (PyTorch's own backward refuses this model too); write "
+        "that value out of place (h = h * 2, not h.mul_(2)) where an op saved it for its backward (tanh, sigmoid "
+        "and exp save their outputs, a product its inputs)")
+
+
 def _storage(t: torch.Tensor) -> tuple[int, int]:
     st = t.untyped_storage()
     return st.data_ptr(), st.nbytes()
@@ -344,7 +368,8 @@ class PlannedMemory(MemoryManager):
         h = self.held[(s, mb)]
         ptr = t.untyped_storage().data_ptr()
         if self._held_elsewhere(t) or ptr in h.inputs:
-            return t  # a parameter, a received value or a model input: not the microbatch's activations
+            return t  # a parameter, a received value or a model input: not the microbatch's activations (and views
+            # the runtime made, a microbatch of the batch, whose versions its other microbatches' writes move too)
         if self._recipes:
             found = self._recipes.get(ptr)
             if found is not None and found[0]() is not None and self._ready(found[1], t, s, mb, h):
@@ -356,7 +381,7 @@ class PlannedMemory(MemoryManager):
             h.ptrs.add(t)
             h.acts += n
             self.ledger.add(s, "activations", n)
-        return t
+        return _Saved(t)
 
     def _ready(self, r: Recipe, t: torch.Tensor, s: int, mb: int, h: _Held) -> bool:
         """The recipe may stand for `t`: same microbatch, `t` unchanged since the node made it, and every
@@ -370,7 +395,7 @@ class PlannedMemory(MemoryManager):
     def _unpack(self, x: Any) -> torch.Tensor:
         if isinstance(x, Remat):
             return self._recompute(x)
-        return x.unpack() if isinstance(x, Handle) else x
+        return x.unpack() if isinstance(x, (_Saved, Handle)) else x
 
     def _recompute(self, x: Remat) -> torch.Tensor:
         """The backward needs a recomputed output: make it (chunks of its parameters resident), and keep

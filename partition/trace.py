@@ -9,6 +9,7 @@ import re
 import io
 import itertools
 import math
+import operator
 import warnings
 from typing import Any, Iterator, Sequence
 
@@ -411,6 +412,13 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
             if why is None and len(flatten_outputs(gm, check=False)[0]) != spec.num_leaves:
                 why = "its output node does not list the output's tensors one by one (a dataclass built in the graph)"
             if why is None:
+                overwritten = _saved_then_written(gm, args, kwargs)
+                if overwritten is not None:
+                    raise TraceError(f"cannot train {name}: its forward writes in place a tensor that an op saved "
+                                     "for its backward, which PyTorch's own backward refuses "
+                                     f"({overwritten}); write that value out of place (h = h * 2, not h.mul_(2)) "
+                                     "where an op saved it (tanh, sigmoid and exp save their outputs, a product "
+                                     "its inputs)")
                 gm.meta["fxpipe_tracer"] = tracer
                 gm.meta["fxpipe_out_spec"] = spec
                 read_written_inputs(gm)  # an input written in place: later readers read the write's value
@@ -428,6 +436,50 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
         "return tensors in tuples, lists, dicts, dataclasses or registered pytree types; turn off caches and "
         "dropout for tracing (e.g. config.use_cache=False); pass the inputs the model really takes "
         "as example_args/example_kwargs.")
+
+
+# h += 1 as fx records it: on a tensor, in place
+_AUGMENTED = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
+              operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+              operator.irshift}
+
+
+def _writes_in_place(gm: torch.fx.GraphModule) -> bool:
+    """Whether the graph has an op that writes a tensor in place (x.mul_(2), F.relu(x, inplace=True), aten's mul_)."""
+    for n in gm.graph.nodes:
+        if n.op == "call_method" and n.target.endswith("_") and not n.target.startswith("__"):
+            return True
+        if n.op == "call_function" and (n.kwargs.get("inplace") or n.target in _AUGMENTED
+                                        or getattr(n.target, "__name__", "").endswith("_")
+                                        and not getattr(n.target, "__name__", "").startswith("__")
+                                        or getattr(getattr(n.target, "_schema", None), "is_mutable", False)):
+            return True
+    return False
+
+
+def _saved_then_written(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """autograd's own error where the graph writes in place a tensor an op saved for its backward (`tanh(h).mul_(2)`),
+    from a forward and backward of a meta copy on meta inputs (no values, no compute): eager PyTorch refuses such a
+    model at its backward, while the pipeline's saved-tensor hooks (memory/) turn that check off. None when the
+    backward runs, or fails otherwise (an op with no meta backward): the runtime's own check stands then."""
+    if not _writes_in_place(gm):
+        return None
+    from partition.meta import meta_copy
+    try:
+        copy = meta_copy(gm)
+        margs, mkwargs = to_meta((args, kwargs))
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+            out = copy(*margs, **mkwargs)
+            sums = [t.sum() for t in pytree.tree_leaves(out)
+                    if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+            if sums:
+                torch.autograd.backward(sums)
+    except RuntimeError as e:
+        if "modified by an inplace operation" in str(e):
+            return first_line(RuntimeError(str(e).split(" Hint:")[0]), 400)
+    except Exception:  # noqa: BLE001 - anything else is not this check's to judge
+        pass
+    return None
 
 
 def _cache_named(reasons: list[str]) -> str | None:

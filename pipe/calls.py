@@ -95,6 +95,9 @@ BATCHES = ("were given different batches", "each rank reads what its own stages 
 BUILDS = ("were built differently", "every rank builds the same pipeline: the same model with the same values "
           "(seed torch alike before building it, and load pretrained weights on every rank or pass weights= a file "
           "every rank reads) and the same arguments")
+CALLS = ("made different calls", "step(), evaluate() and forward() each run every rank of the pipeline together (its "
+         "stages send to each other), so make the same call on every rank: evaluate on every rank, not on the last "
+         "alone")
 _SHOWN = 4  # differing parts a message lists per rank
 
 
@@ -135,6 +138,8 @@ def agree(call: Call, refused: Exception | None, *, group: Any, ranks: Sequence[
         mine_differ = [p for p in parts if p in differs]
         more = f" and {len(mine_differ) - _SHOWN} more" if len(mine_differ) > _SHOWN else ""
         lines.append(f"rank {r}: " + ", ".join(mine_differ[:_SHOWN]) + more)
+    if len({p for p in differs if p.startswith("call: ")}) > 1:  # different calls, whatever their batches
+        differ = CALLS
     raise error(f"the ranks of this pipeline {differ[0]} for this {what} call ({'; '.join(lines)}); {differ[1]}")
 
 
@@ -301,8 +306,9 @@ def agree_on_call(pp: Pipeline, batch: tuple[tuple[Any, ...], dict[str, Any]], t
         key = autocast_key(pp.ctx.device)
         cast = f"autocast: {key or 'off'}" + ("" if key == pp._build_autocast else ", dtypes known"
                                                 if key in pp._cut_dtypes else ", dtypes to learn")
-        salt = int.from_bytes(hashlib.blake2b(cast.encode(), digest_size=7).digest(), "little")
-        call = Call(call.digest ^ int(not pp.training) ^ (salt << 1), call.parts + [f"mode: {mode}", cast])
+        kind = f"call: pp.{what}()"  # step, evaluate or forward: ranks making different ones wait on each other
+        salt = int.from_bytes(hashlib.blake2b(f"{cast}; {kind}".encode(), digest_size=7).digest(), "little")
+        call = Call(call.digest ^ int(not pp.training) ^ (salt << 1), call.parts + [f"mode: {mode}", cast, kind])
         try:
             agree(call, refused, group=pp.pp_group, ranks=pp._global, device=pp.ctx.device, what=what,
                   error=PipelineError)

@@ -231,6 +231,26 @@ def _refused_mode() -> str:
         return f"{type(e).__name__}: {e}"
 
 
+def _different_calls(rank: int) -> dict[str, Any]:
+    """Found by review: step() on rank 0 and evaluate() on rank 1 with the same batch (a loop evaluating on the last
+    rank alone) waited the whole timeout, then each rank named the other as lost. The call's kind is in the digest
+    the ranks compare before any message: refused at once on both, and the next calls run."""
+    import partition
+    import pipe
+    w = partition.load("gpt", **GPT)
+    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, cost="flops")
+    args, _, target = w.batch(w.microbatch_size * M, 0)
+    start = time.monotonic()
+    try:
+        (pp.step if rank == 0 else pp.evaluate)(*args, target=target)
+        out: dict[str, Any] = {"error": "ran"}
+    except pipe.PipelineError as e:
+        out = {"error": str(e)}
+    out["s"] = time.monotonic() - start
+    out["then"] = pp.evaluate(*args, target=target)  # every rank alike: runs
+    return out
+
+
 def two_body(rank: int, world: int) -> dict[str, Any]:
     import pipe
     pipe.init()
@@ -242,11 +262,18 @@ def two_body(rank: int, world: int) -> dict[str, Any]:
     res["llama attention dropout"] = _llama_attention_dropout()
     res["user switched"] = _user_switched()
     res["mode refused"] = _refused_mode()
+    res["different calls"] = _different_calls(rank)
     return res
 
 
 def test_evaluate_on_2_ranks_is_the_whole_models_loss_without_grads() -> None:
     res = run_ranks("tests.test_evaluate:two_body", 2, timeout=240)
+    for r in res:
+        diff = r["different calls"]
+        assert diff["error"].startswith("the ranks of this pipeline made different calls for this "), diff
+        assert "rank 0: call: pp.step()" in diff["error"] and "rank 1: call: pp.evaluate()" in diff["error"], diff
+        assert "evaluate on every rank" in diff["error"] and diff["s"] < 20, diff
+    assert res[0]["different calls"]["then"] == res[1]["different calls"]["then"]
     for name in CASES:
         assert res[0][name]["losses"] == res[1][name]["losses"], name  # the same loss on every rank
         got = torch.tensor(res[0][name]["losses"])

@@ -617,3 +617,26 @@ def test_attached_and_measured_optimizer_state_replace_the_planned_adam() -> Non
     with pytest.raises(BudgetError, match=r"memory_budget >= \d+, or offload='states'") as e:
         mm.attach_optimizer(torch.optim.Adam(gm.parameters(), amsgrad=True))
     assert e.value.needed_bytes == pytest.approx(5.0 * params)
+
+
+def test_a_saved_tensor_written_in_place_is_refused_at_the_backward_as_autograd_does() -> None:
+    """Found by review: saved-tensor hooks turn off autograd's check that a tensor saved for the backward was not
+    written in place since (`tanh(h).mul_(1.5)`: tanh's backward reads its output). The pipeline's hooks kept the
+    tensor, so the backward read the written value and trained silently on wrong grads (1.41 off; with offloaded
+    activations, the value before the write). The manager's saved tensors carry their version and refuse it."""
+    from memory.manager import _Saved
+    lin = torch.nn.Linear(4, 4)
+    hooks = (_Saved, lambda s: s.unpack())
+    with torch.autograd.graph.saved_tensors_hooks(*hooks):
+        loss = lin(torch.tanh(lin(torch.randn(2, 4))).mul_(1.5)).sum()
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation: a \[2, 4\] float32 tensor the forward "
+                                           r"saved at version 0 is at version 1"):
+        loss.backward()
+    with torch.autograd.graph.saved_tensors_hooks(*hooks):  # written where nothing saved it: trained as autograd does
+        x = torch.randn(2, 4)
+        loss = lin(torch.relu(lin(x).mul_(1.5))).sum()
+    loss.backward()
+    want = lin.weight.grad.clone()
+    lin.weight.grad = None
+    lin(torch.relu(lin(x).mul_(1.5))).sum().backward()
+    torch.testing.assert_close(lin.weight.grad, want)
