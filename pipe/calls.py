@@ -140,6 +140,9 @@ def agree(call: Call, refused: Exception | None, *, group: Any, ranks: Sequence[
         lines.append(f"rank {r}: " + ", ".join(mine_differ[:_SHOWN]) + more)
     if len({p for p in differs if p.startswith("call: ")}) > 1:  # different calls, whatever their batches
         differ = CALLS
+    elif differ is BATCHES and all(p.startswith(("mode: ", "autocast: ")) for p in differs):  # the same batches
+        differ = ("made the same call in different states", "make it in the same state on every rank: "
+                  "pp.train() or pp.eval() on every rank alike, and the same torch.autocast (or none) around it")
     raise error(f"the ranks of this pipeline {differ[0]} for this {what} call ({'; '.join(lines)}); {differ[1]}")
 
 

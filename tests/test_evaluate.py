@@ -7,6 +7,7 @@ on a model with dropout, against the plain model's eval mode, the loss in the gr
 and without streamed parameters, and Hugging Face GPT-2 and T5 (torch.export) with dropout; a model whose
 eval mode skips a layer refused. The data-parallel case (the mean over the replicas' batches) is in
 test_data_parallel."""
+import contextlib
 import itertools
 import time
 from typing import Any
@@ -248,6 +249,15 @@ def _different_calls(rank: int) -> dict[str, Any]:
         out = {"error": str(e)}
     out["s"] = time.monotonic() - start
     out["then"] = pp.evaluate(*args, target=target)  # every rank alike: runs
+    # the same call and batch in other states (found by review: told "different batches" and to fix the data loader)
+    for state, enter in (("autocast", lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=rank == 0)),
+                         ("mode", lambda: contextlib.nullcontext(pp.eval() if rank == 0 else pp.train()))):
+        try:
+            with enter():
+                pp.evaluate(*args, target=target)
+            out[state] = "ran"
+        except pipe.PipelineError as e:
+            out[state] = str(e)
     return out
 
 
@@ -274,6 +284,11 @@ def test_evaluate_on_2_ranks_is_the_whole_models_loss_without_grads() -> None:
         assert "rank 0: call: pp.step()" in diff["error"] and "rank 1: call: pp.evaluate()" in diff["error"], diff
         assert "evaluate on every rank" in diff["error"] and diff["s"] < 20, diff
     assert res[0]["different calls"]["then"] == res[1]["different calls"]["then"]
+    for r in res:
+        for state, part in (("autocast", "rank 1: autocast: off"), ("mode", "rank 1: mode: train")):
+            got = r["different calls"][state]
+            assert got.startswith("the ranks of this pipeline made the same call in different states") and \
+                part in got and "pp.train() or pp.eval() on every rank alike" in got, got
     for name in CASES:
         assert res[0][name]["losses"] == res[1][name]["losses"], name  # the same loss on every rank
         got = torch.tensor(res[0][name]["losses"])
