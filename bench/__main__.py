@@ -13,6 +13,7 @@ built whole or on the meta device; each prints a table and writes JSON (and pict
   python -m bench memory-scale --sizes 8x256,16x512 --ranks 2,4"""
 from __future__ import annotations
 
+from partition.args import wholes
 import argparse
 import shutil
 import socket
@@ -76,12 +77,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="each rank's peak host memory: the model built whole, or on the meta device")
     sp = sub.add_parser("partition", help="partition quality against the usual baselines")
     sp.add_argument("model")
-    sp.add_argument("--stages", default="2,4")
+    sp.add_argument("--stages", default="2,4", type=wholes(1))
     sp.add_argument("--cost", default="measured", choices=COSTS)
     sp.add_argument("--model-arg", action="append", default=[])
     sp.add_argument("--out", default="out/bench")
     argv = sys.argv[1:] if argv is None else list(argv)
     args, rest = p.parse_known_args(argv)
+    if args.cmd == "schedules":  # what only its own parser checks (a grid with nothing to run), before launching
+        schedules.parse_args(argv[argv.index(args.cmd) + 1:])
     if args.cmd in _LAUNCHED:  # parsed above to check and for --help; the ranks parse again
         return launch(_LAUNCHED[args.cmd], args.ranks, argv[argv.index(args.cmd) + 1:], args.launcher, args.threads)
     if args.cmd == "scale":  # one process: parsed again by bench.scale

@@ -9,6 +9,7 @@ there (and in the grid):
 torchrun --nproc-per-node 2 -m bench.auto gpt --batch-size 32 --calibration out/calibration.json"""
 from __future__ import annotations
 
+from partition.args import whole
 import argparse
 import json
 import statistics
@@ -29,23 +30,23 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="bundled name (gpt, ...), package.module:factory or path/file.py:factory")
     p.add_argument("--model-arg", action="append", default=[], metavar="K=V", help="factory keyword, repeatable")
-    p.add_argument("--batch-size", type=int, default=None,
+    p.add_argument("--batch-size", type=whole(1), default=None,
                    help="samples per step (default: the workload's microbatch x 8); auto picks M among its divisors")
     p.add_argument("--schedules", default=None, help="comma-separated candidates' schedules (default: all)")
     p.add_argument("--memory-budget", default=None, help="per-rank budget, e.g. 40MB: candidates over it are refused")
     p.add_argument("--calibration", metavar="FILE", help="predict with this machine's calibration (bench calibrate)")
     p.add_argument("--cost", default="measured", choices=COSTS)
-    p.add_argument("--steps", type=int, default=6, help="timed steps per candidate")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--back-to-back", type=int, default=2, metavar="K",
+    p.add_argument("--steps", type=whole(1), default=6, help="timed steps per candidate")
+    p.add_argument("--warmup", type=whole(0), default=1)
+    p.add_argument("--back-to-back", type=whole(1), default=2, metavar="K",
                    help="steps a candidate runs in a row each round, the last one timed (the earlier ones bring its "
                         "weights back into the caches the other candidates used)")
-    p.add_argument("--finalists", type=int, default=4, metavar="K",
+    p.add_argument("--finalists", type=whole(1), default=4, metavar="K",
                    help="the K fastest of the grid run again beside auto's choice (0: no final)")
-    p.add_argument("--final-steps", type=int, default=8, help="timed steps per finalist")
-    p.add_argument("--ranks", type=int, default=2, help="processes to launch")
+    p.add_argument("--final-steps", type=whole(1), default=8, help="timed steps per finalist")
+    p.add_argument("--ranks", type=whole(1), default=2, help="processes to launch")
     p.add_argument("--launcher", default="torchrun", choices=["torchrun", "mpirun"])
-    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--threads", type=whole(1), default=1, help="torch threads per process")
     p.add_argument("--out", default="out/bench")
     return p
 

@@ -9,6 +9,7 @@ pace while it ran (bench.pace: a fixed forward and backward timed on every rank 
 pipe.Pipeline(calibration=FILE) as it is."""
 from __future__ import annotations
 
+from partition.args import whole
 import argparse
 import sys
 
@@ -30,14 +31,14 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
                    help="samples per microbatch, each size running every schedule: sizes that differ let the fit "
                         "tell an op's fixed cost from its FLOPs; cover the sizes predicted (schedule='auto' at "
                         "batch 32 on 2 ranks weighs 1 to 16)")
-    p.add_argument("--steps", type=int, default=6, help="timed steps per pipeline")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=whole(1), default=6, help="timed steps per pipeline")
+    p.add_argument("--warmup", type=whole(0), default=2)
     p.add_argument("--cost", default="flops", choices=COSTS,
                    help="how the plans are costed: the calibration applies to plans costed alike (flops: costs that do "
                         "not move with the machine's drift; shaped: and products priced by their shapes)")
-    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--ranks", type=whole(1), default=2)
     p.add_argument("--launcher", default="torchrun", choices=["torchrun", "mpirun"])
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=whole(1), default=1)
     p.add_argument("--out", default="out/calibration.json", help="where the calibration is written")
     return p
 

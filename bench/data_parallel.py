@@ -4,6 +4,7 @@ OMP_NUM_THREADS=1 torchrun --nproc-per-node 4 -m bench.data_parallel gpt --data-
     --model-arg n_layer=8 --model-arg d_model=256 --model-arg seq_len=128 --model-arg vocab=1000"""
 from __future__ import annotations
 
+from partition.args import whole
 import argparse
 import json
 import statistics
@@ -27,18 +28,18 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="bundled name (gpt, ...), package.module:factory or path/file.py:factory")
     p.add_argument("--model-arg", action="append", default=[], metavar="K=V", help="factory keyword, repeatable")
-    p.add_argument("--data-parallel", type=int, default=2, help="replicas of the pipeline")
+    p.add_argument("--data-parallel", type=whole(1), default=2, help="replicas of the pipeline")
     p.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES))
-    p.add_argument("--stages-per-rank", type=int, default=None)
-    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--stages-per-rank", type=whole(1), default=None)
+    p.add_argument("--microbatches", type=whole(1), default=8)
     p.add_argument("--dp-shard", default="none", choices=["none", "optimizer", "full"])
     p.add_argument("--bucket-mb", type=float, default=None, help="grad bucket size (default: pipe.scale.bucket_cap)")
-    p.add_argument("--steps", type=int, default=8, help="timed steps")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=whole(1), default=8, help="timed steps")
+    p.add_argument("--warmup", type=whole(0), default=2)
     p.add_argument("--cost", default="measured", choices=COSTS)
-    p.add_argument("--ranks", type=int, default=4, help="processes to launch")
+    p.add_argument("--ranks", type=whole(1), default=4, help="processes to launch")
     p.add_argument("--launcher", default="torchrun", choices=["torchrun", "mpirun"])
-    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--threads", type=whole(1), default=1, help="torch threads per process")
     p.add_argument("--out", default="out/bench-dp")
     return p
 

@@ -2,6 +2,7 @@
 and train it on real text (the Python standard library's sources) over 2 processes with 1F1B."""
 from __future__ import annotations
 
+from partition.args import whole
 import argparse
 import socket
 import subprocess
@@ -12,8 +13,8 @@ __all__ = ["main"]
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.demo", description=__doc__)
-    p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--steps", type=whole(1), default=150)
+    p.add_argument("--ranks", type=whole(1), default=2)
     p.add_argument("--schedule", default="1f1b")
     p.add_argument("--out", default="out/demo")
     args = p.parse_args(argv)

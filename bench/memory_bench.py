@@ -20,6 +20,7 @@ activations are about 85% of its peak. `--config short` is the earlier one (8 la
 2 microbatches, so recomputation cannot halve the peak and auto must also stream model state."""
 from __future__ import annotations
 
+from partition.args import whole
 import argparse
 import os
 import platform
@@ -185,7 +186,7 @@ def timed(rounds: int, M: int, say: Any, base: dict[str, Any] = LONG, schedule: 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench.memory_bench", description=__doc__)
     p.add_argument("--budget", default="32MiB", help="per-stage budget of part 1")
-    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--rounds", type=whole(1), default=4)
     p.add_argument("--skip", default="", help="'scan' or 'time' to skip that part")
     p.add_argument("--fraction", type=float, default=0.5, help="auto's budget in part 2, of the plain peak")
     p.add_argument("--config", default="long", choices=sorted(CONFIGS),

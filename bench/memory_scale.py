@@ -16,6 +16,7 @@ Each (size, ranks, mode) is its own launch, modes alternating:
   python -m bench memory-scale --sizes 16x512 --ranks 4 --modes eager,meta --rounds 2"""
 from __future__ import annotations
 
+from partition.args import whole
 import argparse
 import json
 import os
@@ -41,11 +42,11 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--sizes", default="8x256,16x512", help="GPT sizes as LAYERSxD_MODEL, comma-separated")
     p.add_argument("--ranks", default="2,4", help="pipeline ranks, comma-separated")
     p.add_argument("--modes", default="eager,meta", help="eager (every rank builds the model) and/or meta")
-    p.add_argument("--rounds", type=int, default=1, help="launches per (size, ranks, mode), alternating modes")
+    p.add_argument("--rounds", type=whole(1), default=1, help="launches per (size, ranks, mode), alternating modes")
     p.add_argument("--cost", default="measured", choices=COSTS)
-    p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--microbatches", type=whole(1), default=8)
+    p.add_argument("--seq-len", type=whole(1), default=64)
+    p.add_argument("--vocab", type=whole(1), default=512)
     p.add_argument("--cold", action="store_true",
                    help="baseline right after start-up (default: after a 1-layer GPT was planned, built and "
                         "stepped both ways, so what a process pays once, whatever the model, is in the baseline "
@@ -107,13 +108,13 @@ class _Sampler:
 def worker(argv: list[str]) -> int:
     """One launch: build, plan, build the stages and take a first step; each rank writes its figures."""
     p = argparse.ArgumentParser()
-    p.add_argument("--layers", type=int)
-    p.add_argument("--d-model", type=int)
+    p.add_argument("--layers", type=whole(1))
+    p.add_argument("--d-model", type=whole(1))
     p.add_argument("--mode")
     p.add_argument("--cost")
-    p.add_argument("--microbatches", type=int)
-    p.add_argument("--seq-len", type=int)
-    p.add_argument("--vocab", type=int)
+    p.add_argument("--microbatches", type=whole(1))
+    p.add_argument("--seq-len", type=whole(1))
+    p.add_argument("--vocab", type=whole(1))
     p.add_argument("--weights")
     p.add_argument("--result")
     p.add_argument("--warm", action="store_true")
@@ -173,11 +174,11 @@ def worker(argv: list[str]) -> int:
     params = sum(p.numel() * p.element_size() for p in pp.parameters())
     state = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
                 if isinstance(v, torch.Tensor) and v.dim() > 0)
-    whole = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    model_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     report = pp.memory_report()
     row = {"rank": ctx.rank, "mode": a.mode, "layers": a.layers, "d_model": a.d_model, "ranks": ctx.world_size,
            "baseline": sampler.baseline, "peaks": peaks, "stage_param_bytes": params, "optimizer_state_bytes": state,
-           "model_param_bytes": whole, "time_to_first_step_s": first_step_s, "loss": loss, "one_time": one_time,
+           "model_param_bytes": model_bytes, "time_to_first_step_s": first_step_s, "loss": loss, "one_time": one_time,
            "phase_seconds": sampler.seconds, "params_host": sum(r.get("params_host", 0) for r in report.values()),
            "params_device": sum(r.get("params_device", 0) for r in report.values())}
     Path(f"{a.result}.{ctx.rank}.json").write_text(json.dumps(row))

@@ -6,6 +6,7 @@ Each launch is 2 ranks under torchrun building the README's pipeline (`gpt`, mea
 loss in the graph); rank 0 reports the parameters per stage. Prints one row per setting."""
 from __future__ import annotations
 
+from partition.args import whole
 import argparse
 import collections
 import json
@@ -40,7 +41,7 @@ def _spin() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.plan_stability", description=__doc__)
-    p.add_argument("--launches", type=int, default=6, help="launches per setting")
+    p.add_argument("--launches", type=whole(1), default=6, help="launches per setting")
     p.add_argument("--busy", action="store_true", help="keep one core busy meanwhile")
     p.add_argument("--worker", type=float, default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default="", help=argparse.SUPPRESS)

@@ -2,6 +2,7 @@
 """Partition quality: fxpipe's plan against three baselines, every stage measured; cost-model accuracy."""
 from __future__ import annotations
 
+from partition.args import whole, wholes
 import argparse
 import json
 import os
@@ -314,14 +315,14 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.quality", description=__doc__)
     ap.add_argument("--model", default="gpt_wide_vocab,unet", help="comma-separated workload specs")
-    ap.add_argument("--stages", default="2,4", help="comma-separated stage counts")
+    ap.add_argument("--stages", default="2,4", type=wholes(1), help="comma-separated stage counts")
     ap.add_argument("--accuracy", default="", help="more workloads for the cost-model accuracy table "
                     "(fxpipe's plan only); --model's own fxpipe rows are always in it")
     ap.add_argument("--cost", choices=COSTS, default="measured")
-    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--repeats", type=whole(1), default=20)
     ap.add_argument("--calibrate", action="store_true", help="with --meta: fxpipe's plan's stages timed whole and "
                     "its costs scaled to them, as partition.plan(calibrate=True)")
-    ap.add_argument("--rounds", type=int, default=1, help="alternate costing and timing this many times; "
+    ap.add_argument("--rounds", type=whole(1), default=1, help="alternate costing and timing this many times; "
                     "predicted and measured are medians over the rounds, pred/meas the median of each round's ratio "
                     "(see quality())")
     ap.add_argument("--meta", action="store_true", help="plan a copy of each model on the meta device (costs "

@@ -8,6 +8,7 @@ machine (its measured or FLOP-counted costs); every layout then simulates one re
 program with the grad all-reduce of its dp ranks (a ring at --allreduce-gbps) on top."""
 from __future__ import annotations
 
+from partition.args import whole
 import argparse
 import json
 import sys
@@ -52,7 +53,7 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="bundled name (gpt, ...), package.module:factory or path/file.py:factory")
     p.add_argument("--model-arg", action="append", default=[], metavar="K=V", help="factory keyword, repeatable")
-    p.add_argument("--layers-per-stage", type=int, default=None, metavar="L",
+    p.add_argument("--layers-per-stage", type=whole(1), default=None, metavar="L",
                    help=f"for {', '.join(GPT_MODELS)}: build the model with n_layer = L x pp for each pp, L layers per "
                         "pipeline rank (L / v per stage); default 8 unless --model-arg n_layer= is given; other "
                         "models are planned as given")
@@ -66,9 +67,9 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
                        help="total ranks, comma-separated; dp = ranks / pp, layouts where it does not divide are "
                             "skipped (default 64,128,256,512,1024)")
     p.add_argument("--schedule", default=None, choices=sorted(SCHEDULES), help="default 1f1b (with --plan: the plan's)")
-    p.add_argument("--stages-per-rank", type=int, default=None, metavar="V",
+    p.add_argument("--stages-per-rank", type=whole(1), default=None, metavar="V",
                    help=f"v (default: the schedule's, {default_stages_text()})")
-    p.add_argument("--global-batch", type=int, default=4096, metavar="N",
+    p.add_argument("--global-batch", type=whole(1), default=4096, metavar="N",
                    help="sequences (samples) per step over all replicas (default 4096)")
     p.add_argument("--link-gbps", type=float, default=200.0,
                    help="pipeline link for the boundary messages, gigabits/s (default 200)")

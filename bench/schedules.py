@@ -9,6 +9,7 @@ torchrun --nproc-per-node 2 -m bench.schedules gpt --microbatches 4,8 --schedule
 (with --data-parallel N, N replicas of a pipeline over --ranks / N ranks, each on its own batches)"""
 from __future__ import annotations
 
+from partition.args import whole, wholes
 import argparse
 import dataclasses
 import json
@@ -35,28 +36,28 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench schedules", description=__doc__, add_help=add_help)
     p.add_argument("model", help="bundled name (gpt, ...), package.module:factory or path/file.py:factory")
     p.add_argument("--model-arg", action="append", default=[], metavar="K=V", help="factory keyword, repeatable")
-    p.add_argument("--microbatches", default="4,8", help="comma-separated microbatch counts")
-    p.add_argument("--microbatch-sizes", default=None, metavar="B1,B2",
+    p.add_argument("--microbatches", default="4,8", type=wholes(1), help="comma-separated microbatch counts")
+    p.add_argument("--microbatch-sizes", default=None, metavar="B1,B2", type=wholes(1),
                    help="comma-separated samples per microbatch (default: the workload's); each size runs every "
                         "schedule and count")
     p.add_argument("--schedules", default="gpipe,1f1b,interleaved-1f1b,zb-h1,zbv",
                    help=f"comma-separated schedules, of: {', '.join(sorted(SCHEDULES))}")
-    p.add_argument("--stages-per-rank", type=int, default=2,
+    p.add_argument("--stages-per-rank", type=whole(1), default=2,
                    help="v for interleaved-1f1b and interleaved-zb (the others run their own)")
     p.add_argument("--compile", default="off", choices=["off", "on", "both"],
                    help="compile the stages (Pipeline(compile=True), torch.compile's inductor): on, or both "
                         "each schedule plain and compiled, alternating")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per candidate")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=whole(1), default=8, help="timed steps per candidate")
+    p.add_argument("--warmup", type=whole(0), default=2)
     p.add_argument("--cost", default="measured", choices=COSTS)
     p.add_argument("--loss-outside", action="store_true",
                    help="keep the loss out of the graph (by default it is traced into the last stage)")
-    p.add_argument("--ranks", type=int, default=2, help="processes to launch")
-    p.add_argument("--data-parallel", type=int, default=1, metavar="N",
+    p.add_argument("--ranks", type=whole(1), default=2, help="processes to launch")
+    p.add_argument("--data-parallel", type=whole(1), default=1, metavar="N",
                    help="replicas of the pipeline (each of --ranks / N ranks); the prediction adds the grad "
                         "all-reduce, measured on this machine")
     p.add_argument("--launcher", default="torchrun", choices=["torchrun", "mpirun"])
-    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--threads", type=whole(1), default=1, help="torch threads per process")
     p.add_argument("--calibration", metavar="FILE",
                    help="predict with this machine's calibration (python -m bench calibrate writes it); the table "
                         "shows the uncalibrated ratio beside")
@@ -70,8 +71,25 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
     return p
 
 
+def skip_reason(name: str, M: int, ranks: int) -> str | None:
+    """Why schedule `name` is not run at M microbatches on a pipeline of `ranks` ranks, or None."""
+    if name.startswith("interleaved") and M % ranks:
+        return f"needs M divisible by {ranks}"
+    if name == "dualpipev" and M < 2 * ranks:
+        return f"needs M >= {2 * ranks}"
+    return None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return parser().parse_args(argv)
+    """The options, refused as a usage error when every schedule and microbatch count asked for is skipped."""
+    p = parser()
+    args = p.parse_args(argv)
+    ranks = max(1, args.ranks // args.data_parallel)
+    asked = [(n, int(m)) for n in args.schedules.split(",") for m in args.microbatches.split(",")]
+    if all(skip_reason(n, m, ranks) for n, m in asked):
+        p.error("nothing to measure: " + "; ".join(f"{n} M={m} {skip_reason(n, m, ranks)}" for n, m in asked[:4]) +
+                "; pick microbatch counts the schedules take")
+    return args
 
 
 def _versions() -> dict[str, Any]:
@@ -109,11 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         for mb, M in [(mb, int(m)) for mb in sizes for m in args.microbatches.split(",")]:
             for name in args.schedules.split(","):
                 v = args.stages_per_rank if name.startswith("interleaved") else default_stages_per_rank(name)
-                if name.startswith("interleaved") and M % (world // args.data_parallel):
-                    say(f"skip {name} M={M}: needs M divisible by {world // args.data_parallel}")
-                    continue
-                if name == "dualpipev" and M < 2 * (world // args.data_parallel):
-                    say(f"skip {name} M={M}: needs M >= {2 * (world // args.data_parallel)}")
+                why = skip_reason(name, M, world // args.data_parallel)
+                if why:
+                    say(f"skip {name} M={M}: {why}")
                     continue
                 for compiled in {"off": [False], "on": [True], "both": [False, True]}[args.compile]:
                     w = partition.load(args.model, **overrides)

@@ -18,6 +18,7 @@ batch's divisors and the stages per rank); the table then says how fxpipe's choi
 torch's fastest schedule."""
 from __future__ import annotations
 
+from partition.args import whole
 import argparse
 import json
 import os
@@ -99,8 +100,8 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench vs-torch", description=__doc__, add_help=add_help)
     p.add_argument("model", nargs="?", default="gpt", help="bundled name or package.module:factory (default gpt)")
     p.add_argument("--model-arg", action="append", default=[], metavar="K=V", help="factory keyword, repeatable")
-    p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=12, help="alternating rounds of every candidate")
+    p.add_argument("--microbatches", type=whole(1), default=8)
+    p.add_argument("--rounds", type=whole(1), default=12, help="alternating rounds of every candidate")
     p.add_argument("--cost", default="measured", choices=COSTS)
     p.add_argument("--torch-schedules", default="1f1b", metavar="LIST",
                    help=f"torch's schedules to run, comma-separated, or all ({', '.join(TORCH_SCHEDULES)}); "
@@ -108,9 +109,9 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--auto", action="store_true",
                    help='add fxpipe with schedule="auto" on the same batch (its own schedule, M and stages per rank)')
     p.add_argument("--calibration", metavar="FILE", help="auto's predictions with this calibration (bench calibrate)")
-    p.add_argument("--ranks", type=int, default=2, help="processes to launch")
+    p.add_argument("--ranks", type=whole(1), default=2, help="processes to launch")
     p.add_argument("--launcher", default="torchrun", choices=["torchrun", "mpirun"])
-    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--threads", type=whole(1), default=1, help="torch threads per process")
     p.add_argument("--out", default="out/vs_torch")
     return p
 

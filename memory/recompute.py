@@ -201,10 +201,33 @@ def remat_candidates(gm: torch.fx.GraphModule) -> list[str]:
     return out
 
 
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
+    """The autocasts in force (device type, dtype): what a forward ran under, for its recomputation."""
+    return tuple((d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d))
+
+
+@contextlib.contextmanager
+def autocast_as(state: tuple[tuple[str, torch.dtype], ...]) -> Iterator[None]:
+    """Run under exactly the autocasts `state` names: those in force now and not in it are turned off (a backward
+    runs outside the user's autocast, as torch's AMP runs it, while a recomputation runs as its forward did)."""
+    with contextlib.ExitStack() as stack:
+        wanted = dict(state)
+        for d in _AUTOCAST_DEVICES:
+            if d in wanted:
+                if not torch.is_autocast_enabled(d) or torch.get_autocast_dtype(d) != wanted[d]:
+                    stack.enter_context(torch.autocast(d, dtype=wanted[d]))
+            elif torch.is_autocast_enabled(d):
+                stack.enter_context(torch.autocast(d, enabled=False))
+        yield
+
+
 class Recipe:
     """How to recompute one node's output (a fresh tensor) from values that are held anyway."""
     __slots__ = ("fn", "args", "kwargs", "inputs", "versions", "stage", "mb", "index", "nbytes", "version",
-                 "_value", "__weakref__")
+                 "_value", "cast", "__weakref__")
 
     def __init__(self, fn: Callable[..., Any], args: Any, kwargs: Any, inputs: list[torch.Tensor],
                  out: torch.Tensor, stage: int, mb: int, index: int) -> None:
@@ -214,6 +237,7 @@ class Recipe:
         self.nbytes = out.untyped_storage().nbytes()
         self.version = out._version
         self._value: Any = None  # weak reference to the last recomputed value
+        self.cast = autocast_state()  # the forward's autocasts, for the recomputation inside the backward
 
     def alive(self) -> torch.Tensor | None:
         """The last recomputed output while something still holds it."""
@@ -225,7 +249,7 @@ class Recipe:
             raise RuntimeError(f"an input of the node recomputed for backward (stage {self.stage}, node #{self.index}) "
                                "was modified in place after the forward; use recompute='none' or 'full' for "
                                "this model, or avoid the in-place op")
-        with torch.no_grad():
+        with torch.no_grad(), autocast_as(self.cast):
             v = self.fn(*self.args, **self.kwargs)
         self._value = weakref.ref(v)
         return v

@@ -1,6 +1,7 @@
 """python -m partition MODEL --stages N: plan a model's pipeline stages, print the table, write the plan."""
 from __future__ import annotations
 
+from partition.args import OneLineParser, whole
 import argparse
 import json
 import sys
@@ -22,13 +23,13 @@ USAGE_ERRORS = (WorkloadError, PlanError, PartitionError, TraceError, ScheduleEr
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m partition",
         description="Trace MODEL on one example microbatch, cost it, and cut it into balanced pipeline "
                     "stages under an optional per-stage memory budget.")
     p.add_argument("model", metavar="MODEL",
                    help=f"package.module:factory, path/file.py:factory or a bundled name ({', '.join(BUNDLED)})")
-    p.add_argument("--stages", type=int, default=None, metavar="N",
+    p.add_argument("--stages", type=whole(1), default=None, metavar="N",
                    help="number of pipeline stages (required, but with --schedule auto)")
     p.add_argument("--cost", choices=COSTS, default="measured",
                    help="time each op on this machine (default), count FLOPs (deterministic), or count FLOPs "
@@ -39,8 +40,9 @@ def parser() -> argparse.ArgumentParser:
                    help="the schedule whose microbatches in flight the memory limit counts; auto: plan every "
                         "schedule, microbatch count (a divisor of --batch-size) and stages per rank for --ranks ranks, "
                         "print them ranked by simulated step and keep the fastest (pipe.auto)")
-    p.add_argument("--ranks", type=int, default=None, metavar="R", help="with --schedule auto: the pipeline's ranks")
-    p.add_argument("--batch-size", type=int, default=None, metavar="B",
+    p.add_argument("--ranks", type=whole(1), default=None, metavar="R",
+                   help="with --schedule auto: the pipeline's ranks")
+    p.add_argument("--batch-size", type=whole(1), default=None, metavar="B",
                    help="with --schedule auto: samples per step (default: the example microbatch x 8)")
     p.add_argument("--calibration", default=None, metavar="FILE",
                    help="with --schedule auto: this machine's calibration (python -m bench calibrate)")
@@ -48,9 +50,9 @@ def parser() -> argparse.ArgumentParser:
                    help="plan for activation recomputation (auto: memory/ recomputes what the budget needs); with "
                         "--schedule auto, weigh every candidate with and without it and give each its memory plan "
                         "(default: auto under --memory-budget, else none)")
-    p.add_argument("--stages-per-rank", type=int, default=None, metavar="V",
+    p.add_argument("--stages-per-rank", type=whole(1), default=None, metavar="V",
                    help=f"stages per rank (default: {default_stages_text()}); --stages counts all")
-    p.add_argument("--microbatches", type=int, default=None, metavar="M",
+    p.add_argument("--microbatches", type=whole(1), default=None, metavar="M",
                    help="microbatches per step (default: the number of stages)")
     p.add_argument("--out", default=None, metavar="PATH", help="write the plan as JSON to PATH")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
@@ -63,7 +65,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as e:  # a usage error (printed) or --help
+        return int(e.code or 0)
     if args.schedule == "auto":
         return _auto(args)
     if args.stages is None:

@@ -207,10 +207,16 @@ def parse_bytes(x: float | int | str | None) -> float | None:
         value = float(x)
     else:
         m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([A-Za-z]*)\s*", x)
-        if not m or m.group(2).lower() not in _UNITS:
+        number = None
+        if m:
+            try:
+                number = float(m.group(1))
+            except ValueError:  # "1e", "1.2.3": the pattern's characters, not a number
+                pass
+        if number is None or m is None or m.group(2).lower() not in _UNITS:
             raise PlanError(f"memory budget {x!r} is not a size; write e.g. 8GiB, 512MiB, 2GB or a "
                             "number of bytes")
-        value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+        value = number * _UNITS[m.group(2).lower()]
     if not value > 0 or value == float("inf"):
         raise PlanError(f"memory budget must be positive and finite, got {x!r}; give the bytes each "
                         "stage may use, e.g. 8GiB, or no budget at all")

@@ -10,6 +10,7 @@ import io
 import itertools
 import math
 import operator
+import sys
 import warnings
 from typing import Any, Iterator, Sequence
 
@@ -179,12 +180,13 @@ def _never_unpacked(_: Any) -> torch.Tensor:
 
 
 def _run(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], watch: list[str] | None = None,
-         restore: Any = None) -> Any:
+         restore: Any = None, switched: list[torch.nn.Module] | None = None) -> Any:
     """fn(*args, **kwargs) as training calls it, under autograd (what a forward does only when its values require
     grad, a hook registered `if h.requires_grad`, is done), but keeping no tensor for a backward (the activations
     are freed as without autograd); from a fixed RNG state (dropout draws the same masks), on copies of the input
     tensors: a model that writes its inputs in place leaves the example as it was for the next run.
-    `watch`: where to record what the call does that only autograd sees (_watching)."""
+    `watch`: where to record what the call does that only autograd sees (_watching); `switched`: the modules
+    whose forward enters a torch.autocast."""
     given = (args, kwargs)
     for keep in (False, True):  # (kept only where the forward takes grads itself: torch.autograd.grad, torch.func)
         args, kwargs = pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, given)
@@ -193,7 +195,7 @@ def _run(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], watch: list[str
             with torch.random.fork_rng(devices=[]), torch.enable_grad(), contextlib.nullcontext() if keep else \
                     torch.autograd.graph.saved_tensors_hooks(lambda t: None, _never_unpacked):
                 torch.manual_seed(0)
-                with _watching(watch) if watch is not None else contextlib.nullcontext():
+                with _watching(watch, switched) if watch is not None else contextlib.nullcontext():
                     out = fn(*args, **kwargs)
             return pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out) if keep else out
         except Exception:
@@ -202,17 +204,32 @@ def _run(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], watch: list[str
             restore()  # the state the failed run started from
             if watch is not None:
                 del watch[seen:]
+            if switched is not None:
+                switched.clear()
     raise AssertionError("unreachable")
 
 
 @contextlib.contextmanager
-def _watching(seen: list[str]) -> Iterator[None]:
+def _watching(seen: list[str], switched: list[torch.nn.Module] | None = None) -> Iterator[None]:
     """Record in `seen` what a forward does that only autograd sees, so that a trace would lose it: a grad
     mode switch (torch.no_grad(), @torch.no_grad()), a custom autograd.Function (reentrant checkpointing
-    is one), a hook registered on a tensor."""
+    is one), a hook registered on a tensor; and in `switched` the module whose forward enters a
+    torch.autocast (a region run at another precision, which neither tracer keeps: fx records no context
+    manager, export's lowering applies the autocast in force while tracing, none)."""
     import torch.autograd.function as function
+    from torch.amp import autocast_mode
     grad_mode, hook = torch._C._set_grad_enabled, torch.Tensor.register_hook
     apply = function.Function.__dict__["apply"]  # the classmethod itself, put back as it was
+    enter = autocast_mode.autocast.__enter__
+
+    def entered(self: Any) -> Any:
+        if switched is not None:
+            frame = sys._getframe(1)
+            while frame is not None and not isinstance(frame.f_locals.get("self"), torch.nn.Module):
+                frame = frame.f_back  # type: ignore[assignment]
+            if frame is not None:
+                switched.append(frame.f_locals["self"])
+        return enter(self)
 
     def switch(mode: bool) -> None:
         seen.append("a grad mode switch")
@@ -228,12 +245,14 @@ def _watching(seen: list[str]) -> Iterator[None]:
     torch._C._set_grad_enabled = switch  # type: ignore[assignment]
     function.Function.apply = classmethod(applied)  # type: ignore[assignment,method-assign]
     torch.Tensor.register_hook = hooked  # type: ignore[method-assign]
+    autocast_mode.autocast.__enter__ = entered  # type: ignore[method-assign]
     try:
         yield
     finally:
         torch._C._set_grad_enabled = grad_mode
         function.Function.apply = apply  # type: ignore[method-assign]
         torch.Tensor.register_hook = hook  # type: ignore[method-assign]
+        autocast_mode.autocast.__enter__ = enter  # type: ignore[method-assign]
 
 
 def _grads_differ(model: torch.nn.Module, gm: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -350,8 +369,10 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
         start = {n: b.detach().clone() for n, b in model.named_buffers()}
         written: dict[str, torch.Tensor] = {}  # the buffers the eager run wrote, as it left them
         autograd_only: list[str] = []  # what the eager run did that only autograd sees (then grads are compared)
+        switched: list[torch.nn.Module] = []  # modules whose forward enters a torch.autocast
         try:
-            expected = _run(model, args, kwargs, autograd_only, restore=lambda: _restore(model, start))
+            expected = _run(model, args, kwargs, autograd_only, restore=lambda: _restore(model, start),
+                            switched=switched)
             written = {n: b.detach().clone() for n, b in model.named_buffers() if not _close(b, start[n])}
         except Exception as e:
             if not meta and "a hook on a tensor" in autograd_only:  # (on a tensor that requires no grad)
@@ -365,6 +386,10 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
                                  "accepts as example_args (positional) and example_kwargs (keywords)") from e
             tracers = tracers[1:]
             eager = f"{type(e).__name__}: {first_line(e, 200)}"
+        # fx keeps a module that switches autocast whole, so its context runs as written at run time
+        kept = tuple(dict.fromkeys(type(m) for m in switched if m is not model and not isinstance(m, leaves)))
+        leaves += kept
+        at_top = any(m is model for m in switched)
         register_dataclasses(expected)
         register_dataclasses((args, kwargs))
         reasons: list[str] = []
@@ -421,6 +446,15 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
                                      "its inputs)")
                 gm.meta["fxpipe_tracer"] = tracer
                 gm.meta["fxpipe_out_spec"] = spec
+                if kept and tracer == "torch.fx.symbolic_trace":
+                    gm.meta["fxpipe_autocast_kept"] = [f"{c.__module__}.{c.__qualname__}" for c in kept]
+                if at_top or kept and tracer != "torch.fx.symbolic_trace":
+                    where = f"{name}'s own forward" if at_top else ", ".join(c.__name__ for c in kept)
+                    gm.meta["fxpipe_autocast_lost"] = (
+                        f"{where} enters a torch.autocast, which {tracer}'s graph does not keep (" + (
+                            "fx records no context manager: move the region into a submodule, which fxpipe then "
+                            "keeps whole" if tracer == "torch.fx.symbolic_trace" else "export lowers it to the "
+                            "autocast in force while tracing, none") + ")")
                 read_written_inputs(gm)  # an input written in place: later readers read the write's value
                 return gm
             reasons.append(f"{tracer} gave a graph that is not the model: {why}")
@@ -458,28 +492,39 @@ def _writes_in_place(gm: torch.fx.GraphModule) -> bool:
 
 
 def _saved_then_written(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-    """autograd's own error where the graph writes in place a tensor an op saved for its backward (`tanh(h).mul_(2)`),
-    from a forward and backward of a meta copy on meta inputs (no values, no compute): eager PyTorch refuses such a
-    model at its backward, while the pipeline's saved-tensor hooks (memory/) turn that check off. None when the
-    backward runs, or fails otherwise (an op with no meta backward): the runtime's own check stands then."""
+    """What the graph writes in place after an op saved it for its backward (`tanh(h).mul_(2)`), which eager PyTorch
+    refuses at the backward while the pipeline's saved-tensor hooks (memory/) turn that check off: a forward and
+    backward of a meta copy on meta inputs (no values, no compute), each saved tensor checked by its version when the
+    backward reads it, as autograd checks it. Parameters and buffers are not checked: a graph writes batch norm's
+    statistics after the op that read them (torch.export's), which the stages run as written. None when nothing
+    saved was written, or the backward fails otherwise (an op with no meta backward)."""
     if not _writes_in_place(gm):
         return None
     from partition.meta import meta_copy
+    written: list[str] = []
+
+    def unpack(saved: Any) -> torch.Tensor:
+        if isinstance(saved, tuple):
+            t, version = saved
+            if t._version != version:
+                written.append(f"a {list(t.shape)} {str(t.dtype).removeprefix('torch.')} tensor saved at version "
+                               f"{version} is at version {t._version} when the backward reads it")
+            return t
+        return saved
     try:
         copy = meta_copy(gm)
+        held = {id(t) for t in (*copy.parameters(), *copy.buffers())}
         margs, mkwargs = to_meta((args, kwargs))
-        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+        with torch.random.fork_rng(devices=[]), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
+                lambda t: t if id(t) in held else (t, t._version), unpack):
             out = copy(*margs, **mkwargs)
-            sums = [t.sum() for t in pytree.tree_leaves(out)
-                    if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
-            if sums:
-                torch.autograd.backward(sums)
-    except RuntimeError as e:
-        if "modified by an inplace operation" in str(e):
-            return first_line(RuntimeError(str(e).split(" Hint:")[0]), 400)
+        sums = [t.sum() for t in pytree.tree_leaves(out)
+                if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+        if sums:
+            torch.autograd.backward(sums)
     except Exception:  # noqa: BLE001 - anything else is not this check's to judge
         pass
-    return None
+    return written[0] if written else None
 
 
 def _cache_named(reasons: list[str]) -> str | None:

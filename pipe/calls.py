@@ -286,6 +286,12 @@ def agreed_call(pp: Pipeline, batch: tuple[tuple[Any, ...], dict[str, Any]], tar
     targets: list[Any] = [None] * pp.M
     batch = (batch[0], _defaults_as_planned(pp, batch[1]))
     try:  # (with fixed shapes, the plan's first: they say which one batch size it takes)
+        lost, cast = pp._autocast_lost, autocast_key(pp.ctx.device)
+        if lost and cast:
+            raise PipelineError(f"this {what} call runs under an autocast ({cast}), but {lost}: the pipeline would "
+                                "run that region at the autocast's precision where the model does not; make the "
+                                "call without autocast, or move the region into a submodule (fxpipe keeps a "
+                                "submodule that switches autocast whole, where torch.fx traces the model)")
         if not pp.dynamic:
             check_pipeline_call(pp, batch, target, training, step=what == "step")
         mbs = split_microbatches(batch, pp.M)

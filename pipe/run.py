@@ -10,6 +10,7 @@ import os
 import statistics
 import sys
 import time
+from partition.args import whole
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,15 +32,7 @@ _EPILOG = (f"--out: a folder that already holds a previous run's outputs ({', '.
 
 def _whole(flag: str, least: int, example: int) -> Callable[[str], int]:
     """An argparse type: a whole number >= `least`, or an error naming the value and the fix."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = least - 1
-        if value < least:
-            raise argparse.ArgumentTypeError(f"must be a whole number >= {least}, got {text!r}; e.g. {flag} {example}")
-        return value
-    return parse
+    return whole(least, flag, example)
 
 
 def _positive(flag: str, example: str) -> Callable[[str], float]:

@@ -204,6 +204,14 @@ class Pipeline:
                 "gradient accumulation; SyncBatchNorm spans replicas, not microbatches): the microbatches' losses add "
                 "up as above, but each is computed with its own microbatch's statistics, so the loss and grads are "
                 "not one process's over the batch")
+        kept = gm.meta.get("fxpipe_autocast_kept")
+        if kept:
+            self.plan.notes.append(f"kept whole: {', '.join(kept)}, whose forward switches torch.autocast (a region "
+                                   "at another precision), which a traced graph does not keep; whole, it runs as "
+                                   "written under the autocast around each call")
+        self._autocast_lost: str | None = gm.meta.get("fxpipe_autocast_lost")
+        if self._autocast_lost:
+            self.plan.notes.append(f"{self._autocast_lost}: a call under an autocast is refused")
         # forward() on a plan with the loss in the graph: each stage without it (built at the first call)
         self._inference: dict[int, tuple[torch.fx.GraphModule, list[int], list[Any]]] = {}
         # the mode the stages were traced in, the mode evaluate() and forward() run in (pp.train / pp.eval), and

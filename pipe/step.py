@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from partition.errors import first_line
 from partition.planner import check_scalar_loss
 from partition.trace import unflatten_outputs
+from memory.recompute import autocast_as
 from pipe.backward import Saved, backward_full, backward_input, backward_weight
 from pipe import comm
 from pipe.errors import NonFiniteLoss, PipelineError
@@ -190,7 +191,11 @@ class StepState:
             mem.before(x)
             if self.reducer is not None:
                 self.reducer.before(x)
-            _HANDLERS[x.kind](self, x)
+            if x.kind == "F":
+                _HANDLERS[x.kind](self, x)
+            else:  # a backward runs outside the user's autocast, as torch's AMP runs it (an op the forward ran in
+                with autocast_as(()):  # float32 in an autocast(enabled=False) region keeps a float32 backward)
+                    _HANDLERS[x.kind](self, x)
             mem.after(x)
             if self.reducer is not None:
                 self.reducer.after(x)

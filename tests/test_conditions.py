@@ -547,6 +547,87 @@ def _pairs(rank: int, M: int) -> dict[str, Any]:
     return out
 
 
+class Float32Region(nn.Module):
+    """A region the model runs in float32 under any autocast (`autocast(enabled=False)`: rotary angles, a router),
+    kept whole (leaf_modules=) so that its context runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            return torch.tanh(self.lin(x.float()))
+
+
+class WithRegions(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, 4)
+        self.regions = nn.ModuleList([Float32Region() for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.a(x))
+        for r in self.regions:
+            x = r(x)
+        return self.head(torch.tanh(self.b(x)))
+
+
+class RegionAtTop(WithRegions):
+    """The float32 region in the model's own forward, which no module can keep whole."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.a(x))
+        with torch.autocast("cpu", enabled=False):
+            for r in self.regions:
+                x = torch.tanh(r.lin(x.float()))
+        return self.head(torch.tanh(self.b(x)))
+
+
+def _float32_regions(M: int) -> dict[str, Any]:
+    """Found by review: a model's own `autocast(enabled=False)` region ran at the autocast's precision (fx records no
+    context manager: every grad off, the loss 6e-5 off), and the backward ran inside the user's autocast around
+    step(), so a float32 region's backward matmuls ran in bfloat16 even kept whole (grads 4e-5 off on 5e-3). Now the
+    module switching autocast is kept whole (the plan's notes say so), the backward runs outside the autocast as
+    torch's AMP runs it, and a recomputation (selective) under the forward's autocast. A region in the model's own
+    forward, which no module keeps, is refused under an autocast (and trains without one)."""
+    import pipe
+    from tests.nccl_like import NcclLike
+    out: dict[str, Any] = {}
+    for kw in (dict(schedule="1f1b"), dict(schedule="zb-h1"), dict(schedule="1f1b", recompute="selective"),
+               dict(schedule="1f1b", leaf_modules=(Float32Region,))):
+        torch.manual_seed(0)
+        model, ref = WithRegions(), WithRegions()
+        ref.load_state_dict(model.state_dict())
+        pp = pipe.Pipeline(model, (torch.randn(2, D),), loss_fn=F.mse_loss, microbatches=M, cost="flops",
+                           example_target=torch.randn(2, 4), transport=NcclLike(), **kw)
+        out.setdefault("notes", [n for n in pp.plan.notes if n.startswith("kept whole")])
+        (x,), t = _batch(2 * M, 7)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = pp.step(x, target=t)
+        want = 0.0
+        for xm, tm in zip(x.chunk(M), t.chunk(M)):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                part = F.mse_loss(ref(xm), tm) / M
+            part.backward()
+            want += float(part)
+        torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-7)
+        _grads_close(pp, ref, f"float32 regions under autocast {kw}", rtol=1e-5, atol=1e-7)
+    torch.manual_seed(0)
+    top = RegionAtTop()
+    pp = pipe.Pipeline(top, (torch.randn(2, D),), loss_fn=F.mse_loss, microbatches=M, cost="flops",
+                       example_target=torch.randn(2, 4), transport=NcclLike())
+    (x,), t = _batch(2 * M, 7)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            pp.step(x, target=t)
+        out["at top"] = "ran"
+    except pipe.PipelineError as e:
+        out["at top"] = str(e)
+    out["at top without autocast"] = pp.step(x, target=t)
+    return out
+
+
 def conditions_body(rank: int, world: int) -> dict[str, Any]:
     import pipe
     from tests.nccl_like import NcclLike
@@ -711,6 +792,7 @@ def conditions_body(rank: int, world: int) -> dict[str, Any]:
         grads.append({n: p.grad for n, p in pp.named_parameters()})
     for n, g in grads[0].items():
         torch.testing.assert_close(grads[1][n], g, msg=lambda m: f"selective with torch.dropout {n}: {m}")
+    out["float32 regions"] = _float32_regions(M)
     out["ignored targets"] = _ignored_targets(rank, M)
     out["sums and ratios"] = _sums_and_ratios(rank, M)
     out["grad scaler"] = _grad_scaler(rank, M)
@@ -754,6 +836,15 @@ def test_inplace_ops_autocast_and_leaf_modules_train_as_the_model() -> None:
                                         "other than through the model's output"), res[1]["closure"]
     assert "rank 1 does not train it" in res[1]["closure"], res[1]["closure"]
     assert "because rank 1" in res[0]["closure"], res[0]["closure"]
+    for r in res:
+        regions = r["float32 regions"]
+        assert regions["notes"] == ["kept whole: tests.test_conditions.Float32Region, whose forward switches "
+                                    "torch.autocast (a region at another precision), which a traced graph does not "
+                                    "keep; whole, it runs as written under the autocast around each call"], regions
+        assert regions["at top"].startswith("this step call runs under an autocast (cpu bfloat16), but RegionAtTop's "
+                                            "own forward enters a torch.autocast, which torch.fx.symbolic_trace's "
+                                            "graph does not keep"), regions
+        assert isinstance(regions["at top without autocast"], float)
     for r in res:
         assert r["batch norm notes"] and "normalizes each microbatch by its own samples' statistics" in \
             r["batch norm notes"][0], r["batch norm notes"]

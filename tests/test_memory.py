@@ -640,3 +640,23 @@ def test_a_saved_tensor_written_in_place_is_refused_at_the_backward_as_autograd_
     lin.weight.grad = None
     lin(torch.relu(lin(x).mul_(1.5))).sum().backward()
     torch.testing.assert_close(lin.weight.grad, want)
+
+
+def test_a_recomputation_runs_under_its_forwards_autocast() -> None:
+    """The backward runs outside the user's autocast (as torch's AMP runs it), so a recipe recomputes under the
+    autocast its forward ran under: an op autocast runs in float32 (mse_loss on the CPU; on CUDA exp, softmax, norms)
+    gives the value the forward saved, not one of the input's low precision."""
+    import torch.nn.functional as F
+    from memory.recompute import Recipe, autocast_as
+    x, y = torch.randn(4, 8).bfloat16(), torch.randn(4, 8).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = F.mse_loss(x, y, reduction="none")
+        recipe = Recipe(F.mse_loss, (x, y), {"reduction": "none"}, [x, y], out, 0, 0, 0)
+    assert out.dtype == torch.float32
+    with autocast_as(()):  # as a backward runs
+        assert not torch.is_autocast_enabled("cpu")
+        again = recipe.compute()
+    torch.testing.assert_close(again, out, rtol=0, atol=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16), autocast_as(()):
+        assert not torch.is_autocast_enabled("cpu")
+        assert recipe.compute().dtype == torch.float32

@@ -76,7 +76,10 @@ def test_an_error_exits_2_with_one_paragraph_and_no_traceback() -> None:
     (["no_module_here:f", "--stages", "2"], "importing module 'no_module_here' failed"),
     (["mlp", "--stages", "2", "--cost", "flops", "--memory-budget", "1KiB", "--model-arg", "depth=2"],
      "the least budget any split fits"),
-    (["mlp", "--stages", "0"], "n_stages must be a positive integer"),
+    (["mlp", "--stages", "0"], "argument --stages: must be a whole number >= 1, got '0'"),
+    (["mlp", "--stages", "2", "--microbatches", "0"], "argument --microbatches: must be a whole number >= 1"),
+    (["mlp", "--stages", "2", "--stages-per-rank", "0"], "argument --stages-per-rank: must be a whole number >= 1"),
+    (["mlp", "--schedule", "auto", "--ranks", "2", "--batch-size", "0"], "argument --batch-size: must be a whole"),
     (["mlp", "--stages", "2", "--memory-budget", "lots"], "is not a size"),
     (["mlp", "--stages", "2", "--memory-budget", "0"], "must be positive"),
     (["mlp", "--stages", "2", "--model-arg", "depth"], "key=value"),
@@ -117,6 +120,26 @@ def test_bench_help_lists_every_option() -> None:
         assert r.returncode == 0, r.stderr
         for word in words:
             assert word in r.stdout, (sub, word, r.stdout)
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["schedules", "mlp", "--microbatches", "0"], "argument --microbatches: must be comma-separated whole numbers"),
+    (["schedules", "mlp", "--ranks", "0"], "argument --ranks: must be a whole number >= 1, got '0'"),
+    (["auto", "mlp", "--batch-size", "0"], "argument --batch-size: must be a whole number >= 1, got '0'"),
+    (["partition", "mlp", "--stages", "0"], "argument --stages: must be comma-separated whole numbers >= 1"),
+    (["schedules", "mlp", "--microbatches", "3", "--schedules", "interleaved-1f1b"],
+     "nothing to measure: interleaved-1f1b M=3 needs M divisible by 2"),
+    (["vs-torch", "gpt", "--rounds", "x"], "argument --rounds: must be a whole number >= 1, got 'x'")])
+def test_bench_refuses_a_bad_count_before_launching(argv: list[str], words: str,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by review: `bench schedules --microbatches 0` launched two ranks and ended in their tracebacks,
+    `--ranks 0` in torchrun's bare AssertionError, `bench auto --batch-size 0` ran 70 s on another batch, and
+    `bench partition --stages 0` ended in a traceback, and a grid every schedule skipped measured nothing and exited 0:
+    each is now argparse's usage error, before anything runs."""
+    from bench.__main__ import main as bench_main
+    with pytest.raises(SystemExit) as e:
+        bench_main(argv)
+    assert e.value.code == 2 and words in capsys.readouterr().err
 
 
 def test_auto_ranks_every_candidate_and_keeps_the_fastest_plan(tmp_path: Path,

@@ -93,7 +93,8 @@ def test_parse_bytes(text: str | int | None, value: float | None) -> None:
 
 @pytest.mark.parametrize("budget, needle", [(0, "must be positive"), ("0GiB", "must be positive"),
                                             (-5, "must be positive"), ("lots", "is not a size"),
-                                            ("8 parsecs", "is not a size"), ("1e999", "must be positive and finite"),
+                                            ("8 parsecs", "is not a size"), ("1e", "is not a size"),
+                                            ("1.2.3GB", "is not a size"), ("1e999", "must be positive and finite"),
                                             (float("nan"), "must be positive and finite")])
 def test_bad_budgets_are_refused(budget: str | int, needle: str,
                                  gpt: tuple[partition.Workload, partition.Analysis]) -> None:

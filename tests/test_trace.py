@@ -463,7 +463,8 @@ class _WritesSaved(torch.nn.Module):
         return x
 
 
-@pytest.mark.parametrize("kind,refused", [("tanh", "output 0 of Tanh"), ("input", "is at version"), ("relu", None)])
+@pytest.mark.parametrize("kind,refused", [("tanh", r"a \[3, 4\] float32 tensor saved at version 0 is at version 1"),
+                                          ("input", "is at version 1 when the backward reads it"), ("relu", None)])
 def test_a_write_to_a_tensor_saved_for_backward_is_refused_as_autograd_refuses_it(kind: str, refused: Any) -> None:
     """Found by review: the pipeline's saved-tensor hooks turned off autograd's own check, and such a model trained
     on grads that depended on the memory policy (1.41 off with activations kept, the value before the write with
@@ -482,3 +483,39 @@ def test_a_write_to_a_tensor_saved_for_backward_is_refused_as_autograd_refuses_i
     with pytest.raises(TraceError, match=rf"cannot train _WritesSaved: its forward writes in place a tensor that an "
                                          rf"op saved for its backward.*{refused}.*write that value out of place"):
         partition.trace(m, (x,))
+
+
+class _Region(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            return self.lin(x.float())
+
+
+class _Regions(torch.nn.Module):
+    def __init__(self, at_top: bool) -> None:
+        super().__init__()
+        self.at_top, self.a, self.r = at_top, torch.nn.Linear(4, 4), _Region()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.at_top:
+            with torch.autocast("cpu", enabled=False):
+                return self.r.lin(self.a(x).float())
+        return self.r(self.a(x))
+
+
+def test_a_module_switching_autocast_is_kept_whole_and_one_at_the_top_is_named() -> None:
+    """Found by review: fx records no context manager, so a region the model runs in float32 under any autocast
+    (rotary angles, a router) ran at the autocast's precision. The module whose forward enters the autocast is kept
+    whole (it runs as written); one in the model's own forward, or under torch.export, is named for the pipeline to
+    refuse a call under an autocast."""
+    gm = partition.trace(_Regions(at_top=False), (torch.randn(2, 4),))
+    assert gm.meta["fxpipe_tracer"] == "torch.fx.symbolic_trace"
+    assert gm.meta["fxpipe_autocast_kept"] == [f"{__name__}._Region"] and "fxpipe_autocast_lost" not in gm.meta
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["a", "r"]
+    gm = partition.trace(_Regions(at_top=True), (torch.randn(2, 4),))
+    assert gm.meta["fxpipe_autocast_lost"].startswith("_Regions's own forward enters a torch.autocast"), gm.meta
+    assert "fxpipe_autocast_kept" not in gm.meta
