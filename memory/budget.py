@@ -313,6 +313,8 @@ def _ring_peak(st: StageInfo, rematted: Sequence[NodeInfo]) -> tuple[float, floa
         return _transient(rematted), _transient(rematted)
     runs = [r for r in ([sid for sid in dict.fromkeys(s for s, _ in x.saved) if sid in mine]
                         for x in reversed(st.nodes)) if r]
+    if not runs:  # no save is a recomputed output's (built under an autocast, a node saves the copy the op casts)
+        return _transient(rematted), _transient(rematted)
 
     def pairs(a: list[str], b: list[str] | None) -> float:
         inside = [mine[u] + mine[v] for u, v in zip(a, a[1:])]

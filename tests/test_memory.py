@@ -581,6 +581,10 @@ def test_recomputed_outputs_held_at_once_by_neighbouring_saves() -> None:
     st = StageInfo(index=0, nodes=nodes, act_bytes=0, loss_bytes=0, in_flight=1, param_bytes=0, comm_bytes=0)
     assert _ring_peak(st, nodes[:4]) == (200.0, 101.0)  # the end: X's two, the last node the backward reaches
     assert _ring_peak(st, nodes[1:2] + nodes[3:4]) == (2.0, 2.0)  # one each: Y's d, then X's b
+    # found by review: built under an autocast, no save is a recomputed output (a node saves the copy the op casts):
+    # "max() arg is an empty sequence" ended the build on every rank; the two largest outputs, as with no saves known
+    other = (NodeInfo("e", 0.0, 7), NodeInfo("f", 0.0, 5))
+    assert _ring_peak(st, other) == (12.0, 12.0)
 
 
 def test_attached_and_measured_optimizer_state_replace_the_planned_adam() -> None:
