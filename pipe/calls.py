@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from pipe.runtime import Pipeline
 
 __all__ = ["SAMPLE", "BATCHES", "BUILDS", "Call", "call_of", "build_of", "agree", "agree_on_build", "agreed_call",
-           "agree_on_call", "check_pipeline_call", "split_microbatches", "target_bound"]
+           "agree_on_call", "agree_on_kind", "check_pipeline_call", "split_microbatches", "target_bound"]
 
 SAMPLE = 1024  # elements of each tensor whose bytes enter the digest, evenly spaced
 _PLAIN = (bool, int, float, str, bytes, type(None))  # constants compared by value (others by type)
@@ -95,9 +95,9 @@ BATCHES = ("were given different batches", "each rank reads what its own stages 
 BUILDS = ("were built differently", "every rank builds the same pipeline: the same model with the same values "
           "(seed torch alike before building it, and load pretrained weights on every rank or pass weights= a file "
           "every rank reads) and the same arguments")
-CALLS = ("made different calls", "step(), evaluate() and forward() each run every rank of the pipeline together (its "
-         "stages send to each other), so make the same call on every rank: evaluate on every rank, not on the last "
-         "alone")
+CALLS = ("made different calls", "step(), evaluate(), forward() and clip_grad_norm_() each run every rank of the "
+         "pipeline together (its stages send to each other, the norm sums theirs), so make the same call on every "
+         "rank: evaluate or clip on every rank, not on the last alone")
 _SHOWN = 4  # differing parts a message lists per rank
 
 
@@ -329,6 +329,14 @@ def agree_on_call(pp: Pipeline, batch: tuple[tuple[Any, ...], dict[str, Any]], t
         _replicas_agree(pp, refused, what)  # its parameters are sharded over the replicas: gathered from them all)
     elif refused is not None:
         raise refused
+
+
+def agree_on_kind(pp: Pipeline, what: str) -> None:
+    """Compare which call this is with the pipeline's other ranks' (a call without a batch: clip_grad_norm_), in
+    the all-gather step() makes to agree on its call, so that ranks making different calls stop at once."""
+    kind = f"call: pp.{what}()"
+    call = Call(int.from_bytes(hashlib.blake2b(kind.encode(), digest_size=7).digest(), "little"), [kind])
+    agree(call, None, group=pp.pp_group, ranks=pp._global, device=pp.ctx.device, what=what, error=PipelineError)
 
 
 def _replicas_agree(pp: Pipeline, stopped: PipelineError | None, what: str) -> None:
