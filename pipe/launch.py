@@ -83,10 +83,11 @@ def _mpi_rendezvous(rank: int) -> tuple[str, int]:
     return result
 
 
-def _store_host(addr: str) -> int:
-    """Under mpirun: fork a process to host the rendezvous store, as torchrun's agent hosts it, so
-    that it answers while rank 0 is frozen (a stopped process's store blocks every rank that asks
-    it); it ends once rank 0 has ended. Returns the store's port."""
+def _store_host(addr: str, port: int = 0) -> int:
+    """Under mpirun, or ranks started with plain environment variables (RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT, no torchrun agent): fork a process to host the rendezvous store on `port` (0: any), as
+    torchrun's agent hosts it, so that it answers while rank 0 is frozen (a stopped process's store
+    blocks every rank that asks it); it ends once rank 0 has ended. Returns the store's port."""
     read, write = os.pipe()
     if os.fork() == 0:  # the host: no MPI, no exit handlers, no output
         code = 1
@@ -96,7 +97,7 @@ def _store_host(addr: str) -> int:
             for fd in (0, 1, 2):
                 os.dup2(null, fd)
             parent = os.getppid()
-            store = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False)
+            store = dist.TCPStore(addr, port, is_master=True, wait_for_workers=False)
             os.write(write, str(store.port).encode())
             os.close(write)
             while os.getppid() == parent:
@@ -107,9 +108,17 @@ def _store_host(addr: str) -> int:
     with os.fdopen(read) as f:
         port = f.read()
     if not port.isdigit():
-        raise LaunchError(f"rank 0 could not start the rendezvous store on {addr}; set MASTER_ADDR to "
-                          "an address of this host the other ranks reach")
+        raise LaunchError(f"rank 0 could not start the rendezvous store on {addr}" + (f":{port}" if port else "") +
+                          "; set MASTER_ADDR to an address of this host the other ranks reach" +
+                          (" and MASTER_PORT to a free port" if port else ""))
     return int(port)
+
+
+def _plain_env() -> bool:
+    """Ranks started with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set by hand (or by a scheduler's
+    script), not by torchrun, whose agent hosts the store (TORCHELASTIC_USE_AGENT_STORE)."""
+    return (os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true" and bool(os.environ.get("MASTER_ADDR"))
+            and (os.environ.get("MASTER_PORT") or "").isdigit())
 
 
 def _detect() -> tuple[str, int, int, int]:
@@ -210,7 +219,13 @@ def init(*, backend: str | None = None, timeout_s: float | None = None, keep_fre
     # NCCL's communicator bound to this rank's device at once (else every barrier guesses it from the rank)
     bound: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
     if not dist.is_initialized():
-        if launcher == "torchrun":
+        if launcher == "torchrun" and _plain_env():  # no agent: rank 0's own store would freeze with it
+            addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+            if rank == 0:
+                _store_host(addr, port)
+            store = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **bound)
+        elif launcher == "torchrun":
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **bound)
         elif launcher == "mpi":
             addr, port = _mpi_rendezvous(rank)

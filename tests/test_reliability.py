@@ -288,6 +288,43 @@ def test_lost_rank_ends_the_others_and_every_survivor_names_it(world: int, freez
             assert f"through rank {r + 1}" in lines[-1], lines[-1]
 
 
+def test_rank_0_frozen_under_plain_environment_variables_ends_the_survivor(tmp_path: Path,
+                                                                           gpt_plans: dict[int, str]) -> None:
+    """Found by review: ranks started with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set by hand (no launcher)
+    kept the rendezvous store in rank 0's process, so with rank 0 frozen (SIGSTOP) rank 1 waited on the store's
+    socket for ever (still running 90 s later, no message). Rank 0 now forks a process to host the store, as
+    under mpirun: rank 1 names rank 0 and exits within the timeout + 30 s."""
+    import subprocess
+    from tests.mp import _base_env
+    timeout, port = 3.0, free_port()
+    procs = []
+    logs = [tmp_path / f"rank{r}.log" for r in range(2)]
+    for r in range(2):
+        env = {k: v for k, v in _base_env().items() if not k.startswith("TORCHELASTIC")}
+        env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   FXPIPE_TIMEOUT=str(timeout))
+        with open(logs[r], "wb") as out:
+            procs.append(subprocess.Popen([sys.executable, "-m", "tests.test_reliability", "0", str(tmp_path),
+                                           gpt_plans[2]], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "froze").exists() and time.monotonic() < deadline and procs[1].poll() is None:
+            time.sleep(0.05)
+        assert (tmp_path / "froze").exists(), logs[1].read_text()[-3000:]
+        froze = float((tmp_path / "froze").read_text())
+        while procs[1].poll() is None and time.time() < froze + timeout + 30:
+            time.sleep(0.05)
+        out = logs[1].read_text(errors="replace")
+        assert procs[1].poll() not in (0, None), f"rank 1 still running {time.time() - froze:.0f} s after the freeze"
+        assert "rank 1 lost rank 0 during step 1" in out, out[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
 def frozen_main(lost: int, folder: str, plan: str) -> None:
     """Under a launcher: python -m tests.test_reliability LOST FOLDER PLAN (FXPIPE_TIMEOUT=3): rank
     LOST stops (SIGSTOP) in step 1; every other rank ends with PeerLost naming it."""
