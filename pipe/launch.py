@@ -106,12 +106,12 @@ def _store_host(addr: str, port: int = 0) -> int:
         os._exit(code)
     os.close(write)
     with os.fdopen(read) as f:
-        port = f.read()
-    if not port.isdigit():
+        got = f.read()
+    if not got.isdigit():
         raise LaunchError(f"rank 0 could not start the rendezvous store on {addr}" + (f":{port}" if port else "") +
                           "; set MASTER_ADDR to an address of this host the other ranks reach" +
                           (" and MASTER_PORT to a free port" if port else ""))
-    return int(port)
+    return int(got)
 
 
 def _plain_env() -> bool:
