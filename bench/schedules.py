@@ -195,10 +195,12 @@ def main(argv: list[str] | None = None) -> int:
                                                      allreduce_latency_ms=allreduce[1]).timeline
                                       for cal in (paced, calibration, None))
             else:
-                pred = predicted_timeline(pp.plan, pp.world, calibration=paced)
+                pred = predicted_timeline(pp.plan, pp.world, calibration=paced, compiled=c["compiled"])
                 unpaced = pred if paced is calibration else predicted_timeline(pp.plan, pp.world,
-                                                                               calibration=calibration)
-                raw = predicted_timeline(pp.plan, pp.world) if calibration is not None else pred
+                                                                               calibration=calibration,
+                                                                               compiled=c["compiled"])
+                raw = predicted_timeline(pp.plan, pp.world, compiled=c["compiled"]) if calibration is not None \
+                    else pred
             if args.calibrate:
                 comm = stage_costs(pp.plan, False)[3]
                 seen.extend(observe(c["timelines"], [st.fwd_ms for st in pp.plan.stages],
@@ -268,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
             # what the spread of action times adds to a step: the fitted prediction against each step measured,
             # over all the pipelines and per schedule
             pairs = [(c["schedule"], statistics.median(t.makespan for t in c["timelines"]),
-                      predicted_timeline(c["pp"].plan, c["pp"].world, calibration=fitted).makespan)
+                      predicted_timeline(c["pp"].plan, c["pp"].world, calibration=fitted,
+                                         compiled=c["compiled"]).makespan)
                      for c in cands if c["pp"].dp == 1 and c["timelines"]]
             names = sorted({n for n, _, _ in pairs})
             fitted = dataclasses.replace(fitted, step_scale=step_scale((m, p) for _, m, p in pairs), step_scales={

@@ -192,9 +192,10 @@ def memory_plan(plan: Plan, analysis: Any, world: int, *, recompute: str, offloa
 
 def choose(cands: Sequence[Candidate], world: int, example: tuple[Any, Any, Any], batch_size: int | None,
            plan_one: Callable[..., Plan], calibration: Any = None,
-           memory_fn: Callable[[Candidate, Plan, Any], Plan] | None = None
+           memory_fn: Callable[[Candidate, Plan, Any], Plan] | None = None, compiled: bool = False
            ) -> tuple[list[Candidate], dict[str, Plan]]:
-    """`search` over partition plans: `plan_one(candidate, args, kwargs, target, analysis=, analysis_out=)`
+    """`search` over partition plans (`compiled`: each predicted with compiled stages, whose zero-bubble
+    backward is BW): `plan_one(candidate, args, kwargs, target, analysis=, analysis_out=)`
     plans one candidate (partition.plan with its schedule, M, v), on the example (args, kwargs, target)
     resized to batch_size / M (as given without a batch size). The first candidate of each (M, v)
     traces and costs the model; the others reuse that analysis (pipe.calibration `calibration`
@@ -214,7 +215,8 @@ def choose(cands: Sequence[Candidate], world: int, example: tuple[Any, Any, Any]
         p = plan_one(c, *ex, analysis=a, analysis_out=found)  # found: what this plan was cut from
         analyses.setdefault(key, found[0])
         return p if memory_fn is None else memory_fn(c, p, found[0])
-    ranked, plans = search(cands, plan_fn, lambda p: predicted_timeline(p, world, calibration=calibration).makespan)
+    ranked, plans = search(cands, plan_fn, lambda p: predicted_timeline(p, world, calibration=calibration,
+                                                                        compiled=compiled).makespan)
     return _without_twins(ranked, plans)
 
 

@@ -171,7 +171,7 @@ def choose(pp: Pipeline, model: torch.nn.Module, args: tuple[Any, ...], kwargs: 
 
     def run() -> dict[str, Any]:
         ranked, plans = auto.choose(cands, pp.world, given, batch_size, plan_one, cal,
-                                    memory_fn if weigh else None)
+                                    memory_fn if weigh else None, compiled=pp._compile is not None)
         return {"ranked": [c.to_dict() for c in ranked], "plans": {k: p.to_dict() for k, p in plans.items()}}
     d = _Broadcast.run(run, pp.ctx.rank, everyone=everyone)
     pp.candidates = [auto.Candidate(**c) for c in d["ranked"]]

@@ -37,16 +37,18 @@ def w_parts(plan: Plan) -> tuple[list[float | None], list[int]]:
 
 
 def predicted_timeline(plan: Plan, n_ranks: int, schedule: str | None = None,
-                       microbatches: int | None = None, calibration: Calibration | None = None) -> Timeline:
+                       microbatches: int | None = None, calibration: Calibration | None = None,
+                       compiled: bool = False) -> Timeline:
     """Simulate the lowered program the runtime runs for `schedule` (default: the plan's) over
     the plan's per-stage costs (corrected by `calibration`): its messages in their batches, matched
     per pair in order. Under zero bubble a stage whose memory plan recomputes runs BW, as in the
-    runtime (memory.fused_backward)."""
+    runtime (memory.fused_backward), and so does every stage when `compiled` (compile=: a compiled
+    backward is one function)."""
     name = schedule or plan.schedule
     M = microbatches or plan.microbatches
     has_w = any(a.kind == "W" for acts in build(name, n_ranks, M, plan.n_stages // n_ranks).values() for a in acts)
     f, b, w, comm = stage_costs(plan, has_w, calibration, name)
-    fused = [s.index for s in plan.stages if s.memory_nodes] if has_w else []
+    fused = [s.index for s in plan.stages if s.memory_nodes or compiled] if has_w else []
     whole = stage_costs(plan, False, calibration, name)[1] if fused else []
     for s in fused:  # its BW is one whole backward
         b[s], w[s] = whole[s], 0.0

@@ -292,7 +292,7 @@ def _report(pp: Any, args: argparse.Namespace, ctx: Any, run: dict[str, Any], sa
     out.mkdir(parents=True, exist_ok=True)
     warm = run["times"][1:] or run["times"]
     first, last = (run["losses"][0], run["losses"][-1]) if run["losses"] else (math.nan, math.nan)
-    predicted = predicted_timeline(pp.plan, pp.world, calibration=pp.calibration)
+    predicted = predicted_timeline(pp.plan, pp.world, calibration=pp.calibration, compiled=pp._compile is not None)
     summary: dict[str, Any] = {
         "model": args.model, "schedule": pp.schedule_name, "microbatches": pp.M, "stages_per_rank": pp.v,
         "ranks": ctx.world_size, "data_parallel": pp.dp, "dp_shard": pp.dp_shard, "launcher": ctx.launcher,

@@ -294,3 +294,17 @@ def test_at_a_pace_the_host_s_work_scales_by_the_pace_against_the_calibration_s(
     assert TRUE.at_pace(50.0) is TRUE and cal.at_pace(0.0) is cal  # no pace to compare with
     assert Calibration.from_dict(cal.to_dict()) == cal and "pace 40.0 ms" in cal.describe()
     assert "pace" not in TRUE.describe()
+
+
+def test_compiled_stages_are_predicted_as_they_run_bw() -> None:
+    """Found by review: schedule="auto" with compile= ranked zero-bubble candidates by a W split that compiled
+    stages do not have (a compiled backward is one function: B computes the weight grads, W nothing); its table was
+    the uncompiled one digit for digit. Compiled, every stage's backward is one BW, with no W left to fill the
+    bubble: zb-h1 is predicted as slow as 1f1b's order with whole backwards, and slower than split."""
+    split = predicted_timeline(plan_of("zb-h1", 1), 2).makespan
+    fused = predicted_timeline(plan_of("zb-h1", 1), 2, compiled=True)
+    assert not any(e.action.kind == "W" and e.end > e.start for e in fused.events)
+    assert fused.makespan > split
+    one = predicted_timeline(plan_of("1f1b", 1), 2)
+    assert fused.makespan == pytest.approx(one.makespan, rel=0.05)
+    assert predicted_timeline(plan_of("1f1b", 1), 2, compiled=True).makespan == one.makespan  # no W: as it was
