@@ -33,6 +33,7 @@ DEFAULT_TIMEOUT_S = 300.0
 _ERROR_KEY, _FAILURES_KEY = "fxpipe/error", "fxpipe/failures"
 _LOST_KEY = "fxpipe/lost/"  # + rank: the rank it could not reach
 _DONE_KEY = "fxpipe/done/"  # + rank: that rank is leaving (finish), its failure named
+_ALIVE_KEY = "fxpipe/alive/"  # + rank: that rank answered the roll call after a collective failed
 _KEPT: list[Any] = []  # the store outlives the process group it served, for the failure protocol
 _TIMEOUT_S = [DEFAULT_TIMEOUT_S]  # the process group's timeout (init's timeout_s)
 _FAILED = [False]  # this rank saw the job fail: a lost rank, another rank's error, or its own
@@ -53,6 +54,66 @@ def guarded(what: str, peer: int | None = None) -> Iterator[None]:
         who = "another rank" if peer is None else f"rank {peer}"
         early = time.monotonic() - start < _TIMEOUT_S[0] / 2
         raise PeerLost(f"{what} with {who} failed ({type(e).__name__}: {first_line(e)})", peer, early) from e
+
+
+def _from_collective(e: BaseException) -> bool:
+    """Whether `e` was raised inside one of torch.distributed's collectives (its frames pass through
+    distributed_c10d): gloo's "Connection closed by peer", a timeout, NCCL's errors."""
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith("torch/distributed/distributed_c10d.py"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+@contextlib.contextmanager
+def collectives(what: str) -> Iterator[None]:
+    """A phase whose communication is collectives over every rank (building the pipeline): when one fails,
+    this rank raises PeerLost naming the ranks that do not answer a roll call in the store (a rank whose
+    process ended or froze), or RemoteError when a rank published an error of its own first."""
+    start = time.monotonic()
+    try:
+        yield
+    except PeerLost as e:
+        if e.peer is not None:
+            raise
+        raise _roll_call(what, e, time.monotonic() - start) from e
+    except Exception as e:
+        if not _from_collective(e):
+            raise
+        raise _roll_call(what, e, time.monotonic() - start) from e
+
+
+def _roll_call(what: str, e: BaseException, took: float) -> Exception:
+    """After a collective failed: every surviving rank marks itself alive, and the ranks that have not
+    within a tenth of the timeout (1 s to 15 s) are the lost ones."""
+    _FAILED[0] = True
+    if not dist.is_initialized():
+        return PeerLost(f"{what} failed ({type(e).__name__}: {first_line(e)})")
+    me, world = dist.get_rank(), dist.get_world_size()
+    store = _store()
+    lost: list[int] = []
+    with contextlib.suppress(Exception):  # the store may be gone with rank 0
+        store.set(f"{_ALIVE_KEY}{me}", "1")
+        deadline = time.monotonic() + min(max(1.0, _TIMEOUT_S[0] / 10), 15.0)
+        while True:
+            lost = [r for r in range(world) if r != me and not store.check([f"{_ALIVE_KEY}{r}"])]
+            if not lost or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    early = took < _TIMEOUT_S[0] / 2
+    if lost:
+        report_lost(lost[0])
+    first = first_failure()  # (and this rank's process group torn down, as after a step's failure)
+    if first is not None:
+        return RemoteError(f"rank {me} stopped while {what} because {first}")
+    if lost:
+        named = f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))}"
+        return PeerLost(f"rank {me} lost {named} while {what} ({type(e).__name__}: {first_line(e)}); that process "
+                        "died or stopped answering within the timeout; see its output", lost[0], early)
+    return PeerLost(f"rank {me} lost another rank while {what} ({type(e).__name__}: {first_line(e)}); every rank "
+                    "answered the roll call after it, so see the others' output", None, early)
 
 
 def _store() -> Any:

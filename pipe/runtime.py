@@ -1,6 +1,7 @@
 """Pipeline: partition a model, keep this rank's stages, and run any schedule with one interpreter."""
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -29,6 +30,19 @@ from partition.meta import meta_copy, on_meta
 from partition.measure import release_memory
 
 __all__ = ["ModeError", "NonFiniteLoss", "Pipeline", "PipelineError", "split_microbatches"]
+
+
+def _lost_named(what: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """A method whose communication is collectives over every rank (the build): a rank lost in one is named
+    on every survivor (pipe.comm.collectives' roll call), where gloo says "Connection closed by peer" or times
+    out, naming no rank."""
+    def wrap(fn: Callable[..., None]) -> Callable[..., None]:
+        @functools.wraps(fn)
+        def run(self: Any, *args: Any, **kwargs: Any) -> None:
+            with comm.collectives(what):
+                fn(self, *args, **kwargs)
+        return run
+    return wrap
 
 
 class Pipeline:
@@ -66,6 +80,7 @@ class Pipeline:
     _zb_callable: dict[int, frozenset[str]]
     _zb_kept: set[int]  # the stages whose B kept the graph for W though planned not to (pipe.setup.zero_bubble)
 
+    @_lost_named("setting up the pipeline")
     def __init__(self, model: torch.nn.Module, example_args: Sequence[Any], *,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None, microbatches: int = 8,
                  schedule: str = "1f1b", plan: Plan | str | Path | None = None,

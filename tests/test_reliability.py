@@ -325,6 +325,32 @@ def test_rank_0_frozen_under_plain_environment_variables_ends_the_survivor(tmp_p
             p.wait()
 
 
+def lost_in_build_body(rank: int, world: int) -> None:
+    """The last rank dies (SIGKILL) while the pipeline is being built, at its second progress message."""
+    import partition
+    import pipe
+    pipe.init()
+    w = partition.load("gpt", n_layer=2, d_model=32, n_head=2, seq_len=16, vocab=64)
+    said = [0]
+
+    def progress(_: str) -> None:
+        said[0] += 1
+        if rank == world - 1 and said[0] == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+    pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=4, cost="flops", progress=progress)
+
+
+def test_a_rank_lost_while_building_is_named_by_every_survivor() -> None:
+    """Found by review: a rank killed while the pipeline was being built left the others a raw gloo RuntimeError
+    ("Connection closed by peer"), or a timeout, naming no rank. The build's collectives end in a roll call in the
+    store: every survivor names the rank that did not answer."""
+    exits = run_ranks("tests.test_reliability:lost_in_build_body", 3, timeout=60, raw=True)
+    assert exits[-1].code == -signal.SIGKILL
+    for r, ex in enumerate(exits[:-1]):
+        assert ex.code not in (0, None), ex.output[-2000:]
+        assert f"PeerLost: rank {r} lost rank 2 while setting up the pipeline" in ex.output, ex.output[-3000:]
+
+
 def frozen_main(lost: int, folder: str, plan: str) -> None:
     """Under a launcher: python -m tests.test_reliability LOST FOLDER PLAN (FXPIPE_TIMEOUT=3): rank
     LOST stops (SIGSTOP) in step 1; every other rank ends with PeerLost naming it."""
