@@ -269,6 +269,10 @@ class Pipeline:
         if self.meta:
             release_memory()  # the reads of the weights
         self.memory: MemoryManager = setup.build_memory(self, model, costs, recompute, offload, memory_budget)
+        if memory_budget is not None and self.v > 1:
+            self.plan.notes.append(
+                f"memory_budget is per stage, and each rank holds {self.v} stages: a rank may hold up to {self.v}x "
+                f"it at once (for a device's memory, give that memory / {self.v})")
         self._zb = setup.zero_bubble(self)  # split_w: each stage's W, from the parameter nodes
         # the module each stage calls; dp_shard="full" shards it (FSDP) and trains its parameters
         self._trained = {s: self._zb[s][0] if self.split_w else self.stages[s] for s in self.local}

@@ -49,7 +49,8 @@ def one_config(rank: int, world: int, cfg: Config, M: int, steps: int, budget: f
             # label of each
             "w_direct": {s: (len(pp._zb[s][0].graph.output_node().args[0]) == 4, choices[s].label())
                          for s in pp._zb},
-            "reload_stalls": sum(r["reload_stalls"] for r in report.values())}
+            "reload_stalls": sum(r["reload_stalls"] for r in report.values()),
+            "per stage": [n for n in pp.plan.notes if n.startswith("memory_budget is per stage")]}
 
 
 def memory_body(rank: int, world: int, *, configs: list[Config], M: int, steps: int = 3,
@@ -171,6 +172,11 @@ def test_memory_features_with_nccl_matching() -> None:
     assert res["1f1b/1/none/none/None"]["kinds"] == ["B", "F"]
     # an offloading stage keeps the graph for its W by design: no fallback is said (that is autocast's)
     assert all(r["fallbacks"] == [] for r in res.values()), res
+    # found by review: a budget met per stage is exceeded per rank holding two; the notes say so where it applies
+    assert res["interleaved-zb/2/auto/activations/0.65"]["per stage"] == [
+        "memory_budget is per stage, and each rank holds 2 stages: a rank may hold up to 2x it at once (for a "
+        "device's memory, give that memory / 2)"], res["interleaved-zb/2/auto/activations/0.65"]
+    assert res["1f1b/1/auto/all/0.6"]["per stage"] == [] and res["zbv/2/full/activations/None"]["per stage"] == []
 
 
 def test_parity_and_budgets_on_4_ranks() -> None:
