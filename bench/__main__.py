@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args, rest = p.parse_known_args(argv)
     if args.cmd == "schedules":  # what only its own parser checks (a grid with nothing to run), before launching
-        schedules.parse_args(argv[argv.index(args.cmd) + 1:])
+        schedules.check_grid(argv[argv.index(args.cmd) + 1:])
     if args.cmd in _LAUNCHED:  # parsed above to check and for --help; the ranks parse again
         return launch(_LAUNCHED[args.cmd], args.ranks, argv[argv.index(args.cmd) + 1:], args.launcher, args.threads)
     if args.cmd == "scale":  # one process: parsed again by bench.scale

@@ -41,7 +41,7 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--back-to-back", type=whole(1), default=2, metavar="K",
                    help="steps a candidate runs in a row each round, the last one timed (the earlier ones bring its "
                         "weights back into the caches the other candidates used)")
-    p.add_argument("--finalists", type=whole(1), default=4, metavar="K",
+    p.add_argument("--finalists", type=whole(0), default=4, metavar="K",
                    help="the K fastest of the grid run again beside auto's choice (0: no final)")
     p.add_argument("--final-steps", type=whole(1), default=8, help="timed steps per finalist")
     p.add_argument("--ranks", type=whole(1), default=2, help="processes to launch")

@@ -81,15 +81,27 @@ def skip_reason(name: str, M: int, ranks: int) -> str | None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The options, refused as a usage error when every schedule and microbatch count asked for is skipped."""
+    return parser().parse_args(argv)
+
+
+def nothing_to_measure(args: argparse.Namespace, world: int) -> str | None:
+    """Why a grid runs nothing on `world` ranks (every schedule and microbatch count skipped), or None."""
+    ranks = max(1, world // args.data_parallel)
+    asked = [(n, int(m)) for n in args.schedules.split(",") for m in args.microbatches.split(",")]
+    if not all(skip_reason(n, m, ranks) for n, m in asked):
+        return None
+    return ("nothing to measure: " + "; ".join(f"{n} M={m} {skip_reason(n, m, ranks)}" for n, m in asked[:4]) +
+            "; pick microbatch counts the schedules take")
+
+
+def check_grid(argv: list[str]) -> None:
+    """python -m bench schedules, before it launches --ranks processes: a grid with nothing to run is a usage
+    error."""
     p = parser()
     args = p.parse_args(argv)
-    ranks = max(1, args.ranks // args.data_parallel)
-    asked = [(n, int(m)) for n in args.schedules.split(",") for m in args.microbatches.split(",")]
-    if all(skip_reason(n, m, ranks) for n, m in asked):
-        p.error("nothing to measure: " + "; ".join(f"{n} M={m} {skip_reason(n, m, ranks)}" for n, m in asked[:4]) +
-                "; pick microbatch counts the schedules take")
-    return args
+    why = nothing_to_measure(args, args.ranks)
+    if why:
+        p.error(why)
 
 
 def _versions() -> dict[str, Any]:
@@ -147,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
                                   "opt": pp.build_optimizer(torch.optim.AdamW, lr=1e-4) if params else None,
                                   "times": [], "timelines": []})
                     say(f"built {name} M={M} v={v} microbatch {size}{' compiled' if compiled else ''}", flush=True)
+    why = nothing_to_measure(args, world)
+    if why:  # launched by torchrun itself, on another world than --ranks says
+        say(why, flush=True)
+        return 2
     allreduce = (1.0, 0.0)
     if args.data_parallel > 1 and cands:
         allreduce = measure_allreduce(ctx.device, cands[0]["pp"].dp_group)

@@ -479,8 +479,13 @@ _AUGMENTED = {operator.iadd, operator.isub, operator.imul, operator.itruediv, op
 
 
 def _writes_in_place(gm: torch.fx.GraphModule) -> bool:
-    """Whether the graph has an op that writes a tensor in place (x.mul_(2), F.relu(x, inplace=True), aten's mul_)."""
+    """Whether the graph has an op that may write a tensor in place (x.mul_(2), F.relu(x, inplace=True), aten's mul_,
+    nn.ReLU(inplace=True), a module of the user's kept whole, whose code fx does not see)."""
     for n in gm.graph.nodes:
+        if n.op == "call_module":
+            m = gm.get_submodule(str(n.target))
+            if getattr(m, "inplace", False) or not type(m).__module__.startswith("torch.nn"):
+                return True
         if n.op == "call_method" and n.target.endswith("_") and not n.target.startswith("__"):
             return True
         if n.op == "call_function" and (n.kwargs.get("inplace") or n.target in _AUGMENTED

@@ -142,6 +142,14 @@ def test_bench_refuses_a_bad_count_before_launching(argv: list[str], words: str,
     assert e.value.code == 2 and words in capsys.readouterr().err
 
 
+def test_bench_takes_the_zeros_its_options_mean() -> None:
+    """--warmup 0 (no warm-up) and bench auto's --finalists 0 (no final round, as its help says) stay accepted
+    (found by review: --finalists was refused once counts were checked)."""
+    from bench import auto, schedules
+    assert auto.parser().parse_args(["gpt", "--finalists", "0", "--warmup", "0"]).finalists == 0
+    assert schedules.parser().parse_args(["gpt", "--warmup", "0"]).warmup == 0
+
+
 def test_auto_ranks_every_candidate_and_keeps_the_fastest_plan(tmp_path: Path,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "plan.json"

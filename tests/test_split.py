@@ -287,6 +287,8 @@ def test_readers_of_an_input_written_in_place_read_the_write() -> None:
         def __init__(self) -> None:
             super().__init__()
             self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+            self.a.requires_grad_(False)  # trained, `a` would save x for its weight's grad, which the writes then
+            # change: PyTorch's backward refuses that model, and so does the trace (test_trace)
 
         def forward(self, x: torch.Tensor, y: torch.Tensor) -> Any:
             h = self.a(x)           # before the writes: x as given

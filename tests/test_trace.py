@@ -449,6 +449,7 @@ class _WritesSaved(torch.nn.Module):
         super().__init__()
         self.kind = kind
         self.lins = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+        self.relu = torch.nn.ReLU(inplace=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for lin in self.lins:
@@ -457,6 +458,8 @@ class _WritesSaved(torch.nn.Module):
                 h = torch.tanh(h).mul_(1.5)
             elif self.kind == "input":
                 x.add_(1)
+            elif self.kind == "module":  # nn.ReLU(inplace=True) on tanh's output (found by review: fx keeps the
+                h = self.relu(torch.tanh(h))  # module whole, so the check did not run)
             else:
                 h = torch.nn.functional.relu(h, inplace=True)
             x = x + h
@@ -464,7 +467,8 @@ class _WritesSaved(torch.nn.Module):
 
 
 @pytest.mark.parametrize("kind,refused", [("tanh", r"a \[3, 4\] float32 tensor saved at version 0 is at version 1"),
-                                          ("input", "is at version 1 when the backward reads it"), ("relu", None)])
+                                          ("input", "is at version 1 when the backward reads it"),
+                                          ("module", "is at version 1 when the backward reads it"), ("relu", None)])
 def test_a_write_to_a_tensor_saved_for_backward_is_refused_as_autograd_refuses_it(kind: str, refused: Any) -> None:
     """Found by review: the pipeline's saved-tensor hooks turned off autograd's own check, and such a model trained
     on grads that depended on the memory policy (1.41 off with activations kept, the value before the write with
