@@ -231,6 +231,7 @@ class PlannedMemory(MemoryManager):
         self.acts = ActivationOffload(device, self.copier, self._bundle_bytes) \
             if any(self.choices[s].offload_activations for s in self.local) else None
         self.param_ptrs: set[int] = set()
+        self.buffer_ptrs: set[int] = set()  # the stages' buffers (module state, never version-checked)
         self._groups: dict[int, dict[int, tuple[int, ...]]] = {}   # stage -> marker index -> chunk group
         self._fwd_groups: dict[int, list[tuple[int, ...]]] = {}
         self._w_groups: dict[int, list[tuple[int, ...]]] = {}
@@ -381,7 +382,9 @@ class PlannedMemory(MemoryManager):
             h.ptrs.add(t)
             h.acts += n
             self.ledger.add(s, "activations", n)
-        return _Saved(t)
+        # a buffer (batch norm's statistics, which torch.export's graph writes back after the op saved them) is
+        # module state, not the microbatch's activation: autograd reads none of it after such a write
+        return t if ptr in self.buffer_ptrs else _Saved(t)
 
     def _ready(self, r: Recipe, t: torch.Tensor, s: int, mb: int, h: _Held) -> bool:
         """The recipe may stand for `t`: same microbatch, `t` unchanged since the node made it, and every
@@ -617,6 +620,7 @@ class PlannedMemory(MemoryManager):
             self.store.step_begin()
         self.param_ptrs = {_local(p).untyped_storage().data_ptr() for s in self.local if s not in self.offloaded
                            for _, p in self.owned[s]}
+        self.buffer_ptrs = {b.untyped_storage().data_ptr() for s in self.local for b in self.modules[s].buffers()}
         self._param_bytes = {s: sum(p.numel() * p.element_size() for _, p in self.owned[s]) for s in self.local}
         self._comm = CommBuffers(self.place, self.place[self.local[0]], self.recv, self.send, self.zero_bubble)
         for s in self.local:

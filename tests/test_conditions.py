@@ -584,6 +584,48 @@ class RegionAtTop(WithRegions):
         return self.head(torch.tanh(self.b(x)))
 
 
+class ExportedNormed(nn.Module):
+    """Batch norm in a model only torch.export traces (a branch on a shape): its graph writes the running
+    statistics back after the op that saved them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(D, D), nn.BatchNorm1d(D), nn.Tanh()) for _ in range(4)])
+        self.head = nn.Linear(D, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 1:
+            x = x * 1.0
+        for b in self.blocks:
+            x = x + b(x)
+        return self.head(x)
+
+
+def _exported_batch_norm(M: int) -> None:
+    """Found by review of the change: the run-time check of saved tensors' versions took batch norm's running
+    statistics for activations; torch.export's graph writes them back after the op saved them, so every step of
+    such a model was refused ("PyTorch's own backward refuses this model too", which it does not). Buffers are
+    module state: they train as the model (the microbatches' statistics)."""
+    import pipe
+    from tests.nccl_like import NcclLike
+    for kw in (dict(schedule="1f1b"), dict(schedule="zb-h1", recompute="selective")):
+        torch.manual_seed(0)
+        model, ref = ExportedNormed(), ExportedNormed()
+        ref.load_state_dict(model.state_dict())
+        (x,), t = _batch(4 * M, 3)
+        pp = pipe.Pipeline(model, (x[:4],), loss_fn=F.mse_loss, microbatches=M, cost="flops", example_target=t[:4],
+                           transport=NcclLike(), **kw)
+        assert pp.plan.tracer == "torch.export.export"
+        loss = pp.step(x, target=t)
+        want = 0.0
+        for xm, tm in zip(x.chunk(M), t.chunk(M)):
+            part = F.mse_loss(ref(xm), tm) / M
+            part.backward()
+            want += float(part)
+        torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-7)
+        _grads_close(pp, ref, f"exported batch norm {kw}")
+
+
 def _float32_regions(M: int) -> dict[str, Any]:
     """Found by review: a model's own `autocast(enabled=False)` region ran at the autocast's precision (fx records no
     context manager: every grad off, the loss 6e-5 off), and the backward ran inside the user's autocast around
@@ -793,6 +835,7 @@ def conditions_body(rank: int, world: int) -> dict[str, Any]:
     for n, g in grads[0].items():
         torch.testing.assert_close(grads[1][n], g, msg=lambda m: f"selective with torch.dropout {n}: {m}")
     out["float32 regions"] = _float32_regions(M)
+    _exported_batch_norm(M)
     out["ignored targets"] = _ignored_targets(rank, M)
     out["sums and ratios"] = _sums_and_ratios(rank, M)
     out["grad scaler"] = _grad_scaler(rank, M)
