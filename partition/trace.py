@@ -516,20 +516,23 @@ def _saved_then_written(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs:
                                f"{version} is at version {t._version} when the backward reads it")
             return t
         return saved
-    try:
+    every = True  # the backward from each output reads a written tensor: so does any loss's (one reading no
+    try:  # output aside); an output no loss may read (an attention map written in place) is not judged here
         copy = meta_copy(gm)
         held = {id(t) for t in (*copy.parameters(), *copy.buffers())}
         margs, mkwargs = to_meta((args, kwargs))
         with torch.random.fork_rng(devices=[]), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
                 lambda t: t if id(t) in held else (t, t._version), unpack):
             out = copy(*margs, **mkwargs)
-        sums = [t.sum() for t in pytree.tree_leaves(out)
-                if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
-        if sums:
-            torch.autograd.backward(sums)
+        leaves = [t for t in pytree.tree_leaves(out)
+                  if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+        for i, t in enumerate(leaves):
+            seen = len(written)
+            torch.autograd.backward([t.sum()], retain_graph=i < len(leaves) - 1)
+            every = every and len(written) > seen
     except Exception:  # noqa: BLE001 - anything else is not this check's to judge
-        pass
-    return written[0] if written else None
+        return None
+    return written[0] if written and every else None
 
 
 def _cache_named(reasons: list[str]) -> str | None:

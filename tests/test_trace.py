@@ -523,3 +523,23 @@ def test_a_module_switching_autocast_is_kept_whole_and_one_at_the_top_is_named()
     gm = partition.trace(_Regions(at_top=True), (torch.randn(2, 4),))
     assert gm.meta["fxpipe_autocast_lost"].startswith("_Regions's own forward enters a torch.autocast"), gm.meta
     assert "fxpipe_autocast_kept" not in gm.meta
+
+
+class _WritesAuxiliary(torch.nn.Module):
+    """Probabilities written in place (softmax saves its output) returned beside the output the loss reads."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.g = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = torch.softmax(self.g(x), -1)
+        probs.mul_(100.0)
+        return self.lin(x), probs
+
+
+def test_an_output_written_after_its_save_is_not_judged_for_a_loss_that_may_not_read_it() -> None:
+    """Found by review of the change: the check ran one backward through every output, so a model returning
+    probabilities written in place beside the output its loss reads (PyTorch trains it) was refused. Refused only
+    when the backward from each output reads a written tensor; the run-time check judges the rest."""
+    gm = partition.trace(_WritesAuxiliary(), (torch.randn(3, 4),))
+    assert gm.meta["fxpipe_tracer"] == "torch.fx.symbolic_trace"
