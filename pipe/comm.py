@@ -80,8 +80,8 @@ def collectives(what: str) -> Iterator[None]:
             raise
         raise _roll_call(what, e, time.monotonic() - start) from e
     except Exception as e:
-        if not _from_collective(e):
-            raise
+        if not _from_collective(e) or not dist.is_initialized() or dist.get_world_size() == 1:
+            raise  # (a usage error, no process group: not a lost rank)
         raise _roll_call(what, e, time.monotonic() - start) from e
 
 

@@ -499,3 +499,14 @@ def test_soak_200_steps_no_growth() -> None:
 
 if __name__ == "__main__":
     frozen_main(int(sys.argv[1]), sys.argv[2], sys.argv[3])
+
+
+def test_a_collective_without_a_process_group_is_not_a_lost_rank() -> None:
+    """Found by review of the change: the build's roll call took torch's "not initialized" usage error for a lost
+    rank. Without a process group (pipe.init not called), the error is torch's own."""
+    import torch.distributed as dist
+    from pipe import comm
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="process group has not been initialized"):
+        with comm.collectives("setting up the pipeline"):
+            dist.all_gather_object([None], 1)
