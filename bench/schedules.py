@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in cands:
             pp, w = c["pp"], c["w"]
             if pp.dp > 1:  # the pipeline and its grad all-reduce (pipe.scale)
-                has_w = any(a.kind == "W" for a in pp.actions)
+                has_w = any(a.kind == "W" for a in pp.actions) and not c["compiled"]  # (compiled: W in B)
                 pred, unpaced, raw = (predict_layout(layout_costs(pp.plan, has_w, calibration=cal), pp=pp.world,
                                                      dp=pp.dp, schedule=c["schedule"], microbatches=c["M"], v=c["v"],
                                                      allreduce_bytes_per_ms=allreduce[0],

@@ -20,6 +20,7 @@ from memory.recompute import Markers, Recipe, Recomputed, Remat, instrument, mak
 from memory.regions import Checkpointed, checkpoint_regions
 from memory.store import ChunkStore
 from memory.streams import Copier
+from partition.trace import SAVED_WRITTEN_FIX
 
 __all__ = ["PlannedMemory", "optimizer_state_factor", "factory_state_factor"]
 
@@ -82,19 +83,14 @@ class _Saved:
         self.t, self.version = t, t._version
 
     def unpack(self) -> torch.Tensor:
-        if self.t._version != self.version:
-            raise modified_in_place(self.t, self.version, self.t._version)
-        return self.t
-
-
-def modified_in_place(t: torch.Tensor, saved: int, now: int | None) -> RuntimeError:
-    """autograd's error for a tensor the backward needs that was written in place after the forward saved it."""
-    return RuntimeError(
-        f"one of the variables needed for gradient computation has been modified by an inplace operation: a "
-        f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')} tensor the forward saved at version {saved} is at "
-        f"version {now if now is not None else 'later'} (PyTorch's own backward refuses this model too); write "
-        "that value out of place (h = h * 2, not h.mul_(2)) where an op saved it for its backward (tanh, sigmoid "
-        "and exp save their outputs, a product its inputs)")
+        t = self.t
+        if t._version != self.version:  # autograd's own error, as its check would raise it
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"a {list(t.shape)} {str(t.dtype).removeprefix('torch.')} tensor the forward saved at version "
+                f"{self.version} is at version {t._version} (PyTorch's own backward refuses this model too); "
+                f"{SAVED_WRITTEN_FIX}")
+        return t
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int]:

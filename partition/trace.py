@@ -441,9 +441,7 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
                 if overwritten is not None:
                     raise TraceError(f"cannot train {name}: its forward writes in place a tensor that an op saved "
                                      "for its backward, which PyTorch's own backward refuses "
-                                     f"({overwritten}); write that value out of place (h = h * 2, not h.mul_(2)) "
-                                     "where an op saved it (tanh, sigmoid and exp save their outputs, a product "
-                                     "its inputs)")
+                                     f"({overwritten}); {SAVED_WRITTEN_FIX}")
                 gm.meta["fxpipe_tracer"] = tracer
                 gm.meta["fxpipe_out_spec"] = spec
                 if kept and tracer == "torch.fx.symbolic_trace":
@@ -471,6 +469,10 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
         "dropout for tracing (e.g. config.use_cache=False); pass the inputs the model really takes "
         "as example_args/example_kwargs.")
 
+
+# the fix for a tensor written in place after an op saved it (the trace's refusal and memory/'s run-time one)
+SAVED_WRITTEN_FIX = ("write that value out of place (h = h * 2, not h.mul_(2)) where an op saved it for its backward "
+                     "(tanh, sigmoid and exp save their outputs, a product its inputs)")
 
 # h += 1 as fx records it: on a tensor, in place
 _AUGMENTED = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,

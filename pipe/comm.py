@@ -75,13 +75,10 @@ def collectives(what: str) -> Iterator[None]:
     start = time.monotonic()
     try:
         yield
-    except PeerLost as e:
-        if e.peer is not None:
-            raise
-        raise _roll_call(what, e, time.monotonic() - start) from e
     except Exception as e:
-        if not _from_collective(e) or not dist.is_initialized() or dist.get_world_size() == 1:
-            raise  # (a usage error, no process group: not a lost rank)
+        named = e.peer is not None if isinstance(e, PeerLost) else not _from_collective(e)
+        if named or not dist.is_initialized() or dist.get_world_size() == 1:
+            raise  # (the rank named already, this rank's own error, or no process group: a usage error)
         raise _roll_call(what, e, time.monotonic() - start) from e
 
 
@@ -89,8 +86,6 @@ def _roll_call(what: str, e: BaseException, took: float) -> Exception:
     """After a collective failed: every surviving rank marks itself alive, and the ranks that have not
     within a tenth of the timeout (1 s to 15 s) are the lost ones."""
     _FAILED[0] = True
-    if not dist.is_initialized():
-        return PeerLost(f"{what} failed ({type(e).__name__}: {first_line(e)})")
     me, world = dist.get_rank(), dist.get_world_size()
     store = _store()
     lost: list[int] = []

@@ -77,8 +77,8 @@ class Converted:
                 self.made[target] = first
                 self.shapes[target] = tuple(t.shape)
         self.keys = set(self.renamed) | set(self.made)
-        self.changed = bool(groups) or any(new != old for new, old in self.renamed.items())
         self.renames = sum(new != old for new, old in self.renamed.items())
+        self.changed = bool(groups) or self.renames > 0
         self._done: dict[str, dict[str, torch.Tensor]] = {}  # a group's targets converted, not yet copied in
 
     def describe(self) -> str:

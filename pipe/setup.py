@@ -139,7 +139,7 @@ def _non_persistent_by_init(pp: Pipeline, model: torch.nn.Module) -> list[str]:
             error = f"the model's own init failed on this rank's non-persistent buffers ({type(e).__name__}: " \
                     f"{first_line(e)}); give weights= an init function, or build those buffers off the meta device"
     agree_everywhere(error)
-    mine = sorted(k for k in local if fn is not None)
+    mine = sorted(local) if fn is not None else []
     return sorted(set().union(*gather(mine))) if pp.ctx.world_size > 1 else mine  # the same note on every rank
 
 
