@@ -180,13 +180,13 @@ def _never_unpacked(_: Any) -> torch.Tensor:
 
 
 def _run(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], watch: list[str] | None = None,
-         restore: Any = None, switched: list[torch.nn.Module] | None = None) -> Any:
+         restore: Any = None, switched: list[tuple[torch.nn.Module, str]] | None = None) -> Any:
     """fn(*args, **kwargs) as training calls it, under autograd (what a forward does only when its values require
     grad, a hook registered `if h.requires_grad`, is done), but keeping no tensor for a backward (the activations
     are freed as without autograd); from a fixed RNG state (dropout draws the same masks), on copies of the input
     tensors: a model that writes its inputs in place leaves the example as it was for the next run.
     `watch`: where to record what the call does that only autograd sees (_watching); `switched`: the modules
-    whose forward enters a torch.autocast."""
+    whose forward enters a torch.autocast or asks for one, and which it does."""
     given = (args, kwargs)
     for keep in (False, True):  # (kept only where the forward takes grads itself: torch.autograd.grad, torch.func)
         args, kwargs = pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, given)
@@ -209,27 +209,19 @@ def _run(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], watch: list[str
     raise AssertionError("unreachable")
 
 
+# what a forward may ask to decide by the autocast in force (torch's own modules' attributes)
+_AUTOCAST_QUERIES = ("is_autocast_enabled", "is_autocast_cpu_enabled", "get_autocast_dtype", "get_autocast_gpu_dtype",
+                     "get_autocast_cpu_dtype")
+
+
 @contextlib.contextmanager
-def _watching(seen: list[str], switched: list[torch.nn.Module] | None = None) -> Iterator[None]:
+def _watching(seen: list[str], switched: list[tuple[torch.nn.Module, str]] | None = None) -> Iterator[None]:
     """Record in `seen` what a forward does that only autograd sees, so that a trace would lose it: a grad
     mode switch (torch.no_grad(), @torch.no_grad()), a custom autograd.Function (reentrant checkpointing
-    is one), a hook registered on a tensor; and in `switched` the module whose forward enters a
-    torch.autocast (a region run at another precision, which neither tracer keeps: fx records no context
-    manager, export's lowering applies the autocast in force while tracing, none)."""
+    is one), a hook registered on a tensor; and in `switched` what _watching_autocast records."""
     import torch.autograd.function as function
-    from torch.amp import autocast_mode
     grad_mode, hook = torch._C._set_grad_enabled, torch.Tensor.register_hook
     apply = function.Function.__dict__["apply"]  # the classmethod itself, put back as it was
-    enter = autocast_mode.autocast.__enter__
-
-    def entered(self: Any) -> Any:
-        if switched is not None:
-            frame = sys._getframe(1)
-            while frame is not None and not isinstance(frame.f_locals.get("self"), torch.nn.Module):
-                frame = frame.f_back  # type: ignore[assignment]
-            if frame is not None:
-                switched.append(frame.f_locals["self"])
-        return enter(self)
 
     def switch(mode: bool) -> None:
         seen.append("a grad mode switch")
@@ -245,14 +237,79 @@ def _watching(seen: list[str], switched: list[torch.nn.Module] | None = None) ->
     torch._C._set_grad_enabled = switch  # type: ignore[assignment]
     function.Function.apply = classmethod(applied)  # type: ignore[assignment,method-assign]
     torch.Tensor.register_hook = hooked  # type: ignore[method-assign]
-    autocast_mode.autocast.__enter__ = entered  # type: ignore[method-assign]
     try:
-        yield
+        with _watching_autocast(switched) if switched is not None else contextlib.nullcontext():
+            yield
     finally:
         torch._C._set_grad_enabled = grad_mode
         function.Function.apply = apply  # type: ignore[method-assign]
         torch.Tensor.register_hook = hook  # type: ignore[method-assign]
+
+
+# what a forward may ask to decide by the autocast in force (torch's own modules' attributes)
+_AUTOCAST_QUERIES = ("is_autocast_enabled", "is_autocast_cpu_enabled", "get_autocast_dtype", "get_autocast_gpu_dtype",
+                     "get_autocast_cpu_dtype")
+_ASKS = ("asks whether an autocast is in force (and so may run otherwise under one: transformers' maybe_autocast "
+         "enters its float32 region only then)")
+
+
+@contextlib.contextmanager
+def _watching_autocast(switched: list[tuple[torch.nn.Module, str]]) -> Iterator[None]:
+    """Record in `switched` each module whose forward enters a torch.autocast (a region run at another precision,
+    which neither tracer keeps: fx records no context manager, export's lowering applies the autocast in force
+    while tracing, none), or asks whether one is in force or its dtype, or calls transformers' maybe_autocast,
+    with which it does. Only code outside torch's own counts. maybe_autocast enters its float32 region only under
+    an autocast, so a trace made without one has not the region, and would run it at the autocast's precision;
+    and on the meta device (a meta model's trace) it asks nothing, so each transformers module that imported it
+    is watched too."""
+    from torch.amp import autocast_mode
+    enter = autocast_mode.autocast.__enter__
+    queries = {q: getattr(torch, q) for q in _AUTOCAST_QUERIES if hasattr(torch, q)}
+    helper = getattr(sys.modules.get("transformers.utils.generic"), "maybe_autocast", None)
+    importers = [m for k, m in list(sys.modules.items()) if helper is not None and k.startswith("transformers.")
+                 and getattr(m, "maybe_autocast", None) is helper]
+
+    def record(how: str) -> None:
+        """The innermost module whose forward the caller of the caller runs in, unless that caller is torch's."""
+        frame = sys._getframe(2)
+        if str(frame.f_globals.get("__name__", "")).startswith("torch."):
+            return
+        while frame is not None and not isinstance(frame.f_locals.get("self"), torch.nn.Module):
+            frame = frame.f_back  # type: ignore[assignment]
+        if frame is not None:
+            switched.append((frame.f_locals["self"], how))
+
+    def entered(self: Any) -> Any:
+        record("enters a torch.autocast")
+        return enter(self)
+
+    def asking(query: Any) -> Any:
+        def asked(*args: Any, **kwargs: Any) -> Any:
+            record(_ASKS)
+            return query(*args, **kwargs)
+        return asked
+    autocast_mode.autocast.__enter__ = entered  # type: ignore[method-assign]
+    for q, query in queries.items():
+        setattr(torch, q, asking(query))
+    for m in importers:
+        setattr(m, "maybe_autocast", asking(helper))
+    try:
+        yield
+    finally:
         autocast_mode.autocast.__enter__ = enter  # type: ignore[method-assign]
+        for q, query in queries.items():
+            setattr(torch, q, query)
+        for m in importers:
+            setattr(m, "maybe_autocast", helper)
+
+
+def _switching(model: torch.nn.Module, switched: list[tuple[torch.nn.Module, str]], leaves: tuple[type, ...]
+               ) -> tuple[tuple[type, ...], bool, dict[type | None, str]]:
+    """From what _watching_autocast recorded: the module classes to keep whole, whether the model's own forward
+    switches or asks for the autocast, and how each does (the first seen; the model's own under None)."""
+    how = {(None if m is model else type(m)): h for m, h in reversed(switched)}
+    kept = tuple(dict.fromkeys(type(m) for m, _ in switched if m is not model and not isinstance(m, leaves)))
+    return kept, None in how, how
 
 
 def _grads_differ(model: torch.nn.Module, gm: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -361,15 +418,19 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
     if meta:
         args, kwargs = to_meta((args, kwargs))
     from partition.split import read_written_inputs, trained_parameters_written
-    tracers = [("torch.fx.symbolic_trace", lambda: _symbolic(model, leaves)),
-               ("torch.export.export", lambda: _export(model, args, kwargs))]
+    exported: list[tuple[torch.nn.Module, str]] = []  # a meta model's: what its export ran (its eager run may not)
+
+    def export() -> torch.fx.GraphModule:
+        with _watching_autocast(exported) if meta else contextlib.nullcontext():
+            return _export(model, args, kwargs)
+    tracers = [("torch.fx.symbolic_trace", lambda: _symbolic(model, leaves)), ("torch.export.export", export)]
     with preserve_state(model):
         expected: Any = None
         eager = ""
         start = {n: b.detach().clone() for n, b in model.named_buffers()}
         written: dict[str, torch.Tensor] = {}  # the buffers the eager run wrote, as it left them
         autograd_only: list[str] = []  # what the eager run did that only autograd sees (then grads are compared)
-        switched: list[torch.nn.Module] = []  # modules whose forward enters a torch.autocast
+        switched: list[tuple[torch.nn.Module, str]] = []  # modules whose forward enters or asks for an autocast
         try:
             expected = _run(model, args, kwargs, autograd_only, restore=lambda: _restore(model, start),
                             switched=switched)
@@ -387,9 +448,8 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
             tracers = tracers[1:]
             eager = f"{type(e).__name__}: {first_line(e, 200)}"
         # fx keeps a module that switches autocast whole, so its context runs as written at run time
-        kept = tuple(dict.fromkeys(type(m) for m in switched if m is not model and not isinstance(m, leaves)))
+        kept, at_top, how = _switching(model, switched, tuple(leaf_modules))
         leaves += kept
-        at_top = any(m is model for m in switched)
         register_dataclasses(expected)
         register_dataclasses((args, kwargs))
         reasons: list[str] = []
@@ -444,12 +504,15 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
                                      f"({overwritten}); {SAVED_WRITTEN_FIX}")
                 gm.meta["fxpipe_tracer"] = tracer
                 gm.meta["fxpipe_out_spec"] = spec
+                if exported:
+                    kept, at_top, how = _switching(model, switched + exported, tuple(leaf_modules))
                 if kept and tracer == "torch.fx.symbolic_trace":
                     gm.meta["fxpipe_autocast_kept"] = [f"{c.__module__}.{c.__qualname__}" for c in kept]
                 if at_top or kept and tracer != "torch.fx.symbolic_trace":
-                    where = f"{name}'s own forward" if at_top else ", ".join(c.__name__ for c in kept)
+                    where = f"{name}'s own forward {how[None]}" if at_top else "; ".join(
+                        f"{c.__name__} {how[c]}" for c in kept)
                     gm.meta["fxpipe_autocast_lost"] = (
-                        f"{where} enters a torch.autocast, which {tracer}'s graph does not keep (" + (
+                        f"{where}, which {tracer}'s graph does not keep (" + (
                             "fx records no context manager: move the region into a submodule, which fxpipe then "
                             "keeps whole" if tracer == "torch.fx.symbolic_trace" else "export lowers it to the "
                             "autocast in force while tracing, none") + ")")

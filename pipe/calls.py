@@ -331,34 +331,52 @@ def agree_on_call(pp: Pipeline, batch: tuple[tuple[Any, ...], dict[str, Any]], t
         raise refused
 
 
+def _kind_digest(what: str) -> int:
+    """The digest of a call's kind (pp.step(), pp.clip_grad_norm_(), ...), as the ranks compare it."""
+    return int.from_bytes(hashlib.blake2b(f"call: pp.{what}()".encode(), digest_size=7).digest(), "little")
+
+
 def agree_on_kind(pp: Pipeline, what: str) -> None:
     """Compare which call this is with the pipeline's other ranks' (a call without a batch: clip_grad_norm_), in
-    the all-gather step() makes to agree on its call, so that ranks making different calls stop at once."""
-    kind = f"call: pp.{what}()"
-    call = Call(int.from_bytes(hashlib.blake2b(kind.encode(), digest_size=7).digest(), "little"), [kind])
-    agree(call, None, group=pp.pp_group, ranks=pp._global, device=pp.ctx.device, what=what, error=PipelineError)
+    the all-gather step() makes to agree on its call, and then with the other replicas', in the all-gather each
+    call begins the replicas' collectives with, so that ranks making different calls stop at once."""
+    if pp.world > 1:
+        agree(Call(_kind_digest(what), [f"call: pp.{what}()"]), None, group=pp.pp_group, ranks=pp._global,
+              device=pp.ctx.device, what=what, error=PipelineError)
+    if pp.dp > 1:
+        _replicas_agree(pp, None, what)
 
 
 def _replicas_agree(pp: Pipeline, stopped: PipelineError | None, what: str) -> None:
     """Raise on every replica when one replica's pipeline stopped its call (`stopped`: this rank's error, the
-    same kind on every rank of its pipeline): the replicas' grads are averaged together, so the others would
-    pair this step's collectives with the stopped replica's next step, averaging grads of two batches, then
-    wait for it until the timeout. One all-reduce of a flag over the replicas; the errors are gathered only
-    when one stopped."""
-    flag = torch.tensor([int(stopped is not None)], dtype=torch.int64, device=pp.ctx.device)
+    same kind on every rank of its pipeline) or made another call (step() on one, clip_grad_norm_() on another):
+    the replicas' grads are averaged together, so the others would pair this step's collectives with the stopped
+    replica's next step, averaging grads of two batches, or another call's, then wait for it until the timeout.
+    One all-gather of a flag and the call's kind over the replicas; the errors are gathered only when they
+    differ."""
+    mine = torch.tensor([int(stopped is not None), _kind_digest(what)], dtype=torch.int64, device=pp.ctx.device)
+    every = [torch.empty_like(mine) for _ in range(pp.dp)]
     with comm.guarded(f"the check that every replica makes its {what} call"):
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pp.dp_group)
-    if not int(flag.item()):
+        dist.all_gather(every, mine, group=pp.dp_group)
+    rows = torch.stack(every).tolist()
+    if not any(f for f, _ in rows) and len({k for _, k in rows}) == 1:
         return
     got: list[Any] = [None] * pp.dp
     with comm.guarded(f"gathering the replicas' {what} errors"):
-        dist.all_gather_object(got, (None if stopped is None else str(stopped), pp._global), group=pp.dp_group)
+        dist.all_gather_object(got, (None if stopped is None else str(stopped), what, pp._global),
+                               group=pp.dp_group)
     if stopped is not None:
         raise stopped
-    i, (msg, ranks) = next((i, g) for i, g in enumerate(got) if g[0] is not None)
-    raise PipelineError(f"replica {i} (global ranks {ranks}) stopped this {what} call, so this replica stops "
-                        f"too (the replicas' grads are averaged together, and every replica must make the same "
-                        f"calls); its error: {msg}")
+    stop = next(((i, g) for i, g in enumerate(got) if g[0] is not None), None)
+    if stop is not None:
+        i, (msg, _, ranks) = stop
+        raise PipelineError(f"replica {i} (global ranks {ranks}) stopped this {what} call, so this replica stops "
+                            f"too (the replicas' grads are averaged together, and every replica must make the "
+                            f"same calls); its error: {msg}")
+    calls = "; ".join(f"replica {i} (global ranks {ranks}): pp.{kind}()" for i, (_, kind, ranks) in enumerate(got))
+    raise PipelineError(f"the data-parallel replicas made different calls ({calls}): their grads are averaged "
+                        "together and a norm is summed over them, so make the same calls in the same order on every "
+                        "replica: step, evaluate or clip on every replica, not on one alone")
 
 
 def check_pipeline_call(pp: Pipeline, batch: tuple[tuple[Any, ...], dict[str, Any]], target: Any,

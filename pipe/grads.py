@@ -131,9 +131,9 @@ def clip_pipeline(pp: Any, max_norm: float, norm_type: float, *, error_if_nonfin
         reductions.append(Reduction(pp.dp_group, dist.get_process_group_ranks(pp.dp_group),
                                     adds=pp.dp_shard == "full"))
     counted = [p for n, p in named if owner.get(n, pp.rank) == pp.rank]  # held elsewhere too: once
-    if pp.world > 1:  # first the call itself, as step() and evaluate() agree on theirs: a rank making another call
-        from pipe import calls  # (clipping on one rank only) is named on every rank, where the gathers below
-        calls.agree_on_kind(pp, "clip_grad_norm_")  # would pair with its call's and read garbage or abort
+    from pipe import calls  # first the call itself, as step() and evaluate() agree on theirs: a rank or a replica
+    calls.agree_on_kind(pp, "clip_grad_norm_")  # making another call (clipping on one alone) is named on every
+    # rank, where the gathers below would pair with its call's and read garbage, abort or wait
     return clip_grad_norm_([p for _, p in named], counted, max_norm, norm_type, reductions=reductions,
                            rank=pp.ctx.rank, device=pp.ctx.device, error=PipelineError,
                            error_if_nonfinite=error_if_nonfinite, foreach=foreach,

@@ -13,6 +13,7 @@ converter's own operations, once on meta tensors for the target's name and shape
 tensors read when the target is copied in (only the targets of a rank's stages are read)."""
 from __future__ import annotations
 
+import re
 from copy import deepcopy
 from typing import Any, Callable
 
@@ -20,7 +21,31 @@ import torch
 
 from pipe.ckpt_format import CheckpointError
 
-__all__ = ["Converted", "converted"]
+__all__ = ["Converted", "converted", "ignored_on_load"]
+
+
+def ignored_on_load(model: torch.nn.Module, unexpected: set[str]) -> list[str]:
+    """The keys of `unexpected` (a checkpoint's keys the model has not) that transformers' from_pretrained
+    skips without a word for `model`: those its class lists in `_keys_to_ignore_on_load_unexpected` (regular
+    expressions searched in the key, gathered from the submodels), and, where the model has such buffers, the
+    rotary frequencies and position ids older checkpoints hold (`rotary_emb.inv_freq` in each layer, now one
+    non-persistent buffer; `position_ids`, now non-persistent in most models)."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return []
+    if not isinstance(model, PreTrainedModel) or not unexpected:
+        return []
+    patterns = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    buffers = [n for n, _ in model.named_buffers()]
+    if any(n.endswith("rotary_emb.inv_freq") for n in buffers):
+        patterns.add(r"rotary_emb\.inv_freq")
+    if any(n.endswith("position_ids") for n in buffers):
+        patterns.add(r"(^|\.)position_ids$")
+    if not patterns:
+        return []
+    found = re.compile("|".join(f"({p})" for p in sorted(patterns)))
+    return sorted(k for k in unexpected if found.search(k))
 
 
 def converted(src: Any, model: torch.nn.Module, model_keys: set[str]) -> "Converted | None":

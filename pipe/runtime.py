@@ -221,8 +221,9 @@ class Pipeline:
                 "not one process's over the batch")
         kept = gm.meta.get("fxpipe_autocast_kept")
         if kept:
-            self.plan.notes.append(f"kept whole: {', '.join(kept)}, whose forward switches torch.autocast (a region "
-                                   "at another precision), which a traced graph does not keep; whole, it runs as "
+            self.plan.notes.append(f"kept whole: {', '.join(kept)}, whose forward switches torch.autocast or asks "
+                                   "whether one is in force (a region at another precision, or one entered only "
+                                   "under an autocast), which a traced graph does not keep; whole, it runs as "
                                    "written under the autocast around each call")
         self._autocast_lost: str | None = gm.meta.get("fxpipe_autocast_lost")
         if self._autocast_lost:

@@ -261,6 +261,7 @@ def load_model_state(pp: "Pipeline", path: str | Path | Mapping[str, torch.Tenso
     folder = None if isinstance(path, Mapping) else resolve_everywhere(path, optional=True)
     where = "the state dict given" if isinstance(path, Mapping) else str(path)
     read_as: list[str] = []  # how a Hugging Face checkpoint's keys were read (pipe.hf_keys)
+    ignored: list[str] = []  # its keys from_pretrained skips for this model
 
     def check() -> dict[str, Any]:
         """This rank's tensors, read and checked before anything changes."""
@@ -274,7 +275,10 @@ def load_model_state(pp: "Pipeline", path: str | Path | Mapping[str, torch.Tenso
         src: Any = _Source(path)
 
         def difference(keys: set[str]) -> str:
-            unexpected = sorted(keys - set(names))
+            skipped = hf_keys.ignored_on_load(pp._model, keys - set(names))  # as from_pretrained does
+            if skipped and not ignored:
+                ignored.extend(skipped)
+            unexpected = sorted(keys - set(names) - set(skipped))
             missing = sorted(first for first, ks in aliases.items() if not any(k in keys for k in ks))
             return key_difference(missing, unexpected) if unexpected or missing else ""
         differs = difference(src.keys)
@@ -323,7 +327,11 @@ def load_model_state(pp: "Pipeline", path: str | Path | Mapping[str, torch.Tenso
                 else:
                     t.copy_(value)
     everywhere(apply)
-    return read_as[0] if read_as else None
+    if ignored:
+        read_as.append(f"{len(ignored)} key{'s' if len(ignored) > 1 else ''} the model's class skips on loading, "
+                       f"as from_pretrained does ({', '.join(ignored[:3])}{', ...' if len(ignored) > 3 else ''}), "
+                       "not read")
+    return "; ".join(read_as) if read_as else None
 
 
 # ----- one file of the unpartitioned model -----

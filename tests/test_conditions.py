@@ -560,11 +560,21 @@ class Float32Region(nn.Module):
             return torch.tanh(self.lin(x.float()))
 
 
+class AskingRegion(Float32Region):
+    """The region as transformers writes it (Ernie 4.5's router): `maybe_autocast` enters it only when an autocast
+    is in force, so a trace made without one has no region to see."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.utils.generic import maybe_autocast
+        with maybe_autocast("cpu", enabled=False):
+            return torch.tanh(self.lin(x.float()))
+
+
 class WithRegions(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, region: type[nn.Module] = Float32Region) -> None:
         super().__init__()
         self.a, self.b, self.head = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, 4)
-        self.regions = nn.ModuleList([Float32Region() for _ in range(4)])
+        self.regions = nn.ModuleList([region() for _ in range(4)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = torch.tanh(self.a(x))
@@ -636,14 +646,16 @@ def _float32_regions(M: int) -> dict[str, Any]:
     import pipe
     from tests.nccl_like import NcclLike
     out: dict[str, Any] = {}
-    for kw in (dict(schedule="1f1b"), dict(schedule="zb-h1"), dict(schedule="1f1b", recompute="selective"),
-               dict(schedule="1f1b", leaf_modules=(Float32Region,))):
+    for region, kw in ((Float32Region, dict(schedule="1f1b")), (Float32Region, dict(schedule="zb-h1")),
+                       (Float32Region, dict(schedule="1f1b", recompute="selective")),
+                       (Float32Region, dict(schedule="1f1b", leaf_modules=(Float32Region,))),
+                       (AskingRegion, dict(schedule="zb-h1"))):
         torch.manual_seed(0)
-        model, ref = WithRegions(), WithRegions()
+        model, ref = WithRegions(region), WithRegions(region)
         ref.load_state_dict(model.state_dict())
         pp = pipe.Pipeline(model, (torch.randn(2, D),), loss_fn=F.mse_loss, microbatches=M, cost="flops",
                            example_target=torch.randn(2, 4), transport=NcclLike(), **kw)
-        out.setdefault("notes", [n for n in pp.plan.notes if n.startswith("kept whole")])
+        out.setdefault(f"{region.__name__} notes", [n for n in pp.plan.notes if n.startswith("kept whole")])
         (x,), t = _batch(2 * M, 7)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = pp.step(x, target=t)
@@ -881,9 +893,11 @@ def test_inplace_ops_autocast_and_leaf_modules_train_as_the_model() -> None:
     assert "because rank 1" in res[0]["closure"], res[0]["closure"]
     for r in res:
         regions = r["float32 regions"]
-        assert regions["notes"] == ["kept whole: tests.test_conditions.Float32Region, whose forward switches "
-                                    "torch.autocast (a region at another precision), which a traced graph does not "
-                                    "keep; whole, it runs as written under the autocast around each call"], regions
+        for region in ("Float32Region", "AskingRegion"):
+            assert regions[f"{region} notes"] == [
+                f"kept whole: tests.test_conditions.{region}, whose forward switches torch.autocast or asks whether "
+                "one is in force (a region at another precision, or one entered only under an autocast), which a "
+                "traced graph does not keep; whole, it runs as written under the autocast around each call"], regions
         assert regions["at top"].startswith("this step call runs under an autocast (cpu bfloat16), but RegionAtTop's "
                                             "own forward enters a torch.autocast, which torch.fx.symbolic_trace's "
                                             "graph does not keep"), regions

@@ -428,6 +428,16 @@ def replicas_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
     pp2.load(root, optimizer=opt2)
     out["redrawn"] = torch.rand(3)
     out["lr"] = (opt.param_groups[0]["lr"], opt2.param_groups[0]["lr"], opt2.optim.param_groups[0]["lr"])
+    # last (it stops the call): one replica clips while the other steps. The clip's all-gather of the norm over
+    # the replicas paired with the step's check and both waited until the timeout; now both are told at once
+    try:
+        if pp2.dp_rank == 0:
+            pp2.clip_grad_norm_(1.0)
+        else:
+            pp2.step(batch, target=target)
+        out["one clips"] = "no error"
+    except pipe.PipelineError as e:
+        out["one clips"] = str(e)
     return out
 
 
@@ -438,5 +448,8 @@ def test_replicas_share_buffers_and_resume_their_own_lr_and_random_state(tmp_pat
         for k in r["ref"]:
             torch.testing.assert_close(r["buffers"][k], r["ref"][k], msg=k)
         assert r["lr"] == (5e-3, 5e-3, 5e-3), r["lr"]  # the scheduler's, not the one ZeRO's last step copied
+        assert "the data-parallel replicas made different calls" in r["one clips"], r["one clips"]
+        assert "replica 0 (global ranks [0]): pp.clip_grad_norm_(); replica 1 (global ranks [1]): pp.step()" \
+            in r["one clips"], r["one clips"]
         assert torch.equal(r["redrawn"], r["drawn"])  # each replica's own random state back
     assert not torch.equal(res[0]["drawn"], res[1]["drawn"])

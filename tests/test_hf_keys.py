@@ -93,3 +93,21 @@ def test_two_file_keys_read_as_one_are_refused(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"holds both .*embed_out.weight.* lm_head.weight|holds both "
                                               r".*lm_head.weight.* embed_out.weight"):
         _view(tmp_path, m)
+
+
+def test_keys_from_pretrained_skips_are_named() -> None:
+    """Found by review: keys transformers skips on loading (a class's _keys_to_ignore_on_load_unexpected, the
+    per-layer rotary frequencies and position ids older checkpoints hold) were refused as keys the model has not."""
+    from pipe import hf_keys
+    neox = _neox()
+    legacy = {"gpt_neox.layers.0.attention.rotary_emb.inv_freq", "gpt_neox.layers.1.attention.bias",
+              "gpt_neox.layers.1.attention.masked_bias", "gpt_neox.layers.0.attention.extra", "position_ids"}
+    assert hf_keys.ignored_on_load(neox, legacy) == ["gpt_neox.layers.0.attention.rotary_emb.inv_freq",
+                                                     "gpt_neox.layers.1.attention.bias",
+                                                     "gpt_neox.layers.1.attention.masked_bias"]
+    bert = transformers.BertModel(transformers.BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                                                          intermediate_size=64, vocab_size=64))
+    if "embeddings.position_ids" not in bert.state_dict():  # a non-persistent buffer: an older file's key skipped
+        assert hf_keys.ignored_on_load(bert, {"embeddings.position_ids", "pooler.other"}) == ["embeddings.position_ids"]
+    plain = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    assert hf_keys.ignored_on_load(plain, {"0.rotary_emb.inv_freq", "0.attention.bias"}) == []

@@ -525,6 +525,71 @@ def test_a_module_switching_autocast_is_kept_whole_and_one_at_the_top_is_named()
     assert "fxpipe_autocast_kept" not in gm.meta
 
 
+class _Asks(torch.nn.Module):
+    """A float32 region entered only under an autocast (transformers' maybe_autocast), in a submodule, in the
+    model's own forward, or in a model only torch.export traces (a branch on a value)."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where, self.a, self.r = where, torch.nn.Linear(4, 4), _Region()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.utils.generic import maybe_autocast
+        if self.where == "export" and x.shape[0] > 1:
+            x = x * 1.0
+        if self.where == "top":
+            with maybe_autocast("cpu", enabled=False):
+                return self.r.lin(self.a(x).float())
+        return self.r(self.a(x))
+
+
+class _AsksRegion(_Region):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.utils.generic import maybe_autocast
+        with maybe_autocast("cpu", enabled=False):
+            return self.lin(x.float())
+
+
+def test_a_module_asking_for_the_autocast_is_kept_whole_and_one_at_the_top_is_named() -> None:
+    """Found by review: transformers' maybe_autocast enters a float32 region only when an autocast is in force, so
+    the trace (made without one) saw no region, and Ernie 4.5 MoE's router ran in bfloat16 under the user's autocast
+    (grads up to 29% off). A module whose forward asks for the autocast is kept whole as one that enters it; one at
+    the top, or under torch.export, is named for the pipeline to refuse a call under an autocast."""
+    model = _Asks("module")
+    model.r = _AsksRegion()
+    gm = partition.trace(model, (torch.randn(2, 4),))
+    assert gm.meta["fxpipe_tracer"] == "torch.fx.symbolic_trace"
+    assert gm.meta["fxpipe_autocast_kept"] == [f"{__name__}._AsksRegion"] and "fxpipe_autocast_lost" not in gm.meta
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["a", "r"]
+    gm = partition.trace(_Asks("top"), (torch.randn(2, 4),))
+    assert gm.meta["fxpipe_autocast_lost"].startswith("_Asks's own forward asks whether an autocast is in force"), \
+        gm.meta
+    model = _Asks("export")
+    model.r = _AsksRegion()
+    gm = partition.trace(model, (torch.randn(2, 4),))
+    assert gm.meta["fxpipe_tracer"] == "torch.export.export"
+    assert gm.meta["fxpipe_autocast_lost"].startswith("_AsksRegion asks whether an autocast is in force"), gm.meta
+    gm = partition.trace(_Asks("export"), (torch.randn(2, 4),))  # a region entered, not asked for, names itself so
+    assert gm.meta["fxpipe_autocast_lost"].startswith("_Region enters a torch.autocast"), gm.meta
+
+
+def test_a_meta_models_maybe_autocast_is_seen_in_its_export() -> None:
+    """Found by review: on the meta device transformers' maybe_autocast asks nothing (it returns at once), and a
+    meta model's eager run fails in the mask helpers before any layer, so a meta Ernie 4.5 MoE's float32 router was
+    not seen: a call under an autocast ran it in bfloat16. Its export (which runs the model's code) is watched."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Ernie4_5_MoeConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                                          moe_intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                                          vocab_size=64, moe_num_experts=4, moe_k=2, moe_layer_start_index=0,
+                                          use_cache=False)
+    with torch.device("meta"):
+        model = transformers.Ernie4_5_MoeForCausalLM(cfg)
+    gm = partition.trace(model, (torch.randint(0, 64, (2, 8)),))
+    assert gm.meta["fxpipe_tracer"] == "torch.export.export"
+    assert gm.meta["fxpipe_autocast_lost"].startswith("Ernie4_5_MoeTopKRouter asks whether an autocast is in force"), \
+        gm.meta
+
+
 class _WritesAuxiliary(torch.nn.Module):
     """Probabilities written in place (softmax saves its output) returned beside the output the loss reads."""
     def __init__(self) -> None:
