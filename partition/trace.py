@@ -149,6 +149,22 @@ def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     return gm
 
 
+def _distinct(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The example with a tensor given as two inputs copied for the second (`labels=ids`, as Hugging Face
+    writes a causal LM's call): torch.export takes one tensor object given twice for one input, so its graph
+    would read the labels where the model reads the ids, and a step whose labels differ would train on them."""
+    seen: set[int] = set()
+
+    def once(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) in seen:
+            return x.clone()
+        seen.add(id(x))
+        return x
+    return pytree.tree_map(once, (args, kwargs))  # type: ignore[no-any-return]
+
+
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal buffers: NaN where NaN (a sentinel), floats up to a device's nondeterministic sums."""
     if a.shape != b.shape or a.dtype != b.dtype:
@@ -410,8 +426,7 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: d
     flow on values, as in Hugging Face's mask helpers), torch.export traces it alone: export runs the
     model's own Python code, and its graph returns the model's output structure.
     """
-    args = tuple(example_args)
-    kwargs = dict(example_kwargs or {})
+    args, kwargs = _distinct(tuple(example_args), dict(example_kwargs or {}))
     leaves = tuple(leaf_modules)
     name = type(model).__name__
     meta = on_meta(model)

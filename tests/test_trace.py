@@ -590,6 +590,21 @@ def test_a_meta_models_maybe_autocast_is_seen_in_its_export() -> None:
         gm.meta
 
 
+def test_one_tensor_given_as_two_inputs_is_traced_as_two() -> None:
+    """Found by review: `model(input_ids=ids, labels=ids)`, as Hugging Face writes a causal LM's call, gave
+    torch.export one tensor object for two inputs, which it takes as one: the graph embedded the labels, and a step
+    whose labels differ from its ids (a masked prompt, another target) trained on them (loss 4.169 where the model's
+    is 4.118). The second is a copy: the graph reads each input where the model does."""
+    model, (ids,), _ = hf_gpt2()
+    gm = partition.trace(model, (), {"input_ids": ids, "labels": ids})
+    assert gm.meta["fxpipe_tracer"] == "torch.export.export"
+    other, labels = torch.randint(0, 128, ids.shape), torch.randint(0, 128, ids.shape)
+    want = model(input_ids=other, labels=labels)
+    got = gm(input_ids=other, labels=labels)
+    torch.testing.assert_close(got.loss, want.loss)
+    torch.testing.assert_close(got.logits, want.logits)
+
+
 class _WritesAuxiliary(torch.nn.Module):
     """Probabilities written in place (softmax saves its output) returned beside the output the loss reads."""
     def __init__(self) -> None:
