@@ -117,10 +117,22 @@ def check_call(plan: Plan, args: Sequence[Any], kwargs: dict[str, Any], *, dynam
                                 f"(sequence-first), but microbatches are split along dim 0 of every input (with "
                                 f"dynamic_shapes=True too); put the batch first (x.transpose(0, {later[0]}), and "
                                 f"the example's likewise)")
+                if microbatches > 1 and list(x.shape) == v.shape and any(
+                        p != path and n * microbatches == g[p].shape[0] for p, n in batched.items()
+                        if isinstance(g[p], torch.Tensor) and g[p].dim()):  # (the others' batch is theirs x M)
+                    raise error(f"input {path} has shape {list(x.shape)}, as in the example, but every input tensor "
+                                f"is split into the microbatches along dim 0, so its dim 0 must be the batch "
+                                f"({shape} for {microbatches} microbatches): a tensor every sample shares "
+                                f"(position_ids of shape [1, T], cache_position of shape [T]) cannot be split; "
+                                f"expand it to the batch (x.expand(batch, ...)) in the calls and the example alike, "
+                                f"or leave it out where the model makes it itself")
+                export = plan.tracer == "torch.export.export"
                 raise error(f"input {path} has shape {list(x.shape)} but the plan was made for {v.shape} per "
                             f"microbatch, so {shape} for {microbatches} microbatches; use batches of the planned "
-                            f"shape (batch size = {v.shape[0] if v.shape else '?'} x microbatches), pass "
-                            f"dynamic_shapes=True, or re-plan with an example of this shape")
+                            f"shape (batch size = {v.shape[0] if v.shape else '?'} x microbatches)" + (
+                                ", padded to its sizes (torch.export's graph of this model is fixed to the sizes it "
+                                "was traced with), or build a pipeline for each shape" if export else
+                                ", pass dynamic_shapes=True, or re-plan with an example of this shape"))
         elif not isinstance(v, _Unknown) and not _same_constant(x, v):
             varies = (" If it changes from batch to batch (a count such as num_items_in_batch), make it a 0-dim "
                       "tensor in the example and the calls (torch.tensor(n)): every microbatch takes it whole, a "

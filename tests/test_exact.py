@@ -286,6 +286,21 @@ def test_keywords_in_another_order_are_the_same_call_and_a_shape_is_named_per_ba
     with pytest.raises(partition.PlanError, match=r"its dim 1 holds 4 microbatches' worth, as if the batch were "
                                                   r"along dim 1 \(sequence-first\)"):
         check_call(plan, (x.repeat(1, 4),), {"mask": mask.repeat(4, 1), "scale": scale.repeat(4, 1)}, microbatches=4)
+    # found by review: a tensor every sample shares (position_ids [1, T]) kept as in the example was told "has shape
+    # [2, 1] but the plan was made for [2, 1]", and to pass dynamic_shapes=True
+    with pytest.raises(partition.PlanError, match=re.escape("input kwargs['scale'] has shape [2, 1], as in the "
+                                                            "example, but every input tensor is split into the "
+                                                            "microbatches along dim 0, so its dim 0 must be the batch")):
+        check_call(plan, (x.repeat(4, 1),), {"mask": mask.repeat(4, 1), "scale": scale}, microbatches=4)
+    # and where torch.export traced the model, whose graph fixes its sizes, dynamic_shapes=True (refused for such a
+    # graph) is not offered
+    import dataclasses
+    exported = dataclasses.replace(plan, tracer="torch.export.export")
+    with pytest.raises(partition.PlanError) as e:
+        check_call(exported, (x.repeat(4, 1)[:, :2],), {"mask": mask.repeat(4, 1), "scale": scale.repeat(4, 1)},
+                   microbatches=4)
+    assert "padded to its sizes (torch.export's graph of this model is fixed" in str(e.value), e.value
+    assert "dynamic_shapes" not in str(e.value), e.value
 
 
 def test_a_batch_whose_tensors_disagree_on_dim_0_names_each() -> None:
