@@ -162,7 +162,7 @@ def _distinct(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any,
             return x.clone()
         seen.add(id(x))
         return x
-    return pytree.tree_map(once, (args, kwargs))  # type: ignore[no-any-return]
+    return pytree.tree_map(once, (args, kwargs))
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:

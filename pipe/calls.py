@@ -354,29 +354,40 @@ def _replicas_agree(pp: Pipeline, stopped: PipelineError | None, what: str) -> N
     replica's next step, averaging grads of two batches, or another call's, then wait for it until the timeout.
     One all-gather of a flag and the call's kind over the replicas; the errors are gathered only when they
     differ."""
-    mine = torch.tensor([int(stopped is not None), _kind_digest(what)], dtype=torch.int64, device=pp.ctx.device)
+    frozen = [n for n, p in pp.named_parameters() if not p.requires_grad] if what == "step" else []
+    trains = int.from_bytes(hashlib.blake2b("\n".join(frozen).encode(), digest_size=7).digest(), "little")
+    mine = torch.tensor([int(stopped is not None), _kind_digest(what), trains], dtype=torch.int64,
+                        device=pp.ctx.device)
     every = [torch.empty_like(mine) for _ in range(pp.dp)]
     with comm.guarded(f"the check that every replica makes its {what} call"):
         dist.all_gather(every, mine, group=pp.dp_group)
     rows = torch.stack(every).tolist()
-    if not any(f for f, _ in rows) and len({k for _, k in rows}) == 1:
+    if not any(f for f, _, _ in rows) and len({(k, t) for _, k, t in rows}) == 1:
         return
     got: list[Any] = [None] * pp.dp
     with comm.guarded(f"gathering the replicas' {what} errors"):
-        dist.all_gather_object(got, (None if stopped is None else str(stopped), what, pp._global),
+        dist.all_gather_object(got, (None if stopped is None else str(stopped), what, pp._global, frozen),
                                group=pp.dp_group)
     if stopped is not None:
         raise stopped
     stop = next(((i, g) for i, g in enumerate(got) if g[0] is not None), None)
     if stop is not None:
-        i, (msg, _, ranks) = stop
+        i, (msg, _, ranks, _) = stop
         raise PipelineError(f"replica {i} (global ranks {ranks}) stopped this {what} call, so this replica stops "
                             f"too (the replicas' grads are averaged together, and every replica must make the "
                             f"same calls); its error: {msg}")
-    calls = "; ".join(f"replica {i} (global ranks {ranks}): pp.{kind}()" for i, (_, kind, ranks) in enumerate(got))
-    raise PipelineError(f"the data-parallel replicas made different calls ({calls}): their grads are averaged "
-                        "together and a norm is summed over them, so make the same calls in the same order on every "
-                        "replica: step, evaluate or clip on every replica, not on one alone")
+    if len({kind for _, kind, _, _ in got}) > 1:
+        calls = "; ".join(f"replica {i} (global ranks {ranks}): pp.{kind}()"
+                          for i, (_, kind, ranks, _) in enumerate(got))
+        raise PipelineError(f"the data-parallel replicas made different calls ({calls}): their grads are averaged "
+                            "together and a norm is summed over them, so make the same calls in the same order on "
+                            "every replica: step, evaluate or clip on every replica, not on one alone")
+    common = set.intersection(*[set(f) for _, _, _, f in got])
+    differ = "; ".join(f"replica {i} (global ranks {ranks}) freezes {', '.join(sorted(set(f) - common)[:4]) or 'none'}"
+                       f"{' ...' if len(set(f) - common) > 4 else ''}" for i, (_, _, ranks, f) in enumerate(got))
+    raise PipelineError(f"the data-parallel replicas train different parameters (beyond those every replica "
+                        f"freezes: {differ}): their grads are averaged together, bucket by bucket, so freeze and "
+                        "unfreeze (requires_grad) the same parameters on every replica")
 
 
 def check_pipeline_call(pp: Pipeline, batch: tuple[tuple[Any, ...], dict[str, Any]], target: Any,

@@ -428,6 +428,17 @@ def replicas_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
     pp2.load(root, optimizer=opt2)
     out["redrawn"] = torch.rand(3)
     out["lr"] = (opt.param_groups[0]["lr"], opt2.param_groups[0]["lr"], opt2.optim.param_groups[0]["lr"])
+    # found by review: replicas freezing different parameters of one size averaged one's grad into the other's
+    # (the buckets are laid out by the parameters that require grad); both are told, and the step runs once alike
+    frozen = "1.weight" if pp2.dp_rank == 0 else "1.bias"
+    dict(pp2.named_parameters())[frozen].requires_grad_(False)
+    try:
+        pp2.step(batch, target=target)
+        out["freeze apart"] = "no error"
+    except pipe.PipelineError as e:
+        out["freeze apart"] = str(e)
+    dict(pp2.named_parameters())[frozen].requires_grad_(True)
+    pp2.step(batch, target=target)
     # last (it stops the call): one replica clips while the other steps. The clip's all-gather of the norm over
     # the replicas paired with the step's check and both waited until the timeout; now both are told at once
     try:
@@ -448,6 +459,9 @@ def test_replicas_share_buffers_and_resume_their_own_lr_and_random_state(tmp_pat
         for k in r["ref"]:
             torch.testing.assert_close(r["buffers"][k], r["ref"][k], msg=k)
         assert r["lr"] == (5e-3, 5e-3, 5e-3), r["lr"]  # the scheduler's, not the one ZeRO's last step copied
+        assert r["freeze apart"].startswith("the data-parallel replicas train different parameters (beyond those "
+                                            "every replica freezes: replica 0 (global ranks [0]) freezes 1.weight; "
+                                            "replica 1 (global ranks [1]) freezes 1.bias)"), r["freeze apart"]
         assert "the data-parallel replicas made different calls" in r["one clips"], r["one clips"]
         assert "replica 0 (global ranks [0]): pp.clip_grad_norm_(); replica 1 (global ranks [1]): pp.step()" \
             in r["one clips"], r["one clips"]
