@@ -109,7 +109,8 @@ class Weighting:
         w = weight.to(device=target.device, dtype=torch.float64)[torch.where(valid, target, 0)]
         return torch.where(valid, w, 0.0).sum()
 
-    def describe(self, replicas: int = 1) -> str:
+    def describe(self, replicas: int = 1, dynamic: bool = False) -> str:
+        """The plan's note (`dynamic`: the pipeline's microbatches may differ in size, dynamic_shapes=True)."""
         over = " over every replica's batch" if replicas > 1 else ""
         if self.kind == "count" and self.elements:
             return (f"loss: the batch's, each microbatch's {self.loss} weighs by its target's elements (the values "
@@ -127,6 +128,9 @@ class Weighting:
                     f"(computed from the inputs){over}")
         if self.paired:
             return f"loss: NOT the batch's, the mean of the microbatches' losses: {self.why}"
+        if dynamic:
+            return (f"loss: the mean of the microbatches' losses, each weighed by its samples over the batch's{over} "
+                    f"(the batch's when each averages over its samples alike): {self.why}")
         return (f"loss: the mean of the microbatches' losses (the batch's when each averages as many elements): "
                 f"{self.why}")
 

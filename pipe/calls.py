@@ -95,9 +95,9 @@ BATCHES = ("were given different batches", "each rank reads what its own stages 
 BUILDS = ("were built differently", "every rank builds the same pipeline: the same model with the same values "
           "(seed torch alike before building it, and load pretrained weights on every rank or pass weights= a file "
           "every rank reads) and the same arguments")
-CALLS = ("made different calls", "step(), evaluate(), forward() and clip_grad_norm_() each run every rank of the "
-         "pipeline together (its stages send to each other, the norm sums theirs), so make the same call on every "
-         "rank: evaluate or clip on every rank, not on the last alone")
+CALLS = ("made different calls", "step(), evaluate(), forward(), clip_grad_norm_(), save() and load() each run every "
+         "rank of the pipeline together (its stages send to each other, the norm sums theirs, a checkpoint holds each "
+         "rank's part), so make the same call on every rank: evaluate, clip or save on every rank, not on one alone")
 _SHOWN = 4  # differing parts a message lists per rank
 
 
@@ -340,11 +340,17 @@ def agree_on_kind(pp: Pipeline, what: str) -> None:
     """Compare which call this is with the pipeline's other ranks' (a call without a batch: clip_grad_norm_), in
     the all-gather step() makes to agree on its call, and then with the other replicas', in the all-gather each
     call begins the replicas' collectives with, so that ranks making different calls stop at once."""
+    refused: PipelineError | None = None
     if pp.world > 1:
-        agree(Call(_kind_digest(what), [f"call: pp.{what}()"]), None, group=pp.pp_group, ranks=pp._global,
-              device=pp.ctx.device, what=what, error=PipelineError)
+        try:
+            agree(Call(_kind_digest(what), [f"call: pp.{what}()"]), None, group=pp.pp_group, ranks=pp._global,
+                  device=pp.ctx.device, what=what, error=PipelineError)
+        except PipelineError as e:  # the replicas are told too, in their check
+            refused = e
     if pp.dp > 1:
-        _replicas_agree(pp, None, what)
+        _replicas_agree(pp, refused, what)
+    elif refused is not None:
+        raise refused
 
 
 def _replicas_agree(pp: Pipeline, stopped: PipelineError | None, what: str) -> None:
@@ -380,8 +386,9 @@ def _replicas_agree(pp: Pipeline, stopped: PipelineError | None, what: str) -> N
         calls = "; ".join(f"replica {i} (global ranks {ranks}): pp.{kind}()"
                           for i, (_, kind, ranks, _) in enumerate(got))
         raise PipelineError(f"the data-parallel replicas made different calls ({calls}): their grads are averaged "
-                            "together and a norm is summed over them, so make the same calls in the same order on "
-                            "every replica: step, evaluate or clip on every replica, not on one alone")
+                            "together, a norm is summed over them and a checkpoint holds each replica's part, so make "
+                            "the same calls in the same order on every replica: step, evaluate, clip or save on every "
+                            "replica, not on one alone")
     common = set.intersection(*[set(f) for _, _, _, f in got])
     differ = "; ".join(f"replica {i} (global ranks {ranks}) freezes {', '.join(sorted(set(f) - common)[:4]) or 'none'}"
                        f"{' ...' if len(set(f) - common) > 4 else ''}" for i, (_, _, ranks, f) in enumerate(got))

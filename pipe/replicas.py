@@ -238,7 +238,12 @@ class GradReducer:
     `stages[s]`: the parameters of local stage s in the order its backward finishes their grads
     (the reverse of the forward's); a parameter two local stages share is reduced with the one
     whose final backward comes last in `program`; those that do not require grad are left out (the
-    buckets are made again at a step that finds another set, alike on every replica). `late[s]`:
+    buckets are made again at a step that finds another set, alike on every replica). A parameter the
+    backward gives no grad on any replica (read only through .detach()) keeps none, as on the model (a
+    zero grad would have the optimizer step it: weight decay, momentum): the first step of a layout
+    learns which (its grads are reduced from copies, after the step, with one all-reduce of which
+    parameters have one), and the buckets leave them out from then on (a traced graph gives the same
+    parameters grads at every step). `late[s]`:
     the parameters whose grads the final backward of s writes (None: all); the others are final
     when it is armed (zero-bubble: B wrote them, W writes the rest). `overlap=False` (grads are not
     the stages' own tensors, e.g. streamed in chunks): the buckets are reduced from copies in
@@ -264,6 +269,8 @@ class GradReducer:
         self.buckets: list[_Bucket] = []
         self.of_stage: dict[int, list[_Bucket]] = {}
         self._trainable: tuple[bool, ...] = ()
+        self._untouched: set[int] = set()  # the parameters no replica's backward gives a grad
+        self._learning = False  # this step learns them (the first of a layout)
         self._build()
         self._started: set[int] = set()  # stages whose grads were bound this step
         self._armed: int | None = None
@@ -272,12 +279,16 @@ class GradReducer:
         self._clock: Clock = HostClock()
         self._spans: list[tuple[Action, Any, Any]] = []  # dp_shard="full": each stage's reduce-scatter
 
-    def _build(self) -> None:
-        """The buckets of the parameters that require grad now."""
+    def _build(self, learn: bool = True) -> None:
+        """The buckets of the parameters that require grad now (`learn`: all of them, for a step that
+        learns which get one; else those that do)."""
         self._trainable = tuple(p.requires_grad for s in self.order for p in self.mine[s])
+        self._learning = learn and self.sharded is None
+        if learn:
+            self._untouched = set()
         self.buckets, self.of_stage = [], {}
         for s in self.order if self.sharded is None else []:
-            params = [p for p in self.mine[s] if p.requires_grad]
+            params = [p for p in self.mine[s] if p.requires_grad and id(p) not in self._untouched]
             cap = bucket_cap(sum(p.numel() * p.element_size() for p in params), self.bucket_bytes)
             self.of_stage[s] = [_Bucket(s, i, part) for i, part in enumerate(_cut(params, cap))]
             self.buckets += self.of_stage[s]
@@ -301,7 +312,8 @@ class GradReducer:
 
     def before(self, a: Action) -> None:
         """Before a compute action: the first backward of a stage this step binds its grads."""
-        if self.overlap and a.kind in ("B", "W", "BW") and a.stage in self.of_stage and a.stage not in self._started:
+        if self.overlap and not self._learning and a.kind in ("B", "W", "BW") and a.stage in self.of_stage and \
+                a.stage not in self._started:
             self._started.add(a.stage)
             for b in self.of_stage[a.stage]:
                 b.bind(self.device)
@@ -312,7 +324,7 @@ class GradReducer:
         if self.sharded is not None:
             self._armed = stage
             return
-        if stage not in self.of_stage:
+        if stage not in self.of_stage or self._learning:  # (learning: reduced after the step)
             return
         if stage not in self._started:  # a stage whose only backward is this one
             self._started.add(stage)
@@ -382,8 +394,15 @@ class GradReducer:
         """Wait for every bucket (reduce them now, one at a time, without overlap) and divide by
         dp; the collectives' spans go to the step's clock (REDUCE_GRAD, mb = the bucket's index in
         its stage)."""
+        copied = not self.overlap or self._learning  # grads may be host views between steps (streamed states)
+        if self._learning:  # which parameters have a grad on some replica: the buckets are made of those
+            params = [p for b in self.buckets for p in b.params]
+            has = torch.tensor([int(p.grad is not None) for p in params], dtype=torch.int32, device=self.device)
+            dist.all_reduce(has, op=dist.ReduceOp.MAX, group=self.group)
+            self._untouched = {id(p) for p, h in zip(params, has.tolist()) if not h}
+            self._build(learn=False)
         for b in self.buckets:
-            if not self.overlap:  # from a copy on the device: grads may be host views between steps
+            if copied:  # from a copy on the device
                 b.flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                                     for p in b.params]).to(self.device)
                 self._launch(b, b.flat)
@@ -391,7 +410,7 @@ class GradReducer:
             b.work.wait()
             b.done.wait()
             b.flat.div_(self.size)
-            if not self.overlap:
+            if copied:
                 offset = 0
                 for p in b.params:
                     if p.grad is None:

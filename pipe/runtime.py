@@ -210,7 +210,7 @@ class Pipeline:
             error = f"{type(e).__name__}: {e}"
         agree_everywhere(error)
         self._gm = gm
-        self.plan.notes.append(self.weighting.describe(self.dp))
+        self.plan.notes.append(self.weighting.describe(self.dp, dynamic=self.dynamic))
         norms = batch_statistics(gm) if self.M > 1 else []
         if norms:
             self.plan.notes.append(
@@ -426,12 +426,14 @@ class Pipeline:
         """Checkpoint every rank's stages, the optimizer and the loop's `extra` state (collective);
         returns the version folder written. See pipe.checkpoint.save."""
         from pipe import checkpoint
+        calls.agree_on_kind(self, "save")  # every rank saves (its own part), as every rank steps
         return str(checkpoint.save(self, path, optimizer, extra=extra, keep=keep))
 
     def load(self, path: str | Path, optimizer: torch.optim.Optimizer | None = None) -> int:
         """Resume from a checkpoint any plan of this model saved (collective); returns the number of
         steps done. `self.loaded` then holds the extra state saved with it (pipe.checkpoint.Loaded)."""
         from pipe import checkpoint
+        calls.agree_on_kind(self, "load")
         self.loaded = checkpoint.load(self, path, optimizer)
         return self.loaded.step
 
@@ -441,11 +443,13 @@ class Pipeline:
         checkpoint in an older layout than the model's (transformers' conversion mapping) is read as
         from_pretrained reads it; returns how, or None."""
         from pipe import checkpoint
+        calls.agree_on_kind(self, "load_model_state")
         return checkpoint.load_model_state(self, path)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """On rank 0: a state dict that loads into the unpartitioned model; None on other ranks. Collective:
         every rank calls it (each sends its stages' tensors)."""
+        calls.agree_on_kind(self, "full_state_dict")
         return state_dicts.full_state_dict(self)
 
     # ----- one step -----

@@ -297,11 +297,19 @@ class StepState:
     def _scales(self) -> list[float | torch.Tensor]:
         """Each microbatch's weight in the batch's loss (partition.reduction): its count of targets over
         the batch's (every replica's: one all-reduce of the count, made before this rank's first loss),
-        one over the batch's divisor for a ratio's numerator, 1 for a summed loss, else 1/M; times the
-        replicas, whose grads and losses are averaged."""
+        one over the batch's divisor for a ratio's numerator, 1 for a summed loss, else 1/M, or with
+        dynamic shapes its samples over the batch's (every replica's: microbatches and replicas may differ
+        in size); times the replicas, whose grads and losses are averaged."""
         if self.scales is None:
             pp, w = self.pp, self.pp.weighting
-            if w.kind not in ("count", "ratio"):
+            if w.kind == "mean" and pp.dynamic:  # microbatches, and replicas' batches, may differ in size
+                counts = torch.tensor([float(_samples(f)) for f in self.flats], device=pp.ctx.device)
+                total = counts.sum()
+                if pp.dp_group is not None:
+                    with comm.guarded("the data-parallel all-reduce of the batch's samples"):
+                        dist.all_reduce(total, group=pp.dp_group)
+                self.scales = list(counts * (pp.dp / total))
+            elif w.kind not in ("count", "ratio"):
                 self.scales = [float(pp.dp) if w.kind == "sum" else 1.0 / pp.M] * pp.M
             else:
                 values = self.flats if pp.plan.loss else [f + [t] for f, t in zip(self.flats, self.targets)]
@@ -403,6 +411,12 @@ def failures(pp: Pipeline, run: StepState, when: str) -> Iterator[None]:
 # that kept a finished step, its pipeline and the pipeline's process groups alive until the next collection)
 _HANDLERS: dict[str, Callable[[StepState, Action], None]] = {
     "F": StepState.forward, "B": StepState.backward, "W": StepState.weight, "BW": StepState.backward}
+
+
+def _samples(flat: list[Any]) -> int:
+    """A microbatch's samples: dim 0 of its first input tensor that has one (with dynamic shapes every input
+    tensor carries the batch there)."""
+    return next((x.shape[0] for x in flat if isinstance(x, torch.Tensor) and x.dim()), 1)
 
 
 def sum_tied_grads(pp: Pipeline, held: dict[int, torch.Tensor]) -> None:

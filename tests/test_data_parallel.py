@@ -226,6 +226,29 @@ def _one_replica_refuses() -> dict[str, Any]:
     return out
 
 
+def _save_on_one_rank(root: str) -> dict[str, Any]:
+    """Found by review: pp.save() on rank 0 alone (a DDP habit) while the others stepped waited the whole timeout,
+    then raised a bare gloo timeout (and full_state_dict() on rank 0 alone aborted gloo). Every rank now agrees on
+    the call first and is told; the pipeline goes on, and a save on every rank writes the checkpoint."""
+    import pipe
+    w = _gpt()
+    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, cost="flops", data_parallel=2)
+    args, target = _batch(w, 0, pp.dp_rank)
+    out: dict[str, Any] = {}
+    try:
+        if pp.ctx.rank == 0:
+            pp.save(f"{root}/one-rank")
+        else:
+            pp.step(*args, target=target)
+        out["error"] = "no error"
+    except pipe.PipelineError as e:
+        out["error"] = str(e)
+    out["written"] = Path(f"{root}/one-rank").exists()
+    out["loss"] = pp.step(*args, target=target)
+    out["saved"] = pp.save(f"{root}/every-rank")
+    return out
+
+
 def four_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
     import pipe
     from torch.distributed.device_mesh import init_device_mesh
@@ -270,6 +293,7 @@ def four_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
         res[f"two steps {shard}"] = _grads_after_two_steps(data_parallel=2, dp_shard=shard)
     res["ratio"] = _ratio_over_replicas()
     res["refused replica"] = _one_replica_refuses()
+    res["save on one rank"] = _save_on_one_rank(root)
     # states streamed in chunks: grads averaged after the step (said in the plan's notes), one bucket at a time
     res["streamed states"] = _case("gpt", GPT, data_parallel=2, offload="states", dp_bucket_mb=0.01)
     res["streamed states"]["notes"] = res["streamed states"].pop("pp").plan.notes
@@ -285,6 +309,10 @@ def four_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
 
 def test_pipeline_times_data_parallel_on_4_ranks(tmp_path: Path) -> None:
     res = run_ranks("tests.test_data_parallel:four_body", 4, timeout=400, root=str(tmp_path))
+    for r in res:
+        one = r["save on one rank"]
+        assert "made different calls" in one["error"] and "pp.save()" in one["error"], one["error"]
+        assert not one["written"] and isinstance(one["loss"], float) and one["saved"], one
     resumed = run_ranks("tests.test_data_parallel:one_replica_body", 2, timeout=120, root=str(tmp_path))
     for r in resumed:
         for name, err in r["two steps"].items():
@@ -314,7 +342,7 @@ def test_pipeline_times_data_parallel_on_4_ranks(tmp_path: Path) -> None:
         torch.testing.assert_close(*torch.tensor(streamed["norms"]).T, rtol=1e-5, atol=0)
         torch.testing.assert_close(*streamed["evaluated"], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(*streamed["evaluated in eval mode"], rtol=1e-5, atol=1e-6)
-    cases = [k for k in res[0] if k not in ("errors", "streamed states", "ratio", "refused replica")
+    cases = [k for k in res[0] if k not in ("errors", "streamed states", "ratio", "refused replica", "save on one rank")
              and not k.startswith(("loaded into", "two steps"))]
     assert len(cases) == 2 * len(SCHEDULES) * len(SHARDS) + 1
     for case in cases:
@@ -394,6 +422,67 @@ def _bn_model() -> torch.nn.Module:
                                torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
 
 
+class _Detached(torch.nn.Module):
+    """A gain the forward reads through .detach() alone: the model leaves it no grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+        self.gain = torch.nn.Parameter(torch.full((8,), 2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)) * self.gain.detach())
+
+
+def _no_grad_kept_none() -> dict[str, Any]:
+    """Found by review: under data parallelism a parameter with no grad on the model got a zero grad (a view of its
+    bucket), which AdamW's weight decay then moved (5.99e-3 off the model after 3 steps). Two steps: the first
+    learns which parameters have grads, the second runs the buckets made of those; against one process over both
+    replicas' batches."""
+    import pipe
+    loss_fn = torch.nn.functional.mse_loss
+    pp = pipe.Pipeline(_Detached(), (torch.randn(2, 8),), loss_fn=loss_fn, example_target=torch.randn(2, 4),
+                       microbatches=2, cost="flops", data_parallel=2, dp_bucket_mb=1e-4)
+    ref = _Detached()
+    out: dict[str, Any] = {"gain": [], "diff": []}
+    for step in range(2):
+        parts = [(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g))
+                 for g in (torch.Generator().manual_seed(10 * step + j) for j in range(2))]
+        pp.step(*parts[pp.dp_rank][:1], target=parts[pp.dp_rank][1])
+        loss_fn(ref(torch.cat([x for x, _ in parts])), torch.cat([t for _, t in parts])).backward()
+        named = dict(pp.named_parameters())
+        out["gain"].append(named["gain"].grad)
+        out["diff"].append(max(float((named[n].grad - p.grad).abs().max()) for n, p in ref.named_parameters()
+                               if p.grad is not None))
+        for p in list(named.values()) + list(ref.parameters()):
+            p.grad = None
+    return out
+
+
+def _uneven_mean() -> dict[str, Any]:
+    """Found by review: with dynamic shapes a mean loss (mse) over replicas of 16 and 8 samples was the mean of the
+    replicas' means, 1.251032 where one process over the 24 gives 1.259800 (grads 1.9e-2 off). Each microbatch now
+    weighs by its samples over the batch's (every replica's): here 6 samples on one replica, 8 on the other."""
+    import pipe
+    loss_fn = torch.nn.functional.mse_loss
+    pp = pipe.Pipeline(_Detached(), (torch.randn(2, 8),), loss_fn=loss_fn, example_target=torch.randn(2, 4),
+                       microbatches=2, cost="flops", data_parallel=2, dynamic_shapes=True)
+    ref = _Detached()
+    parts = [(torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g))
+             for n, g in ((6, torch.Generator().manual_seed(1)), (8, torch.Generator().manual_seed(2)))]
+    x, t = parts[pp.dp_rank]
+    got = {"loss": pp.step(x, target=t), "evaluate": pp.evaluate(x, target=t)}
+    want = loss_fn(ref(torch.cat([x for x, _ in parts])), torch.cat([t for _, t in parts]))
+    want.backward()
+    named = dict(ref.named_parameters())
+    got["diff"] = max(float((p.grad - named[n].grad).abs().max()) for n, p in pp.named_parameters()
+                      if p.grad is not None)
+    got["want"] = float(want)
+    got["note"] = next(n for n in pp.plan.notes if n.startswith("loss:"))
+    return got
+
+
 def replicas_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
     """Two replicas of a one-rank pipeline (ZeRO-1): batch norm's running statistics after a step, the learning
     rate an LR scheduler set after the optimizer's step as saved and resumed, and each replica's random state."""
@@ -428,6 +517,8 @@ def replicas_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
     pp2.load(root, optimizer=opt2)
     out["redrawn"] = torch.rand(3)
     out["lr"] = (opt.param_groups[0]["lr"], opt2.param_groups[0]["lr"], opt2.optim.param_groups[0]["lr"])
+    out["no grad"] = _no_grad_kept_none()
+    out["uneven mean"] = _uneven_mean()
     # found by review: replicas freezing different parameters of one size averaged one's grad into the other's
     # (the buckets are laid out by the parameters that require grad); both are told, and the step runs once alike
     frozen = "1.weight" if pp2.dp_rank == 0 else "1.bias"
@@ -459,6 +550,13 @@ def test_replicas_share_buffers_and_resume_their_own_lr_and_random_state(tmp_pat
         for k in r["ref"]:
             torch.testing.assert_close(r["buffers"][k], r["ref"][k], msg=k)
         assert r["lr"] == (5e-3, 5e-3, 5e-3), r["lr"]  # the scheduler's, not the one ZeRO's last step copied
+        assert r["no grad"]["gain"] == [None, None] and max(r["no grad"]["diff"]) < 1e-6, r["no grad"]
+        uneven = r["uneven mean"]
+        torch.testing.assert_close(uneven["loss"], uneven["want"], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(uneven["evaluate"], uneven["want"], rtol=1e-6, atol=1e-7)
+        assert uneven["diff"] < 1e-6, uneven
+        assert uneven["note"].startswith("loss: the mean of the microbatches' losses, each weighed by its samples "
+                                         "over the batch's over every replica's batch"), uneven["note"]
         assert r["freeze apart"].startswith("the data-parallel replicas train different parameters (beyond those "
                                             "every replica freezes: replica 0 (global ranks [0]) freezes 1.weight; "
                                             "replica 1 (global ranks [1]) freezes 1.bias)"), r["freeze apart"]

@@ -290,7 +290,7 @@ def test_keywords_in_another_order_are_the_same_call_and_a_shape_is_named_per_ba
     # [2, 1] but the plan was made for [2, 1]", and to pass dynamic_shapes=True
     with pytest.raises(partition.PlanError, match=re.escape("input kwargs['scale'] has shape [2, 1], as in the "
                                                             "example, but every input tensor is split into the "
-                                                            "microbatches along dim 0, so its dim 0 must be the batch")):
+                                                            "microbatches along dim 0, so its dim 0 must be")):
         check_call(plan, (x.repeat(4, 1),), {"mask": mask.repeat(4, 1), "scale": scale}, microbatches=4)
     # and where torch.export traced the model, whose graph fixes its sizes, dynamic_shapes=True (refused for such a
     # graph) is not offered
