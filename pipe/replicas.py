@@ -26,7 +26,7 @@ from pipe.schedules import Action
 from pipe.timing import Clock, HostClock
 
 __all__ = ["DataParallelError", "GradReducer", "ShardedStages", "pipeline_groups", "group_of", "DP_SHARD",
-           "share_buffers"]
+           "share_buffers", "written_buffers"]
 
 DP_SHARD = ("none", "optimizer", "full")
 
@@ -98,10 +98,29 @@ def pipeline_groups(ctx: launch.Context, mesh: Any, data_parallel: int) -> tuple
     return mesh, mesh.get_group("pp"), mesh.get_group("dp") if dp_size > 1 else None, rows
 
 
-def share_buffers(modules: Sequence[torch.nn.Module], group: Any) -> None:
-    """Every replica takes the first replica's buffers (batch norm's running statistics), as DDP's
-    broadcast_buffers does: replicas then evaluate and save alike. One broadcast per dtype over `group`."""
-    held = list({id(b): b for m in modules for b in m.buffers()}.values())
+def written_buffers(stage: torch.nn.Module) -> list[torch.Tensor]:
+    """The buffers a stage may write in a step: those its graph writes in place (through views too), and every
+    buffer of a module it calls whole (batch norm kept as a module); all of them for a module that is no graph.
+    Constant ones (rotary frequencies, causal masks, position ids) are the same on every replica."""
+    if not isinstance(stage, torch.fx.GraphModule):
+        return list(stage.buffers())
+    from partition.split import written_in_place
+    names = {n for n, _ in stage.named_buffers()}
+    out: dict[int, torch.Tensor] = {}
+    for node in stage.graph.nodes:
+        if node.op == "get_attr" and str(node.target) in names and written_in_place(stage, node):
+            b = stage.get_buffer(str(node.target))
+            out[id(b)] = b
+        elif node.op == "call_module":
+            out.update((id(b), b) for b in stage.get_submodule(str(node.target)).buffers())
+    return list(out.values())
+
+
+def share_buffers(buffers: Sequence[torch.Tensor], group: Any) -> None:
+    """Every replica takes the first replica's `buffers` (those the stages write: batch norm's running
+    statistics), as DDP's broadcast_buffers does: replicas then evaluate and save alike. One broadcast per
+    dtype over `group`."""
+    held = list({id(b): b for b in buffers}.values())
     src = dist.get_process_group_ranks(group)[0]
     for dtype in sorted({b.dtype for b in held}, key=str):
         same = [b for b in held if b.dtype == dtype]

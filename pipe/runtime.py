@@ -22,7 +22,7 @@ from pipe import calls, comm, grads, inference, launch, optim, options, planning
 from pipe.calls import split_microbatches
 from pipe.errors import ModeError, NonFiniteLoss, PipelineError, agree_everywhere
 from pipe.lower import forward_only, fuse_backward, lower, validate, with_reloads
-from pipe.replicas import DataParallelError, ShardedStages, pipeline_groups, share_buffers
+from pipe.replicas import DataParallelError, ShardedStages, pipeline_groups, share_buffers, written_buffers
 from pipe.schedules import Action, ScheduleError, build, placement
 from pipe.simulate import Event, Timeline
 from pipe.step import StepState, failures, non_finite, sum_tied_grads
@@ -288,7 +288,7 @@ class Pipeline:
         mine = fuse_backward({self.rank: self.program}, fused)
         self.program = with_reloads(mine, self.memory.reload_stages())[self.rank]
         self.reducer = setup.make_reducer(self, dp_bucket_mb)
-        self._has_buffers = any(True for s in self.local for _ in self._trained[s].buffers())
+        self._written_buffers = [b for s in self.local for b in written_buffers(self._trained[s])]
         self.memory.set_program(self.program)
         setup.note_param_placement(self, model)
         self._tied_groups = setup.make_tied_groups(self)
@@ -491,9 +491,9 @@ class Pipeline:
             if self.reducer is not None:  # before the tied sums: they add into the averaged grads
                 with comm.guarded("the data-parallel all-reduce of grads"):
                     self.reducer.finish()
-            if self.dp_group is not None and self._has_buffers:
+            if self.dp_group is not None and self._written_buffers:
                 with comm.guarded("the data-parallel broadcast of buffers"):
-                    share_buffers([self._trained[s] for s in self.local], self.dp_group)
+                    share_buffers(self._written_buffers, self.dp_group)
             sum_tied_grads(self, held)
             loss = self._mean_loss(run)
             calls.learned(self, exchange)  # (the loss's broadcast: the last collective of every rank)

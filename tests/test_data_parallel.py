@@ -8,6 +8,7 @@ one 2-rank launch."""
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from tests.mp import run_ranks
@@ -565,3 +566,32 @@ def test_replicas_share_buffers_and_resume_their_own_lr_and_random_state(tmp_pat
             in r["one clips"], r["one clips"]
         assert torch.equal(r["redrawn"], r["drawn"])  # each replica's own random state back
     assert not torch.equal(res[0]["drawn"], res[1]["drawn"])
+
+
+class _Constants(torch.nn.Module):
+    """Batch norm beside a constant buffer (a mask of the sequence), traced by fx (`export=False`, batch norm a
+    module it calls) or by torch.export only (a branch on a shape: batch norm as ops writing its statistics)."""
+
+    def __init__(self, export: bool) -> None:
+        super().__init__()
+        self.export, self.lin, self.norm = export, torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)
+        self.register_buffer("mask", torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.export and x.shape[0] > 1:
+            x = x * 1.0
+        return self.norm(self.lin(x)) * self.mask
+
+
+@pytest.mark.parametrize("export", [False, True])
+def test_replicas_share_only_the_buffers_a_stage_writes(export: bool) -> None:
+    """Replicas broadcast after each step the buffers their stages write (batch norm's statistics), not every buffer
+    (constant masks and rotary frequencies, the same on every replica)."""
+    import partition
+    from pipe.replicas import written_buffers
+    model = _Constants(export)
+    gm = partition.trace(model, (torch.randn(2, 4),))
+    assert gm.meta["fxpipe_tracer"] == ("torch.export.export" if export else "torch.fx.symbolic_trace")
+    names = {id(b): n for n, b in gm.named_buffers()}
+    assert sorted(names[id(b)] for b in written_buffers(gm)) == ["norm.num_batches_tracked", "norm.running_mean",
+                                                                 "norm.running_var"]
