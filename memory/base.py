@@ -82,6 +82,10 @@ class MemoryManager:
     def step_end(self) -> None:
         pass
 
+    def over_measured(self) -> list[str]:
+        """What each stage measured over its memory budget, said once per stage (none without a budget)."""
+        return []
+
     def report(self) -> dict[int, dict[str, int]]:
         """Per stage: bytes by kind, current and peak (keys such as 'activations', 'peak_activations')."""
         return {}

@@ -193,6 +193,7 @@ class PlannedMemory(MemoryManager):
         self._param_bytes: dict[int, int] = {}  # per local stage, its resident parameters' bytes (step_begin)
         self._factor: dict[int, float] = {}  # stage -> the optimizer factor its prediction counts now
         self.over_budget: BudgetError | None = None  # the optimizer measured at its first step puts a stage over
+        self._said_over: set[int] = set()  # stages whose measured peak went over the budget, said once
         self._held_state: Callable[[int], tuple[int, int]] | None = None  # count_state_with
         self._state_extra = 0.0  # state bytes per parameter byte besides the optimizer's (count_state_with)
         self.local = sorted(modules)
@@ -709,6 +710,25 @@ class PlannedMemory(MemoryManager):
                 self._count_grads(s)
 
     # ----- what it did -----
+    def over_measured(self) -> list[str]:
+        """Each stage whose measured peak went over the budget, said once: what its memory plan did not price
+        (its prediction is then below the measurement), with the budget that would have it met."""
+        if self.budget is None:
+            return []
+        rep, said = self.ledger.report(), []
+        for s in self.local:
+            peak, c = rep[s]["peak_total"], self.choices[s]
+            if peak <= self.budget or s in self._said_over:
+                continue
+            self._said_over.add(s)
+            under = peak - c.predicted_peak
+            said.append(f"stage {s} ({c.label()}) measured a peak of {human(peak)} ({peak} B), over memory_budget="
+                        f"{human(self.budget)} per stage: its memory plan predicted {human(c.predicted_peak)}, "
+                        f"{human(max(under, 0))} below the measurement (what the plan does not price); give "
+                        f"memory_budget={int(self.budget - max(under, 0))} for a plan that keeps it within "
+                        f"{int(self.budget)} B")
+        return said
+
     def report(self) -> dict[int, dict[str, int]]:
         out = self.ledger.report()
         for s in self.local:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -499,6 +500,9 @@ class Pipeline:
             calls.learned(self, exchange)  # (the loss's broadcast: the last collective of every rank)
         self.timeline, self.collectives, self.posts = run.events()
         self.steps_done += 1
+        for said in self.memory.over_measured():  # the budget the plan claims to meet, not met: said, once
+            self.plan.notes.append(said)
+            warnings.warn(said, RuntimeWarning, stacklevel=2)
         value = float(loss.item())
         if not math.isfinite(value):
             non_finite(self, value, run, accumulated)

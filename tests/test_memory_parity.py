@@ -214,3 +214,46 @@ def test_ledger_against_cuda_allocator() -> None:
     for s, r in report.items():
         # the ledger counts what the pipeline holds, not the allocator's temporaries and workspaces
         assert r["peak_total"] <= r["cuda_peak_allocated"] <= 3 * r["peak_total"] + (64 << 20), (s, r)
+
+
+def over_body(rank: int, world: int) -> dict[str, Any]:
+    """A measured peak over the budget the plan claims to meet. Found by review: on Hugging Face graphs memory/
+    predicts some plans (offloaded activations, checkpoint regions) up to 12% below the measurement, so a budget
+    the plan met on paper was exceeded with no word. The step that measures it says so once, in a warning and the
+    plan's notes. Here the budget is lowered under the measured peak after the build, as such a prediction
+    would leave it."""
+    import warnings
+    import partition
+    import pipe
+    pipe.init()
+    w = partition.load("gpt", **GPT)
+    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=4, cost="flops", recompute="auto",
+                       memory_budget="1GiB")
+    args, kwargs, target = w.batch(w.microbatch_size * 4, 0)
+    with warnings.catch_warnings(record=True) as first:
+        warnings.simplefilter("always")
+        pp.step(*args, target=target, **kwargs)
+    peak = max(r["peak_total"] for r in pp.memory_report().values())
+    pp.memory.budget = peak - 1000  # type: ignore[attr-defined]
+    said = []
+    for _ in range(2):  # said once
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pp.step(*args, target=target, **kwargs)
+        said.append([str(c.message) for c in caught if issubclass(c.category, RuntimeWarning)])
+    return {"first": [str(c.message) for c in first if issubclass(c.category, RuntimeWarning)], "said": said,
+            "notes": [n for n in pp.plan.notes if "over memory_budget" in n], "peak": peak}
+
+
+def _human(n: int) -> str:
+    from memory.budget import human
+    return human(n)
+
+
+def test_a_measured_peak_over_the_budget_is_said() -> None:
+    for r in run_ranks("tests.test_memory_parity:over_body", 2, timeout=120):
+        assert r["first"] == [] and len(r["said"][0]) == 1 and r["said"][1] == [], r
+        said = r["said"][0][0]
+        assert said.startswith("stage ") and f"measured a peak of {_human(r['peak'])} ({r['peak']} B), over " \
+            "memory_budget=" in said and "give memory_budget=" in said, said
+        assert r["notes"] == r["said"][0], r
