@@ -41,15 +41,19 @@ _STORE_OP_S = 5.0  # the longest a store operation of the failure protocol waits
 
 
 @contextlib.contextmanager
-def guarded(what: str, peer: int | None = None) -> Iterator[None]:
+def guarded(what: str, peer: int | None = None, every: bool = False) -> Iterator[None]:
     """Communication inside is with other ranks: any failure of it is PeerLost, naming `what` and
-    the peer, and whether it failed early (before half the timeout: the peer's process ended)."""
+    the peer, and whether it failed early (before half the timeout: the peer's process ended). `every`:
+    a collective over every rank of the job, whose failure names the lost ranks by a roll call in the
+    store (collectives)."""
     start = time.monotonic()
     try:
         yield
     except PeerLost:
         raise
     except Exception as e:  # gloo and NCCL raise RuntimeError subclasses of many kinds
+        if every and peer is None and dist.is_initialized() and dist.get_world_size() > 1:
+            raise _roll_call(what, e, time.monotonic() - start) from e
         _FAILED[0] = True
         who = "another rank" if peer is None else f"rank {peer}"
         early = time.monotonic() - start < _TIMEOUT_S[0] / 2

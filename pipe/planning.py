@@ -3,6 +3,8 @@ of their own), planned on rank 0 or on every rank at once, broadcast so that eve
 (or the same error); for schedule="auto" every candidate planned and the fastest predicted one chosen."""
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -74,6 +76,7 @@ def agree_on_plan(pp: Pipeline, model: torch.nn.Module, args: tuple[Any, ...], k
         from pipe import checkpoint
         # a checkpoint's folder: the plan it was made with (a resume that is bitwise), else a plan file
         plan = checkpoint.read_plan(plan) if Path(plan).is_dir() else Plan.load(plan)
+    given = plan is not None
     if plan is None:
         link, share, everyone = costing(pp, model, cost)
         d = _Broadcast.run(lambda: plan_here(
@@ -92,7 +95,31 @@ def agree_on_plan(pp: Pipeline, model: torch.nn.Module, args: tuple[Any, ...], k
         raise PipelineError(f"the plan has {plan.n_stages} stages but world size {pp.world} x "
                             f"stages_per_rank {pp.v} = {pp.S}; launch as many processes as the plan has "
                             "stages (divided by stages_per_rank), or re-plan for this world size")
-    return plan
+    return _as_run(pp, plan, budget) if given else plan
+
+
+def _as_run(pp: Pipeline, plan: Plan, budget: float | str | None) -> Plan:
+    """A plan given (plan=) whose schedule, microbatch count or memory budget are not this pipeline's: its cuts
+    run under this pipeline's, which its record then gives (the plan table, its in-flight counts), with a note
+    of what it was made for (found by review: the table named the file's schedule and budget beside a run of
+    another, 2.4x over that budget). The others: the plan as given."""
+    from memory.budget import human
+    mine = parse_bytes(budget)
+    differ = [f"{what} {theirs}" for what, theirs, ours in (
+        ("schedule", repr(plan.schedule), repr(pp.schedule_name)), ("microbatches", plan.microbatches, pp.M),
+        ("memory_budget", "none" if plan.memory_budget is None else human(plan.memory_budget),
+         "none" if mine is None else human(mine))) if theirs != ours]
+    if not differ:
+        return plan
+    flights = [in_flight_limit(pp.schedule_name, plan.n_stages, pp.M, s, pp.v) for s in range(plan.n_stages)]
+    ran = dataclasses.replace(plan, schedule=pp.schedule_name, microbatches=pp.M, memory_budget=mine,
+                              stages=[dataclasses.replace(st, in_flight=n) for st, n in zip(plan.stages, flights)],
+                              notes=list(plan.notes))
+    ran.notes.append(f"the plan given was made for {', '.join(differ)}: its cuts run here with schedule "
+                     f"{pp.schedule_name!r}, {pp.M} microbatches and memory_budget "
+                     f"{'none' if mine is None else human(mine)}, as the table gives them (its per-stage figures "
+                     "stay those planned for the other)")
+    return ran
 
 
 def costing(pp: Pipeline, model: torch.nn.Module, cost: str) -> tuple[tuple[float, float], Share | None, bool]:

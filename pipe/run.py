@@ -64,17 +64,27 @@ def _timeout(text: str) -> float:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--timeout ")) from None
 
 
+def _plan_file(path: str) -> Any:
+    """The plan --plan names: a plan.json, or the plan a checkpoint's folder was made with."""
+    from partition.plan import Plan
+    if Path(path).is_dir():
+        from pipe import checkpoint
+        return checkpoint.read_plan(path)
+    return Plan.load(path)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, every value checked (a bad one: usage and one line naming it, exit 2)."""
     p = argparse.ArgumentParser(prog="python -m pipe.run", description=__doc__, epilog=_EPILOG)
     p.add_argument("model", help="bundled name (gpt, gpt_text, ...), package.module:factory or path/file.py:factory")
     p.add_argument("--model-arg", action="append", default=[], metavar="K=V", help="factory keyword, repeatable")
-    p.add_argument("--schedule", default="1f1b", choices=[*sorted(SCHEDULES), "auto"],
-                   help="the pipeline schedule; auto: the schedule, microbatch count (a divisor of --batch-size) and "
-                        "stages per rank the simulator predicts fastest (pipe.auto)")
+    p.add_argument("--schedule", default=None, choices=[*sorted(SCHEDULES), "auto"],
+                   help="the pipeline schedule (default: --plan's, else 1f1b); auto: the schedule, microbatch count (a "
+                        "divisor of --batch-size) and stages per rank the simulator predicts fastest (pipe.auto)")
     p.add_argument("--auto-schedules", default=None, metavar="S1,S2",
                    help="with --schedule auto: the schedules it weighs (default: all)")
-    p.add_argument("--microbatches", type=_whole("--microbatches", 1, 8), default=8)
+    p.add_argument("--microbatches", type=_whole("--microbatches", 1, 8), default=None,
+                   help="microbatches per step (default: --plan's, else 8)")
     p.add_argument("--data-parallel", type=_whole("--data-parallel", 1, 2), default=1, metavar="N",
                    help="replicas of the pipeline (a DeviceMesh (world / N, N) named pp, dp); each replica trains "
                         "on its own batches and the grads are averaged")
@@ -96,8 +106,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cost", default="measured", choices=COSTS)
     p.add_argument("--calibration", default=None, metavar="FILE",
                    help="this machine's calibration for the predictions (python -m bench calibrate writes it)")
-    p.add_argument("--plan", default=None, help="a plan.json from python -m partition (default: plan now)")
-    p.add_argument("--memory-budget", type=_budget, default=None, help="per-stage budget, e.g. 8GiB")
+    p.add_argument("--plan", default=None, help="a plan.json from python -m partition, or a checkpoint's folder "
+                   "(default: plan now); its schedule, microbatches and memory budget are the defaults")
+    p.add_argument("--memory-budget", type=_budget, default=None,
+                   help="per-stage budget, e.g. 8GiB (default: --plan's, else none)")
     p.add_argument("--compile", action="store_true",
                    help="compile each stage with torch.compile (Pipeline(compile=True)); needs --recompute none")
     p.add_argument("--recompute", default=None, choices=["none", "full", "selective", "auto"],
@@ -123,6 +135,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.timeout = timeout_setting(env, "FXPIPE_TIMEOUT")
         except ValueError as e:
             p.error(str(e))
+    if args.plan is not None:  # the plan's settings, where the command line gives none
+        try:
+            plan = _plan_file(args.plan)
+        except (OSError, ValueError, KeyError) as e:
+            p.error(f"--plan {args.plan}: {e}")
+        args.schedule = plan.schedule if args.schedule is None else args.schedule
+        args.microbatches = plan.microbatches if args.microbatches is None else args.microbatches
+        args.memory_budget = plan.memory_budget if args.memory_budget is None else args.memory_budget
+    args.schedule = "1f1b" if args.schedule is None else args.schedule
+    args.microbatches = 8 if args.microbatches is None else args.microbatches
+    out = Path(args.out)
+    blocked = next((q for q in (out, *out.parents) if q.exists() and not q.is_dir()), None)
+    if blocked is not None:  # (found by review: refused only after the whole run, its results lost)
+        p.error(f"--out {args.out} cannot be a folder: {blocked} is a file; give another --out")
     previous = [name for name in OUTPUTS if (Path(args.out) / name).exists()]
     if previous and not args.overwrite:
         p.error(f"--out {args.out} already holds a previous run's outputs ({', '.join(previous)}); "

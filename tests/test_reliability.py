@@ -325,8 +325,9 @@ def test_rank_0_frozen_under_plain_environment_variables_ends_the_survivor(tmp_p
             p.wait()
 
 
-def lost_in_build_body(rank: int, world: int) -> None:
-    """The last rank dies (SIGKILL) while the pipeline is being built, at its second progress message."""
+def lost_in_build_body(rank: int, world: int, when: str) -> None:
+    """The last rank dies (SIGKILL) while the pipeline is being built, at its second progress message (`when`
+    "build"), or between two steps."""
     import partition
     import pipe
     pipe.init()
@@ -335,20 +336,28 @@ def lost_in_build_body(rank: int, world: int) -> None:
 
     def progress(_: str) -> None:
         said[0] += 1
-        if rank == world - 1 and said[0] == 2:
+        if rank == world - 1 and said[0] == 2 and when == "build":
             os.kill(os.getpid(), signal.SIGKILL)
-    pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=4, cost="flops", progress=progress)
+    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=4, cost="flops", progress=progress)
+    args, target = w.make_batch(w.microbatch_size * 4, 0)
+    pp.step(*args, target=target)
+    if rank == world - 1:  # between two steps
+        os.kill(os.getpid(), signal.SIGKILL)
+    pp.step(*args, target=target)
 
 
-def test_a_rank_lost_while_building_is_named_by_every_survivor() -> None:
+@pytest.mark.parametrize("when", ["build", "between steps"])
+def test_a_rank_lost_while_building_is_named_by_every_survivor(when: str) -> None:
     """Found by review: a rank killed while the pipeline was being built left the others a raw gloo RuntimeError
     ("Connection closed by peer"), or a timeout, naming no rank. The build's collectives end in a roll call in the
-    store: every survivor names the rank that did not answer."""
-    exits = run_ranks("tests.test_reliability:lost_in_build_body", 3, timeout=60, raw=True)
+    store: every survivor names the rank that did not answer. So does the check of the next step's call when a
+    rank dies between two steps (it said "another rank")."""
+    exits = run_ranks("tests.test_reliability:lost_in_build_body", 3, timeout=60, raw=True, when=when)
     assert exits[-1].code == -signal.SIGKILL
+    said = "setting up the pipeline" if when == "build" else "the check that every rank makes the same step call"
     for r, ex in enumerate(exits[:-1]):
         assert ex.code not in (0, None), ex.output[-2000:]
-        assert f"PeerLost: rank {r} lost rank 2 while setting up the pipeline" in ex.output, ex.output[-3000:]
+        assert f"PeerLost: rank {r} lost rank 2 while {said}" in ex.output, ex.output[-3000:]
 
 
 def frozen_main(lost: int, folder: str, plan: str) -> None:

@@ -257,3 +257,31 @@ def _dp_reference(steps: int, batch: int) -> tuple[list[float], list[float], lis
                 held.append(float(w.loss_fn(w.model(torch.cat([p[0][0] for p in parts])),
                                             torch.cat([p[2] for p in parts]))))
     return out, norms, held
+
+
+def test_plan_settings_are_the_defaults_and_out_must_be_a_folder(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by review: `--plan FILE` ran the command line's defaults (1f1b, 8 microbatches, no budget) on the
+    plan's cuts while the tables named the plan's; the plan's schedule, microbatches and memory budget are now
+    the defaults. `--out` naming a file (or a folder under one) failed only after the whole run, its results
+    lost; it is refused before anything runs."""
+    import partition
+    from pipe.run import parse_args
+    w = partition.load("gpt", n_layer=2, d_model=32, n_head=2, seq_len=16, vocab=64)
+    plan = partition.plan(w.model, w.example_args, 2, loss_fn=w.loss_fn, example_target=w.example_target,
+                          cost="flops", schedule="gpipe", microbatches=2, memory_budget="40MiB")
+    plan.save(tmp_path / "plan.json")
+    args = parse_args(["gpt", "--plan", str(tmp_path / "plan.json"), "--out", str(tmp_path / "a")])
+    assert (args.schedule, args.microbatches, args.memory_budget) == ("gpipe", 2, 40 * 2 ** 20), args
+    args = parse_args(["gpt", "--plan", str(tmp_path / "plan.json"), "--schedule", "zb-h1", "--microbatches", "4",
+                       "--out", str(tmp_path / "b")])
+    assert (args.schedule, args.microbatches) == ("zb-h1", 4), args
+    args = parse_args(["gpt", "--out", str(tmp_path / "c")])
+    assert (args.schedule, args.microbatches, args.memory_budget) == ("1f1b", 8, None), args
+    (tmp_path / "afile").write_text("hi")
+    for out in (tmp_path / "afile", tmp_path / "afile" / "run"):
+        with pytest.raises(SystemExit):
+            parse_args(["gpt", "--out", str(out)])
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert f"--out {out} cannot be a folder: {tmp_path / 'afile'} is a file; give another --out" in line, line
+    assert (tmp_path / "afile").read_text() == "hi"

@@ -182,13 +182,26 @@ def errors_body(rank: int, world: int) -> list[str]:
         torch.testing.assert_close(fused.forward(*args), w.model(*args))
     expect(lambda: make(plan=fused.plan, trace_loss=False))
     assert fused.step(*args, target=target) == pytest.approx(loss, rel=1e-5)
+    # found by review: a plan made for gpipe with 2 microbatches under a budget ran under this pipeline's 1f1b with
+    # 4 and no budget, while its table named the plan's: the record is now what runs, with a note of the plan's
+    other = partition.plan(w.model, w.example_args, 2, cost="flops", schedule="gpipe", microbatches=2,
+                           memory_budget="40MiB")
+    ran = make(plan=other).plan
+    messages.append(repr((ran.schedule, ran.microbatches, ran.memory_budget, [st.in_flight for st in ran.stages],
+                          [n for n in ran.notes if n.startswith("the plan given was made for")], ran.table())))
     return messages
 
 
 def test_bad_input_errors_on_every_rank() -> None:
     results = run_ranks("tests.test_runtime:errors_body", 2, timeout=120)
     assert results[0] == results[1]
-    unknown, too_few, no_loss, world, leafy, divisible, shape, no_target, inference = results[0]
+    unknown, too_few, no_loss, world, leafy, divisible, shape, no_target, inference, ran = results[0]
+    schedule, microbatches, budget, flights, said, table = eval(ran)
+    assert (schedule, microbatches, budget, flights) == ("1f1b", 4, None, [2, 1]), ran
+    assert said == ["the plan given was made for schedule 'gpipe', microbatches 2, memory_budget 40.00 MiB: its cuts "
+                    "run here with schedule '1f1b', 4 microbatches and memory_budget none, as the table gives them (its "
+                    "per-stage figures stay those planned for the other)"], said
+    assert "schedule 1f1b, 4 microbatches" in table and "gpipe" in table.split("note:")[1], table
     assert "leaf_modules=['bench.models._GPTMLP']" in leafy and "leaf_modules=[]" in leafy
     assert "1f2b" in unknown and "1f1b" in unknown and "gpipe" in unknown
     assert "3" in too_few and "microbatch" in too_few
