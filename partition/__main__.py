@@ -1,7 +1,7 @@
 """python -m partition MODEL --stages N: plan a model's pipeline stages, print the table, write the plan."""
 from __future__ import annotations
 
-from partition.args import OneLineParser, whole
+from partition.args import OneLineParser, file_to_write, whole
 import argparse
 import json
 import sys
@@ -54,7 +54,7 @@ def parser() -> argparse.ArgumentParser:
                    help=f"stages per rank (default: {default_stages_text()}); --stages counts all")
     p.add_argument("--microbatches", type=whole(1), default=None, metavar="M",
                    help="microbatches per step (default: the number of stages)")
-    p.add_argument("--out", default=None, metavar="PATH", help="write the plan as JSON to PATH")
+    p.add_argument("--out", default=None, metavar="PATH", type=file_to_write, help="write the plan as JSON to PATH")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
     p.add_argument("--loss-outside", action="store_true",
                    help="keep the workload's loss out of the graph (by default it is traced into the last "

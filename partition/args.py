@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Callable, NoReturn
 
-__all__ = ["OneLineParser", "whole", "wholes"]
+__all__ = ["OneLineParser", "file_to_write", "whole", "wholes"]
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -48,3 +49,16 @@ def wholes(least: int = 1) -> Callable[[str], str]:
                                                  f"({p.strip()!r})") from None
         return text
     return parse
+
+
+def file_to_write(text: str) -> str:
+    """A path a file can be written to: not a folder, in a folder that exists (found by review: a folder, or a
+    missing parent, failed after planning or exporting, with a traceback and a .tmp file left behind)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give the path of a file, in it or elsewhere")
+    parent = path.parent
+    if not parent.is_dir():
+        why = "is a file" if parent.exists() else "does not exist"
+        raise argparse.ArgumentTypeError(f"the folder of {text}, {parent}, {why}; give a path in an existing folder")
+    return text

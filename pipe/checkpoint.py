@@ -459,17 +459,18 @@ def _iter_summary(folder: Path, manifest: dict[str, Any]) -> Iterator[str]:
 def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
+    from partition.args import file_to_write
     p = argparse.ArgumentParser(prog="python -m pipe.checkpoint", description="Inspect and export fxpipe checkpoints.")
     sub = p.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("export", help="write the unpartitioned model as one .safetensors or .pt file")
     ex.add_argument("dir")
-    ex.add_argument("--to", required=True, help="the file to write: model.safetensors or model.pt")
+    ex.add_argument("--to", required=True, type=file_to_write, help="the file to write: model.safetensors or model.pt")
     ex.add_argument("--allow-nonfinite", action="store_true", help="export NaN/inf values instead of refusing")
     show = sub.add_parser("show", help="print what a checkpoint holds")
     show.add_argument("dir")
     plan = sub.add_parser("plan", help="write the plan the checkpoint was made with (for --plan / plan=)")
     plan.add_argument("dir")
-    plan.add_argument("--to", required=True, help="the plan file to write, e.g. plan.json")
+    plan.add_argument("--to", required=True, type=file_to_write, help="the plan file to write, e.g. plan.json")
     a = p.parse_args(argv)
     try:
         if a.command == "export":

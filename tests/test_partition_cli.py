@@ -198,3 +198,23 @@ def test_auto_under_a_budget_weighs_recomputation_as_the_pipeline_does(capsys: p
                  "auto"]) == 2
     err = capsys.readouterr().err
     assert "memory/ cannot fit it" in err and "Fix: give memory_budget >=" in err
+
+
+def test_a_file_to_write_that_cannot_be_is_refused_first(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by review: `python -m partition --out` naming a folder (or a path in a missing one) failed after
+    planning with a bare traceback and left a .tmp file; so did `python -m pipe.checkpoint export/plan --to`.
+    Refused before anything runs, naming the path."""
+    from pipe.checkpoint import main as checkpoint_main
+    (tmp_path / "adir").mkdir()
+    for argv, run in ((["gpt", "--stages", "2", "--out", str(tmp_path / "adir")], main),
+                      (["export", str(tmp_path), "--to", str(tmp_path / "adir")], checkpoint_main),
+                      (["plan", str(tmp_path), "--to", str(tmp_path / "nope" / "plan.json")], checkpoint_main)):
+        try:
+            code = run(argv)  # (python -m partition's main returns its usage error's exit code)
+        except SystemExit as e:
+            code = e.code
+        assert code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert ("is a folder; give the path of a file" in err if "adir" in argv[-1] else
+                f"{tmp_path / 'nope'}, does not exist; give a path in an existing folder" in err), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir"]

@@ -198,9 +198,9 @@ def test_bad_input_errors_on_every_rank() -> None:
     unknown, too_few, no_loss, world, leafy, divisible, shape, no_target, inference, ran = results[0]
     schedule, microbatches, budget, flights, said, table = eval(ran)
     assert (schedule, microbatches, budget, flights) == ("1f1b", 4, None, [2, 1]), ran
-    assert said == ["the plan given was made for schedule 'gpipe', microbatches 2, memory_budget 40.00 MiB: its cuts "
-                    "run here with schedule '1f1b', 4 microbatches and memory_budget none, as the table gives them (its "
-                    "per-stage figures stay those planned for the other)"], said
+    assert said == ["the plan given was made for schedule 'gpipe', microbatches 2, memory_budget 40.00 MiB: its "
+                    "cuts run here with schedule '1f1b', 4 microbatches and memory_budget none, as the table gives "
+                    "them (its per-stage figures stay those planned for the other)"], said
     assert "schedule 1f1b, 4 microbatches" in table and "gpipe" in table.split("note:")[1], table
     assert "leaf_modules=['bench.models._GPTMLP']" in leafy and "leaf_modules=[]" in leafy
     assert "1f2b" in unknown and "1f1b" in unknown and "gpipe" in unknown
