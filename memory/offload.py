@@ -2,10 +2,10 @@
 saved (saved_tensors_hooks), and come back to the device ahead of the backward that needs them."""
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from memory.streams import Copier, host_empty
 
@@ -45,8 +45,8 @@ class Bundle:
         self.filled: Any = None                    # the last copy to the host chunks (the copies run in order)
         self.used: list[int] = []                  # bytes used in each host chunk
         self.entries: list[tuple[int, int, int]] = []  # per storage: chunk, start, bytes
-        self.keys: dict[int, tuple[list[Any], int, int]] = {}  # storage address -> its views (weakrefs), entry,
-        # version (views share it)
+        self.keys: dict[int, tuple[StorageWeakRef, int, int]] = {}  # storage address -> the storage (weakly),
+        # its entry, its version (views share it)
         self.stalls = 0
 
     @property
@@ -60,9 +60,9 @@ class Bundle:
         storage = t.untyped_storage()
         ptr, n = storage.data_ptr(), storage.nbytes()
         seen = self.keys.get(ptr)
-        # the same storage, unchanged: not a new one at a freed address, not written since it was copied
-        if seen is not None and seen[2] == t._version and any(_alive_at(r, ptr) for r in seen[0]):
-            seen[0].append(weakref.ref(t))
+        # the same storage, unchanged: not a new one at a freed address (the storage copied is alive, whichever
+        # tensor holds it: a view saved after the one copied has died), not written since it was copied
+        if seen is not None and seen[2] == t._version and not seen[0].expired():
             return Handle(self, seen[1], t)
         o = self.owner
         start = -(-self.used[-1] // ALIGN) * ALIGN if self.used else 0
@@ -76,7 +76,7 @@ class Bundle:
         self.filled = o.copier.copy(self.host[c][start:start + n], whole, to_device=False)
         o.copier.hold(t)  # its device memory waits for the copy, without stalling the host
         self.entries.append((c, start, n))
-        self.keys[ptr] = ([weakref.ref(t)], len(self.entries) - 1, t._version)
+        self.keys[ptr] = (StorageWeakRef(storage), len(self.entries) - 1, t._version)
         return Handle(self, len(self.entries) - 1, t)
 
     def get(self, h: "Handle") -> torch.Tensor:
@@ -91,11 +91,6 @@ class Bundle:
         c, start, n = self.entries[h.index]
         flat = self.dev[c][start:start + n].view(h.dtype)  # as_strided's offset counts from the chunk's start
         return flat.as_strided(h.size, h.stride, flat.storage_offset() + h.offset)
-
-
-def _alive_at(ref: Any, ptr: int) -> bool:
-    t = ref()
-    return t is not None and t.untyped_storage().data_ptr() == ptr
 
 
 class ActivationOffload:

@@ -432,6 +432,34 @@ def test_offload_tells_a_new_tensor_at_a_reused_address_from_the_one_saved() -> 
     assert b.nbytes == 64 + 32                               # the second starts at the next 64-byte boundary
 
 
+def test_offload_copies_a_storage_once_while_it_lives_whichever_view_holds_it() -> None:
+    """Found by review: a storage was copied again when the view saved first had died while another view held
+    the storage (fx frees each value after its last use): on a Hugging Face Llama a microbatch's bundle took
+    2,112,000 bytes where the same microbatch keeps 1,845,760 without offload, and the stage measured 4.7% over a
+    budget its plan met. A storage is one entry while it lives; a new one at its address after it died is not."""
+    import gc
+
+    from memory.offload import ActivationOffload, Bundle
+    from memory.streams import Copier
+    acts = ActivationOffload(torch.device("cpu"), Copier(torch.device("cpu")), lambda s, n: None, chunk_bytes=256)
+    b = Bundle(acts, 0, 0)
+    base = torch.arange(8.0, requires_grad=True) * 1
+    first = base[:4]
+    h1 = b.put(first)
+    del first
+    gc.collect()
+    h2 = b.put(base[4:])                                     # the first view died; its storage lives in `base`
+    assert h1.index == h2.index == 0 and len(b.entries) == 1 and b.nbytes == 32
+    del base
+    gc.collect()
+    other = torch.empty(8).copy_(torch.arange(8.0) + 100)    # may take the freed address: a new entry all the same
+    h3 = b.put(other)
+    assert h3.index == 1
+    acts.to_device(b)
+    assert torch.equal(h1.unpack(), torch.arange(4.0)) and torch.equal(h2.unpack(), torch.arange(4.0, 8.0))
+    assert torch.equal(h3.unpack(), torch.arange(8.0) + 100)
+
+
 def test_collecting_managers_during_an_optimizer_step_leaves_torchs_hook_table_alone() -> None:
     # A manager counts optimizer states through a global step hook. Once a collected manager's
     # finalizer removed its hook, and a collection inside someone's optimizer step mutated the
