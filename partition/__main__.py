@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 from partition.costs import COSTS
 from partition.errors import first_line
-from partition.plan import PlanError, parse_bytes
+from partition.plan import PlanError, parse_bytes, per_stage_note
 from partition.planner import plan
 from partition.solve import PartitionError
 from partition.trace import TraceError
@@ -99,6 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except USAGE_ERRORS as e:
         print(f"python -m partition: error: {e}", file=sys.stderr)
         return 2
+    if args.memory_budget is not None and v > 1:
+        result.notes.append(per_stage_note(v))
     if args.out:
         result.save(args.out)
     if args.json:
@@ -166,6 +168,8 @@ def _auto(args: argparse.Namespace) -> int:
     best.notes.append(f"schedule='auto' chose {ranked[0].label} for {args.ranks} ranks at batch {batch}"
                       + (f" (memory plan per stage: {ranked[0].memory})" if ranked[0].memory else "") + ": "
                       f"predicted {ranked[0].step_ms:.1f} ms per step ({'calibrated' if cal else 'uncalibrated'})")
+    if args.memory_budget is not None and best.stages_per_rank > 1:  # (found by review: the pipeline's note only)
+        best.notes.append(per_stage_note(best.stages_per_rank))
     if args.out:
         best.save(args.out)
     if args.json:

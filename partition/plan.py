@@ -199,6 +199,14 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb
           "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
+def per_stage_note(stages_per_rank: int) -> str:
+    """The note a plan with a memory budget and several stages per rank carries (pipe.Pipeline's and python -m
+    partition's alike)."""
+    v = stages_per_rank
+    return (f"memory_budget is per stage, and each rank holds {v} stages: a rank may hold up to {v}x it at once (for "
+            f"a device's memory, give that memory / {v})")
+
+
 def parse_bytes(x: float | int | str | None) -> float | None:
     """8GiB, 512MB, 1.5e9 or a number of bytes; None stays None. Zero or below is an error."""
     if x is None:

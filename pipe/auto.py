@@ -109,7 +109,7 @@ def search(cands: Sequence[Candidate], plan_fn: Callable[[Candidate], Plan],
             continue
         plans[c.label] = p
         c.step_ms = predict_fn(p)
-        c.peak_bytes = max((s.memory_peak if s.memory else s.peak_bytes for s in p.stages), default=0.0)
+        c.peak_bytes = max((s.memory_peak or s.peak_bytes for s in p.stages), default=0.0)
         c.memory = "|".join(s.memory for s in p.stages) if any(s.memory for s in p.stages) else ""
     ranked = sorted(cands, key=lambda c: (bool(c.refused), c.step_ms, c.peak_bytes, c.microbatches,
                                           c.stages_per_rank, c.schedule, c.recompute != "none"))

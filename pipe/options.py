@@ -27,9 +27,15 @@ class Options:
 def check(*, loss_fn: Any, schedule: str, plan: Any, stages_per_rank: int | None, cost: str,
           memory_budget: Any, recompute: str | None, offload: str, optimizer: Callable[..., Any] | None,
           compile: Any, dynamic_shapes: bool, calibration: Any, batch_size: int | None,
-          auto_schedules: Any, dp_shard: str, dp_bucket_mb: Any) -> Options:
+          auto_schedules: Any, dp_shard: str, dp_bucket_mb: Any, microbatches: Any = 1) -> Options:
     """pipe.Pipeline's arguments that need no other rank and no model: checked, defaults filled in."""
     auto = schedule == "auto"
+    chosen = auto and batch_size is not None  # schedule='auto' chooses the count among the batch's divisors
+    if not (chosen and microbatches == "auto") and (isinstance(microbatches, bool) or not isinstance(
+            microbatches, int) or microbatches < 1):  # (found by review: a TypeError from the schedule's check)
+        raise PipelineError(f"microbatches= must be a whole number >= 1, got {microbatches!r}; to have it chosen, "
+                            "pass schedule='auto' with batch_size= (it weighs the divisors of the batch), "
+                            "and microbatches= is then left out or 'auto'")
     if recompute is None:  # schedule='auto' within a budget weighs recompute for every candidate
         recompute = "auto" if auto and memory_budget is not None and not compile else "none"
     if loss_fn is None or not callable(loss_fn):

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.fx
 from torch.distributed.tensor import DTensor
 
-from partition.plan import Plan
+from partition.plan import Plan, per_stage_note
 from partition.split import StageIO
 from partition.split import split_graph
 from partition.loss import TARGET, attach_loss
@@ -110,7 +110,7 @@ class Pipeline:
                           memory_budget=memory_budget, recompute=recompute, offload=offload, optimizer=optimizer,
                           compile=compile, dynamic_shapes=dynamic_shapes, calibration=calibration,
                           batch_size=batch_size, auto_schedules=auto_schedules, dp_shard=dp_shard,
-                          dp_bucket_mb=dp_bucket_mb)
+                          dp_bucket_mb=dp_bucket_mb, microbatches=microbatches)
         assert loss_fn is not None  # (refused above otherwise)
         recompute = self.recompute = o.recompute  # the policy asked for (memory/ chooses each stage's: plan table)
         stages_per_rank = o.stages_per_rank
@@ -272,9 +272,7 @@ class Pipeline:
             release_memory()  # the reads of the weights
         self.memory: MemoryManager = setup.build_memory(self, model, costs, recompute, offload, memory_budget)
         if memory_budget is not None and self.v > 1:
-            self.plan.notes.append(
-                f"memory_budget is per stage, and each rank holds {self.v} stages: a rank may hold up to {self.v}x "
-                f"it at once (for a device's memory, give that memory / {self.v})")
+            self.plan.notes.append(per_stage_note(self.v))
         self._zb = setup.zero_bubble(self)  # split_w: each stage's W, from the parameter nodes
         # the module each stage calls; dp_shard="full" shards it (FSDP) and trains its parameters
         self._trained = {s: self._zb[s][0] if self.split_w else self.stages[s] for s in self.local}

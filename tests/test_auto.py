@@ -199,3 +199,20 @@ def test_auto_chooses_plans_and_trains_in_parity_on_two_ranks() -> None:
     # a fixed 2 ms per action and FLOP costs: 16 microbatches of one sample each predict slowest per schedule
     by = {label: t for label, t, _ in ranked}
     assert by["1f1b M=16 v=1"] > by["1f1b M=4 v=1"]
+
+
+def test_microbatches_is_a_whole_number_unless_auto_chooses_it() -> None:
+    """Found by review: microbatches='auto' ended in a TypeError from the schedule's check ('<' between str and
+    int), naming neither the argument nor the fix."""
+    from pipe import options
+    from pipe.errors import PipelineError
+    base = dict(loss_fn=lambda o, t: o, plan=None, stages_per_rank=None, cost="flops", memory_budget=None,
+                recompute=None, offload="none", optimizer=None, compile=False, dynamic_shapes=False, calibration=None,
+                auto_schedules=None, dp_shard="none", dp_bucket_mb=None)
+    for schedule, batch, m in (("1f1b", None, "auto"), ("auto", None, "auto"), ("1f1b", None, 0),
+                               ("1f1b", None, 2.0), ("1f1b", None, True)):
+        with pytest.raises(PipelineError, match=f"microbatches= must be a whole number >= 1, got {m!r}; to have it "
+                                                "chosen, pass schedule='auto' with batch_size="):
+            options.check(schedule=schedule, batch_size=batch, microbatches=m, **base)
+    assert options.check(schedule="auto", batch_size=16, microbatches="auto", **base).stages_per_rank == 1
+    assert options.check(schedule="1f1b", batch_size=None, microbatches=4, **base).stages_per_rank == 1

@@ -607,7 +607,9 @@ def test_recomputed_outputs_held_at_once_by_neighbouring_saves() -> None:
     nodes = (NodeInfo("a", 0.0, 100), NodeInfo("b", 0.0, 1), NodeInfo("c", 0.0, 100), NodeInfo("d", 0.0, 1),
              NodeInfo("X", 0.0, 0, saved=(("a", 100), ("b", 1))), NodeInfo("Y", 0.0, 0, saved=(("c", 100), ("d", 1))))
     st = StageInfo(index=0, nodes=nodes, act_bytes=0, loss_bytes=0, in_flight=1, param_bytes=0, comm_bytes=0)
-    assert _ring_peak(st, nodes[:4]) == (200.0, 101.0)  # the end: X's two, the last node the backward reaches
+    # as the backward ends, the most too: the order autograd reaches the nodes in is not the graph's reversed (found
+    # by review: on a Hugging Face Llama the end's estimate from the last node was 98 KB short, the stage 2.3% over)
+    assert _ring_peak(st, nodes[:4]) == (200.0, 200.0)
     assert _ring_peak(st, nodes[1:2] + nodes[3:4]) == (2.0, 2.0)  # one each: Y's d, then X's b
     # found by review: built under an autocast, no save is a recomputed output (a node saves the copy the op casts):
     # "max() arg is an empty sequence" ended the build on every rank; the two largest outputs, as with no saves known

@@ -218,3 +218,13 @@ def test_a_file_to_write_that_cannot_be_is_refused_first(tmp_path: Path, capsys:
         assert ("is a folder; give the path of a file" in err if "adir" in argv[-1] else
                 f"{tmp_path / 'nope'}, does not exist; give a path in an existing folder" in err), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adir"]
+
+
+def test_a_budget_with_several_stages_per_rank_is_noted_per_stage(capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by review: pipe.Pipeline's plan noted that the budget is per stage with two stages per rank, the
+    command line's did not."""
+    assert main(["gpt", "--model-arg", "n_layer=4", "--stages", "4", "--schedule", "interleaved-1f1b",
+                 "--stages-per-rank", "2", "--microbatches", "4", "--cost", "flops", "--memory-budget", "1GiB",
+                 "--json"]) == 0
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert any(n.startswith("memory_budget is per stage, and each rank holds 2 stages") for n in notes), notes
