@@ -115,8 +115,13 @@ def _json(x: Any, where: str) -> Any:
     return json.loads(text)
 
 
+_MARKS = ({"__tensor__"}, {"__tuple__"}, {"__dict__"})  # JSON objects standing for a tensor, a tuple, a dict
+
+
 def _encode_extra(extra: Any, tensors: dict[str, torch.Tensor], path: str = "extra") -> Any:
-    """The loop's extra state as JSON, its tensors moved to `tensors` (saved by DCP)."""
+    """The loop's extra state as JSON, its tensors moved to `tensors` (saved by DCP); a tuple, and a dict of
+    the user's whose keys are a mark's, are marked, so that they come back as given (found by review: a tuple
+    came back a list, and {"__tensor__": ...} another tensor)."""
     if isinstance(extra, torch.Tensor):
         key = f"extra.{len(tensors)}"
         tensors[key] = extra.detach().cpu()
@@ -125,9 +130,11 @@ def _encode_extra(extra: Any, tensors: dict[str, torch.Tensor], path: str = "ext
         if not all(isinstance(k, str) for k in extra):
             bad = [k for k in extra if not isinstance(k, str)][:3]
             raise CheckpointError(f"{path} has keys that are not strings: {bad}; use string keys in extra=")
-        return {k: _encode_extra(v, tensors, f"{path}[{k!r}]") for k, v in extra.items()}
+        out = {k: _encode_extra(v, tensors, f"{path}[{k!r}]") for k, v in extra.items()}
+        return {"__dict__": out} if set(out) in _MARKS else out
     if isinstance(extra, (list, tuple)):
-        return [_encode_extra(v, tensors, f"{path}[{i}]") for i, v in enumerate(extra)]
+        items = [_encode_extra(v, tensors, f"{path}[{i}]") for i, v in enumerate(extra)]
+        return {"__tuple__": items} if isinstance(extra, tuple) else items
     if extra is None or isinstance(extra, (bool, int, float, str)):
         return extra
     raise CheckpointError(f"{path} is a {type(extra).__name__}, which a checkpoint does not pickle; pass numbers, "
@@ -138,6 +145,10 @@ def _decode_extra(x: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(x, dict):
         if set(x) == {"__tensor__"}:
             return tensors[x["__tensor__"]]
+        if set(x) == {"__tuple__"}:
+            return tuple(_decode_extra(v, tensors) for v in x["__tuple__"])
+        if set(x) == {"__dict__"}:
+            return {k: _decode_extra(v, tensors) for k, v in x["__dict__"].items()}
         return {k: _decode_extra(v, tensors) for k, v in x.items()}
     if isinstance(x, list):
         return [_decode_extra(v, tensors) for v in x]

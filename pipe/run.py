@@ -143,6 +143,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.schedule = plan.schedule if args.schedule is None else args.schedule
         args.microbatches = plan.microbatches if args.microbatches is None else args.microbatches
         args.memory_budget = plan.memory_budget if args.memory_budget is None else args.memory_budget
+    if args.dp_shard != "none" and args.data_parallel == 1:  # (found by review: accepted, and nothing sharded)
+        p.error(f"--dp-shard {args.dp_shard} shards over data-parallel replicas, but --data-parallel is 1; pass "
+                "--data-parallel N (N > 1), or leave --dp-shard out")
     args.schedule = "1f1b" if args.schedule is None else args.schedule
     args.microbatches = 8 if args.microbatches is None else args.microbatches
     out = Path(args.out)

@@ -273,6 +273,9 @@ class Pipeline:
         self.memory: MemoryManager = setup.build_memory(self, model, costs, recompute, offload, memory_budget)
         if memory_budget is not None and self.v > 1:
             self.plan.notes.append(per_stage_note(self.v))
+        if dp_shard != "none" and self.dp == 1:
+            self.plan.notes.append(f"dp_shard={dp_shard!r} shards over data-parallel replicas, and there is one: "
+                                   "nothing is sharded")
         self._zb = setup.zero_bubble(self)  # split_w: each stage's W, from the parameter nodes
         # the module each stage calls; dp_shard="full" shards it (FSDP) and trains its parameters
         self._trained = {s: self._zb[s][0] if self.split_w else self.stages[s] for s in self.local}

@@ -565,3 +565,19 @@ def test_clean_spares_a_version_another_save_is_writing_and_the_one_latest_names
         os.close(fd)
     _clean(tmp_path, mine, keep=1)                 # its writer gone (unlocked) and no manifest: a leftover
     assert not theirs.exists() and named.is_dir()
+
+
+def test_extra_state_comes_back_as_given() -> None:
+    """Found by review: a tuple in extra= came back a list, and a dict of the user's whose one key was
+    "__tensor__" came back as another tensor. Pure: the encoding a manifest holds, through JSON, and back."""
+    import json
+
+    from pipe.checkpoint import _decode_extra, _encode_extra
+    t = torch.arange(3)
+    extra = {"n": {"__tensor__": "extra.0"}, "pair": (1, (2.5, "x")), "t": t, "marks": [{"__tuple__": 1},
+             {"__dict__": {"a": 1}}], "plain": {"a": [1, 2]}}
+    tensors: dict[str, torch.Tensor] = {}
+    back = _decode_extra(json.loads(json.dumps(_encode_extra(extra, tensors))), tensors)
+    assert back["n"] == {"__tensor__": "extra.0"} and back["pair"] == (1, (2.5, "x"))
+    assert back["marks"] == [{"__tuple__": 1}, {"__dict__": {"a": 1}}] and back["plain"] == {"a": [1, 2]}
+    assert torch.equal(back["t"], t) and set(back) == set(extra)

@@ -285,3 +285,7 @@ def test_plan_settings_are_the_defaults_and_out_must_be_a_folder(tmp_path: Path,
         line = capsys.readouterr().err.strip().splitlines()[-1]
         assert f"--out {out} cannot be a folder: {tmp_path / 'afile'} is a file; give another --out" in line, line
     assert (tmp_path / "afile").read_text() == "hi"
+    with pytest.raises(SystemExit):  # found by review: accepted, and nothing sharded
+        parse_args(["gpt", "--dp-shard", "full", "--out", str(tmp_path / "d")])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--dp-shard full shards over data-parallel replicas, but --data-parallel is 1" in line, line

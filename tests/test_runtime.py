@@ -189,13 +189,16 @@ def errors_body(rank: int, world: int) -> list[str]:
     ran = make(plan=other).plan
     messages.append(repr((ran.schedule, ran.microbatches, ran.memory_budget, [st.in_flight for st in ran.stages],
                           [n for n in ran.notes if n.startswith("the plan given was made for")], ran.table())))
+    messages.append(" ".join(n for n in make(dp_shard="optimizer").plan.notes if "dp_shard" in n))  # one replica
     return messages
 
 
 def test_bad_input_errors_on_every_rank() -> None:
     results = run_ranks("tests.test_runtime:errors_body", 2, timeout=120)
     assert results[0] == results[1]
-    unknown, too_few, no_loss, world, leafy, divisible, shape, no_target, inference, ran = results[0]
+    unknown, too_few, no_loss, world, leafy, divisible, shape, no_target, inference, ran, unsharded = results[0]
+    assert unsharded == "dp_shard='optimizer' shards over data-parallel replicas, and there is one: nothing is " \
+        "sharded", unsharded
     schedule, microbatches, budget, flights, said, table = eval(ran)
     assert (schedule, microbatches, budget, flights) == ("1f1b", 4, None, [2, 1]), ran
     assert said == ["the plan given was made for schedule 'gpipe', microbatches 2, memory_budget 40.00 MiB: its "
