@@ -561,8 +561,9 @@ def _infeasible(stages: Sequence[StageInfo], recompute: str, offload: str, budge
         return BudgetError(
             f"memory_budget={human(budget)} ({budget:.0f} bytes) per stage cannot be met even with "
             f"recompute='auto' and offload='all': stage {c.stage} needs at least {human(best)} ({parts}). "
-            f"The smallest feasible budget is {best:.0f} bytes; fix: give memory_budget >= {best:.0f}, use "
-            "more stages, fewer or smaller microbatches", best)
+            f"The smallest feasible budget for these stages is {best:.0f} bytes (the stages cut at this budget: "
+            "another budget may cut them otherwise, needing more or less); fix: give memory_budget >= "
+            f"{best:.0f}, use more stages, fewer or smaller microbatches", best)
     return BudgetError(
         f"memory_budget={human(budget)} ({budget:.0f} bytes) per stage is not met on stage {first} with "
         f"recompute={recompute!r} and offload={offload!r}; those need at least {human(asked)} ({asked:.0f} "

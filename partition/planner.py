@@ -405,8 +405,11 @@ def plan(model: torch.nn.Module, example_args: Sequence[Any], n_stages: int, *,
                else f"no model state (offload={offload!r})")
             + (", plus per microbatch in flight its received inputs and sent outputs; activations, which "
                "recompute/offload plan, are not counted here" if floor else ", plus in-flight activations") + "). "
-            f"Fix: give memory_budget >= {need:.0f}, use more stages, fewer microbatches in flight, or "
-            "recompute/offload activations", need) from None
+            + (f"Fix: give memory_budget >= {need:.0f} plus what the activations need (this is a lower bound: the "
+               "memory plan then names the least for the stages it cuts), use more stages, or fewer microbatches in "
+               "flight"
+               if floor else f"Fix: give memory_budget >= {need:.0f}, use more stages, fewer microbatches in flight, "
+               "or recompute/offload activations"), need) from None
     if analysis is None:
         a, sol = split_heavy_ops(a, sol, n_stages, kept)
         if a.blockwise and calibrate:
