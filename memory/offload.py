@@ -61,8 +61,10 @@ class Bundle:
         ptr, n = storage.data_ptr(), storage.nbytes()
         seen = self.keys.get(ptr)
         # the same storage, unchanged: not a new one at a freed address (the storage copied is alive, whichever
-        # tensor holds it: a view saved after the one copied has died), not written since it was copied
-        if seen is not None and seen[2] == t._version and not seen[0].expired():
+        # tensor holds it: a view saved after the one copied has died; and it is this one, not one moved away by
+        # a resize, found by review), not written since it was copied
+        ref = StorageWeakRef(storage)
+        if seen is not None and seen[2] == t._version and not seen[0].expired() and seen[0].cdata == ref.cdata:
             return Handle(self, seen[1], t)
         o = self.owner
         start = -(-self.used[-1] // ALIGN) * ALIGN if self.used else 0
@@ -76,7 +78,7 @@ class Bundle:
         self.filled = o.copier.copy(self.host[c][start:start + n], whole, to_device=False)
         o.copier.hold(t)  # its device memory waits for the copy, without stalling the host
         self.entries.append((c, start, n))
-        self.keys[ptr] = (StorageWeakRef(storage), len(self.entries) - 1, t._version)
+        self.keys[ptr] = (ref, len(self.entries) - 1, t._version)
         return Handle(self, len(self.entries) - 1, t)
 
     def get(self, h: "Handle") -> torch.Tensor:

@@ -225,9 +225,6 @@ def _run(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], watch: list[str
     raise AssertionError("unreachable")
 
 
-# what a forward may ask to decide by the autocast in force (torch's own modules' attributes)
-_AUTOCAST_QUERIES = ("is_autocast_enabled", "is_autocast_cpu_enabled", "get_autocast_dtype", "get_autocast_gpu_dtype",
-                     "get_autocast_cpu_dtype")
 
 
 @contextlib.contextmanager

@@ -337,10 +337,11 @@ def _kind_digest(what: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"call: pp.{what}()".encode(), digest_size=7).digest(), "little")
 
 
-def agree_on_kind(pp: Pipeline, what: str) -> None:
+def agree_on_kind(pp: Pipeline, what: str, replicas: bool = True) -> None:
     """Compare which call this is with the pipeline's other ranks' (a call without a batch: clip_grad_norm_), in
-    the all-gather step() makes to agree on its call, and then with the other replicas', in the all-gather each
-    call begins the replicas' collectives with, so that ranks making different calls stop at once."""
+    the all-gather step() makes to agree on its call, and then (`replicas`: a call the replicas make together)
+    with the other replicas', in the all-gather each call begins the replicas' collectives with, so that ranks
+    making different calls stop at once."""
     refused: PipelineError | None = None
     if pp.world > 1:
         try:
@@ -348,7 +349,7 @@ def agree_on_kind(pp: Pipeline, what: str) -> None:
                   device=pp.ctx.device, what=what, error=PipelineError)
         except PipelineError as e:  # the replicas are told too, in their check
             refused = e
-    if pp.dp > 1:
+    if pp.dp > 1 and replicas:
         _replicas_agree(pp, refused, what)
     elif refused is not None:
         raise refused

@@ -451,7 +451,8 @@ class Pipeline:
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """On rank 0: a state dict that loads into the unpartitioned model; None on other ranks. Collective:
         every rank calls it (each sends its stages' tensors)."""
-        calls.agree_on_kind(self, "full_state_dict")
+        calls.agree_on_kind(self, "full_state_dict", replicas=self.dp_shard == "full")  # (one replica's own, unless
+        # its parameters are sharded over the replicas: a replica alone may export, as each holds them all)
         return state_dicts.full_state_dict(self)
 
     # ----- one step -----

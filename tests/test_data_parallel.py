@@ -518,6 +518,9 @@ def replicas_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
     pp2.load(root, optimizer=opt2)
     out["redrawn"] = torch.rand(3)
     out["lr"] = (opt.param_groups[0]["lr"], opt2.param_groups[0]["lr"], opt2.optim.param_groups[0]["lr"])
+    # found by review of the change: full_state_dict() on one replica alone (every replica holds the weights) waited
+    # for the other replica's agreement on the call until the timeout; it is the pipeline's own, as before
+    out["one replica exports"] = sorted(pp2.full_state_dict() or {}) if pp2.dp_rank == 0 else None
     out["no grad"] = _no_grad_kept_none()
     out["uneven mean"] = _uneven_mean()
     # found by review: replicas freezing different parameters of one size averaged one's grad into the other's
@@ -552,6 +555,8 @@ def test_replicas_share_buffers_and_resume_their_own_lr_and_random_state(tmp_pat
             torch.testing.assert_close(r["buffers"][k], r["ref"][k], msg=k)
         assert r["lr"] == (5e-3, 5e-3, 5e-3), r["lr"]  # the scheduler's, not the one ZeRO's last step copied
         assert r["no grad"]["gain"] == [None, None] and max(r["no grad"]["diff"]) < 1e-6, r["no grad"]
+    assert res[0]["one replica exports"] == sorted(_bn_model().state_dict()) and res[1]["one replica exports"] is None
+    for r in res:
         uneven = r["uneven mean"]
         torch.testing.assert_close(uneven["loss"], uneven["want"], rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(uneven["evaluate"], uneven["want"], rtol=1e-6, atol=1e-7)

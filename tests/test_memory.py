@@ -458,6 +458,24 @@ def test_offload_copies_a_storage_once_while_it_lives_whichever_view_holds_it() 
     acts.to_device(b)
     assert torch.equal(h1.unpack(), torch.arange(4.0)) and torch.equal(h2.unpack(), torch.arange(4.0, 8.0))
     assert torch.equal(h3.unpack(), torch.arange(8.0) + 100)
+    # found by review of the change: a storage alive but moved away (resize_, as out= ops do) left its address to a
+    # new tensor, taken for it (its stale copy unpacked); the storage must be the one copied, not only alive
+    landed = 0
+    for _ in range(20):
+        b = Bundle(acts, 0, 0)
+        t = torch.zeros(64)
+        b.put(t)
+        old = t.untyped_storage().data_ptr()
+        t.untyped_storage().resize_(1 << 20)
+        new = next((c for c in (torch.full((64,), 7.0) for _ in range(200)) if c.untyped_storage().data_ptr() == old),
+                   None)
+        if new is None:
+            continue
+        landed += 1
+        h = b.put(new)
+        acts.to_device(b)
+        assert h.index == 1 and torch.equal(h.unpack(), torch.full((64,), 7.0))
+    assert landed, "no new tensor took the old address: the case was not made"
 
 
 def test_collecting_managers_during_an_optimizer_step_leaves_torchs_hook_table_alone() -> None:
