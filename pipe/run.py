@@ -21,7 +21,7 @@ from partition.costs import COSTS
 from pipe.launch import DEFAULT_TIMEOUT_S, exit_process, timeout_setting
 from pipe.schedules import SCHEDULES, default_stages_text
 
-__all__ = ["main", "parse_args", "error_line", "OUTPUTS"]
+__all__ = ["main", "parse_args", "error_line", "say_error", "OUTPUTS"]
 
 HELD_OUT = 1_000_000  # --eval-every: replica r evaluates batch HELD_OUT + r (training batches count from 0)
 OUTPUTS = ("summary.json", "trace.json", "timeline.json", "timeline.png")  # what a run writes to --out
@@ -191,6 +191,21 @@ def error_line(rank: int, e: BaseException) -> str:
     return f"error (rank {rank}): {kind}{e}" + (f" [{notes}]" if notes else "")
 
 
+def say_error(line: str) -> None:
+    """`line` and its newline on stderr in one write, so that ranks sharing the stream do not run their lines into
+    each other (found by review: "...compile=Falseerror (rank 0): ...", print's text and newline two writes)."""
+    sys.stderr.flush()
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a stream without a file (captured): one write call
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+        return
+    data = (line + "\n").encode()
+    while data:
+        data = data[os.write(fd, data):]
+
+
 def _bar(done: int, total: int, width: int = 20) -> str:
     k = width * done // max(1, total)
     return "[" + "#" * k + "." * (width - k) + "]"
@@ -212,14 +227,14 @@ def main(argv: list[str] | None = None) -> int:
         extra = {} if args.seed is None else {"seed": args.seed}
         w = partition.load(args.model, **extra, **parse_overrides(args.model_arg))
     except (WorkloadError, TypeError) as e:
-        print(error_line(ctx.rank, e), file=sys.stderr)
+        say_error(error_line(ctx.rank, e))
         return 2
     ex_args, ex_kwargs, ex_target = w.example_args, w.example_kwargs, w.example_target
     if args.batch_size and args.schedule != "auto":  # (auto weighs the microbatch counts dividing the batch)
         if args.batch_size % args.microbatches:
-            print(error_line(ctx.rank, ValueError(
+            say_error(error_line(ctx.rank, ValueError(
                 f"a batch of {args.batch_size} samples is not divisible into {args.microbatches} microbatches; pass "
-                "a --batch-size that is a multiple of --microbatches")), file=sys.stderr)
+                "a --batch-size that is a multiple of --microbatches")))
             return 2
         ex_args, ex_kwargs, ex_target = w.batch(args.batch_size // args.microbatches, 0)  # one microbatch
     try:
@@ -236,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                            auto_schedules=args.auto_schedules.split(",") if args.auto_schedules else None,
                            progress=lambda line: say(f"[plan] {line}", flush=True))
     except (ValueError, TypeError) as e:
-        print(error_line(ctx.rank, e), file=sys.stderr)
+        say_error(error_line(ctx.rank, e))
         return 2
     say(pp.plan.table())
     if pp.candidates:
@@ -247,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # this rank's own error (the model's too), another rank's, or a lost rank
         if isinstance(e, NonFiniteLoss):
             e.add_note("pipe.run: --skip-nonfinite drops such steps")
-        print(error_line(ctx.rank, e), file=sys.stderr, flush=True)
+        say_error(error_line(ctx.rank, e))
         return 3 if isinstance(e, PeerLost) else 2
     code = _report(pp, args, ctx, run, say)
     if dist.is_initialized():

@@ -289,3 +289,18 @@ def test_plan_settings_are_the_defaults_and_out_must_be_a_folder(tmp_path: Path,
         parse_args(["gpt", "--dp-shard", "full", "--out", str(tmp_path / "d")])
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "--dp-shard full shards over data-parallel replicas, but --data-parallel is 1" in line, line
+
+
+def test_an_error_line_is_one_write(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Found by review: two ranks' error lines ran into each other ("...compile=Falseerror (rank 0): ..."): print
+    wrote the text and its newline apart. The line and its newline are one write to the file."""
+    import os
+    from pipe import run
+    writes: list[bytes] = []
+    real = os.write
+    with open(tmp_path / "err", "w") as f:
+        monkeypatch.setattr(sys, "stderr", f)
+        monkeypatch.setattr(os, "write", lambda fd, data: writes.append(bytes(data)) or real(fd, data))
+        run.say_error("error (rank 1): " + "x" * 3000)
+    assert writes == [b"error (rank 1): " + b"x" * 3000 + b"\n"]
+    assert (tmp_path / "err").read_text() == "error (rank 1): " + "x" * 3000 + "\n"
