@@ -225,8 +225,6 @@ def _run(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], watch: list[str
     raise AssertionError("unreachable")
 
 
-
-
 @contextlib.contextmanager
 def _watching(seen: list[str], switched: list[tuple[torch.nn.Module, str]] | None = None) -> Iterator[None]:
     """Record in `seen` what a forward does that only autograd sees, so that a trace would lose it: a grad

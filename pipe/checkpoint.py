@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from pipe.runtime import Pipeline
 
 __all__ = ["save", "load", "load_full_state_dict", "load_full_optimizer_state", "load_model_state", "read_plan",
-           "read_extra", "export", "resolve", "CheckpointError", "Loaded", "MANIFEST", "LATEST"]
+           "plan_at", "read_extra", "export", "resolve", "CheckpointError", "Loaded", "MANIFEST", "LATEST"]
 
 
 @dataclass
@@ -444,6 +444,13 @@ def read_plan(path: str | Path) -> "Plan":
     from partition.plan import Plan
     folder = resolve(path)
     return Plan.from_dict(read_manifest(folder)["plan"])
+
+
+def plan_at(path: str | Path) -> "Plan":
+    """The plan `path` gives (plan=, --plan): a checkpoint's folder, the plan it was made with (a resume that is
+    bitwise), else a plan file."""
+    from partition.plan import Plan
+    return read_plan(path) if Path(path).is_dir() else Plan.load(path)
 
 
 def read_extra(path: str | Path) -> dict[str, Any]:

@@ -74,8 +74,7 @@ def agree_on_plan(pp: Pipeline, model: torch.nn.Module, args: tuple[Any, ...], k
                   traced: torch.fx.GraphModule | None = None) -> Plan:
     if isinstance(plan, (str, Path)):
         from pipe import checkpoint
-        # a checkpoint's folder: the plan it was made with (a resume that is bitwise), else a plan file
-        plan = checkpoint.read_plan(plan) if Path(plan).is_dir() else Plan.load(plan)
+        plan = checkpoint.plan_at(plan)
     given = plan is not None
     if plan is None:
         link, share, everyone = costing(pp, model, cost)

@@ -64,15 +64,6 @@ def _timeout(text: str) -> float:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--timeout ")) from None
 
 
-def _plan_file(path: str) -> Any:
-    """The plan --plan names: a plan.json, or the plan a checkpoint's folder was made with."""
-    from partition.plan import Plan
-    if Path(path).is_dir():
-        from pipe import checkpoint
-        return checkpoint.read_plan(path)
-    return Plan.load(path)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, every value checked (a bad one: usage and one line naming it, exit 2)."""
     p = argparse.ArgumentParser(prog="python -m pipe.run", description=__doc__, epilog=_EPILOG)
@@ -137,7 +128,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(str(e))
     if args.plan is not None:  # the plan's settings, where the command line gives none
         try:
-            plan = _plan_file(args.plan)
+            from pipe import checkpoint
+            plan = checkpoint.plan_at(args.plan)
         except (OSError, ValueError, KeyError) as e:
             p.error(f"--plan {args.plan}: {e}")
         args.schedule = plan.schedule if args.schedule is None else args.schedule
