@@ -70,37 +70,54 @@ def infer_target(loss_fn: Callable[[Any, Any], torch.Tensor], output: Any) -> tu
     From the model's first floating-point output `p` (logits, a prediction) it tries, in order:
     class indices over the last dim (int64 of p.shape[:-1]: a language model's or a classifier's
     cross entropy), class indices over dim 1 (p.shape without dim 1: a segmentation's), and a
-    tensor like p (a regression, soft labels). The first on which loss_fn returns one finite
-    floating-point number without a warning (a broadcast it warns about is a wrong guess) is kept;
-    zeros, on the CPU. The loss's graph does not depend on the target's shape, so a real target of
-    another shape or dtype still gets the loss loss_fn computes (pipe.Pipeline checks what would
-    not: a value computed from the target sent between stages).
+    tensor like p (a regression, soft labels). A guess loss_fn takes returns one finite
+    floating-point number without a warning (a broadcast it warns about is a wrong guess). The
+    first it also takes at twice the samples (the output's tensors and the guess repeated along
+    dim 0) is kept: a guess taken by a broadcast that happens to fit the example's sizes (an
+    int64[4] subtracted from a [4, 4] output) fails there. Else the first taken at all. Zeros, on
+    the CPU. The loss's graph does not depend on the target's shape, so a real target of another
+    shape or dtype still gets the loss loss_fn computes (pipe.Pipeline checks what would not: a
+    value computed from the target sent between stages).
     """
-    import warnings
     p = next((x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor) and x.is_floating_point()
               and x.dim() >= 1), None)
     if p is None:
         return None, "the model returns no floating-point tensor to infer a target from"
     shapes = [(list(p.shape[:-1]), torch.int64), (list(p.shape[:1] + p.shape[2:]), torch.int64),
               (list(p.shape), p.dtype)]
+    twice = pytree.tree_map(lambda x: torch.cat([x, x]) if isinstance(x, torch.Tensor) and x.dim() else x, output)
     tried: list[str] = []
+    taken: tuple[torch.Tensor, str] | None = None
     for shape, dtype in shapes:
         label = f"{str(dtype).removeprefix('torch.')}{shape}"
         if label in tried:
             continue
         tried.append(label)
         target = torch.zeros(shape, dtype=dtype)
-        try:
-            with torch.no_grad(), warnings.catch_warnings(record=True) as warned:
-                warnings.simplefilter("always")
-                loss = loss_fn(output, target.to(p.device))
-        except Exception:  # noqa: BLE001 - any failure means loss_fn does not take this target
+        if not _takes(loss_fn, output, target.to(p.device)):
             continue
-        if (not warned and isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()
-                and (loss.is_meta or bool(torch.isfinite(loss).all()))):
-            return target, (f"its target inferred as {label} from loss_fn and the model's output "
-                            "(example_target= sets it)")
+        if taken is None:
+            taken = target, label
+        if target.dim() and _takes(loss_fn, twice, torch.cat([target] * 2).to(p.device)):
+            taken = target, label
+            break
+    if taken is not None:
+        return taken[0], (f"its target inferred as {taken[1]} from loss_fn and the model's output "
+                          "(example_target= sets it)")
     return None, f"no example_target given, and loss_fn takes none of {', '.join(tried)} inferred from the output"
+
+
+def _takes(loss_fn: Callable[[Any, Any], torch.Tensor], output: Any, target: torch.Tensor) -> bool:
+    """Whether loss_fn(output, target) returns one finite floating-point number without a warning."""
+    import warnings
+    try:
+        with torch.no_grad(), warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            loss = loss_fn(output, target)
+    except Exception:  # noqa: BLE001 - any failure means loss_fn does not take this target
+        return False
+    return (not warned and isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()
+            and (loss.is_meta or bool(torch.isfinite(loss).all())))
 
 
 def model_outputs(gm: torch.fx.GraphModule) -> tuple[list[tuple[bool, Any]], pytree.TreeSpec]:

@@ -18,6 +18,7 @@ one over the batch's divisor. Any other loss: their mean, and the plan's notes s
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import operator
 import warnings
@@ -77,7 +78,9 @@ class Weighting:
     numerator: str = ""   # reading the division on the way to the output ("": the output), and the divisor's
     reader: str = ""      # lower bound (x.clamp(min=1)), if any
     floor: float | None = None
-    paired: bool = False  # "mean" of losses each pairing its own microbatch's samples only: not the batch's
+    # "mean" that is not the batch's: losses each pairing its own microbatch's samples only, terms weighed otherwise
+    inexact: bool = False
+    counted: tuple[Any, ...] = ()  # "count": what it counts (target, ignore_index, class weights), to compare terms
     elements: bool = False  # "count": of the target's elements (an element-wise loss over values a mask selects)
 
     def _tensor(self, path: str) -> Any:
@@ -126,7 +129,7 @@ class Weighting:
             floor = f", at least {self.floor:g}" if self.floor is not None else ""
             return (f"loss: the batch's, {self.loss}: each microbatch's numerator over the batch's divisor{floor} "
                     f"(computed from the inputs){over}")
-        if self.paired:
+        if self.inexact:
             return f"loss: NOT the batch's, the mean of the microbatches' losses: {self.why}"
         if dynamic:
             return (f"loss: the mean of the microbatches' losses, each weighed by its samples over the batch's{over} "
@@ -219,11 +222,24 @@ def weighting(gm: torch.fx.GraphModule, example: Sequence[Any] | None = None) ->
         loss = loss[0]
     if not isinstance(loss, torch.fx.Node):
         return Weighting("mean", "the loss is not a value of the graph")
-    chain, constants, reader, sizes = [loss.name], _batch_constants(gm, example), "", _Sizes(gm, example)
+    found, chain, reader = _weigh(gm, loss, _batch_constants(gm, example), _Sizes(gm, example))
+    found.chain = chain
+    if found.kind == "ratio":
+        found.reader = reader
+    return found
+
+
+def _weigh(gm: torch.fx.GraphModule, loss: torch.fx.Node, constants: set[torch.fx.Node], sizes: _Sizes
+           ) -> tuple[Weighting, list[str], str]:
+    """weighting's answer for the loss node `loss`, the nodes from it in to the loss it weighs (each passes
+    on the next's value) and the node reading that loss ("" for `loss` itself)."""
+    chain, reader = [loss.name], ""
     # x * 0.5, a sum / num_items_in_batch, loss.float(), the .sum() of one number
     while (inner := _scaled(loss, constants) or _as_it_is(loss, sizes)) is not None:
         loss, reader = inner, loss.name
         chain.append(loss.name)
+    if _adds(loss):
+        return _terms(gm, loss, constants, sizes), chain, reader
     pairs = sizes.paired(loss)
     if pairs is not None:
         one, two = sizes.of(pairs) or (0, 0)  # (known: its growth is what pairs)
@@ -231,13 +247,77 @@ def weighting(gm: torch.fx.GraphModule, example: Sequence[Any] | None = None) ->
                                   f"elements on one microbatch and {two} on two, not twice as many: "
                                   "in-batch negatives, a similarity of every two samples), and a pipeline computes "
                                   "each microbatch alone, so each pairs its own samples only (fewer microbatches "
-                                  "pair more)", paired=True)
+                                  "pair more)", inexact=True)
     else:
         found = _found(gm, loss, sizes)
-    found.chain = chain
-    if found.kind == "ratio":
-        found.reader = reader
-    return found
+    return found, chain, reader
+
+
+_ADDS = {operator.add, operator.sub, torch.add, torch.sub, torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor,
+         "add", "sub", "__add__", "__radd__", "__sub__", "__rsub__"}
+
+
+def _adds(node: torch.fx.Node) -> bool:
+    """Whether `node` adds or subtracts two values (no alpha=) of which one at least is a node."""
+    return (node.op in ("call_function", "call_method") and node.target in _ADDS and len(node.args) == 2
+            and not node.kwargs and any(isinstance(a, torch.fx.Node) for a in node.args))
+
+
+def _terms(gm: torch.fx.GraphModule, node: torch.fx.Node, constants: set[torch.fx.Node], sizes: _Sizes
+           ) -> Weighting:
+    """The weighting of a loss that adds terms (a cross entropy plus an auxiliary loss): each term's, when they
+    agree (every term a sum, or a count of the same targets; a number every microbatch shares added to a count
+    or a mean), else the mean of the microbatches' losses, which the note says is not the batch's where a term
+    is a sum (1/M of it) or a count (weighed as a mean)."""
+    terms: list[tuple[str, Weighting | None]] = []
+    for a in node.args:
+        if not isinstance(a, torch.fx.Node) or a in constants:
+            terms.append(("shared", None))
+            continue
+        w = _weigh(gm, a, constants, sizes)[0]
+        terms.append((a.name, w))
+    kinds = {w.kind for _, w in terms if w is not None}
+    named = [(n, w) for n, w in terms if w is not None]  # (not a shared number)
+    loss = " + ".join(f"{n} ({w.loss or w.kind})" for n, w in named)
+    if kinds == {"sum"} and len(named) == len(terms):
+        return Weighting("sum", "", loss=loss)
+    if kinds == {"count"} and len({w.counted for _, w in named}) == 1 and named[0][1].counted:
+        return dataclasses.replace(named[0][1], loss=loss)
+    inexact = next((w for _, w in named if w.inexact), None)
+    if inexact is not None:
+        return Weighting("mean", inexact.why, inexact=True)
+    if kinds == {"mean"}:
+        return Weighting("mean", "the loss adds terms each formed as a mean: "
+                                 + "; ".join(f"{n}: {w.why}" for n, w in named))
+    how = ", ".join(f"{n}: {_kind_name(w)}" for n, w in terms)
+    return Weighting("mean", f"the loss adds terms the batch forms otherwise ({how}), and a step weighs the "
+                             "microbatches' whole losses one way: as their mean, so a sum term counts 1/M of the "
+                             "batch's and a counted term is weighed as a mean (the batch's only where every "
+                             "microbatch counts as many targets); give each term the same reduction, or step "
+                             "with one microbatch", inexact=True)
+
+
+def _structure(value: Any) -> Any:
+    """What `value` (a node, or an argument holding nodes) computes, by op, not by name: two terms counting
+    `t.flatten()` each count the same targets. Inputs by position, tensors of the module by path."""
+    if isinstance(value, torch.fx.Node):
+        if value.op == "placeholder":
+            return ("input", value.name)
+        return (value.op, str(value.target), _structure(value.args), _structure(value.kwargs))
+    if isinstance(value, (tuple, list)):
+        return tuple(_structure(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _structure(v)) for k, v in value.items()))
+    if isinstance(value, torch.Tensor):
+        return ("tensor", id(value))
+    return repr(value)
+
+
+def _kind_name(w: Weighting | None) -> str:
+    if w is None:
+        return "a number every microbatch shares"
+    return {"sum": "a sum", "count": "a mean over its counted targets", "ratio": "a ratio of sums"}.get(
+        w.kind, "a mean")
 
 
 _aten = torch.ops.aten
@@ -569,7 +649,7 @@ def _found(gm: torch.fx.GraphModule, loss: torch.fx.Node, sizes: _Sizes) -> Weig
         sub, attrs, written, why = _inputs_only(gm, [mean[1], None], loss)
         if sub is not None:
             return Weighting("count", "", loss=mean[0], targets=sub, attrs=attrs, written=written, origin=gm,
-                             elements=True)
+                             elements=True, counted=(_structure(mean[1]), "elements"))
     args, name = loss_args(gm, loss, "cross_entropy"), "cross_entropy"
     if args is None:
         args, name = loss_args(gm, loss, "nll_loss"), "nll_loss"
@@ -596,7 +676,8 @@ def _found(gm: torch.fx.GraphModule, loss: torch.fx.Node, sizes: _Sizes) -> Weig
     if sub is None:
         return Weighting("mean", f"its {name}'s {why}")
     return Weighting("count", "", loss=name, targets=sub, ignore_index=ignore, attrs=attrs, weight_path=weight_path,
-                     written=written, origin=gm)
+                     written=written, origin=gm,
+                     counted=(_structure(target), ignore, weight_path, _structure(weight)))
 
 
 def loss_weighting(gm: torch.fx.GraphModule, loss_fn: Any, in_graph: bool,

@@ -28,6 +28,8 @@ def _lm(o: Any, y: torch.Tensor) -> torch.Tensor:
     # int64[4] broadcasts against [4, 1] with a warning: a wrong guess, passed over for the output's own shape
     (lambda o, y: F.mse_loss(o, y), torch.randn(4, 1), (torch.float32, [4, 1])),
     (lambda o, y: F.binary_cross_entropy_with_logits(o, y), torch.randn(4, 3), (torch.float32, [4, 3])),
+    # int64[4] broadcasts against [4, 4] without a warning, but not at twice the samples ([8, 4] - [8]): passed over
+    (lambda o, y: ((o - y) ** 2).sum(), torch.randn(4, 4), (torch.float32, [4, 4])),
     (lambda o, y: F.cross_entropy(o["logits"], y), {"logits": torch.randn(4, 3), "n": 2}, (torch.int64, [4])),
 ])
 def test_infer_target_finds_the_target_loss_fn_takes(loss_fn: Any, output: Any, want: tuple[Any, list[int]]) -> None:

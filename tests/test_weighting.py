@@ -389,10 +389,48 @@ def test_a_loss_pairing_the_samples_is_said_not_to_be_the_batchs(in_graph: bool)
         w = loss_weighting(gm, None, True, [x, z, t])
     else:
         w = loss_weighting(gm, _in_batch_negatives, False, [x, z], t)
-    assert w.kind == "mean" and w.paired, w
+    assert w.kind == "mean" and w.inexact, w
     assert w.describe().startswith("loss: NOT the batch's, the mean of the microbatches' losses: the loss pairs the "
                                    "samples of a microbatch (matmul has 9 elements on one microbatch and 36 on two"), \
         w.describe()
+
+
+def _sq(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return (o - t.float().unsqueeze(-1)) ** 2
+
+
+@pytest.mark.parametrize("loss_fn, kind, said", [
+    # every term a sum: the sum of the microbatches' (it was averaged: 1/M of the batch's loss and grads)
+    (lambda o, t: F.mse_loss(o, _sq(o, t), reduction="sum") + F.l1_loss(o, _sq(o, t), reduction="sum"), "sum",
+     "the sum of the microbatches' (mse_loss"),
+    (lambda o, t: _sq(o, t).sum() - 0.5 * _sq(o, t).abs().sum(), "sum", "the sum of the microbatches'"),
+    # a count of the same targets twice, a shared number added: counted
+    (lambda o, t: _ce(o, t) + 0.1 * F.cross_entropy(o.flatten(0, 1), t.flatten(), label_smoothing=0.2), "count",
+     "weighs by its targets other than ignore_index=-100"),
+    (lambda o, t: _ce(o, t) + 1.0, "count", "weighs by its targets"),
+    (lambda o, t: _sq(o, t).mean() + 0.01 * o.pow(2).mean(), "mean", "the loss adds terms each formed as a mean"),
+    # terms formed otherwise: averaged, and said not to be the batch's
+    (lambda o, t: _sq(o, t).sum() + 0.1 * o.abs().mean(), "mean", "NOT the batch's"),
+    (lambda o, t: _ce(o, t) + 0.01 * o.pow(2).mean(), "mean", "a counted term is weighed as a mean"),
+    (lambda o, t: _ce(o, t) + F.cross_entropy(o.flatten(0, 1), t.flatten(), ignore_index=1), "mean",
+     "NOT the batch's"),
+])
+@pytest.mark.parametrize("in_graph", [True, False])
+def test_a_loss_adding_terms_is_weighed_by_its_terms(loss_fn: Any, kind: str, said: str, in_graph: bool) -> None:
+    """Found in review: mse_loss(reduction='sum') + a mean penalty was averaged over the microbatches with a note
+    naming only the add (10.64 where the batch's loss is 42.49); two summed terms were averaged too."""
+    w = _weighting(loss_fn, in_graph)
+    assert w.kind == kind and said in w.describe(), w.describe()
+    if kind == "count":  # the counts still weigh the microbatches to the batch's loss
+        x, t = torch.randn(4, 3, 4), torch.randint(0, V, (4, 3))
+        t[:3] = -100
+        model = Head()
+        want = loss_fn(model(x), t)
+        counts = [w.count([x[i:i + 1], t[i:i + 1]]) for i in range(4)]
+        assert [float(c) for c in counts] == [0, 0, 0, 3], counts
+        got = sum(c / sum(counts) * torch.nan_to_num(loss_fn(model(x[i:i + 1]), t[i:i + 1]), nan=0.0)
+                  for i, c in enumerate(counts))
+        torch.testing.assert_close(got, want.double())
 
 
 def test_batch_norms_in_training_mode_are_found_on_both_tracers() -> None:
@@ -473,7 +511,7 @@ def test_pairing_is_judged_on_what_the_loss_reads() -> None:
     gm = trace(_Packed(), (ids,), {})
     assert attach_loss(gm, _ce) is None
     w = loss_weighting(gm, None, True, [ids, t])
-    assert w.kind == "count" and not w.paired, w.describe()
+    assert w.kind == "count" and not w.inexact, w.describe()
     nearest = lambda out, _: torch.cdist(out[0], out[1]).min(1).values.pow(2).sum()  # noqa: E731
     for k in (3, 2):
         x = torch.randn(2, 4)
