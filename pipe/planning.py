@@ -25,7 +25,7 @@ from pipe.schedules import ScheduleError, in_flight_limit
 if TYPE_CHECKING:
     from pipe.runtime import Pipeline
 
-__all__ = ["agree_on_plan", "calibrating", "choose", "costing", "gather", "plan_here", "state_factor"]
+__all__ = ["agree_on_plan", "calibrating", "choose", "costing", "gather", "plan_here", "plan_within", "state_factor"]
 
 
 def gather(obj: Any) -> list[Any]:
@@ -78,10 +78,9 @@ def agree_on_plan(pp: Pipeline, model: torch.nn.Module, args: tuple[Any, ...], k
     given = plan is not None
     if plan is None:
         link, share, everyone = costing(pp, model, cost)
-        d = _Broadcast.run(lambda: plan_here(
-            pp, model, args, kwargs, cost, budget, features, example_target, link, share, pp.schedule_name,
-            pp.M, pp.v, traced=traced, calibrate=calibrating(share, features)).to_dict(), pp.ctx.rank,
-            everyone=everyone)
+        d = _Broadcast.run(lambda: plan_within(
+            pp, model, args, kwargs, cost, budget, features, example_target, link, share, traced=traced,
+            calibrate=calibrating(share, features)).to_dict(), pp.ctx.rank, everyone=everyone)
         plan = Plan.from_dict(d)
     if not pp.trace_loss and plan.loss:
         raise PipelineError("trace_loss=False keeps the loss outside the graph, but the plan given puts it in the "
@@ -159,6 +158,56 @@ def plan_here(pp: Pipeline, model: torch.nn.Module, args: tuple[Any, ...], kwarg
     if not pp.trace_loss:
         plan.loss_note = "trace_loss=False"
     return plan
+
+
+def plan_within(pp: Pipeline, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], cost: str,
+                budget: float | str | None, features: tuple[str, str], example_target: Any,
+                link: tuple[float, float], share: Share | None, traced: torch.fx.GraphModule | None = None,
+                calibrate: bool = False) -> Plan:
+    """The pipeline's plan (plan_here), its stages' memory plan checked under a budget. A budget the partitioner
+    or memory/ refuses names, in the refusal, the least budget at which both fit: each one's figure bounds what
+    it sees (the partitioner's leaves memory/'s recompute/offload and buffers out; memory/'s is for the stages cut
+    at the budget given, and a larger one cuts them otherwise), so that following one led to the other's refusal
+    (found by review). The least is found by planning at each figure named in turn."""
+    from pipe import auto
+    out: list[Any] = []
+
+    def plan_at(b: float | str | None, **reuse: Any) -> Plan:
+        return plan_here(pp, model, args, kwargs, cost, b, features, example_target, link, share, pp.schedule_name,
+                         pp.M, pp.v, traced=traced, **reuse)
+
+    sizes = {n: (p.numel(), p.element_size()) for n, p in model.named_parameters()}
+
+    def fits(p: Plan, b: float) -> None:  # memory/'s verdict, as the stages' memory manager will give it
+        auto.memory_plan(Plan.from_dict(p.to_dict()), out[0], pp.world, recompute=features[0],
+                         offload=features[1], budget=b, param_sizes=sizes)
+    try:
+        plan = plan_at(budget, analysis_out=out, calibrate=calibrate)
+        if budget is not None and out:
+            fits(plan, float(parse_bytes(budget) or 0))
+        return plan
+    except (partition.InfeasibleBudget, memory.BudgetError) as e:
+        if budget is None:
+            raise
+        tried, b, least = [], float(e.needed_bytes), None
+        for _ in range(8):
+            tried.append(b)
+            try:  # (the partitioner refused before its rewrites: planned afresh once, as a launch at b would plan)
+                fits(plan_at(b, analysis=out[0]) if out else plan_at(b, analysis_out=out, calibrate=calibrate), b)
+                least = b
+                break
+            except (partition.InfeasibleBudget, memory.BudgetError) as again:
+                b = max(float(again.needed_bytes), b + 1.0)
+        if least is None or least == float(e.needed_bytes):
+            raise
+        import re
+        from memory.budget import human
+        said = re.sub(r"memory_budget >= \d+( plus what the activations need \(this is a lower bound: the memory "
+                      r"plan then names the least for the stages it cuts\))?", f"memory_budget >= {least:.0f}", str(e),
+                      count=1)
+        raise type(e)(f"{said} ({least:.0f} bytes, {human(least)}, is the least budget at which both the cut and "
+                      "its memory plan fit these options, found by planning at each figure named in turn: "
+                      f"{', '.join(f'{t:.0f}' for t in tried)})", least) from None
 
 
 def choose(pp: Pipeline, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], cost: str,
