@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import operator
 import warnings
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from partition.costs import attr_of
 from partition.loss import TARGET
 from partition.rewrite import loss_args
 
-__all__ = ["Weighting", "batch_statistics", "keep_numerator", "loss_weighting", "weighting"]
+__all__ = ["Weighting", "batch_statistics", "keep_numerator", "loss_weighting", "output_forms", "weighting"]
 
 # element-wise losses: the batch's sum is the sum of the microbatches' sums
 _SUMMED = {F.mse_loss: "mse_loss", F.l1_loss: "l1_loss", F.smooth_l1_loss: "smooth_l1_loss",
@@ -320,6 +321,82 @@ def _kind_name(w: Weighting | None) -> str:
         w.kind, "a mean")
 
 
+_MAXES = {torch.max, torch.amax, torch.ops.aten.max.default, torch.ops.aten.amax.default, "max", "amax"}
+_MINS = {torch.min, torch.amin, torch.ops.aten.min.default, torch.ops.aten.amin.default, "min", "amin"}
+_RESHAPES = {"view", "reshape", "flatten", "contiguous", torch.reshape, torch.flatten, torch.ops.aten.view.default,
+             torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.clone.default}
+
+
+def output_forms(gm: torch.fx.GraphModule, leaves: Sequence[torch.fx.Node | None], example: Sequence[Any] | None
+                 ) -> list[tuple[str | None, int | None]]:
+    """How the batch's value of each of `leaves` (the model's outputs in gm) is formed from the microbatches',
+    for forward(): (for a value of one element: "sum", "mean" (of every element of a tensor holding each
+    sample's, as many in each), "max", "min", or None when unknown; for a tensor whose dim 0 merges its batch
+    dim with dims before it (a sequence-first [T, B, V] output flattened to tokens, `.view(-1, V)`: its rows
+    run over the positions, each over the samples): the product of those dims before, else None). From a run
+    of a meta copy of gm on one microbatch and on two (example: gm's inputs for one microbatch)."""
+    sizes, constants = _Sizes(gm, example), _batch_constants(gm, example)
+    return [(None, None) if n is None else (_one_value(gm, n, constants, sizes), _within(n, sizes)) for n in leaves]
+
+
+def _one_value(gm: torch.fx.GraphModule, node: torch.fx.Node, constants: set[torch.fx.Node], sizes: _Sizes
+               ) -> str | None:
+    """How a value of one element forms the batch's (see output_forms)."""
+    scaled = False
+    while True:
+        inner = _scaled(node, constants)
+        if inner is None and node.op in ("call_function", "call_method") and node.target in _CASTS \
+                and node.args and isinstance(node.args[0], torch.fx.Node):
+            inner = node.args[0]
+        if inner is None:
+            break
+        scaled, node = scaled or node.target not in _CASTS, inner
+    if sizes.of(node) != (1, 1):
+        return None
+    if _additive(gm, node, sizes) is not None:
+        return "sum"
+    arg = node.args[0] if node.op in ("call_function", "call_method") and len(node.args) == 1 and not node.kwargs \
+        else None  # over every element: no dim
+    if isinstance(arg, torch.fx.Node) and sizes._carries(arg) and sizes.mixed(arg) is False:
+        if node.target in _MEANS:
+            return "mean"
+        if not scaled and node.target in _MAXES:  # (scaled by a negative number, a max would be a min)
+            return "max"
+        if not scaled and node.target in _MINS:
+            return "min"
+    found = _elementwise(gm, node)
+    if found is not None and found[2] == "mean" and isinstance(node.args[0], torch.fx.Node) \
+            and sizes._carries(node.args[0]) and sizes.mixed(node) is False:
+        return "mean"
+    return None
+
+
+def _within(node: torch.fx.Node, sizes: _Sizes) -> int | None:
+    """For a tensor whose dim 0 doubles with the batch: the product of the dims before the batch that its dim 0
+    merges with it, reached back through reshapes (view, flatten) from a tensor with the batch along a later dim;
+    None when its dim 0 is the batch's alone (or unknown)."""
+    got = sizes.shapes(node)
+    if got is None or not got[0] or got[1][0] != 2 * got[0][0]:
+        return None
+    rows = got[0][0]
+    while node.op in ("call_function", "call_method") and node.target in _RESHAPES and node.args \
+            and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+        got = sizes.shapes(node)
+        if got is None or len(got[0]) != len(got[1]):
+            return None
+        changed = [d for d, (a, b) in enumerate(zip(*got)) if a != b]
+        if len(changed) != 1 or got[1][changed[0]] != 2 * got[0][changed[0]]:
+            return None
+        d = changed[0]
+        if d == 0:
+            return None
+        lead = math.prod(got[0][:d])
+        if rows % (lead * got[0][d]) == 0 and any(math.prod(got[0][:j + 1]) == rows for j in range(d, len(got[0]))):
+            return lead
+    return None
+
+
 _aten = torch.ops.aten
 _BATCH_NORMS = {F.batch_norm, torch.batch_norm, _aten.batch_norm.default, _aten._native_batch_norm_legit.default,
                 _aten._native_batch_norm_legit_functional.default, _aten._native_batch_norm_legit.no_stats,
@@ -370,6 +447,12 @@ class _Sizes:
         """The number of elements of the tensor `node` gives, on one microbatch and on two; None unknown."""
         got = self._values(node)
         return (got[0][1], got[1][1]) if got is not None and got[0][0] == "tensor" else None
+
+    def shapes(self, node: torch.fx.Node) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """The shape of the tensor `node` gives, on one microbatch and on two; None unknown (also where only the
+        loss's own ops ran)."""
+        got = self._values(node)
+        return (got[0][2], got[1][2]) if got is not None and got[0][0] == "tensor" and len(got[0]) > 2 else None
 
     def _values(self, node: torch.fx.Node) -> list[Any] | None:
         if self.values is None:
@@ -440,7 +523,7 @@ class _Sizes:
             def run_node(self, n: torch.fx.Node) -> Any:
                 value = super().run_node(n)
                 if isinstance(value, torch.Tensor):
-                    values.setdefault(n.name, []).append(("tensor", value.numel()))
+                    values.setdefault(n.name, []).append(("tensor", value.numel(), tuple(value.shape)))
                 elif isinstance(value, (int, float, torch.Size)) or isinstance(value, tuple) and all(
                         isinstance(v, (int, float)) for v in value):
                     values.setdefault(n.name, []).append(("value", tuple(value) if isinstance(value, tuple)

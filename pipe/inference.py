@@ -12,17 +12,17 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from partition.plan import PlanError
-from partition.reduction import keep_numerator, weighting
+from partition.reduction import keep_numerator, output_forms, weighting
 from partition.split import assemble_outputs, inference_stage, param_nodes_of
 from partition.trace import flatten_inputs
 from pipe import calls, comm, modes
-from pipe.errors import ModeError, agree_everywhere
+from pipe.errors import ModeError, PipelineError, agree_everywhere
 from pipe.step import StepState, check_layout, concat_outputs, failures, placed
 
 if TYPE_CHECKING:
     from pipe.runtime import Pipeline
 
-__all__ = ["evaluate", "flags", "forward", "loss_weights", "output_layout", "stages_in_mode_of"]
+__all__ = ["evaluate", "flags", "forms", "forward", "loss_weights", "output_layout", "stages_in_mode_of"]
 
 
 def output_layout(pp: Pipeline) -> list[tuple[Any, bool]] | None:
@@ -37,6 +37,19 @@ def output_layout(pp: Pipeline) -> list[tuple[Any, bool]] | None:
         pp._layouts[pp.training] = list(zip(dims, fed)) if fed is not None and dims is not None and \
             len(fed) == len(dims) else None
     return pp._layouts[pp.training]
+
+
+def forms(pp: Pipeline) -> list[tuple[str | None, int | None]] | None:
+    """Per leaf of the model's output, how the batch's value is formed from the microbatches' where the layout
+    alone does not say (partition.reduction.output_forms: one number's sum, mean, max or min; a sequence-first
+    output flattened to tokens), from the plan's graph; found once."""
+    if pp._forms is None:
+        leaves, _ = _output_nodes(pp._gm)
+        try:
+            pp._forms = output_forms(pp._gm, leaves, flatten_inputs(pp._gm, *pp._example, pp._example_target))
+        except Exception:  # noqa: BLE001 - unknown: one number averaged with a warning, dim 0 concatenated
+            pp._forms = [(None, None)] * len(leaves)
+    return pp._forms
 
 
 def _output_nodes(gm: torch.fx.GraphModule) -> tuple[list[Any], list[bool]]:
@@ -242,6 +255,7 @@ def forward(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, A
     exchange = calls.exchange(pp)
     run = StepState(pp, flats, [None] * pp.M, exchange, inference=True, stages=stages,
                     inference_stages=inference)
+    shape = forms(pp)
     with _plain(pp), torch.no_grad(), failures(pp, run, "inference"), flags(pp, stages is not None):
         if pp.sharded is not None and (pp._inference or stages):  # gathered as the stages' forward would
             for s in pp.local:
@@ -255,14 +269,30 @@ def forward(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, A
                 parts = [None] * pp.world
                 with comm.guarded("the gather of the output"):
                     dist.all_gather_object(parts, (run.outputs, weights), group=pp.pp_group)
-            calls.learned(pp, exchange)
-            return placed(concat_outputs([assemble_outputs(pp._gm, {k: v for p, _ in parts for k, v in
-                                                                    (p[mb] or {}).items()}) for mb in range(pp.M)],
-                                         sizes, layout, parts[last][1]), pp.ctx.device)
-        box: list[Any] = [concat_outputs(run.outputs, sizes, layout, weights) if pp.rank == last else None]
-        if pp.world > 1:  # (pickled: through the host, where a device tensor would name the sender's device)
-            box = [placed(box[0], torch.device("cpu"))]
-            with comm.guarded("the broadcast of the output", last):
-                dist.broadcast_object_list(box, src=pp._global[last], group=pp.pp_group)
+            outputs = [assemble_outputs(pp._gm, {k: v for p, _ in parts for k, v in (p[mb] or {}).items()})
+                       for mb in range(pp.M)]
+            box: list[Any] = [_formed_or_refused(outputs, sizes, layout, parts[last][1], shape)]
+        else:
+            box = [_formed_or_refused(run.outputs, sizes, layout, weights, shape) if pp.rank == last else None]
+            if pp.world > 1:  # (pickled: through the host, where a device tensor would name the sender's device)
+                box = [placed(box[0], torch.device("cpu"))]
+                with comm.guarded("the broadcast of the output", last):
+                    dist.broadcast_object_list(box, src=pp._global[last], group=pp.pp_group)
         calls.learned(pp, exchange)
+    if isinstance(box[0], _Refused):  # every rank, after the step's messages are all in: the pipeline stays usable
+        raise PipelineError(box[0].message)
     return placed(box[0], pp.ctx.device)
+
+
+class _Refused:
+    """forward()'s refusal of an output (pipe.step.concat_outputs), sent to every rank as its result."""
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def _formed_or_refused(outputs: list[Any], sizes: list[int], layout: Any, weights: dict[int, list[float]],
+                       shape: Any) -> Any:
+    try:
+        return concat_outputs(outputs, sizes, layout, weights, shape)
+    except PipelineError as e:  # (raised by every rank after the output's broadcast, not inside the run)
+        return _Refused(str(e))

@@ -237,6 +237,7 @@ class Pipeline:
         self._example = (args, kwargs)
         self._other_mode: dict[str, Any] = {}
         self._layouts: dict[bool, Any] = {}  # forward()'s output layout by mode (pipe.inference.output_layout)
+        self._forms: Any = None  # how forward() forms each output leaf of one number (pipe.inference.forms)
         self.local = [s for s in range(self.S) if self.place[s] == self.rank]
         self._example_target = example_target
         # a step needs a target: the loss's graph reads it, or loss_fn outside the graph was given an example one

@@ -62,17 +62,23 @@ def check_layout(layout: list[tuple[Any, bool]] | None) -> None:
 
 
 def concat_outputs(outputs: list[Any], sizes: list[int] | None = None,
-                   layout: list[tuple[Any, bool]] | None = None, weights: dict[int, list[float]] | None = None) -> Any:
+                   layout: list[tuple[Any, bool]] | None = None, weights: dict[int, list[float]] | None = None,
+                   forms: list[tuple[str | None, int | None]] | None = None) -> Any:
     """Microbatch outputs as one batch. `layout` (pipe.inference.output_layout), per leaf: the dim its batch
     is along (an int; None: its shape does not change with the batch; "?": not known) and whether it is
-    computed from the inputs. A leaf with a batch dim is concatenated along it, also when every microbatch
-    gave the same (repeated prompts); one of unknown layout along dim 0 when its dim 0 is each
-    microbatch's size (`sizes`) or the same multiple of it (without sizes, every tensor of a dim or more);
-    0-dim floating ones are averaged (a loss), or weighed by `weights` (leaf -> each microbatch's weight: the
-    model's own loss, as a step weighs it); any other leaf is kept when every microbatch gave the same,
-    unless the inputs give it and it is a 0-dim tensor or a value the batch's size changes (a count of
-    the batch's tokens would come out a microbatch's); refused otherwise: no batch value can be formed
-    from theirs."""
+    computed from the inputs; `forms` (partition.reduction.output_forms), per leaf: how a value of one element
+    forms the batch's ("sum", "mean", "max", "min"; None: unknown), and for dim 0 the product of the dims before
+    the batch that it merges with it (a sequence-first output flattened to tokens: rows over positions, each
+    over the samples), else None. A leaf with a batch dim is concatenated along it (the merged one sample by
+    sample within each position), also when every microbatch gave the same (repeated prompts); one of unknown
+    layout along dim 0 when its dim 0 is each microbatch's size (`sizes`) or the same multiple of it (without
+    sizes, every tensor of a dim or more); a 0-dim one weighed by `weights` (leaf -> each microbatch's weight:
+    the model's own loss, as a step weighs it), else formed as its form says (a mean weighed by the
+    microbatches' sizes); a 0-dim floating one of unknown form that differs between microbatches is their
+    mean, with a RuntimeWarning that it is not known to be the batch's; any other leaf is kept when every
+    microbatch gave the same, unless the inputs give it and it is a 0-dim tensor or a value the batch's size
+    changes (a count of the batch's tokens would come out a microbatch's); refused otherwise: no batch value
+    can be formed from theirs."""
     check_layout(layout)
     flat = [pytree.tree_flatten(o) for o in outputs]
     spec = flat[0][1]
@@ -82,15 +88,27 @@ def concat_outputs(outputs: list[Any], sizes: list[int] | None = None,
         tensor = isinstance(x, torch.Tensor)
         same = _alike(column)
         d, fed = layout[i] if layout is not None and i < len(layout) else ("?", True)
+        form, within = forms[i] if forms is not None and i < len(forms) else (None, None)
         dims = [c.shape[0] for c in column] if tensor and x.dim() else []
-        if tensor and isinstance(d, int) and x.dim() > d:
+        if tensor and d == 0 and within:  # [lead x b, ...] each: joined sample by sample within each of lead
+            rest = x.shape[1:]
+            leaves.append(torch.cat([c.reshape(within, -1, *rest) for c in column], 1).reshape(-1, *rest))
+        elif tensor and isinstance(d, int) and x.dim() > d:
             leaves.append(torch.cat(column, d))
         elif d == "?" and dims and (sizes is None or dims == list(sizes) or _batched(dims, sizes) and not same):
             leaves.append(torch.cat(column, 0))  # (a multiple of the size, alike in every microbatch: a parameter)
         elif tensor and not x.dim() and (x.is_floating_point() or x.is_complex()) and i in (weights or {}):
             w = torch.tensor((weights or {})[i], dtype=torch.float64, device=x.device)
             leaves.append((torch.where(w > 0, torch.stack(column).double(), 0.0) * w).sum().to(x.dtype))
+        elif tensor and not x.dim() and form is not None:
+            leaves.append(_formed(torch.stack(column), form, sizes).to(x.dtype))
         elif tensor and not x.dim() and (x.is_floating_point() or x.is_complex()):
+            if not same and fed:
+                warnings.warn(f"forward(): the model's output leaf {i} (one number, computed from the inputs) is the "
+                              "mean of the microbatches' values, which fxpipe cannot tell is the batch's: a sum, a "
+                              "mean or a max over the samples is formed exactly, this one may be a statistic of the "
+                              "whole batch (a std, a MoE's load-balancing loss); form it outside the model from "
+                              "forward()'s per-sample outputs", RuntimeWarning, stacklevel=2)
             leaves.append(torch.stack(column).mean())
         elif same and not (layout is not None and fed and (d == "?" or tensor and not x.dim())):
             leaves.append(x)  # (not a count of the batch: a 0-dim tensor or a value the batch's size changes)
@@ -100,9 +118,22 @@ def concat_outputs(outputs: list[Any], sizes: list[int] | None = None,
                    else "without the batch along its dim 0 that differs between microbatches")
             raise PipelineError(f"the model's output leaf {i} is {what} {why}, so forward() cannot form the whole "
                                 "batch's value from theirs (tensors with the batch along a dim are concatenated, "
-                                "0-dim floating ones averaged, as losses); return it with a batch dimension, or "
-                                "compute it outside the model")
+                                "one number summed, averaged or maxed where the graph shows which); return it with "
+                                "a batch dimension, or compute it outside the model")
     return pytree.tree_unflatten(leaves, spec)
+
+
+def _formed(values: torch.Tensor, form: str, sizes: list[int] | None) -> torch.Tensor:
+    """The batch's value from the microbatches' (`values`, one each) by `form` (see concat_outputs)."""
+    if form == "sum":
+        return values.sum() if not values.is_floating_point() else values.double().sum()
+    if form == "max":
+        return values.max()
+    if form == "min":
+        return values.min()
+    w = torch.tensor(sizes if sizes and len(sizes) == len(values) and all(n > 0 for n in sizes)
+                     else [1] * len(values), dtype=torch.float64, device=values.device)
+    return (values.double() * w).sum() / w.sum()
 
 
 def check_loss_reads(pp: Pipeline, loss: torch.Tensor, through: list[Any]) -> None:

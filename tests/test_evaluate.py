@@ -10,11 +10,13 @@ test_data_parallel."""
 import contextlib
 import itertools
 import time
+import warnings
 from typing import Any
 
 import torch
 
 from tests.mp import run_ranks
+from tests.nccl_like import NcclLike
 
 GPT = dict(n_layer=2, d_model=32, n_head=2, seq_len=16, vocab=64)
 WIDE = dict(n_layer=2, d_model=32, n_head=2, seq_len=16, vocab=2000)
@@ -270,6 +272,38 @@ def _different_calls(rank: int) -> dict[str, Any]:
     return out
 
 
+def _numbers() -> dict[str, Any]:
+    """forward() on 2 ranks of one number's outputs and sequence-first tokens (the pure test below has the
+    reasons); an output it refuses is refused on every rank after its messages, and the pipeline steps on."""
+    import pipe
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 3, 4), torch.randn(24, 4)
+
+    def loss_fn(o: Any, t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(o["batch_first"], t)
+    out: dict[str, Any] = {}
+    model = _Numbers()
+    pp = pipe.Pipeline(model, (x[:2],), loss_fn=loss_fn, microbatches=4, cost="flops")
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        got = pp.eval().forward(x)
+    with torch.no_grad():
+        want = model(x)
+    for k in want:
+        if k not in ("std", "neg_max"):
+            torch.testing.assert_close(got[k], want[k], msg=k)
+    out["warned"] = sorted(str(w.message).split(" (")[0] for w in warned if "output leaf" in str(w.message))
+    pp = pipe.Pipeline(_Numbers(odd=True), (x[:2],), loss_fn=loss_fn, microbatches=4, cost="flops",
+                       transport=NcclLike())
+    try:
+        pp.forward(x)
+        out["refused"] = "ran"
+    except pipe.PipelineError as e:
+        out["refused"] = str(e)
+    out["then"] = [pp.evaluate(x, target=y), pp.step(x, target=y)]  # (found by review: the group was torn down)
+    return out
+
+
 def two_body(rank: int, world: int) -> dict[str, Any]:
     import pipe
     pipe.init()
@@ -282,6 +316,7 @@ def two_body(rank: int, world: int) -> dict[str, Any]:
     res["user switched"] = _user_switched()
     res["mode refused"] = _refused_mode()
     res["different calls"] = _different_calls(rank)
+    res["numbers"] = _numbers()
     return res
 
 
@@ -336,6 +371,11 @@ def test_evaluate_on_2_ranks_is_the_whole_models_loss_without_grads() -> None:
                                                        "built from it in eval mode"), r["user switched"]
         float(r["user switched"]["back"])
     for r in res:
+        got = r["numbers"]
+        assert got["warned"] == ["forward(): the model's output leaf 6", "forward(): the model's output leaf 7"], got
+        assert got["refused"].startswith("the model's output leaf 1 is a torch.int64 tensor of shape []"), got
+        assert got["then"] == res[0]["numbers"]["then"], got
+    for r in res:
         assert "got no target" in r["refused"]["no target"] and "target=" in r["refused"]["no target"], r
 
 
@@ -382,6 +422,66 @@ def test_concat_outputs_forms_the_batch_or_says_why_not() -> None:
         concat_outputs([(torch.ones(2, 3), torch.ones(3) * k) for k in (1, 2)], sizes=[2, 2])
     # the batch folded with the tokens along dim 0 (logits flattened): concatenated too
     assert concat_outputs([torch.randn(10, 7) for _ in range(4)], sizes=[2, 2, 2, 2]).shape == (40, 7)
+
+
+class _Numbers(torch.nn.Module):
+    """Outputs of one number formed over the batch in several ways, and a sequence-first output flattened
+    (`odd`: also a number of the batch no microbatches' form it, refused by forward())."""
+    def __init__(self, odd: bool = False) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.odd = odd
+
+    def forward(self, x: torch.Tensor) -> Any:
+        h = self.lin(x)                                      # [b, T, 4]
+        if self.odd:
+            return {"batch_first": h.flatten(0, 1), "odd": (x > 0).sum() % 7}
+        return {"sum": h.pow(2).sum() * 0.5, "mean": h.mean(), "max": h.max(), "min": h.min().float(),
+                "count": (x > 0).sum(), "mse": torch.nn.functional.mse_loss(h, x), "std": h.std(),
+                "neg_max": -h.max(), "tokens": h.transpose(0, 1).reshape(-1, 4),
+                "tokens_contiguous": h.transpose(0, 1).contiguous().view(-1, 2, 2), "batch_first": h.flatten(0, 1)}
+
+
+def test_forward_forms_one_number_and_sequence_first_tokens_as_the_batch_gives_them() -> None:
+    """Found by review: every 0-dim floating output was averaged over the microbatches (a .sum() came back 1/M
+    of the batch's, a max wrong; no warning), a count of the batch refused, and a sequence-first output flattened
+    to tokens ([T, B, V].view(-1, V), as PyTorch's word_language_model returns it) concatenated microbatch after
+    microbatch, its rows out of order (7 of 24 in place). Now each is formed as the graph shows; a statistic of
+    the whole batch (a std) is their mean with a warning."""
+    import warnings
+
+    import pytest
+
+    from partition.reduction import output_forms
+    from partition.trace import trace
+    from pipe.inference import _batch_dims, _computed_from_inputs, _output_nodes
+    from pipe.step import concat_outputs
+    model, x = _Numbers(), torch.randn(8, 3, 4)
+    gm = trace(model, (x[:2],), {})
+    got_forms = output_forms(gm, _output_nodes(gm)[0], [x[:2]])
+    names = list(model(x[:2]))
+    assert dict(zip(names, got_forms)) == {
+        "sum": ("sum", None), "mean": ("mean", None), "max": ("max", None), "min": ("min", None),
+        "count": ("sum", None), "mse": ("mean", None), "std": (None, None), "neg_max": (None, None),
+        "tokens": (None, 3), "tokens_contiguous": (None, 3), "batch_first": (None, None)}, got_forms
+    layout = list(zip(_batch_dims(model, (x[:2],), {}, False), _computed_from_inputs(gm)))
+    parts = [model(x[i:i + 2]) for i in range(0, 8, 2)]
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        got = concat_outputs(parts, [2] * 4, layout, {}, got_forms)
+    want = model(x)
+    for k in names:
+        if k not in ("std", "neg_max"):
+            torch.testing.assert_close(got[k], want[k], msg=k)
+            assert got[k].dtype == want[k].dtype, k
+    said = [str(w.message) for w in warned]
+    assert sorted(m.split("leaf ")[1][:2] for m in said) == ["6 ", "7 "], said
+    # without the forms (a model fxpipe could not run on meta tensors): as before, the rows joined along dim 0
+    tokens = names.index("tokens")
+    assert not torch.equal(concat_outputs([p["tokens"] for p in parts], [2] * 4, [layout[tokens]], {}, None),
+                           want["tokens"])
+    with pytest.raises(Exception, match="leaf 0"):
+        concat_outputs([{"count": p["count"]} for p in parts], [2] * 4, [layout[names.index("count")]], {}, None)
 
 
 class _Outputs(torch.nn.Module):
