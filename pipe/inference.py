@@ -164,28 +164,27 @@ def stages_in_mode_of(pp: Pipeline, inference: bool) -> tuple[dict[int, Any] | N
                 if found.kind != "ratio":
                     raise ValueError(f"its loss is no longer a ratio of sums ({found.describe()})")
                 keep_numerator(gm, found)
-            pp._other_mode["stages"] = _streamed(pp, modes.stages_in_mode(gm, fresh, pp._gm, pp.plan, pp._trained))
-            pp._other_mode["gm"] = gm
+            names: dict[str, str] = {}
+            pp._other_mode["stages"] = _streamed(pp, modes.stages_in_mode(gm, fresh, pp._gm, pp.plan, pp._trained,
+                                                                          names))
+            pp._other_mode["gm"], pp._other_mode["names"] = gm, names
         except Exception as e:  # noqa: BLE001 - whatever the trace or the cut raises: on every rank, not one
             error = (f"{type(e).__name__}: in {'training' if pp.training else 'eval'} mode the model traces "
                      f"otherwise than the plan's graph ({e}); build a Pipeline from the model in that mode")
         agree_everywhere(error, ModeError, pp.pp_group)
     if inference and pp.plan.loss and "inference" not in pp._other_mode:
-        error, gm = None, pp._other_mode["gm"]
-        known = {n.name: (n.op, n.target) for n in pp._gm.graph.nodes}
-        if any(known.get(n.name) != (n.op, n.target) for n in gm.graph.nodes):  # inference_stage cuts by name
-            error = ("forward() in this mode, the loss in the graph: the mode's graph names its operations "
-                     "otherwise than the plan's (torch.export), and the stages without the loss are cut by name; "
-                     "evaluate() works, or build a Pipeline from the model in that mode")
-        else:
-            try:
-                pp._other_mode["inference"] = _streamed(pp, {s: inference_stage(gm, pp.plan, s, pp._trained[s])
-                                                             for s in pp.local})
-            except Exception as e:  # noqa: BLE001 - a value the cut misses (found by review: a KeyError on one
-                # rank, the other waiting for it until the timeout)
-                error = (f"forward() in {'training' if pp.training else 'eval'} mode, the loss in the graph: the "
-                         f"stages without the loss cannot be cut from the mode's graph ({type(e).__name__}: {e}); "
-                         "evaluate() works, or build a Pipeline from the model in that mode")
+        error, gm, names = None, pp._other_mode["gm"], pp._other_mode["names"]
+        if any(names.get(n.name, n.name) != n.name for n in gm.graph.nodes):  # (torch.export numbers its nodes:
+            gm = modes.renamed(gm, names)  # without dropout, others) inference_stage cuts by the plan's names
+        try:
+            pp._other_mode["inference"] = _streamed(pp, {s: inference_stage(gm, pp.plan, s, pp._trained[s])
+                                                         for s in pp.local})
+        except Exception as e:  # noqa: BLE001 - a value the cut misses (found by review: a KeyError on one
+            # rank, the other waiting for it until the timeout)
+            error = (f"forward() in {'training' if pp.training else 'eval'} mode, the loss in the graph: the "
+                     f"stages without the loss cannot be cut from the mode's graph ({type(e).__name__}: {e}); "
+                     "evaluate() works, and so does forward() on a Pipeline built with trace_loss=False (the loss "
+                     "outside the graph: its stages are the model's own in either mode)")
         agree_everywhere(error, ModeError, pp.pp_group)
     return pp._other_mode["stages"], pp._other_mode.get("inference") if inference else None
 

@@ -20,7 +20,7 @@ from partition.rewrite import apply_rewrites
 from partition.split import live_values, subgraph
 from partition.trace import flatten_outputs, trace
 
-__all__ = ["in_mode", "matched", "traceable", "traced_in_mode", "stages_in_mode"]
+__all__ = ["in_mode", "matched", "renamed", "traceable", "traced_in_mode", "stages_in_mode"]
 
 # what a mode may drop (a dropout and the output it picks), and what may stand for it in another (a copy)
 _DROPOUT = {torch.ops.aten.native_dropout.default, torch.ops.aten.dropout.default, torch.nn.functional.dropout,
@@ -96,14 +96,15 @@ def matched(fresh: torch.fx.GraphModule, gm: torch.fx.GraphModule) -> tuple[dict
 
 
 def stages_in_mode(gm: torch.fx.GraphModule, fresh: torch.fx.GraphModule, trained: torch.fx.GraphModule,
-                   plan: Plan, roots: Mapping[int, torch.nn.Module]
+                   plan: Plan, roots: Mapping[int, torch.nn.Module], names: dict[str, str] | None = None
                    ) -> dict[int, tuple[torch.fx.GraphModule, list[int]]]:
     """The stages `roots` names (stage -> the module holding its parameters and submodules under the
     model's names), cut from `gm` by `plan`, each called as the training stage is (received values, then
     the model inputs at the returned positions). `fresh`: the model traced in the plan's mode; `trained`:
     the graph the plan cut (rewritten). Nodes are matched as `matched` does; a value that crossed a cut
     from a node `gm` lacks crosses from that node's input. PlanError where the cuts would send other
-    values than the plan's, or a rewritten node is named otherwise."""
+    values than the plan's, or a rewritten node is named otherwise. `names`, when given, receives each node of
+    gm (rewritten) -> the name of the plan's node it stands for."""
     to, gone = matched(fresh, gm)
     back = {v: k for k, v in to.items()}
     todo = [r for r in plan.rewrites if str(r[0]) in back]
@@ -115,6 +116,8 @@ def stages_in_mode(gm: torch.fx.GraphModule, fresh: torch.fx.GraphModule, traine
     known = {n.name: n for n in trained.graph.nodes}
     for n in gm.graph.nodes:  # the rewrites' own nodes are named alike in both
         to.setdefault(n.name, n.name)
+    if names is not None:
+        names.update(to)
     strange = [n.name for n in gm.graph.nodes if to[n.name] not in known]
     if strange:
         raise PlanError(f"its nodes {', '.join(strange[:4])} are not in the plan's graph")
@@ -142,4 +145,25 @@ def stages_in_mode(gm: torch.fx.GraphModule, fresh: torch.fx.GraphModule, traine
         cut, inputs, _ = subgraph(gm, {n for n, t in stage_of.items() if t == s}, stage_of, recv[s], sends,
                                   f"Stage{s}InMode")
         out[s] = (torch.fx.GraphModule(root, cut.graph, f"Stage{s}InMode"), inputs)
+    return out
+
+
+def renamed(gm: torch.fx.GraphModule, names: Mapping[str, str]) -> torch.fx.GraphModule:
+    """A copy of gm whose nodes bear the names `names` gives them (the plan's nodes they stand for: stages_in_mode),
+    so that what cuts by the plan's names (partition.split.inference_stage) cuts it; gm's own parameters."""
+    import copy
+    g = copy.deepcopy(gm.graph)
+    nodes = list(g.nodes)
+    for i, n in enumerate(nodes):  # (through names of their own: no two nodes named alike at any point)
+        n.name = f"_fxpipe_renaming_{i}"
+    for n, was in zip(nodes, gm.graph.nodes):
+        n.name = names.get(was.name, was.name)
+    out = torch.fx.GraphModule(gm, g, type(gm).__name__)
+    out.meta.update(gm.meta)
+    if "fxpipe_model_out" in gm.meta:  # (partition.loss.model_outputs: the model's outputs by node name)
+        leaves, spec = gm.meta["fxpipe_model_out"]
+        out.meta["fxpipe_model_out"] = ([(is_node, names.get(x, x) if is_node else x) for is_node, x in leaves], spec)
+    for attr in ("_in_spec", "_out_spec"):
+        if hasattr(gm, attr):
+            setattr(out, attr, getattr(gm, attr))
     return out
