@@ -531,16 +531,18 @@ def _candidates(st: StageInfo, recompute: str, offload: str, budget: float | Non
 
 
 def choose(stages: Sequence[StageInfo], *, recompute: str, offload: str, budget: float | None,
-           optim_factor: float = 2.0) -> list[StageChoice]:
+           optim_factor: float = 2.0, most: tuple[str, str] = ("auto", "all")) -> list[StageChoice]:
     """One StageChoice per stage, the least costly that fits the budget (ties: the smaller peak);
-    BudgetError, with the smallest feasible budget, when a stage cannot fit."""
+    BudgetError, with the smallest feasible budget, when a stage cannot fit, and what the most recompute
+    and offload the pipeline allows (`most`: compiled stages allow neither recompute nor streamed state)
+    would reach."""
     check_options(recompute, offload)
     out = []
     for st in stages:
         fitting = [c for c in _candidates(st, recompute, offload, budget, optim_factor)
                    if budget is None or c.predicted_peak <= budget]
         if not fitting:
-            raise _infeasible(stages, recompute, offload, budget or 0.0, optim_factor, st.index)
+            raise _infeasible(stages, recompute, offload, budget or 0.0, optim_factor, st.index, most)
         out.append(min(fitting, key=lambda c: (c.cost_ms, c.predicted_peak)))
     return out
 
@@ -551,21 +553,27 @@ def _least(st: StageInfo, recompute: str, offload: str, optim_factor: float) -> 
 
 
 def _infeasible(stages: Sequence[StageInfo], recompute: str, offload: str, budget: float, optim_factor: float,
-                first: int) -> BudgetError:
+                first: int, most: tuple[str, str] = ("auto", "all")) -> BudgetError:
     asked = max(_least(st, recompute, offload, optim_factor).predicted_peak for st in stages)
-    bests = [_least(st, "auto", "all", optim_factor) for st in stages]
+    bests = [_least(st, *most, optim_factor) for st in stages]
     c = max(bests, key=lambda c: c.predicted_peak)
     best = c.predicted_peak
     parts = ", ".join(f"{k} {human(v)}" for k, v in c.parts.items())
     if best > budget:
         return BudgetError(
             f"memory_budget={human(budget)} ({budget:.0f} bytes) per stage cannot be met even with "
-            f"recompute='auto' and offload='all': stage {c.stage} needs at least {human(best)} ({parts}). "
+            f"recompute={most[0]!r} and offload={most[1]!r}{_why_most(most)}: stage {c.stage} needs at least "
+            f"{human(best)} ({parts}). "
             f"The smallest feasible budget for these stages is {best:.0f} bytes (the stages cut at this budget: "
             "another budget may cut them otherwise, needing more or less); fix: give memory_budget >= "
             f"{best:.0f}, use more stages, fewer or smaller microbatches", best)
     return BudgetError(
         f"memory_budget={human(budget)} ({budget:.0f} bytes) per stage is not met on stage {first} with "
         f"recompute={recompute!r} and offload={offload!r}; those need at least {human(asked)} ({asked:.0f} "
-        f"bytes). Fix: give memory_budget >= {asked:.0f}, or recompute='auto' and offload='all' (they reach "
-        f"{human(best)}, {best:.0f} bytes)", asked)
+        f"bytes). Fix: give memory_budget >= {asked:.0f}"
+        + (f", or recompute={most[0]!r} and offload={most[1]!r}{_why_most(most)} (they reach {human(best)}, "
+           f"{best:.0f} bytes)" if (most[0], most[1]) != (recompute, offload) else ""), asked)
+
+
+def _why_most(most: tuple[str, str]) -> str:
+    return "" if most == ("auto", "all") else " (the most compiled stages allow)"

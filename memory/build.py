@@ -146,7 +146,7 @@ def plan_choices(*, recompute: str, offload: str, budget: float | None, stages: 
                  costs: dict[str, NodeCost], gm: torch.fx.GraphModule, param_sizes: dict[str, tuple[int, int]],
                  programs: Mapping[int, Sequence[Any]], place: Sequence[int], microbatches: int,
                  optim_factor: float = 2.0, time_scale: float = 1.0, copy_bytes_per_ms: float = COPY_BYTES_PER_MS,
-                 output_bytes: int = 0) -> list[StageChoice]:
+                 output_bytes: int = 0, most: tuple[str, str] = ("auto", "all")) -> list[StageChoice]:
     """Every stage's memory plan (memory.budget.choose) from plain data: the plan's stage dicts, the
     per-node costs, every rank's lowered program and the stages' ranks. What build plans with, and
     what schedule='auto' weighs each candidate's recompute and offload with (pipe.auto)."""
@@ -160,7 +160,7 @@ def plan_choices(*, recompute: str, offload: str, budget: float | None, stages: 
                         actions=stage_actions(programs), place=place, output_bytes=output_bytes,
                         fused_points={s: stage_points(programs, place, recv, send, True, fused=(s,))[s]
                                       for s in range(len(stages))} if zero_bubble else None)
-    return choose(infos, recompute=recompute, offload=offload, budget=budget, optim_factor=optim_factor)
+    return choose(infos, recompute=recompute, offload=offload, budget=budget, optim_factor=optim_factor, most=most)
 
 
 def build(*, recompute: str, offload: str, budget: float | None, stages: Sequence[dict[str, Any]],
@@ -169,7 +169,7 @@ def build(*, recompute: str, offload: str, budget: float | None, stages: Sequenc
           actions: Sequence[tuple[int, str, int]], programs: Mapping[int, Sequence[Any]], place: Sequence[int],
           microbatches: int, device: torch.device,
           optim_factor: float = 2.0, time_scale: float = 1.0,
-          copy_bytes_per_ms: float = COPY_BYTES_PER_MS, output_bytes: int = 0
+          copy_bytes_per_ms: float = COPY_BYTES_PER_MS, output_bytes: int = 0, most: tuple[str, str] = ("auto", "all")
           ) -> tuple[PlannedMemory, list[StageChoice]]:
     """Plan every stage (the same on every rank: only the plan and the costs go in), then the
     manager for this rank's `modules`. BudgetError when the budget cannot be met. `programs`: every
@@ -186,7 +186,7 @@ def build(*, recompute: str, offload: str, budget: float | None, stages: Sequenc
     choices = plan_choices(recompute=recompute, offload=offload, budget=budget, stages=stages, costs=costs, gm=gm,
                            param_sizes=param_sizes, programs=programs, place=place, microbatches=microbatches,
                            optim_factor=optim_factor, time_scale=time_scale, copy_bytes_per_ms=copy_bytes_per_ms,
-                           output_bytes=output_bytes)
+                           output_bytes=output_bytes, most=most)
     mm = PlannedMemory(choices=choices, modules=modules, param_nodes=param_nodes, actions=actions,
                        recv_bytes=recv, send_bytes=send, device=device,
                        budget=budget, chunk_elems={c.stage: c.chunk_elems for c in choices if c.chunk_elems},

@@ -23,9 +23,10 @@ class NonFiniteLoss(FxpipeError, FloatingPointError):
     """The loss of a step was NaN or infinite."""
 
 
-def agree_everywhere(error: str | None, cls: type[PipelineError] | None = None, group: Any = None) -> None:
+def agree_everywhere(error: str | None, cls: type[PipelineError] | None = None, group: Any = None,
+                     when: str = "setting up the pipeline") -> None:
     """Raise `cls` (PipelineError) on every rank of the job (of `group`: one pipeline's, whose replicas need not
-    take part) when any rank failed, naming the first failing (global) rank."""
+    take part) when any rank failed, naming the first failing (global) rank and what it failed `when` doing."""
     world = dist.get_world_size(group)
     errors: list[Any] = [None] * world
     if world > 1:
@@ -35,4 +36,4 @@ def agree_everywhere(error: str | None, cls: type[PipelineError] | None = None, 
     ranks = list(range(world)) if group is None else dist.get_process_group_ranks(group)
     for r, e in zip(ranks, errors):
         if e is not None:
-            raise (cls or PipelineError)(f"rank {r} failed while setting up the pipeline: {e}")
+            raise (cls or PipelineError)(f"rank {r} failed while {when}: {e}")

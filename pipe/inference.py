@@ -171,7 +171,7 @@ def stages_in_mode_of(pp: Pipeline, inference: bool) -> tuple[dict[int, Any] | N
         except Exception as e:  # noqa: BLE001 - whatever the trace or the cut raises: on every rank, not one
             error = (f"{type(e).__name__}: in {'training' if pp.training else 'eval'} mode the model traces "
                      f"otherwise than the plan's graph ({e}); build a Pipeline from the model in that mode")
-        agree_everywhere(error, ModeError, pp.pp_group)
+        agree_everywhere(error, ModeError, pp.pp_group, when=f"cutting the stages in {_mode(pp)} mode")
     if inference and pp.plan.loss and "inference" not in pp._other_mode:
         error, gm, names = None, pp._other_mode["gm"], pp._other_mode["names"]
         if any(names.get(n.name, n.name) != n.name for n in gm.graph.nodes):  # (torch.export numbers its nodes:
@@ -185,8 +185,13 @@ def stages_in_mode_of(pp: Pipeline, inference: bool) -> tuple[dict[int, Any] | N
                      f"stages without the loss cannot be cut from the mode's graph ({type(e).__name__}: {e}); "
                      "evaluate() works, and so does forward() on a Pipeline built with trace_loss=False (the loss "
                      "outside the graph: its stages are the model's own in either mode)")
-        agree_everywhere(error, ModeError, pp.pp_group)
+        agree_everywhere(error, ModeError, pp.pp_group, when=f"cutting the stages without the loss in {_mode(pp)} "
+                         "mode")
     return pp._other_mode["stages"], pp._other_mode.get("inference") if inference else None
+
+
+def _mode(pp: Pipeline) -> str:
+    return "training" if pp.training else "eval"
 
 
 def _streamed(pp: Pipeline, stages: dict[int, Any]) -> dict[int, Any]:
@@ -241,7 +246,7 @@ def forward(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, A
             error = f"PipelineError: forward() on this pipeline: {e}"
         except Exception as e:  # noqa: BLE001 - raised on every rank, not on one while the others wait
             error = f"PipelineError: forward() on this pipeline: the stages without the loss: {type(e).__name__}: {e}"
-        agree_everywhere(error, group=pp.pp_group)
+        agree_everywhere(error, group=pp.pp_group, when="cutting the stages without the loss for forward()")
     stages, inference = stages_in_mode_of(pp, inference=True)  # (None, None) in the mode of the trace
     layout = output_layout(pp)
     check_layout(layout)  # (the same on every rank: a meta run's)

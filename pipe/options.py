@@ -12,7 +12,7 @@ from pipe.errors import PipelineError
 from pipe.replicas import DP_SHARD
 from pipe.schedules import ScheduleError, default_stages_per_rank
 
-__all__ = ["Options", "check", "compile_options", "calibration_of"]
+__all__ = ["COMPILED_MOST", "Options", "check", "compile_options", "calibration_of"]
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ def check(*, loss_fn: Any, schedule: str, plan: Any, stages_per_rank: int | None
         optim_factor = None if optimizer is None else memory.factory_state_factor(optimizer)
     except ValueError as e:
         raise PipelineError(str(e)) from None
-    compiled = compile_options(compile, recompute, dynamic_shapes)
+    compiled = compile_options(compile, recompute, dynamic_shapes, offload)
     cal = calibration_of(calibration, plan, cost)
     if auto and plan is not None:
         raise PipelineError("schedule='auto' chooses the schedule and plans for it, but plan= gives a plan made "
@@ -81,7 +81,10 @@ def check(*, loss_fn: Any, schedule: str, plan: Any, stages_per_rank: int | None
     return Options(recompute, stages_per_rank, compiled, cal, optim_factor)
 
 
-def compile_options(compile: Any, recompute: str, dynamic: bool) -> dict[str, Any] | None:
+COMPILED_MOST = ("none", "activations")  # the most recompute and offload compiled stages run with
+
+
+def compile_options(compile: Any, recompute: str, dynamic: bool, offload: str = "none") -> dict[str, Any] | None:
     """torch.compile's keyword arguments for `compile=` (True: its defaults), None for False."""
     if compile is False:
         return None
@@ -92,6 +95,11 @@ def compile_options(compile: Any, recompute: str, dynamic: bool) -> dict[str, An
         raise PipelineError(f"compile= runs with recompute='none' (got recompute={recompute!r}): fxpipe recomputes "
                             "through checkpoints and saved-tensor hooks inside the stage, which torch.compile would "
                             "trace into its graph; use recompute='none', or compile=False")
+    if offload in ("states", "all"):  # (found by review: rank 1 died of a segfault in its first backward)
+        raise PipelineError(f"compile= runs with offload='none' or 'activations' (got offload={offload!r}): streamed "
+                            "model state fetches each parameter chunk from hooks on the stage's modules as they "
+                            "run, which torch.compile breaks its graph on; use offload='activations', or "
+                            "compile=False")
     options = {} if compile is True else dict(compile)
     if dynamic:
         options.setdefault("dynamic", True)

@@ -109,7 +109,8 @@ def _as_run(pp: Pipeline, plan: Plan, budget: float | str | None) -> Plan:
          "none" if mine is None else human(mine))) if theirs != ours]
     if not differ:
         return plan
-    flights = [in_flight_limit(pp.schedule_name, plan.n_stages, pp.M, s, pp.v) for s in range(plan.n_stages)]
+    flights = [in_flight_limit(pp.schedule_name, plan.n_stages, pp.M, s, pp.v, pp._compile is not None)
+               for s in range(plan.n_stages)]
     ran = dataclasses.replace(plan, schedule=pp.schedule_name, microbatches=pp.M, memory_budget=mine,
                               stages=[dataclasses.replace(st, in_flight=n) for st, n in zip(plan.stages, flights)],
                               notes=list(plan.notes))
@@ -149,8 +150,8 @@ def plan_here(pp: Pipeline, model: torch.nn.Module, args: tuple[Any, ...], kwarg
     S = pp.world * v
     plan = partition.plan(
         model, args, S, example_kwargs=kwargs, cost=cost, schedule=schedule, microbatches=M,
-        memory_budget=budget, stages_per_rank=v, in_flight_counts=[in_flight_limit(schedule, S, M, s, v)
-                                                                   for s in range(S)],
+        memory_budget=budget, stages_per_rank=v,
+        in_flight_counts=[in_flight_limit(schedule, S, M, s, v, pp._compile is not None) for s in range(S)],
         recompute=features[0], offload=features[1], loss_fn=pp.loss_fn if pp.trace_loss else None,
         example_target=example_target, bytes_per_ms=link[0], latency_ms=link[1], leaf_modules=pp.leaf_modules,
         progress=pp.progress, state_factor=2.0 + state_factor(pp), device=pp.ctx.device, share=share,
@@ -180,7 +181,7 @@ def plan_within(pp: Pipeline, model: torch.nn.Module, args: tuple[Any, ...], kwa
 
     def fits(p: Plan, b: float) -> None:  # memory/'s verdict, as the stages' memory manager will give it
         auto.memory_plan(Plan.from_dict(p.to_dict()), out[0], pp.world, recompute=features[0],
-                         offload=features[1], budget=b, param_sizes=sizes)
+                         offload=features[1], budget=b, param_sizes=sizes, compiled=pp._compile is not None)
     try:
         plan = plan_at(budget, analysis_out=out, calibrate=calibrate)
         if budget is not None and out:
@@ -240,7 +241,7 @@ def choose(pp: Pipeline, model: torch.nn.Module, args: tuple[Any, ...], kwargs: 
     def memory_fn(c: auto.Candidate, p: Plan, a: Any) -> Plan:
         try:
             q = auto.memory_plan(p, a, pp.world, recompute=c.recompute or features[0], offload=features[1],
-                                 budget=parse_bytes(budget), param_sizes=sizes)
+                                 budget=parse_bytes(budget), param_sizes=sizes, compiled=pp._compile is not None)
         except memory.BudgetError as e:
             raise PipelineError(f"memory/ cannot fit it: {first_line(e, 400)}") from None
         if not weigh:  # memory/'s peaks alone, as the pipeline's own plan gives them (message buffers too; found

@@ -102,7 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--memory-budget", type=_budget, default=None,
                    help="per-stage budget, e.g. 8GiB (default: --plan's, else none)")
     p.add_argument("--compile", action="store_true",
-                   help="compile each stage with torch.compile (Pipeline(compile=True)); needs --recompute none")
+                   help="compile each stage with torch.compile (Pipeline(compile=True)); needs --recompute none and "
+                        "--offload none or activations")
     p.add_argument("--recompute", default=None, choices=["none", "full", "selective", "auto"],
                    help="activation recomputation per stage (auto: chosen from --memory-budget); default none, "
                         "or auto under --schedule auto with --memory-budget (auto weighs it per candidate)")

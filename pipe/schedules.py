@@ -598,10 +598,11 @@ def validate(schedule: Schedule, n_stages: int, n_microbatches: int, place: Sequ
     execution_order(schedule, n_stages, n_microbatches, place)
 
 
-def max_in_flight(schedule: Schedule, stage: int) -> int:
-    """Peak number of mbs alive on `stage`: F opens, W closes if the stage has W, else B."""
+def max_in_flight(schedule: Schedule, stage: int, fused: bool = False) -> int:
+    """Peak number of mbs alive on `stage`: F opens, W closes if the stage has W (and its backward is not
+    `fused` into one BW at its B, as compiled stages run it), else B."""
     actions = [a for acts in schedule.values() for a in acts if a.stage == stage]
-    closer = "W" if any(a.kind == "W" for a in actions) else "B"
+    closer = "W" if not fused and any(a.kind == "W" for a in actions) else "B"
     alive = peak = 0
     for a in actions:
         if a.kind == "F":
@@ -613,9 +614,10 @@ def max_in_flight(schedule: Schedule, stage: int) -> int:
 
 
 def in_flight_limit(
-    name: str, n_stages: int, n_microbatches: int, stage: int, stages_per_rank: int = 1
+    name: str, n_stages: int, n_microbatches: int, stage: int, stages_per_rank: int = 1, fused: bool = False
 ) -> int:
-    """Peak mbs whose activations schedule `name` keeps alive on `stage` (see max_in_flight)."""
+    """Peak mbs whose activations schedule `name` keeps alive on `stage` (see max_in_flight; `fused`: each B runs
+    with its W, as a compiled stage's backward)."""
     if not 0 <= stage < n_stages:
         raise ScheduleError(f"stage {stage} is outside 0..{n_stages - 1}")
     if n_stages % stages_per_rank:
@@ -623,8 +625,8 @@ def in_flight_limit(
             f"n_stages={n_stages} is not a multiple of stages_per_rank={stages_per_rank}; "
             "use n_stages = n_ranks * stages_per_rank"
         )
-    got = closed_form(name, n_stages, n_microbatches)
+    got = None if fused else closed_form(name, n_stages, n_microbatches)
     if got is not None:
         return got[stage]
     n_ranks = n_stages // stages_per_rank
-    return max_in_flight(build(name, n_ranks, n_microbatches, stages_per_rank), stage)
+    return max_in_flight(build(name, n_ranks, n_microbatches, stages_per_rank), stage, fused)

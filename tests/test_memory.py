@@ -97,6 +97,12 @@ def test_unmeetable_budget_names_the_smallest_feasible_figure() -> None:
     with pytest.raises(BudgetError, match="recompute='none'") as e2:
         choose(stages, recompute="none", offload="none", budget=least)
     assert e2.value.needed_bytes > least
+    assert "or recompute='auto' and offload='all' (they reach" in str(e2.value), e2.value
+    # compiled stages allow neither recompute nor streamed state: the fix names only what they allow (found by
+    # review: it offered recompute='auto' and offload='all', which compile= refuses)
+    with pytest.raises(BudgetError, match="even with recompute='none' and offload='activations' \\(the most") as e3:
+        choose(stages, recompute="none", offload="none", budget=least, most=("none", "activations"))
+    assert "recompute='auto'" not in str(e3.value) and e3.value.needed_bytes > least, e3.value
     with pytest.raises(ValueError, match="selective"):
         check_options("some", "none")
     with pytest.raises(ValueError, match="activations"):

@@ -149,3 +149,10 @@ def test_a_zero_bubble_stage_that_fits_once_its_backward_is_fused_recomputes_one
     assert got[-1].memory == "remat 1" and got[-1].memory_nodes == 1, [st.memory for st in got]
     assert got[-1].memory_peak <= budget < plain[-1]
     assert got[-1].w_ms == 0.0  # it runs BW: no W of its own
+    # compiled stages run BW everywhere: the peaks of 1F1B's program (found by review: W's hold was counted)
+    compiled = [st.memory_peak for st in auto.memory_plan(plan, a[0], S, recompute="none", offload="none", budget=None,
+                                                          param_sizes=sizes, compiled=True).stages]
+    one_f_one_b = [st.memory_peak for st in auto.memory_plan(
+        partition.Plan.from_dict({**plan.to_dict(), "schedule": "1f1b"}), a[0], S, recompute="none", offload="none",
+        budget=None, param_sizes=sizes).stages]
+    assert compiled == one_f_one_b and compiled[-1] < plain[-1], (compiled, one_f_one_b, plain)

@@ -79,6 +79,11 @@ def test_compile_options_and_their_refusals() -> None:
                                                                                           "dynamic": False}
     with pytest.raises(PipelineError, match=r"compile= runs with recompute='none' \(got recompute='selective'\)"):
         compile_options(True, "selective", False)
+    for offload in ("states", "all"):  # (found by review: a segfault in the first backward)
+        with pytest.raises(PipelineError, match=rf"compile= runs with offload='none' or 'activations' \(got offload="
+                           rf"'{offload}'\)"):
+            compile_options(True, "none", False, offload)
+    assert compile_options(True, "none", False, "activations") == {}
     with pytest.raises(PipelineError, match=r"compile must be True, False or a dict.*got 'yes'"):
         compile_options("yes", "none", False)
 
