@@ -214,8 +214,9 @@ def evaluate(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, 
     pipeline's mode, the loss where step() computes it, then the mean loss on every rank."""
     mbs, targets = calls.agreed_call(pp, (batch_args, batch_kwargs), target, "evaluate")
     stages, _ = stages_in_mode_of(pp, inference=False)
-    run = StepState(pp, pp._flats(mbs, targets), targets, calls.exchange(pp), inference=True, evaluating=True,
-                    stages=stages)
+    flats = pp._flats(mbs, targets)
+    pp._weigh_by_target(flats[0], targets[0])
+    run = StepState(pp, flats, targets, calls.exchange(pp), inference=True, evaluating=True, stages=stages)
     with _plain(pp), torch.no_grad(), failures(pp, run, "evaluation"), flags(pp, stages is not None):
         if stages is not None and pp.sharded is not None:  # gathered as the stages' own forward would
             for s in pp.local:

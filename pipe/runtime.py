@@ -212,6 +212,9 @@ class Pipeline:
         agree_everywhere(error)
         self._gm = gm
         self.plan.notes.append(self.weighting.describe(self.dp, dynamic=self.dynamic))
+        # the loss outside the graph without an example target: how it forms the batch's is found again at the
+        # first call with a target (its kind may need the target's shape: a .sum() over the samples)
+        self._weigh_at_target = not self.plan.loss and example_target is None and loss_fn is not None
         norms = batch_statistics(gm) if self.M > 1 else []
         if norms:
             self.plan.notes.append(
@@ -477,6 +480,7 @@ class Pipeline:
         """
         mbs, targets = calls.agreed_call(self, (batch_args, batch_kwargs), target, "step")
         flats = self._flats(mbs, targets)
+        self._weigh_by_target(flats[0], targets[0])
         exchange = calls.exchange(self)
         run = StepState(self, flats, targets, exchange)
         with failures(self, run, f"step {self.steps_done}"):
@@ -510,6 +514,26 @@ class Pipeline:
         if not math.isfinite(value):
             non_finite(self, value, run, accumulated)
         return value
+
+    def _weigh_by_target(self, flat: list[Any], target: Any) -> None:
+        """With the loss outside the graph and no example target, the first call with a target (the same on every
+        rank of the pipeline: agreed) finds how the loss forms the batch's from the microbatches' on its first
+        microbatch, where planning could not: a .sum() over the samples is known to be one only from the target's
+        shape (found by review: averaged, 1/M of the batch's loss and grads). The plan's note follows."""
+        if not self._weigh_at_target or target is None:
+            return
+        self._weigh_at_target = False
+        try:
+            found = loss_weighting(self._gm, self.loss_fn, False, flat, target)
+        except Exception:  # noqa: BLE001 - as planned: the note says so
+            return
+        if found.kind == self.weighting.kind:
+            return
+        said = self.weighting.describe(self.dp, dynamic=self.dynamic)
+        found.holder = self.weighting.holder
+        self.weighting = found
+        now = found.describe(self.dp, dynamic=self.dynamic) + " (found at the first call with a target)"
+        self.plan.notes = [now if n == said else n for n in self.plan.notes]
 
     # ----- modes -----
     def train(self, mode: bool = True) -> "Pipeline":

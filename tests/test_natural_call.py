@@ -167,6 +167,26 @@ def natural_body(rank: int, world: int) -> dict[str, Any]:
     pp = pipe.Pipeline(_TwoHeads(), (x[:4],), loss_fn=_head_loss, microbatches=4, cost="flops", trace_loss=False)
     assert not pp.plan.loss and "outside the graph (trace_loss=False)" in pp.plan.table()
     out["outside"] = pp.step(x, target=labels)
+    # outside the graph, a .sum() over the samples is known to be one only from the target's shape: found at the
+    # first step (found by review: averaged, 1/M of the batch's loss and grads)
+    torch.manual_seed(1)
+    model, ref_model = _TwoHeads(), _TwoHeads()
+    ref_model.load_state_dict(model.state_dict())
+
+    def summed(o: dict[str, Any], y: torch.Tensor) -> torch.Tensor:
+        return ((o["logits"] - y) ** 2).sum()
+    pp = pipe.Pipeline(model, (x[:4],), loss_fn=summed, microbatches=4, cost="flops", trace_loss=False)
+    assert pp.weighting.kind == "mean", pp.weighting
+    loss = pp.step(x, target=soft)
+    want = summed(ref_model(x), soft)
+    want.backward()
+    torch.testing.assert_close(loss, want.item())
+    grads = dict(pp.named_parameters())
+    for name, p in ref_model.named_parameters():
+        if name in grads:
+            torch.testing.assert_close(grads[name].grad, p.grad, msg=name)
+    assert any("the sum of the microbatches'" in n and "found at the first call with a target" in n
+               for n in pp.plan.notes), pp.plan.notes
     return out
 
 
