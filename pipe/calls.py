@@ -247,6 +247,19 @@ def split_microbatches(tree: Any, n: int, what: str = "batch") -> list[Any]:
     return [pytree.tree_unflatten([p[i] for p in parts], spec) for i in range(n)]
 
 
+def _same_samples(batch: Any, target: Any) -> None:
+    """Refuse a target whose dim 0 is not the batch's samples or a multiple of them (its tokens, flattened) (found
+    by review: a target of 8 for a batch of 16 failed inside the step, in the loss, ending the job; split along
+    dim 0 as the inputs are, one of another size would pair each microbatch with another's targets)."""
+    def samples(tree: Any) -> int | None:
+        return next((x.shape[0] for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor) and x.dim()), None)
+    ours, theirs = samples(batch), samples(target)
+    if ours and theirs is not None and theirs % ours:
+        raise PipelineError(f"the target's dim 0 is {theirs} but the batch has {ours} samples (its inputs' dim 0): "
+                            "fxpipe splits the target into the microbatches along dim 0 as it splits the inputs; "
+                            "pass the batch's target, its samples (or their tokens, flattened) along dim 0")
+
+
 _FORWARDS: dict[Any, Any] = {}  # a model class -> its forward's parameters, or None (looked up once, not per call)
 
 
@@ -277,15 +290,31 @@ def _defaults_as_planned(pp: Pipeline, kwargs: dict[str, Any]) -> dict[str, Any]
     return out
 
 
+def still_running(what: str) -> None:
+    """PipelineError, naming the failure, for a call made after a failure inside a step tore this rank's process
+    group down (found by review: torch's "Default process group has not been initialized", for every call after)."""
+    why = comm.stopped()
+    if why is not None:
+        raise PipelineError(f"{what}: this job's process group was torn down after a failure ({why}): a failure "
+                            "inside a step or pass leaves messages between the ranks unmatched, so fxpipe stops the "
+                            "group rather than let a later call receive them; restart the job (torchrun or mpirun) "
+                            "and resume from the last checkpoint (pp.load)")
+
+
 def agreed_call(pp: Pipeline, batch: tuple[tuple[Any, ...], dict[str, Any]], target: Any, what: str,
                 training: bool = True) -> tuple[list[Any], list[Any]]:
     """The call's microbatches and targets, once every rank of the pipeline has agreed on it: a call the
     plan was not made for is refused, and ranks given different batches stop, on every rank before any
     message."""
-    refused: PipelineError | None = None
+    still_running(f"pp.{what}()")
+    refused: Exception | None = None
     mbs: list[Any] = []
     targets: list[Any] = [None] * pp.M
     batch = (batch[0], _defaults_as_planned(pp, batch[1]))
+    over = getattr(pp.memory, "over_budget", None) if what == "step" else None
+    if over is not None:  # the optimizer's first step measured more state than the budget allows: refused on every
+        refused = over  # rank before anything runs (found by review: raised inside the step on that rank alone, the
+        # others waiting on it, then the process group torn down)
     try:  # (with fixed shapes, the plan's first: they say which one batch size it takes)
         lost, cast = pp._autocast_lost, autocast_key(pp.ctx.device)
         if lost and cast:
@@ -300,14 +329,15 @@ def agreed_call(pp: Pipeline, batch: tuple[tuple[Any, ...], dict[str, Any]], tar
             check_pipeline_call(pp, batch, target, training, step=what == "step")
         if target is not None:
             targets = split_microbatches(target, pp.M, "target")
+            _same_samples(batch, target)
     except PipelineError as e:
-        refused = e
+        refused = refused or e
     agree_on_call(pp, batch, target, what, refused)  # (raises on every rank when a rank refused)
     return mbs, targets
 
 
 def agree_on_call(pp: Pipeline, batch: tuple[tuple[Any, ...], dict[str, Any]], target: Any, what: str,
-                  refused: PipelineError | None = None) -> None:
+                  refused: Exception | None = None) -> None:
     """Compare this rank's call with the pipeline's other ranks' (agree); `refused`: this rank's own error
     about it. What each step adds to agree (bench schedules times it)."""
     if pp.world > 1:
@@ -342,6 +372,7 @@ def agree_on_kind(pp: Pipeline, what: str, replicas: bool = True) -> None:
     the all-gather step() makes to agree on its call, and then (`replicas`: a call the replicas make together)
     with the other replicas', in the all-gather each call begins the replicas' collectives with, so that ranks
     making different calls stop at once."""
+    still_running(f"pp.{what}()")
     refused: PipelineError | None = None
     if pp.world > 1:
         try:
@@ -355,7 +386,7 @@ def agree_on_kind(pp: Pipeline, what: str, replicas: bool = True) -> None:
         raise refused
 
 
-def _replicas_agree(pp: Pipeline, stopped: PipelineError | None, what: str) -> None:
+def _replicas_agree(pp: Pipeline, stopped: Exception | None, what: str) -> None:
     """Raise on every replica when one replica's pipeline stopped its call (`stopped`: this rank's error, the
     same kind on every rank of its pipeline) or made another call (step() on one, clip_grad_norm_() on another):
     the replicas' grads are averaged together, so the others would pair this step's collectives with the stopped

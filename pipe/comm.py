@@ -37,6 +37,7 @@ _ALIVE_KEY = "fxpipe/alive/"  # + rank: that rank answered the roll call after a
 _KEPT: list[Any] = []  # the store outlives the process group it served, for the failure protocol
 _TIMEOUT_S = [DEFAULT_TIMEOUT_S]  # the process group's timeout (init's timeout_s)
 _FAILED = [False]  # this rank saw the job fail: a lost rank, another rank's error, or its own
+_STOPPED: list[str] = []  # why this rank's process group was torn down (stopped), once it was
 _STORE_OP_S = 5.0  # the longest a store operation of the failure protocol waits
 
 
@@ -171,7 +172,7 @@ def fail_everywhere(message: str) -> None:
     with contextlib.suppress(Exception):  # the store may be gone with a dead rank 0
         if int(store.add(_FAILURES_KEY, 1)) == 1:
             store.set(_ERROR_KEY, message)
-    _stop()
+    _stop(message)
 
 
 def first_failure(timeout_s: float = 1.0) -> str | None:
@@ -186,14 +187,20 @@ def first_failure(timeout_s: float = 1.0) -> str | None:
     with contextlib.suppress(Exception):
         store.wait([_ERROR_KEY], datetime.timedelta(seconds=timeout_s))
         message = store.get(_ERROR_KEY).decode()
-    _stop()
+    _stop(message or "a rank was lost")
     return message
 
 
-def _stop() -> None:
-    """Abort this rank's process group. Under gloo a rank waiting on this one wakes when this
-    process exits (its pending operations hold the connections open until then), and reads the
-    first failure from the store (see finish for how long a rank stays for the others)."""
+def stopped() -> str | None:
+    """Why this rank's process group was torn down after a failure (stopped), or None while it runs."""
+    return _STOPPED[0] if _STOPPED else None
+
+
+def _stop(why: str) -> None:
+    """Abort this rank's process group (`why`: the failure, as later calls name it). Under gloo a rank waiting on
+    this one wakes when this process exits (its pending operations hold the connections open until then), and
+    reads the first failure from the store (see finish for how long a rank stays for the others)."""
+    _STOPPED[:] = [why]
     if dist.get_backend() == "nccl":
         dist.distributed_c10d._abort_process_group()
     else:

@@ -218,6 +218,8 @@ def init(*, backend: str | None = None, timeout_s: float | None = None, keep_fre
     importlib.import_module("torch._dynamo")
     # NCCL's communicator bound to this rank's device at once (else every barrier guesses it from the rank)
     bound: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+    from pipe.calls import still_running
+    still_running("pipe.init()")  # (a group torn down after a failure is not started again in this process)
     if not dist.is_initialized():
         if launcher == "torchrun" and _plain_env():  # no agent: rank 0's own store would freeze with it
             addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])

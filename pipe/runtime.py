@@ -26,7 +26,7 @@ from pipe.lower import forward_only, fuse_backward, lower, validate, with_reload
 from pipe.replicas import DataParallelError, ShardedStages, pipeline_groups, share_buffers, written_buffers
 from pipe.schedules import Action, ScheduleError, build, placement
 from pipe.simulate import Event, Timeline
-from pipe.step import StepState, failures, non_finite, sum_tied_grads
+from pipe.step import StepState, failures, non_finite, sum_tied_grads, tied_trained
 from partition.meta import meta_copy, on_meta
 from partition.measure import release_memory
 
@@ -96,6 +96,7 @@ class Pipeline:
                  weights: Any = None, compile: bool | dict[str, Any] = False, batch_size: int | None = None,
                  calibration: Any = None, auto_schedules: Sequence[str] | None = None,
                  trace_loss: bool = True) -> None:
+        calls.still_running("pipe.Pipeline()")
         # every rank builds the same pipeline: compared first, before anything that talks to the other ranks
         # (ranks given other arguments would otherwise deadlock in it, or train something else)
         calls.agree_on_build(model, example_args, example_kwargs, example_target, {
@@ -298,6 +299,11 @@ class Pipeline:
         self.memory.set_program(self.program)
         setup.note_param_placement(self, model)
         self._tied_groups = setup.make_tied_groups(self)
+        holders: dict[str, set[int]] = {}  # parameters held by several ranks: every rank knows them all
+        for st in self.plan.stages:
+            for name in st.params:
+                holders.setdefault(name, set()).add(self.place[st.index])
+        self._tied_names = sorted(n for n, ranks in holders.items() if len(ranks) > 1)
         self.transport: comm.Transport = transport or comm.TorchTransport(
             None if self.pp_group is None else self._global)
         self.grad_scaler: Any = None  # make_grad_scaler's: scales each microbatch's loss before its backward
@@ -479,14 +485,12 @@ class Pipeline:
         that dies or stops answering ends the others with PeerLost.
         """
         mbs, targets = calls.agreed_call(self, (batch_args, batch_kwargs), target, "step")
+        trained = tied_trained(self)  # (refused on every rank before anything runs: one frozen on some holders)
         flats = self._flats(mbs, targets)
         self._weigh_by_target(flats[0], targets[0])
         exchange = calls.exchange(self)
         run = StepState(self, flats, targets, exchange)
         with failures(self, run, f"step {self.steps_done}"):
-            over = getattr(self.memory, "over_budget", None)
-            if over is not None:  # the optimizer's first step measured more state than the budget allows
-                raise over
             # what tied grads held before the step (accumulated over steps): only this step's part is summed;
             # read before the memory manager's step begins (streamed grads are host views between steps)
             held = {id(p): p.grad.detach().clone() for _, ps in self._tied_groups for p in ps if p.grad is not None}
@@ -502,7 +506,7 @@ class Pipeline:
             if self.dp_group is not None and self._written_buffers:
                 with comm.guarded("the data-parallel broadcast of buffers"):
                     share_buffers(self._written_buffers, self.dp_group)
-            sum_tied_grads(self, held)
+            sum_tied_grads(self, held, trained)
             loss = self._mean_loss(run)
             calls.learned(self, exchange)  # (the loss's broadcast: the last collective of every rank)
         self.timeline, self.collectives, self.posts = run.events()

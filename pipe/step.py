@@ -27,7 +27,7 @@ from pipe.timing import clock_for
 if TYPE_CHECKING:
     from pipe.runtime import Pipeline
 
-__all__ = ["StepState", "concat_outputs", "failures", "non_finite", "placed", "sum_tied_grads"]
+__all__ = ["StepState", "concat_outputs", "failures", "non_finite", "placed", "sum_tied_grads", "tied_trained"]
 
 
 def placed(tree: Any, device: torch.device) -> Any:
@@ -96,7 +96,13 @@ def concat_outputs(outputs: list[Any], sizes: list[int] | None = None,
         elif tensor and isinstance(d, int) and x.dim() > d:
             leaves.append(torch.cat(column, d))
         elif d == "?" and dims and (sizes is None or dims == list(sizes) or _batched(dims, sizes) and not same):
-            leaves.append(torch.cat(column, 0))  # (a multiple of the size, alike in every microbatch: a parameter)
+            if sizes is not None and dims != list(sizes):  # (a multiple of the size, alike in every microbatch: a
+                warnings.warn(  # parameter; found by review: a bincount [64] came back [256], silently)
+                    f"forward(): the model's output leaf {i} has {dims[0]} rows in a microbatch of {sizes[0]} samples, "
+                    "a multiple of them, and is joined along dim 0 as tokens flattened with the batch would be; "
+                    "fxpipe could not run the model on meta tensors to tell its layout, so if this output is not "
+                    "per sample (a histogram, a table), form it outside the model", RuntimeWarning, stacklevel=2)
+            leaves.append(torch.cat(column, 0))
         elif tensor and not x.dim() and (x.is_floating_point() or x.is_complex()) and i in (weights or {}):
             w = torch.tensor((weights or {})[i], dtype=torch.float64, device=x.device)
             leaves.append((torch.where(w > 0, torch.stack(column).double(), 0.0) * w).sum().to(x.dtype))
@@ -428,13 +434,14 @@ def failures(pp: Pipeline, run: StepState, when: str) -> Iterator[None]:
         raise comm.PeerLost(f"rank {me} lost rank {lost} during {when}{via} ({first_line(e)}); that "
                             "process died or stopped answering within the timeout; see its output",
                             lost) from e
-    except Exception as e:  # this rank's own error: the model's, the loss's, or a stage's
-        if pp.reducer is not None:
-            pp.reducer.fail()
+    except (Exception, KeyboardInterrupt) as e:  # this rank's own error (the model's, the loss's, a stage's) or an
+        if pp.reducer is not None:  # interrupt (found by review: Ctrl-C left the others waiting out the timeout,
+            pp.reducer.fail()  # and ranks interrupted at once went on with messages unmatched, some hanging)
         a = run.current
         where = f"rank {pp.ctx.rank}" + (f", stage {a.stage}, microbatch {a.mb} ({a.kind})" if a else "")
         e.add_note(f"fxpipe: raised on {where} of {when}")
-        comm.fail_everywhere(f"{where} failed in {when} with {type(e).__name__}: {first_line(e, 300)}")
+        what = "was interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+        comm.fail_everywhere(f"{where} {what} in {when} with {type(e).__name__}: {first_line(e, 300)}")
         raise
 
 
@@ -450,28 +457,38 @@ def _samples(flat: list[Any]) -> int:
     return next((x.shape[0] for x in flat if isinstance(x, torch.Tensor) and x.dim()), 1)
 
 
-def sum_tied_grads(pp: Pipeline, held: dict[int, torch.Tensor]) -> None:
-    """Sum each tied parameter's grad over the ranks that hold it; `held`: what grads held before the step
-    (accumulated over steps), so that only this step's part is summed. One frozen on every holder keeps no
-    grad, as on the model (a zero grad would have the optimizer step it: weight decay, momentum); first the
-    holders count who trains it (one small all-reduce per group), and one frozen on some holders only is
-    refused on each of them."""
-    flags = [torch.tensor([int(p.requires_grad) for p in params], device=pp.ctx.device)
-             for _, params in pp._tied_groups]
+def tied_trained(pp: Pipeline) -> dict[str, int]:
+    """Before a step sends anything: how many of the ranks holding each tied parameter train it (one small
+    all-reduce over the pipeline's ranks, on every rank alike); one frozen on some holders only is refused on
+    every rank, before anything runs (found by review: refused after the step, its grads accumulated and the
+    process group torn down). {} without tied parameters."""
+    names = pp._tied_names
+    if not names:
+        return {}
+    mine = dict(pp.named_parameters())
+    counts = torch.tensor([[n in mine, n in mine and mine[n].requires_grad] for n in names], dtype=torch.int64,
+                          device=pp.ctx.device)
     with comm.guarded("the all-reduce of which tied parameters are trained"):
-        for (group, _), trained in zip(pp._tied_groups, flags):
-            dist.all_reduce(trained, group=group)
-        counts: list[list[int]] = [trained.tolist() for trained in flags]  # (read once all are issued)
-    some = [n for n, p in pp.named_parameters() for (group, params), cs in zip(pp._tied_groups, counts)
-            for q, c in zip(params, cs) if p is q and 0 < c < dist.get_world_size(group)]
+        dist.all_reduce(counts, group=pp.pp_group)
+    got = {n: (int(h), int(t)) for n, (h, t) in zip(names, counts.tolist())}
+    some = [n for n, (h, t) in got.items() if 0 < t < h]
     if some:
         raise PipelineError(f"the tied parameters {', '.join(some)} are frozen (requires_grad=False) on some of the "
                             "ranks holding them and trained on others, which would train them apart; freeze or "
-                            "unfreeze them on every rank")
+                            "unfreeze them on every rank (through pp.named_parameters() on each)")
+    return {n: t for n, (_, t) in got.items()}
+
+
+def sum_tied_grads(pp: Pipeline, held: dict[int, torch.Tensor], trained: dict[str, int]) -> None:
+    """Sum each tied parameter's grad over the ranks that hold it; `held`: what grads held before the step
+    (accumulated over steps), so that only this step's part is summed; `trained`: how many holders train each
+    (tied_trained, before the step). One frozen on every holder keeps no grad, as on the model (a zero grad would
+    have the optimizer step it: weight decay, momentum)."""
+    name_of = {id(p): n for n, p in pp.named_parameters()}
     with comm.guarded("the all-reduce of tied parameters' grads"):
-        for (group, params), cs in zip(pp._tied_groups, counts):
-            for p, c in zip(params, cs):
-                if c == 0:  # frozen on every holder
+        for group, params in pp._tied_groups:
+            for p in params:
+                if trained.get(name_of[id(p)], 0) == 0:  # frozen on every holder
                     continue
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)

@@ -8,10 +8,12 @@ ignored unevenly over the microbatches (one wholly), losses written by hand as a
 step by step."""
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from partition.workload import Workload
@@ -392,8 +394,9 @@ def _sums_and_ratios(rank: int, M: int) -> dict[str, Any]:
 def frozen_tied_body(rank: int, world: int) -> dict[str, Any]:
     """Found by review: a tied weight (the GPT's embedding and head, on both ranks) frozen on every rank keeps no
     grad, as on the model; its grad summed over the holders was set to zeros, so AdamW's weight decay moved it and
-    every later loss drifted. Frozen on one rank only, the step is refused on both (the step that ends the
-    process group: last)."""
+    every later loss drifted. Frozen on one rank only, the step is refused on both, before anything runs (found by
+    review: refused after the step, its grads accumulated and the process group torn down): unfrozen on both,
+    the pipeline trains on in parity."""
     import partition
     import pipe
     from tests.nccl_like import NcclLike
@@ -429,7 +432,55 @@ def frozen_tied_body(rank: int, world: int) -> dict[str, Any]:
         pp.step(*args, target=target)
         return {"frozen on one rank": "trained"}
     except pipe.PipelineError as e:
-        return {"frozen on one rank": str(e)}
+        out = {"frozen on one rank": str(e)}
+    assert all(p.grad is None for _, p in pp.named_parameters()), "the refused step left grads"
+    frozen.requires_grad_(True)
+    ref.model.tok_emb.weight.requires_grad_(True)
+    loss = pp.step(*args, target=target)
+    want = ref.loss_fn(ref.model(*args), target)
+    want.backward()
+    torch.testing.assert_close(loss, float(want), rtol=1e-5, atol=1e-6)
+    _grads_close(pp, ref.model, f"unfrozen rank {rank}")
+    out["over budget"] = _over_budget_after_the_optimizer()
+    return out
+
+
+def _over_budget_after_the_optimizer() -> dict[str, Any]:
+    """Found by review: an optimizer holding more state than the plan counted (Adam with amsgrad: three copies),
+    measured at its first step, put a stage over its budget; the next step raised it inside the step on that rank
+    alone, the other waiting on it, and the process group was torn down, so the fix could not be tried in the
+    process. Now refused on every rank before anything runs; a pipeline with the budget named then trains."""
+    import re
+    import time
+
+    import partition
+    import pipe
+    w = partition.load("gpt", **TINY_GPT)
+    probe = pipe.Pipeline(copy.deepcopy(w.model), w.example_args, loss_fn=w.loss_fn, microbatches=4, cost="flops",
+                          memory_budget="1GiB")
+    peaks = [max(c.predicted_peak for c in probe.memory.choices.values())] * 2
+    dist.all_gather_object(peaks, peaks[0])
+    budget = int(max(peaks) * 1.02)
+    pp = pipe.Pipeline(copy.deepcopy(w.model), w.example_args, loss_fn=w.loss_fn, microbatches=4, cost="flops",
+                       memory_budget=budget)
+    opt = torch.optim.Adam(pp.parameters(), lr=1e-3, amsgrad=True)
+    args, _, target = w.batch(w.microbatch_size * 4, 0)
+    pp.step(*args, target=target)
+    opt.step()
+    opt.zero_grad()
+    start = time.monotonic()
+    try:
+        pp.step(*args, target=target)
+        return {"refused": "ran"}
+    except ValueError as e:
+        out: dict[str, Any] = {"refused": f"{type(e).__name__}: {e}", "s": time.monotonic() - start}
+    named = [int(x) for x in re.findall(r"memory_budget >= (\d+)", out["refused"])]
+    figure = [max(named or [0])] * 2
+    dist.all_gather_object(figure, figure[0])
+    pp = pipe.Pipeline(copy.deepcopy(w.model), w.example_args, loss_fn=w.loss_fn, microbatches=4, cost="flops",
+                       memory_budget=max(figure), optimizer=torch.optim.Adam)
+    out["then"] = pp.step(*args, target=target)
+    return out
 
 
 def _closure(rank: int, M: int) -> str:
@@ -914,8 +965,13 @@ def test_inplace_ops_autocast_and_leaf_modules_train_as_the_model() -> None:
 
 
 def test_a_frozen_tied_weight_keeps_no_grad_and_frozen_on_one_rank_is_refused_on_both() -> None:
-    for r in run_ranks("tests.test_conditions:frozen_tied_body", 2, timeout=120):
+    res = run_ranks("tests.test_conditions:frozen_tied_body", 2, timeout=180)
+    for r in res:
         assert r["frozen on one rank"].startswith("the tied parameters tok_emb.weight are frozen (requires_grad="
                                                   "False) on some of the ranks holding them"), r
+        over = r["over budget"]
+        assert "this optimizer" in over["refused"] and over["s"] < 10, over  # (BudgetError, or the other's word)
+    assert any(r["over budget"]["refused"].startswith("BudgetError: ") for r in res), res
+    assert res[0]["over budget"]["then"] == res[1]["over budget"]["then"], res
 
 
