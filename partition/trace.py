@@ -136,6 +136,7 @@ def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
             gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code()
     _updates_next_to_values(gm.graph)
+    _differentiable_copies(gm.graph)
     for node in gm.graph.nodes:
         # export fixes each view against the layouts it saw while tracing; kernels may lay
         # outputs out differently with autograd on (SDPA, e.g.) or after a value crosses a
@@ -147,6 +148,33 @@ def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
             delattr(gm, name)
     gm.recompile()
     return gm
+
+
+def _differentiable_copies(graph: torch.fx.Graph) -> None:
+    """Each functional `aten.copy(dst, src)` (what export makes of `dst.copy_(src)` into a fresh tensor:
+    DeepSeek-V3's attention writes its keys into `new_empty(...)[..., :k]`) as the ops it computes, src cast to
+    dst's dtype and broadcast to its shape, which autograd differentiates (found by review: "derivative for
+    aten::copy is not implemented", the model refused). dst's values are not read: copy overwrites them all."""
+    aten = torch.ops.aten
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.copy.default or len(node.args) < 2:
+            continue
+        dst, src = node.args[:2]
+        want, got = getattr(dst, "meta", {}).get("val"), getattr(src, "meta", {}).get("val")
+        if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor) or want.device != got.device:
+            continue
+        with graph.inserting_before(node):
+            value = src
+            if got.dtype != want.dtype:
+                value = graph.call_function(aten._to_copy.default, (value,), {"dtype": want.dtype})
+                value.meta["val"] = got.to(want.dtype)
+            if tuple(got.shape) != tuple(want.shape):
+                value = graph.call_function(aten.expand.default, (value, list(want.shape)))
+                value.meta["val"] = want
+            value = graph.call_function(aten.clone.default, (value,))
+        value.meta.update(node.meta)
+        node.replace_all_uses_with(value)
+        graph.erase_node(node)
 
 
 def _distinct(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -623,3 +623,41 @@ def test_an_output_written_after_its_save_is_not_judged_for_a_loss_that_may_not_
     when the backward from each output reads a written tensor; the run-time check judges the rest."""
     gm = partition.trace(_WritesAuxiliary(), (torch.randn(3, 4),))
     assert gm.meta["fxpipe_tracer"] == "torch.fx.symbolic_trace"
+
+
+class _CopiedInto(torch.nn.Module):
+    """Keys written into a fresh tensor's slice and a cast (DeepSeek-V3's attention pads its keys so), with control
+    flow on a size that torch.fx cannot trace: torch.export makes functional aten.copy of the writes."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.k = torch.nn.Linear(4, 3)
+        self.out = torch.nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.size(0) > 0:
+            k = self.k(x)
+            padded = k.new_empty(*k.shape[:-1], 6)
+            padded[..., :3].copy_(k)
+            padded[..., 3:].copy_(k.double() * 2)  # (another dtype: cast by the copy)
+            return self.out(padded)
+        return x
+
+
+def test_a_copy_into_a_fresh_tensor_is_differentiated() -> None:
+    """Found by review: DeepSeek-V3 (and V2, MiniCPM3, GLM4-MoE-Lite) was refused with "derivative for aten::copy
+    is not implemented": export makes `dst.copy_(src)` a functional aten.copy, which autograd has no formula for.
+    It is traced as src cast and broadcast to dst, and the graph's grads are the model's."""
+    torch.manual_seed(0)
+    from partition.trace import trace
+    model, x = _CopiedInto(), torch.randn(5, 4)
+    gm = trace(model, (x,), {})
+    assert gm.meta["fxpipe_tracer"] == "torch.export.export"
+    assert not any(n.target is torch.ops.aten.copy.default for n in gm.graph.nodes)
+    got = gm(x)
+    got = got[0] if isinstance(got, (tuple, list)) else got
+    want = model(x)
+    torch.testing.assert_close(got, want)
+    grads = torch.autograd.grad(got.square().sum(), list(gm.parameters()))
+    ref = torch.autograd.grad(want.square().sum(), list(model.parameters()))
+    for g, r in zip(grads, ref):
+        torch.testing.assert_close(g, r)
