@@ -24,7 +24,7 @@ import math
 import operator
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
@@ -35,7 +35,8 @@ from partition.costs import attr_of
 from partition.loss import TARGET
 from partition.rewrite import loss_args
 
-__all__ = ["Weighting", "batch_statistics", "keep_numerator", "loss_weighting", "output_forms", "weighting"]
+__all__ = ["Weighting", "batch_statistics", "keep_numerator", "loss_weighting", "output_forms", "pairing_read",
+           "weighting"]
 
 # element-wise losses: the batch's sum is the sum of the microbatches' sums
 _SUMMED = {F.mse_loss: "mse_loss", F.l1_loss: "l1_loss", F.smooth_l1_loss: "smooth_l1_loss",
@@ -212,18 +213,20 @@ def _scaled(node: torch.fx.Node, constants: set[torch.fx.Node]) -> torch.fx.Node
     return None
 
 
-def weighting(gm: torch.fx.GraphModule, example: Sequence[Any] | None = None) -> Weighting:
+def weighting(gm: torch.fx.GraphModule, example: Sequence[Any] | None = None,
+              twice: Callable[[], dict[str, tuple[int, ...]]] | None = None) -> Weighting:
     """How the loss `gm` returns (a graph with the loss attached: partition.loss.attach_loss, or the
     model's own loss) forms the batch's from the microbatches'; `example`: the values of gm's inputs
     for one microbatch, the loss's target last when it is one (without them, a .sum() is not known
-    to be over the samples, nor an input to be shared by every microbatch). See the module's doc."""
+    to be over the samples, nor an input to be shared by every microbatch); `twice`: the model's outputs' shapes
+    at twice the samples, by node name, where the graph fixes its sizes (see _Sizes). See the module's doc."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
     loss = out.args[0]
     if isinstance(loss, (tuple, list)) and len(loss) == 1:
         loss = loss[0]
     if not isinstance(loss, torch.fx.Node):
         return Weighting("mean", "the loss is not a value of the graph")
-    found, chain, reader = _weigh(gm, loss, _batch_constants(gm, example), _Sizes(gm, example))
+    found, chain, reader = _weigh(gm, loss, _batch_constants(gm, example), _Sizes(gm, example, twice))
     found.chain = chain
     if found.kind == "ratio":
         found.reader = reader
@@ -319,6 +322,36 @@ def _kind_name(w: Weighting | None) -> str:
         return "a number every microbatch shares"
     return {"sum": "a sum", "count": "a mean over its counted targets", "ratio": "a ratio of sums"}.get(
         w.kind, "a mean")
+
+
+def pairing_read(gm: torch.fx.GraphModule, w: Weighting, shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
+                 ) -> Weighting:
+    """`w`, or a "mean" said not to be the batch's when the loss gm returns is computed from a model output that
+    pairs the samples of a microbatch (`shapes`: the outputs' shapes on one microbatch and on two, by node name;
+    logits [B, B] of in-batch negatives grow 4x). Found by review: CLIP's own loss, computed inside the model where
+    the graph's sizes are fixed, was said to be the batch's (1.214 for the batch's 2.875)."""
+    if w.inexact:
+        return w
+    pairs = {n: (one, two) for n, (one, two) in shapes.items()
+             if one and len(one) == len(two) and math.prod(one) > 0 and math.prod(two) > 2 * math.prod(one)}
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    loss = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]
+    if not pairs or not isinstance(loss, torch.fx.Node):
+        return w
+    seen, todo = set(), [loss]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    hit = next((n for n in gm.graph.nodes if n in seen and n.name in pairs), None)
+    if hit is None:
+        return w
+    one, two = pairs[hit.name]
+    return Weighting("mean", f"the loss is computed from {hit.name}, which pairs the samples of a microbatch (shape "
+                             f"{list(one)} on one, {list(two)} on two: more than twice the elements, in-batch "
+                             "negatives), and a pipeline computes each microbatch alone, so each pairs its own samples "
+                             "only (fewer microbatches pair more)", inexact=True, chain=w.chain)
 
 
 _MAXES = {torch.max, torch.amax, torch.ops.aten.max.default, torch.ops.aten.amax.default, "max", "amax"}
@@ -436,8 +469,9 @@ class _Sizes:
     """gm's values on one microbatch and on two (a meta copy of gm run on the example, then on it twice
     along dim 0, as microbatches are split), found at the first question: a tensor's number of elements, a
     number's or a size's value. From them, `of` and `mixed`."""
-    def __init__(self, gm: torch.fx.GraphModule, example: Sequence[Any] | None) -> None:
-        self.gm, self.example = gm, example
+    def __init__(self, gm: torch.fx.GraphModule, example: Sequence[Any] | None,
+                 twice: Callable[[], dict[str, tuple[int, ...]]] | None = None) -> None:
+        self.gm, self.example, self.twice = gm, example, twice
         self.values: dict[str, list[Any]] | None = None
         self.why = ""  # why the run gave nothing
         self._mixed: dict[torch.fx.Node, bool] = {}
@@ -580,6 +614,10 @@ class _Sizes:
             env[n] = g.node_copy(n, lambda a: env[a])
         g.output(env[loss])
         sub = torch.fx.GraphModule(self.gm, g)
+        # the model's outputs as a run of the model at twice the samples shapes them: logits [B, B] of in-batch
+        # negatives grow on both dims (found by review: doubled along dim 0 alone, CLIP's loss was taken for the
+        # batch's)
+        shaped = self.twice() if self.twice is not None else {}
         for k in (1, 2):
             given = []
             for b in bounds:
@@ -593,6 +631,9 @@ class _Sizes:
                 # (an output of parameters alone, K centres, is no sample's, whatever its dim 0: found by review)
                 doubled = isinstance(x, torch.Tensor) and x.dim() > 0 and b in fed and (
                     b.op == "placeholder" or x.shape[0] == size)
+                if k == 2 and b.name in shaped and isinstance(x, torch.Tensor):
+                    given.append(torch.empty(shaped[b.name], dtype=x.dtype, device="meta"))
+                    continue
                 given.append(torch.cat([x.to("meta")] * k) if doubled else x.to("meta")
                              if isinstance(x, torch.Tensor) else x)
             with torch.no_grad(), torch.device("meta"):  # (recorded by the nodes' own names)
@@ -764,7 +805,8 @@ def _found(gm: torch.fx.GraphModule, loss: torch.fx.Node, sizes: _Sizes) -> Weig
 
 
 def loss_weighting(gm: torch.fx.GraphModule, loss_fn: Any, in_graph: bool,
-                   example: Sequence[Any] | None = None, target: Any = None) -> Weighting:
+                   example: Sequence[Any] | None = None, target: Any = None,
+                   twice: Callable[[], dict[str, tuple[int, ...]]] | None = None) -> Weighting:
     """`weighting` of the loss a pipeline computes: gm's own when the loss is in the graph, else
     loss_fn's traced onto a copy of gm (whose last input is then the target: a step counts a
     microbatch from its inputs followed by its target). `example`: one microbatch's values of gm's
@@ -774,7 +816,7 @@ def loss_weighting(gm: torch.fx.GraphModule, loss_fn: Any, in_graph: bool,
     import copy
     from partition.loss import attach_loss
     if in_graph:
-        return weighting(gm, example)
+        return weighting(gm, example, twice)
     if loss_fn is None:
         return Weighting("mean", "no loss_fn")
     view = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
@@ -784,7 +826,7 @@ def loss_weighting(gm: torch.fx.GraphModule, loss_fn: Any, in_graph: bool,
     why = attach_loss(view, loss_fn)
     if why:
         return Weighting("mean", f"the loss stays outside the graph and its kind is unknown: {why}")
-    found = weighting(view, None if example is None else [*example, target])
+    found = weighting(view, None if example is None else [*example, target], twice)
     if found.kind == "ratio":
         return Weighting("mean", f"the loss is {found.loss}, which fxpipe weighs only with the loss in the graph, "
                                  "whose numerator a stage can return (a plan with the loss in its last stage: "

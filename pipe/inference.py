@@ -22,7 +22,8 @@ from pipe.step import StepState, check_layout, concat_outputs, failures, placed
 if TYPE_CHECKING:
     from pipe.runtime import Pipeline
 
-__all__ = ["evaluate", "flags", "forms", "forward", "loss_weights", "output_layout", "stages_in_mode_of"]
+__all__ = ["evaluate", "flags", "forms", "forward", "loss_weights", "output_layout", "output_shapes",
+           "stages_in_mode_of"]
 
 
 def output_layout(pp: Pipeline) -> list[tuple[Any, bool]] | None:
@@ -111,8 +112,23 @@ def _computed_from_inputs(gm: torch.fx.GraphModule) -> list[bool] | None:
     return out
 
 
-def _batch_dims(model: torch.nn.Module, args: Any, kwargs: Any, training: bool) -> list[Any] | None:
-    """The batch dim of each leaf of the model's output (see output_layout), or None."""
+def output_shapes(model: torch.nn.Module, args: Any, kwargs: Any, gm: torch.fx.GraphModule
+                  ) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The shape of each tensor the model outputs on the example and at twice its samples (a meta copy run on
+    them), by the name of its node in gm (partition.reduction: where the graph fixes its sizes, the loss's own ops
+    run on the outputs so shaped, and a loss reading one that pairs the samples is said not to be the batch's);
+    {} when the model does not run on meta tensors."""
+    shapes = _leaf_shapes(model, args, kwargs, model.training)
+    leaves, _ = _output_nodes(gm)
+    if shapes is None or len(shapes[1]) != len(leaves):
+        return {}
+    return {n.name: (tuple(one), tuple(two)) for n, one, two in zip(leaves, *shapes)
+            if isinstance(n, torch.fx.Node) and one[:1] != ("value",) and two[:1] != ("value",)}
+
+
+def _leaf_shapes(model: torch.nn.Module, args: Any, kwargs: Any, training: bool) -> list[list[Any]] | None:
+    """The shape of each leaf of the model's output (("value", it) for one that is not a tensor) on the example
+    microbatch and on twice its samples, from a meta copy of the model; None when it does not run on meta."""
     from partition.meta import meta_copy
     shapes = []
     try:
@@ -126,7 +142,13 @@ def _batch_dims(model: torch.nn.Module, args: Any, kwargs: Any, training: bool) 
                            for x in pytree.tree_leaves(out)])
     except Exception:  # noqa: BLE001 - a model that needs values (an .item(), a data-dependent shape)
         return None
-    if len(shapes[0]) != len(shapes[1]):
+    return shapes
+
+
+def _batch_dims(model: torch.nn.Module, args: Any, kwargs: Any, training: bool) -> list[Any] | None:
+    """The batch dim of each leaf of the model's output (see output_layout), or None."""
+    shapes = _leaf_shapes(model, args, kwargs, training)
+    if shapes is None or len(shapes[0]) != len(shapes[1]):
         return None
     dims: list[Any] = []
     for one, two in zip(*shapes):

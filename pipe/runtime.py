@@ -16,10 +16,11 @@ from partition.plan import Plan, per_stage_note
 from partition.split import StageIO
 from partition.split import split_graph
 from partition.loss import TARGET, attach_loss
-from partition.reduction import batch_statistics, keep_numerator, loss_weighting
+from partition.reduction import batch_statistics, keep_numerator, loss_weighting, pairing_read
 from partition.trace import flatten_inputs, trace
 from memory import MemoryManager
 from pipe import calls, comm, grads, inference, launch, optim, options, planning, setup, state_dicts, timing
+from pipe.inference import output_shapes
 from pipe.calls import split_microbatches
 from pipe.errors import ModeError, NonFiniteLoss, PipelineError, agree_everywhere
 from pipe.lower import forward_only, fuse_backward, lower, validate, with_reloads
@@ -44,6 +45,17 @@ def _lost_named(what: str) -> Callable[[Callable[..., None]], Callable[..., None
                 fn(self, *args, **kwargs)
         return run
     return wrap
+
+
+def _once(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """fn, called once at most: its result kept."""
+    kept: list[Any] = []
+
+    def call() -> Any:
+        if not kept:
+            kept.append(fn())
+        return kept[0]
+    return call
 
 
 class Pipeline:
@@ -203,8 +215,13 @@ class Pipeline:
                                  f"{why}; re-plan without example_target")
             # how the batch's loss is formed from the microbatches' (before rewrites change the loss); a ratio's
             # numerator returned in its place
+            shapes = _once(lambda: output_shapes(model, args, kwargs, gm))
+            self._twice = lambda: {name: two for name, (_, two) in shapes().items()}
             self.weighting = loss_weighting(gm, loss_fn, self.plan.loss,
-                                            flatten_inputs(gm, args, kwargs, example_target), example_target)
+                                            flatten_inputs(gm, args, kwargs, example_target), example_target,
+                                            self._twice)
+            if self.plan.loss:  # a loss computed from outputs pairing the samples: said (the model's own, CLIP's)
+                self.weighting = pairing_read(gm, self.weighting, shapes())
             keep_numerator(gm, self.weighting)
             stages = split_graph(gm, self.plan)
             error = None
@@ -528,7 +545,7 @@ class Pipeline:
             return
         self._weigh_at_target = False
         try:
-            found = loss_weighting(self._gm, self.loss_fn, False, flat, target)
+            found = loss_weighting(self._gm, self.loss_fn, False, flat, target, self._twice)
         except Exception:  # noqa: BLE001 - as planned: the note says so
             return
         if found.kind == self.weighting.kind:

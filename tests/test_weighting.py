@@ -433,6 +433,44 @@ def test_a_loss_adding_terms_is_weighed_by_its_terms(loss_fn: Any, kind: str, sa
         torch.testing.assert_close(got, want.double())
 
 
+class _OwnPairsLoss(nn.Module):
+    """CLIP's shape: the model computes its own loss over in-batch negatives, and torch.fx cannot trace it (control
+    flow on a size), so torch.export fixes the graph's sizes."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> dict[str, torch.Tensor]:
+        if x.size(0) > 0:
+            logits = self.a(x) @ self.b(z).t()
+            return {"loss": _in_batch_negatives(logits, None), "logits": logits}
+        return {"loss": x.sum(), "logits": x}
+
+
+@pytest.mark.parametrize("in_graph", [True, False])
+def test_a_models_own_loss_over_in_batch_negatives_in_a_graph_of_fixed_sizes_is_said_not_to_be_the_batchs(
+        in_graph: bool) -> None:
+    """Found by review: CLIP's own loss (computed inside the model, its graph torch.export's, of fixed sizes) was
+    said to be the batch's, its cross entropies counted (1.214 for the batch's 2.875). The model's outputs as a meta
+    copy shapes them at twice the samples show the logits pairing: the loss read from them is said not to be."""
+    from partition.reduction import pairing_read
+    from pipe.inference import output_shapes
+    model, x, z = _OwnPairsLoss(), torch.randn(3, 4), torch.randn(3, 4)
+    gm = trace(model, (x, z), {})
+    assert gm.meta["fxpipe_tracer"] == "torch.export.export"
+    shapes = output_shapes(model, (x, z), {}, gm)
+    assert sorted(shapes.values()) == [((), ()), ((3, 3), (6, 6))], shapes
+    if in_graph:  # the natural call's loss_fn, out["loss"], traced into the graph
+        assert attach_loss(gm, lambda o, _: o["loss"]) is None
+        w = pairing_read(gm, loss_weighting(gm, None, True, [x, z, None]), shapes)
+    else:  # a loss_fn of the logits outside the graph: the loss's own ops run on the outputs so shaped
+        w = loss_weighting(gm, lambda o, _: _in_batch_negatives(o["logits"], None), False, [x, z],
+                           torch.zeros(3, dtype=torch.long),
+                           lambda: {n: two for n, (_, two) in shapes.items()})
+    assert w.kind == "mean" and w.inexact, w
+    assert w.describe().startswith("loss: NOT the batch's, the mean of the microbatches' losses: "), w.describe()
+
+
 def test_batch_norms_in_training_mode_are_found_on_both_tracers() -> None:
     """The plan says a batch norm normalizes each microbatch by its own statistics (not the batch's)."""
     from partition.reduction import batch_statistics
