@@ -102,21 +102,21 @@ _SHOWN = 4  # differing parts a message lists per rank
 
 
 def agree(call: Call, refused: Exception | None, *, group: Any, ranks: Sequence[int], device: torch.device,
-          what: str, error: type[Exception], differ: tuple[str, str] = BATCHES) -> None:
+          what: str, error: type[Exception], differ: tuple[str, str] = BATCHES, extra: int = 0) -> int:
     """Compare this rank's call with the other ranks' of `group` (global ranks `ranks`, in the group's
     order); `refused`: this rank's own error about its call (re-raised here). Raises on every rank when
     a rank refused its call (that rank's error, the others an `error` naming it) or the calls differ
     (an `error` naming the ranks and what differs, `differ`: how the ranks differ and the fix);
-    returns when they agree. One all-gather of two integers a rank; the descriptions are gathered only
-    when something is wrong."""
-    mine_t = torch.tensor([int(refused is not None), call.digest], dtype=torch.int64, device=device)
+    returns when they agree, with the sum of the ranks' `extra` (a number each rank adds that need not agree).
+    One all-gather of three integers a rank; the descriptions are gathered only when something is wrong."""
+    mine_t = torch.tensor([int(refused is not None), call.digest, extra], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine_t) for _ in ranks]
     with comm.guarded(f"the check that every rank makes the same {what} call",
                       every=len(ranks) == dist.get_world_size()):  # (a lost rank named by a roll call)
         dist.all_gather(every, mine_t, group=group)  # on gloo 2-3x faster than an all_reduce of as much
     flags = torch.stack(every).tolist()
-    if not any(f for f, _ in flags) and len({d for _, d in flags}) == 1:
-        return
+    if not any(f for f, _, _ in flags) and len({d for _, d, _ in flags}) == 1:
+        return sum(x for _, _, x in flags)
     got: list[Any] = [None] * len(ranks)
     mine = (None if refused is None else f"{type(refused).__name__}: {refused}", call.parts)
     with comm.guarded(f"gathering the ranks' {what} calls"):
@@ -290,11 +290,14 @@ def _defaults_as_planned(pp: Pipeline, kwargs: dict[str, Any]) -> dict[str, Any]
     return out
 
 
-def still_running(what: str) -> None:
-    """PipelineError, naming the failure, for a call made after a failure inside a step tore this rank's process
-    group down (found by review: torch's "Default process group has not been initialized", for every call after)."""
+def still_running(what: str, pp: Pipeline | None = None) -> None:
+    """PipelineError, naming the failure, for a call of pipeline `pp` made after a failure inside a step tore its
+    process group down, or (pp None: a new pipeline, pipe.init()) one made while no group has been started since
+    (found by review: torch's "Default process group has not been initialized", for every call after). A pipeline
+    built on a group the user started again runs."""
     why = comm.stopped()
-    if why is not None:
+    lost = comm.stops() > pp._stops if pp is not None else why is not None and not dist.is_initialized()
+    if lost:
         raise PipelineError(f"{what}: this job's process group was torn down after a failure ({why}): a failure "
                             "inside a step or pass leaves messages between the ranks unmatched, so fxpipe stops the "
                             "group rather than let a later call receive them; restart the job (torchrun or mpirun) "
@@ -306,7 +309,7 @@ def agreed_call(pp: Pipeline, batch: tuple[tuple[Any, ...], dict[str, Any]], tar
     """The call's microbatches and targets, once every rank of the pipeline has agreed on it: a call the
     plan was not made for is refused, and ranks given different batches stop, on every rank before any
     message."""
-    still_running(f"pp.{what}()")
+    still_running(f"pp.{what}()", pp)
     refused: Exception | None = None
     mbs: list[Any] = []
     targets: list[Any] = [None] * pp.M
@@ -340,7 +343,8 @@ def agree_on_call(pp: Pipeline, batch: tuple[tuple[Any, ...], dict[str, Any]], t
                   refused: Exception | None = None) -> None:
     """Compare this rank's call with the pipeline's other ranks' (agree); `refused`: this rank's own error
     about it. What each step adds to agree (bench schedules times it)."""
-    if pp.world > 1:
+    trains = _frozen_digest(pp, what)  # (summed over the pipeline's ranks: every replica's rank compares the whole
+    if pp.world > 1:  # pipeline's; found by review: a replica freezing otherwise on one rank was refused on some ranks)
         call = call_of(batch[0], batch[1], target)  # and the pipeline's mode (pp.train / pp.eval), and the
         mode = "train" if pp.training else "eval"  # autocast its ranks run under (the values' dtypes follow it)
         key = autocast_key(pp.ctx.device)
@@ -350,14 +354,14 @@ def agree_on_call(pp: Pipeline, batch: tuple[tuple[Any, ...], dict[str, Any]], t
         salt = int.from_bytes(hashlib.blake2b(f"{cast}; {kind}".encode(), digest_size=7).digest(), "little")
         call = Call(call.digest ^ int(not pp.training) ^ (salt << 1), call.parts + [f"mode: {mode}", cast, kind])
         try:
-            agree(call, refused, group=pp.pp_group, ranks=pp._global, device=pp.ctx.device, what=what,
-                  error=PipelineError)
+            trains = agree(call, refused, group=pp.pp_group, ranks=pp._global, device=pp.ctx.device, what=what,
+                           error=PipelineError, extra=trains)
         except PipelineError as e:
             refused = e
         else:
             refused = None
     if pp.dp > 1 and (what != "forward" or pp.sharded is not None):  # (a replica's forward() is its own, unless
-        _replicas_agree(pp, refused, what)  # its parameters are sharded over the replicas: gathered from them all)
+        _replicas_agree(pp, refused, what, trains)  # its parameters are sharded over the replicas: gathered from them)
     elif refused is not None:
         raise refused
 
@@ -372,7 +376,7 @@ def agree_on_kind(pp: Pipeline, what: str, replicas: bool = True) -> None:
     the all-gather step() makes to agree on its call, and then (`replicas`: a call the replicas make together)
     with the other replicas', in the all-gather each call begins the replicas' collectives with, so that ranks
     making different calls stop at once."""
-    still_running(f"pp.{what}()")
+    still_running(f"pp.{what}()", pp)
     refused: PipelineError | None = None
     if pp.world > 1:
         try:
@@ -386,7 +390,16 @@ def agree_on_kind(pp: Pipeline, what: str, replicas: bool = True) -> None:
         raise refused
 
 
-def _replicas_agree(pp: Pipeline, stopped: Exception | None, what: str) -> None:
+def _frozen_digest(pp: Pipeline, what: str) -> int:
+    """A digest of the parameters this rank freezes (requires_grad=False), for a step: 7 bytes, so that the sum
+    over a pipeline's ranks fits an int64."""
+    if what != "step":
+        return 0
+    frozen = [n for n, p in pp.named_parameters() if not p.requires_grad]
+    return int.from_bytes(hashlib.blake2b("\n".join(frozen).encode(), digest_size=7).digest(), "little")
+
+
+def _replicas_agree(pp: Pipeline, stopped: Exception | None, what: str, trains: int | None = None) -> None:
     """Raise on every replica when one replica's pipeline stopped its call (`stopped`: this rank's error, the
     same kind on every rank of its pipeline) or made another call (step() on one, clip_grad_norm_() on another):
     the replicas' grads are averaged together, so the others would pair this step's collectives with the stopped
@@ -394,7 +407,8 @@ def _replicas_agree(pp: Pipeline, stopped: Exception | None, what: str) -> None:
     One all-gather of a flag and the call's kind over the replicas; the errors are gathered only when they
     differ."""
     frozen = [n for n, p in pp.named_parameters() if not p.requires_grad] if what == "step" else []
-    trains = int.from_bytes(hashlib.blake2b("\n".join(frozen).encode(), digest_size=7).digest(), "little")
+    if trains is None:  # (`trains`: the pipeline's ranks' digests summed, the same on every rank of a pipeline)
+        trains = _frozen_digest(pp, what)
     mine = torch.tensor([int(stopped is not None), _kind_digest(what), trains], dtype=torch.int64,
                         device=pp.ctx.device)
     every = [torch.empty_like(mine) for _ in range(pp.dp)]
@@ -425,6 +439,9 @@ def _replicas_agree(pp: Pipeline, stopped: Exception | None, what: str) -> None:
     common = set.intersection(*[set(f) for _, _, _, f in got])
     differ = "; ".join(f"replica {i} (global ranks {ranks}) freezes {', '.join(sorted(set(f) - common)[:4]) or 'none'}"
                        f"{' ...' if len(set(f) - common) > 4 else ''}" for i, (_, _, ranks, f) in enumerate(got))
+    if all(set(f) == common for _, _, _, f in got):  # alike on this rank's stages: on another rank of the pipelines
+        differ = "alike on this rank's stages; the replicas' pipelines differ on another of their ranks, whose error "\
+                 "names the parameters"
     raise PipelineError(f"the data-parallel replicas train different parameters (beyond those every replica "
                         f"freezes: {differ}): their grads are averaged together, bucket by bucket, so freeze and "
                         "unfreeze (requires_grad) the same parameters on every replica")

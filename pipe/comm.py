@@ -37,7 +37,7 @@ _ALIVE_KEY = "fxpipe/alive/"  # + rank: that rank answered the roll call after a
 _KEPT: list[Any] = []  # the store outlives the process group it served, for the failure protocol
 _TIMEOUT_S = [DEFAULT_TIMEOUT_S]  # the process group's timeout (init's timeout_s)
 _FAILED = [False]  # this rank saw the job fail: a lost rank, another rank's error, or its own
-_STOPPED: list[str] = []  # why this rank's process group was torn down (stopped), once it was
+_STOPPED: list[str] = []  # why this rank's process groups were torn down (stopped), each time one was
 _STORE_OP_S = 5.0  # the longest a store operation of the failure protocol waits
 
 
@@ -192,15 +192,21 @@ def first_failure(timeout_s: float = 1.0) -> str | None:
 
 
 def stopped() -> str | None:
-    """Why this rank's process group was torn down after a failure (stopped), or None while it runs."""
-    return _STOPPED[0] if _STOPPED else None
+    """Why this rank's process group was last torn down after a failure (stopped), or None if none was."""
+    return _STOPPED[-1] if _STOPPED else None
+
+
+def stops() -> int:
+    """How many times this rank's process group was torn down after a failure (a pipeline built before the last
+    one has lost its groups; one built after, on a group the user started again, has not)."""
+    return len(_STOPPED)
 
 
 def _stop(why: str) -> None:
     """Abort this rank's process group (`why`: the failure, as later calls name it). Under gloo a rank waiting on
     this one wakes when this process exits (its pending operations hold the connections open until then), and
     reads the first failure from the store (see finish for how long a rank stays for the others)."""
-    _STOPPED[:] = [why]
+    _STOPPED.append(why)
     if dist.get_backend() == "nccl":
         dist.distributed_c10d._abort_process_group()
     else:

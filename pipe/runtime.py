@@ -109,6 +109,7 @@ class Pipeline:
                  calibration: Any = None, auto_schedules: Sequence[str] | None = None,
                  trace_loss: bool = True) -> None:
         calls.still_running("pipe.Pipeline()")
+        self._stops = comm.stops()  # (a failure tearing the group down after this: every call names it)
         # every rank builds the same pipeline: compared first, before anything that talks to the other ranks
         # (ranks given other arguments would otherwise deadlock in it, or train something else)
         calls.agree_on_build(model, example_args, example_kwargs, example_target, {

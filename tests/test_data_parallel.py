@@ -198,6 +198,34 @@ def _ratio_over_replicas() -> dict[str, float]:
     return {**out, **{n: float((p.grad - refs[n].grad).abs().max()) for n, p in pp.named_parameters()}}
 
 
+def _frozen_on_one_rank() -> dict[str, Any]:
+    """Found by review: a parameter frozen on global rank 0 alone (replica 0's first stage) was refused only by the
+    ranks whose replica group saw the difference; the others went into the step and waited until the timeout (a
+    retry hung the job). The pipeline's ranks sum their digests of what they freeze, so every rank is told; after
+    unfreezing, the step runs."""
+    import time
+
+    import pipe
+    w = _gpt()
+    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, cost="flops", data_parallel=2)
+    name, param = next((n, p) for n, p in pp.named_parameters() if n not in pp._tied_names)
+    if pp.ctx.rank == 0:
+        param.requires_grad_(False)
+    args, target = _batch(w, 0, pp.dp_rank)
+    start = time.monotonic()
+    out: dict[str, Any] = {}
+    try:
+        pp.step(*args, target=target)
+        out["error"] = "no error"
+    except pipe.PipelineError as e:
+        out["error"] = str(e)
+    out["s"] = time.monotonic() - start
+    param.requires_grad_(True)
+    # (refused before anything ran: no grads to clear)
+    out["then"] = pp.step(*args, target=target)
+    return out
+
+
 def _one_replica_refuses() -> dict[str, Any]:
     """Found by review: replica 1 given a short last batch refused it while replica 0 ran its step, whose grads'
     all-reduce then paired with replica 1's next step (both losses the mean of two steps' batches, 4.167271 where
@@ -294,6 +322,7 @@ def four_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
         res[f"two steps {shard}"] = _grads_after_two_steps(data_parallel=2, dp_shard=shard)
     res["ratio"] = _ratio_over_replicas()
     res["refused replica"] = _one_replica_refuses()
+    res["frozen on one rank"] = _frozen_on_one_rank()
     res["save on one rank"] = _save_on_one_rank(root)
     # states streamed in chunks: grads averaged after the step (said in the plan's notes), one bucket at a time
     res["streamed states"] = _case("gpt", GPT, data_parallel=2, offload="states", dp_bucket_mb=0.01)
@@ -311,6 +340,9 @@ def four_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
 def test_pipeline_times_data_parallel_on_4_ranks(tmp_path: Path) -> None:
     res = run_ranks("tests.test_data_parallel:four_body", 4, timeout=400, root=str(tmp_path))
     for r in res:
+        frozen = r["frozen on one rank"]
+        assert frozen["error"].startswith("the data-parallel replicas train different parameters") and \
+            frozen["s"] < 20 and isinstance(frozen["then"], float), frozen
         one = r["save on one rank"]
         assert "made different calls" in one["error"] and "pp.save()" in one["error"], one["error"]
         assert not one["written"] and isinstance(one["loss"], float) and one["saved"], one
@@ -343,7 +375,8 @@ def test_pipeline_times_data_parallel_on_4_ranks(tmp_path: Path) -> None:
         torch.testing.assert_close(*torch.tensor(streamed["norms"]).T, rtol=1e-5, atol=0)
         torch.testing.assert_close(*streamed["evaluated"], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(*streamed["evaluated in eval mode"], rtol=1e-5, atol=1e-6)
-    cases = [k for k in res[0] if k not in ("errors", "streamed states", "ratio", "refused replica", "save on one rank")
+    cases = [k for k in res[0] if k not in ("errors", "streamed states", "ratio", "refused replica", "save on one rank",
+                                         "frozen on one rank")
              and not k.startswith(("loaded into", "two steps"))]
     assert len(cases) == 2 * len(SCHEDULES) * len(SHARDS) + 1
     for case in cases:

@@ -232,13 +232,14 @@ def test_an_error_in_a_step_is_its_ranks_own_and_named_on_every_rank(case: str, 
             assert f"because rank {failing}" in err, err
 
 
-def after_failure_body(rank: int, world: int, how: str) -> dict[str, str]:
+def after_failure_body(rank: int, world: int, how: str, rendezvous: str) -> dict[str, str]:
     """A failure inside a step on rank 1 (the loss raising), or rank 0 interrupted in its first forward (Ctrl-C),
-    then the calls a user makes after catching it."""
+    then the calls a user makes after catching it, and a pipeline on a process group the user starts again."""
+    import torch.distributed as dist
     import partition
     import pipe
-    pipe.init()
-    w = partition.load("gpt", n_layer=2, d_model=32, n_head=2, seq_len=16, vocab=64)
+    pipe.init(timeout_s=10)  # (under gloo a peer wakes when the failing process exits, or at the timeout: this one
+    w = partition.load("gpt", n_layer=2, d_model=32, n_head=2, seq_len=16, vocab=64)  # goes on to a new group)
     armed = [True]
 
     def loss_fn(out: Any, y: Any) -> Any:
@@ -270,16 +271,27 @@ def after_failure_body(rank: int, world: int, how: str) -> dict[str, str]:
             out[f"then {call}"] = "ran"
         except Exception as e:  # noqa: BLE001 - recorded for the test
             out[f"then {call}"] = f"{type(e).__name__}: {e}"
+    # a group started again by the user (found by review: refused for the rest of the process); the pipeline built
+    # on the torn-down group still refuses
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    again = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=2, cost="flops")
+    out["new group"] = str(again.step(*args, target=target))
+    try:
+        pp.step(*args, target=target)
+        out["old pipeline"] = "ran"
+    except pipe.PipelineError as e:
+        out["old pipeline"] = str(e)
     return out
 
 
 @pytest.mark.parametrize("how", ["error", "interrupt"])
-def test_calls_after_a_failure_in_a_step_name_it(how: str) -> None:
+def test_calls_after_a_failure_in_a_step_name_it(how: str, tmp_path: Path) -> None:
     """Found by review: after a failure inside a step (which tears the process group down), every later call
     raised torch's "Default process group has not been initialized", naming neither the failure nor the fix; and
     an interrupt (Ctrl-C) was not told the other ranks, which waited it out until the timeout or, interrupted at
     once, went on with messages unmatched (5 of 16 runs hung)."""
-    res = run_ranks("tests.test_reliability:after_failure_body", 2, timeout=60, how=how)
+    res = run_ranks("tests.test_reliability:after_failure_body", 2, timeout=90, how=how,
+                    rendezvous=str(tmp_path / "group"))
     failing = 1 if how == "error" else 0
     said = "failed in step 0 with ValueError: a target out of range" if how == "error" else \
         "was interrupted in step 0 with KeyboardInterrupt"
@@ -293,6 +305,8 @@ def test_calls_after_a_failure_in_a_step_name_it(how: str) -> None:
             got = out[f"then {call}"]
             assert got.startswith(f"PipelineError: {name}: this job's process group was torn down after a failure ("
                                   f"rank {failing}") and said in got and "restart the job" in got, (call, got)
+        assert out["old pipeline"].startswith("pp.step(): this job's process group was torn down"), out
+    assert res[0]["new group"] == res[1]["new group"] and float(res[0]["new group"]) > 0, res
     assert not Path("unused").exists()
 
 
