@@ -513,6 +513,28 @@ class _Sizes:
                                               None)
         return self._paired.get(node)
 
+    def _along_the_batch(self, node: torch.fx.Node) -> bool:
+        """Whether `node` combines its input's values along the batch's dim (the one that doubles): a cumsum, a
+        softmax, a sort over the samples; an op of _ALONG whose dim is not known counts as one."""
+        if node.op not in ("call_function", "call_method") or node.target not in _ALONG or not node.args \
+                or not isinstance(node.args[0], torch.fx.Node):
+            return False
+        got = self.shapes(node.args[0])
+        if got is None or len(got[0]) != len(got[1]):
+            return False
+        batch = [d for d, (a, b) in enumerate(zip(*got)) if a != b]
+        if not batch:
+            return False
+        at, default = _ALONG[node.target]
+        name = "dims" if node.target in (torch.flip, "flip", _aten_ops.flip.default, torch.roll, "roll",
+                                         _aten_ops.roll.default) else "dim"
+        dim = node.args[at] if len(node.args) > at else node.kwargs.get(name, default)
+        dims: list[Any] = list(dim) if isinstance(dim, (tuple, list)) else [dim]
+        if any(not isinstance(d, int) for d in dims):  # (not known, or none: roll over the flattened tensor)
+            return True
+        rank = len(got[0])
+        return any(int(d) % rank in batch for d in dims if rank)
+
     def _changes(self, node: torch.fx.Node) -> bool:
         got = self._values(node)
         return got is not None and got[0][0] == "value" and got[0] != got[1]
@@ -539,7 +561,7 @@ class _Sizes:
                     continue
                 reduced = [a for a in ins if self.of(a) is not None and not self._carries(a) and made[a]]
                 counted = [a for a in ins if self._changes(a)] if n.target not in _SHAPES else []
-                self._mixed[n] = bool(reduced or counted)
+                self._mixed[n] = bool(reduced or counted) or self._along_the_batch(n)
         return self._mixed[node]
 
     def _run(self) -> dict[str, list[Any]]:
@@ -665,10 +687,27 @@ def _model_part(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
 # ops reading numbers as sizes (x.view(x.shape[0], -1)): the batch's size in them is not a value of a sample
 _SHAPES = {"view", "reshape", "expand", "repeat", "new_zeros", "new_ones", "new_full", "new_empty", "unflatten",
            "split", "chunk", "flatten", "permute", "transpose", "unsqueeze", "squeeze", "size", "narrow",
-           torch.reshape, torch.zeros, torch.ones, torch.full, torch.empty, torch.arange, torch.split, torch.chunk,
+           torch.reshape, torch.zeros, torch.ones, torch.full, torch.empty, torch.split, torch.chunk,
            torch.flatten, torch.unflatten, torch.narrow, operator.getitem, getattr}
+# (not arange: its values are the numbers it reads, a sample's position when it counts the batch: found by review)
+
+_aten_ops = torch.ops.aten
+# ops combining the values along a dim (position of the dim argument, its default): along the batch's, they mix the
+# samples while keeping the shape (found by review: a .cumsum(0) or .softmax(0) taken for per-sample terms)
+_ALONG: dict[Any, tuple[int, Any]] = {
+    **{op: (1, None) for op in (torch.cumsum, torch.cumprod, torch.logcumsumexp, torch.cummax, torch.cummin,
+                                "cumsum", "cumprod", "logcumsumexp", "cummax", "cummin", _aten_ops.cumsum.default,
+                                _aten_ops.cumprod.default, torch.softmax, torch.log_softmax, F.softmax, F.log_softmax,
+                                "softmax", "log_softmax", _aten_ops._softmax.default, _aten_ops._log_softmax.default,
+                                _aten_ops.softmax.int, _aten_ops.log_softmax.int, torch.flip, "flip",
+                                _aten_ops.flip.default)},
+    **{op: (1, -1) for op in (torch.sort, torch.argsort, "sort", "argsort", _aten_ops.sort.default)},
+    **{op: (2, -1) for op in (torch.topk, "topk", _aten_ops.topk.default)},
+    **{op: (2, None) for op in (torch.roll, "roll", _aten_ops.roll.default)},
+}
 
 
+_NEGS = {operator.neg, torch.neg, torch.ops.aten.neg.default, "neg", "__neg__"}
 _SUMS = {torch.sum, torch.ops.aten.sum.default, torch.ops.aten.sum.dim_IntList, "sum"}
 _MEANS = {torch.mean, torch.ops.aten.mean.default, torch.ops.aten.mean.dim, "mean"}
 _CASTS = {torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default, "float", "double", "to",
@@ -683,8 +722,8 @@ def _as_it_is(node: torch.fx.Node, sizes: _Sizes) -> torch.fx.Node | None:
     samples of `x.sum(0).mean()`); else None."""
     if node.op not in ("call_function", "call_method") or not node.args or not isinstance(node.args[0], torch.fx.Node):
         return None
-    if node.target in _CASTS:
-        return node.args[0]
+    if node.target in _CASTS or node.target in _NEGS:  # (a negated loss forms the batch's as the loss does; found
+        return node.args[0]  # by review: -(...).sum() outside the graph was averaged)
     inner = sizes.of(node.args[0])
     if node.target in _SUMS | _MEANS and inner is not None and inner[0] == inner[1] > 0 and sizes.of(node) == (1, 1):
         return node.args[0]

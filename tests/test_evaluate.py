@@ -534,3 +534,29 @@ def test_forward_outputs_are_laid_out_by_the_model_not_by_their_values() -> None
         with pytest.raises(PipelineError, match=f"leaf 0 is {what} computed from the inputs"):
             concat_outputs([{k: o[k]} for o in same], [2, 2], [layout[k]])
     assert model.lin.weight.device.type == "cpu"  # the model itself untouched (a meta copy ran)
+
+
+class _Mixing(torch.nn.Module):
+    """Numbers that combine the samples while keeping their shape: none is formed from the microbatches' alike."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        h = self.lin(x)                                      # [b, 4]
+        return {"cumsum": h.sum(1).cumsum(0).sum(), "softmax over the batch": (h.softmax(0) * h).sum(),
+                "by position": (h * torch.arange(x.shape[0]).unsqueeze(1)).sum(), "sorted": h.sort(0).values[0].sum(),
+                "softmax over features": h.softmax(-1).sum()}
+
+
+def test_numbers_combining_the_samples_have_no_form() -> None:
+    """Found by review: a .cumsum(0), a softmax over the batch and weights from torch.arange(batch) were taken for
+    per-sample terms, their sums formed as the microbatches' sum with no warning (1.573 for 0.967, 2.82 for 9.02)."""
+    from partition.reduction import output_forms
+    from partition.trace import trace
+    from pipe.inference import _output_nodes
+    model, x = _Mixing(), torch.randn(2, 4)
+    gm = trace(model, (x,), {})
+    forms = dict(zip(model(x), output_forms(gm, _output_nodes(gm)[0], [x])))
+    assert forms == {"cumsum": (None, None), "softmax over the batch": (None, None), "by position": (None, None),
+                     "sorted": (None, None), "softmax over features": ("sum", None)}, forms

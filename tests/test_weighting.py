@@ -102,6 +102,7 @@ CASES = [  # (loss_fn, kind, what the plan's note says)
     (lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten(), reduction="sum") / 7.0, "sum", "reduction='sum'"),
     (lambda o, t: _ce(o, t) * o.mean(), "mean", "the loss is call_function mul"),  # by a value of the microbatch
     (lambda o, t: ((o - t.unsqueeze(-1)) ** 2).sum(), "sum", "(sum_1: a .sum() over the samples)"),
+    (lambda o, t: -((o - t.unsqueeze(-1)) ** 2).sum(), "sum", "a .sum() over the samples"),  # negated (review)
     (lambda o, t: ((o - t.unsqueeze(-1)) ** 2).sum(-1).sum((0, 1)).mul(0.5), "sum", "a .sum() over the samples"),
     (lambda o, t: ((o - t.unsqueeze(-1)) ** 2).mean(0).sum(), "mean",  # over no sample's terms: one per microbatch
      "the loss is call_method mean"),
