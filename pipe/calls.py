@@ -343,8 +343,10 @@ def agree_on_call(pp: Pipeline, batch: tuple[tuple[Any, ...], dict[str, Any]], t
                   refused: Exception | None = None) -> None:
     """Compare this rank's call with the pipeline's other ranks' (agree); `refused`: this rank's own error
     about it. What each step adds to agree (bench schedules times it)."""
-    trains = _frozen_digest(pp, what)  # (summed over the pipeline's ranks: every replica's rank compares the whole
-    if pp.world > 1:  # pipeline's; found by review: a replica freezing otherwise on one rank was refused on some ranks)
+    # what this rank freezes, summed over the pipeline's ranks, so that every replica's rank compares the whole
+    # pipeline's (found by review: a replica freezing otherwise on one rank was refused on some ranks only)
+    trains = _frozen_digest(pp, what) if pp.dp > 1 else 0
+    if pp.world > 1:
         call = call_of(batch[0], batch[1], target)  # and the pipeline's mode (pp.train / pp.eval), and the
         mode = "train" if pp.training else "eval"  # autocast its ranks run under (the values' dtypes follow it)
         key = autocast_key(pp.ctx.device)

@@ -317,11 +317,7 @@ class Pipeline:
         self.memory.set_program(self.program)
         setup.note_param_placement(self, model)
         self._tied_groups = setup.make_tied_groups(self)
-        holders: dict[str, set[int]] = {}  # parameters held by several ranks: every rank knows them all
-        for st in self.plan.stages:
-            for name in st.params:
-                holders.setdefault(name, set()).add(self.place[st.index])
-        self._tied_names = sorted(n for n, ranks in holders.items() if len(ranks) > 1)
+        self._tied_names = list(setup.tied_holders(self))  # (every rank knows them all)
         self.transport: comm.Transport = transport or comm.TorchTransport(
             None if self.pp_group is None else self._global)
         self.grad_scaler: Any = None  # make_grad_scaler's: scales each microbatch's loss before its backward

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from pipe.runtime import Pipeline
 
 __all__ = ["build_memory", "check_weights", "compile_note", "compiled", "fill", "make_reducer", "make_tied_groups",
-           "materialize", "memory_costs", "note_param_placement", "shard"]
+           "materialize", "memory_costs", "note_param_placement", "shard", "tied_holders"]
 
 
 def check_weights(pp: Pipeline, model: torch.nn.Module, weights: Any) -> Any:
@@ -376,16 +376,21 @@ def make_reducer(pp: Pipeline, bucket_mb: float | None) -> GradReducer | None:
                        bucket_bytes=None if bucket_mb is None else max(1, int(bucket_mb * (1 << 20))))
 
 
-def make_tied_groups(pp: Pipeline) -> list[tuple[Any, list[torch.nn.Parameter]]]:
-    """Process groups for parameters held on several ranks; every rank creates them in one order."""
+def tied_holders(pp: Pipeline) -> dict[str, tuple[int, ...]]:
+    """The parameters held on several ranks (tied across stages), by name (sorted), with the ranks holding each:
+    the same on every rank."""
     holders: dict[str, set[int]] = {}
     for st in pp.plan.stages:
         for p in st.params:
             holders.setdefault(p, set()).add(pp.place[st.index])
+    return {p: tuple(sorted(holders[p])) for p in sorted(holders) if len(holders[p]) > 1}
+
+
+def make_tied_groups(pp: Pipeline) -> list[tuple[Any, list[torch.nn.Parameter]]]:
+    """Process groups for parameters held on several ranks; every rank creates them in one order."""
     groups: dict[tuple[int, ...], list[str]] = {}
-    for p in sorted(holders):
-        if len(holders[p]) > 1:
-            groups.setdefault(tuple(sorted(holders[p])), []).append(p)
+    for p, ranks in tied_holders(pp).items():
+        groups.setdefault(ranks, []).append(p)
     out = []
     mine = {n: p for n, p in pp.named_parameters()}
     for ranks, names in sorted(groups.items()):
