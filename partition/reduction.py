@@ -178,8 +178,9 @@ _DIV = {operator.truediv, torch.div, torch.true_divide, torch.ops.aten.div.Tenso
 
 def _batch_constants(gm: torch.fx.GraphModule, example: Sequence[Any] | None) -> set[torch.fx.Node]:
     """Nodes every microbatch of a batch gives the same value: inputs that are not tensors or are 0-dim tensors
-    (repeated, not split: num_items_in_batch), and pure ops of them alone."""
-    out: set[torch.fx.Node] = set()
+    (repeated, not split: num_items_in_batch), the module's tensors (parameters and buffers: an L2 penalty of the
+    weights), and pure ops of them alone."""
+    out: set[torch.fx.Node] = {n for n in gm.graph.nodes if n.op == "get_attr"}
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for i, n in enumerate(inputs):
         x = example[i] if example is not None and i < len(example) else n.meta.get("val")
@@ -276,13 +277,14 @@ def _terms(gm: torch.fx.GraphModule, node: torch.fx.Node, constants: set[torch.f
     terms: list[tuple[str, Weighting | None]] = []
     for a in node.args:
         if not isinstance(a, torch.fx.Node) or a in constants:
-            terms.append(("shared", None))
+            terms.append((a.name if isinstance(a, torch.fx.Node) else repr(a), None))
             continue
         w = _weigh(gm, a, constants, sizes)[0]
         terms.append((a.name, w))
     kinds = {w.kind for _, w in terms if w is not None}
     named = [(n, w) for n, w in terms if w is not None]  # (not a shared number)
-    loss = " + ".join(f"{n} ({w.loss or w.kind})" for n, w in named)
+    loss = " + ".join(f"{n} ({w.loss or w.kind})" if w is not None else f"{n} (the same in every microbatch)"
+                      for n, w in terms)
     if kinds == {"sum"} and len(named) == len(terms):
         return Weighting("sum", "", loss=loss)
     if kinds == {"count"} and len({w.counted for _, w in named}) == 1 and named[0][1].counted:
@@ -744,6 +746,10 @@ def _sums_the_batch(node: torch.fx.Node, sizes: _Sizes, one: bool = True) -> boo
 def _additive(gm: torch.fx.GraphModule, node: torch.fx.Node, sizes: _Sizes) -> str | None:
     """What `node` is when it is the sum of its microbatches' values (a loss with reduction='sum', a
     .sum() over the samples), else None."""
+    terms = [a for a in node.args if isinstance(a, torch.fx.Node)]
+    if _adds(node) and len(terms) == len(node.args):  # a sum of sums: (ce_a + ce_b) / mask.sum()
+        parts = [_additive(gm, a, sizes) for a in terms]
+        return " + ".join(f"{a.name}: {p}" for a, p in zip(terms, parts)) if all(parts) else None
     name = _summed(gm, node)
     for kind in ("cross_entropy", "nll_loss"):
         args = loss_args(gm, node, kind) if name is None else None
@@ -866,10 +872,17 @@ def loss_weighting(gm: torch.fx.GraphModule, loss_fn: Any, in_graph: bool,
     if why:
         return Weighting("mean", f"the loss stays outside the graph and its kind is unknown: {why}")
     found = weighting(view, None if example is None else [*example, target], twice)
-    if found.kind == "ratio":
-        return Weighting("mean", f"the loss is {found.loss}, which fxpipe weighs only with the loss in the graph, "
-                                 "whose numerator a stage can return (a plan with the loss in its last stage: "
-                                 "give example_target=)")
+    if found.kind == "ratio":  # weighed where the model computes the ratio (its own loss): gm returns the numerator
+        nodes = {n.name: n for n in gm.graph.nodes}
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        ours = found.ratio in nodes and found.numerator in nodes
+        if ours and found.reader not in nodes and nodes[found.ratio] in out.all_input_nodes:
+            found.reader = ""  # (the loss_fn's node reading it, or the view's output: gm's output then)
+        elif not ours or found.reader not in nodes:
+            return Weighting("mean", f"the loss is {found.loss}, which fxpipe weighs only where the graph computes "
+                                     "it, whose numerator a stage can return, and the mean of the microbatches' ratios "
+                                     "is the batch's only where their divisors are equal (a plan with the loss in its "
+                                     "last stage: give example_target=)", inexact=True)
     return found
 
 

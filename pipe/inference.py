@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from partition.plan import PlanError
-from partition.reduction import keep_numerator, output_forms, weighting
+from partition.reduction import keep_numerator, loss_weighting, output_forms
 from partition.split import assemble_outputs, inference_stage, param_nodes_of
 from partition.trace import flatten_inputs
 from pipe import calls, comm, modes
@@ -76,6 +76,12 @@ def loss_weights(pp: Pipeline, flats: list[list[Any]]) -> dict[int, list[float]]
     leaves, _ = _output_nodes(pp._gm)
     names = [x.name if isinstance(x, torch.fx.Node) else None for x in leaves]
     leaf = next((names.index(n) for n in w.chain if n in names), None)  # (out.loss, not the loss_fn's cast of it)
+    # a ratio's numerator, which the graph returns in its place (partition.reduction.keep_numerator), is the leaf
+    # or what the leaf reads on the way (a model's own loss outside the graph; `2 * ratio` in the model)
+    numerator = w.kind == "ratio" and (w.numerator in names or leaf is not None and w.ratio in w.chain
+                                       and w.chain.index(names[leaf]) < w.chain.index(w.ratio))  # type: ignore
+    if numerator and leaf is None:
+        leaf = names.index(w.numerator)
     if leaf is None or w.kind == "mean":
         return {}
     if w.kind == "sum":
@@ -87,6 +93,8 @@ def loss_weights(pp: Pipeline, flats: list[list[Any]]) -> dict[int, list[float]]
     total = sum(counts)
     if w.kind == "ratio" and w.floor is not None:  # each ratio = its numerator / max(its divisor, floor)
         counts, total = [max(c, w.floor) for c in counts], max(total, w.floor)
+    if numerator:  # the sum of the numerators over the batch's divisor: exact, also where a divisor is 0
+        return {leaf: [1.0 / total] * len(counts)} if total > 0 else {}
     return {leaf: [c / total for c in counts]} if total > 0 else {}
 
 
@@ -182,7 +190,8 @@ def stages_in_mode_of(pp: Pipeline, inference: bool) -> tuple[dict[int, Any] | N
                                               loss_fn=pp.loss_fn, loss=pp.plan.loss, device=pp.ctx.device)
                          for mode in (pp.training, pp._traced_mode))  # (fresh: before the plan's rewrites)
             if pp.weighting.kind == "ratio":  # its numerator returned, as in the plan's mode
-                found = weighting(gm, flatten_inputs(gm, *pp._example, pp._example_target))
+                found = loss_weighting(gm, pp.loss_fn, pp.plan.loss,
+                                       flatten_inputs(gm, *pp._example, pp._example_target), pp._example_target)
                 if found.kind != "ratio":
                     raise ValueError(f"its loss is no longer a ratio of sums ({found.describe()})")
                 keep_numerator(gm, found)

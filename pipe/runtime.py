@@ -541,11 +541,13 @@ class Pipeline:
         if not self._weigh_at_target or target is None:
             return
         self._weigh_at_target = False
+        if self.weighting.kind == "ratio":  # the model's own, found at planning: the stages return its numerator
+            return
         try:
             found = loss_weighting(self._gm, self.loss_fn, False, flat, target, self._twice)
         except Exception:  # noqa: BLE001 - as planned: the note says so
             return
-        if found.kind == self.weighting.kind:
+        if found.kind in (self.weighting.kind, "ratio"):  # (a ratio only where the stages return its numerator)
             return
         said = self.weighting.describe(self.dp, dynamic=self.dynamic)
         found.holder = self.weighting.holder

@@ -111,6 +111,49 @@ def test_inference_stages_form_the_logits_of_a_head_cut_into_vocabulary_slices()
         torch.testing.assert_close(logits, w.model(*w.example_args))
 
 
+class _OwnLoss(torch.nn.Module):
+    """A model computing its own loss from labels padded with -100: a cross entropy plus an L2 penalty of its
+    weights (`penalty`), or two cross entropies summed over a count of the labels (a masked mean written by hand)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.how = torch.nn.Linear(8, 16), torch.nn.Linear(16, 10), torch.nn.Linear(16, 10), how
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        if self.how == "penalty":
+            return F.cross_entropy(self.b(h), labels) + 0.01 * (self.a.weight.pow(2).sum() + self.b.weight.pow(2).sum())
+        both = F.cross_entropy(self.b(h), labels, reduction="sum") + F.cross_entropy(self.c(h), labels, reduction="sum")
+        ratio = both / (labels != -100).sum().clamp(min=1)
+        return ratio if self.how == "ratio" else 0.5 * ratio  # (the model's own op reading the ratio)
+
+
+def _own_loss_in_parity(x: torch.Tensor, labels: torch.Tensor, how: str) -> tuple[float, str]:
+    """One step of a pipeline (M=4) of _OwnLoss against the model on the whole batch: loss and grads, then
+    forward() and evaluate() in both modes."""
+    import pipe
+    from tests.nccl_like import NcclLike
+    torch.manual_seed(2)
+    model, ref = _OwnLoss(how), _OwnLoss(how)
+    ref.load_state_dict(model.state_dict())
+    pp = pipe.Pipeline(model, (x[:4], labels[:4]), loss_fn=lambda out, _: out, microbatches=4, cost="flops",
+                       transport=NcclLike())
+    loss = pp.step(x, labels)
+    want = ref(x, labels)
+    want.backward()
+    torch.testing.assert_close(loss, want.item(), rtol=1e-5, atol=1e-6)
+    grads = dict(pp.named_parameters())
+    assert grads, "no stage holds parameters"
+    for name, p in ref.named_parameters():
+        if name in grads:
+            torch.testing.assert_close(grads[name].grad, p.grad, msg=name)
+    for mode in (True, False):  # forward() returned the sum of the numerators (10x the ratio here)
+        pp.train(mode)
+        torch.testing.assert_close(pp.forward(x, labels), want.detach(), msg=lambda m: f"{how} {mode}: {m}")
+        torch.testing.assert_close(pp.evaluate(x, labels), want.item(), rtol=1e-5, atol=1e-6)
+    return loss, pp.weighting.describe()
+
+
 def natural_body(rank: int, world: int) -> dict[str, Any]:
     import pipe
     from tests.nccl_like import NcclLike
@@ -187,6 +230,17 @@ def natural_body(rank: int, world: int) -> dict[str, Any]:
             torch.testing.assert_close(grads[name].grad, p.grad, msg=name)
     assert any("the sum of the microbatches'" in n and "found at the first call with a target" in n
                for n in pp.plan.notes), pp.plan.notes
+    # found in session 35: the model's own loss adding an L2 penalty of its weights to a cross entropy was averaged
+    # over the microbatches (each counting another number of labels) and said NOT to be the batch's; two cross
+    # entropies summed over a count of the labels (the model's own loss, so outside the graph) were averaged
+    # silently (3.438 for 4.604): weighed by the counts and by the batch's divisor, exact
+    uneven = torch.randint(0, 10, (16,))
+    uneven[:6] = -100  # microbatch 0 counts no label, microbatch 1 two
+    for kind, said in (("penalty", "(the same in every microbatch) weighs by its targets"),
+                       ("ratio", "each microbatch's numerator over the batch's divisor"),
+                       ("scaled ratio", "each microbatch's numerator over the batch's divisor")):
+        out[f"own loss {kind}"], how = _own_loss_in_parity(x, uneven, kind)
+        assert said in how, how
     return out
 
 

@@ -118,6 +118,10 @@ CASES = [  # (loss_fn, kind, what the plan's note says)
     (lambda o, t: _masked_mean(o, t, 1), "ratio", "over the batch's divisor, at least 1 (computed from the inputs)"),
     (lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten(), reduction="sum") / (t != 0).sum(), "ratio",
      "(cross_entropy, reduction='sum') / sum"),
+    # found in session 35: a sum of sums over a count was averaged
+    (lambda o, t: (F.cross_entropy(o.flatten(0, 1), t.flatten(), reduction="sum") + F.cross_entropy(
+        o.flatten(0, 1), t.flatten(), label_smoothing=0.1, reduction="sum")) / (t != 0).sum(), "ratio",
+     "each microbatch's numerator over the batch's divisor"),
     (lambda o, t: _ce(o, t) / (t != 0).sum(), "mean", "not a cross entropy or NLL loss"),  # a mean over a count
     # found by review: a sum of terms each divided by a value of the whole microbatch was summed (4x the loss)
     (lambda o, t: ((o - t.unsqueeze(-1)) ** 2 / o.shape[0]).sum(), "mean", "not each from its own sample"),
@@ -140,7 +144,8 @@ def test_which_losses_are_weighed_and_what_the_plan_says(case: int, in_graph: bo
     loss_fn, kind, said = CASES[case]
     w = _weighting(loss_fn, in_graph)
     if kind == "ratio" and not in_graph:  # the step calls loss_fn, which returns the ratio, not its numerator
-        assert w.kind == "mean" and "which fxpipe weighs only with the loss in the graph" in w.describe(), w
+        assert w.kind == "mean" and "which fxpipe weighs only where the graph computes it" in w.describe() \
+            and "NOT the batch's" in w.describe(), w
         return
     assert w.kind == kind, (case, w)
     assert said in w.describe(), w.describe()
@@ -432,6 +437,50 @@ def test_a_loss_adding_terms_is_weighed_by_its_terms(loss_fn: Any, kind: str, sa
         got = sum(c / sum(counts) * torch.nan_to_num(loss_fn(model(x[i:i + 1]), t[i:i + 1]), nan=0.0)
                   for i, c in enumerate(counts))
         torch.testing.assert_close(got, want.double())
+
+
+class _Penalised(nn.Module):
+    """A model computing its own loss: a cross entropy (or a sum) plus an L2 penalty of its weights."""
+    def __init__(self, summed: bool) -> None:
+        super().__init__()
+        self.a, self.b, self.summed = nn.Linear(4, 6), nn.Linear(6, V), summed
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        o = self.b(torch.relu(self.a(x)))
+        fit = _sq(o, t).sum() if self.summed else _ce(o, t)
+        return fit + 0.01 * (self.a.weight.pow(2).sum() + self.b.weight.pow(2).sum())
+
+
+class _PenalisedExported(_Penalised):
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        if x.size(0) > 0:
+            return super().forward(x, t)
+        return x.sum()
+
+
+@pytest.mark.parametrize("cls", [_Penalised, _PenalisedExported])
+def test_a_penalty_of_the_weights_is_the_same_in_every_microbatch(cls: type) -> None:
+    """Found in session 35: a model's loss adding an L2 penalty of its own weights to a cross entropy was averaged
+    and said NOT to be the batch's; the penalty is the same in every microbatch, so the counts weigh the
+    microbatches' losses to the batch's. Added to a sum, it would count M times: averaged, and said so."""
+    torch.manual_seed(0)
+    x, t = torch.randn(4, 3, 4), torch.randint(0, V, (4, 3))
+    t[:3] = -100
+    t[0, 1] = 2
+    model = cls(summed=False)
+    gm = trace(model, (x[:1], t[:1]), {})
+    w = loss_weighting(gm, lambda out, _: out, False)
+    assert w.kind == "count" and "(the same in every microbatch) weighs by its targets" in w.describe(), \
+        w.describe()
+    counts = [w.count([x[i:i + 1], t[i:i + 1], None]) for i in range(4)]
+    assert [float(c) for c in counts] == [1, 0, 0, 3], counts
+    got = sum(c / sum(counts) * torch.nan_to_num(model(x[i:i + 1], t[i:i + 1]), nan=0.0)
+              for i, c in enumerate(counts))
+    torch.testing.assert_close(got, model(x, t).double())
+    summed = cls(summed=True)
+    w = loss_weighting(trace(summed, (x[:1], t[:1]), {}), lambda out, _: out, False, [x[:1], t[:1]], None)
+    assert w.kind == "mean" and "NOT the batch's" in w.describe() and "a number every microbatch shares" in w.why, \
+        w.describe()
 
 
 class _OwnPairsLoss(nn.Module):
