@@ -23,6 +23,7 @@ objects in the data, so no pickled code ever runs; any failure is raised as the 
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
 import json
@@ -115,7 +116,8 @@ def _json(x: Any, where: str) -> Any:
     return json.loads(text)
 
 
-_MARKS = ({"__tensor__"}, {"__tuple__"}, {"__dict__"})  # JSON objects standing for a tensor, a tuple, a dict
+# JSON objects standing for a tensor, a tuple, a dict, a dict with keys other than strings, a Counter
+_MARKS = ({"__tensor__"}, {"__tuple__"}, {"__dict__"}, {"__items__"}, {"__counter__"})
 
 
 def _encode_extra(extra: Any, tensors: dict[str, torch.Tensor], path: str = "extra") -> Any:
@@ -126,10 +128,11 @@ def _encode_extra(extra: Any, tensors: dict[str, torch.Tensor], path: str = "ext
         key = f"extra.{len(tensors)}"
         tensors[key] = extra.detach().cpu()
         return {"__tensor__": key}
-    if isinstance(extra, dict):
-        if not all(isinstance(k, str) for k in extra):
-            bad = [k for k in extra if not isinstance(k, str)][:3]
-            raise CheckpointError(f"{path} has keys that are not strings: {bad}; use string keys in extra=")
+    if isinstance(extra, dict):  # keys other than strings (MultiStepLR's milestones, a Counter of ints) as pairs,
+        if isinstance(extra, collections.Counter) or not all(isinstance(k, str) for k in extra):  # (found by review:
+            pairs = [[_encode_extra(k, tensors, f"{path} key {k!r}"), _encode_extra(v, tensors, f"{path}[{k!r}]")]
+                     for k, v in extra.items()]  # refused, and string keys' fix kept the LR from decaying)
+            return {"__counter__" if isinstance(extra, collections.Counter) else "__items__": pairs}
         out = {k: _encode_extra(v, tensors, f"{path}[{k!r}]") for k, v in extra.items()}
         return {"__dict__": out} if set(out) in _MARKS else out
     if isinstance(extra, (list, tuple)):
@@ -149,6 +152,9 @@ def _decode_extra(x: Any, tensors: dict[str, torch.Tensor]) -> Any:
             return tuple(_decode_extra(v, tensors) for v in x["__tuple__"])
         if set(x) == {"__dict__"}:
             return {k: _decode_extra(v, tensors) for k, v in x["__dict__"].items()}
+        if set(x) in ({"__items__"}, {"__counter__"}):  # (a key made a tuple stays one: hashable)
+            pairs = {_decode_extra(k, tensors): _decode_extra(v, tensors) for k, v in next(iter(x.values()))}
+            return collections.Counter(pairs) if "__counter__" in x else pairs
         return {k: _decode_extra(v, tensors) for k, v in x.items()}
     if isinstance(x, list):
         return [_decode_extra(v, tensors) for v in x]
@@ -191,7 +197,8 @@ def save(pp: "Pipeline", path: str | Path, optimizer: torch.optim.Optimizer | No
     """Write the pipeline's state to `path` (a collective call: every rank calls it alike).
 
     Saved: parameters and persistent buffers by original name, the optimizer's state and settings
-    by parameter name, the step, every rank's random-number state, the plan, and `extra` (the
+    by parameter name, the step, every rank's random-number state, the grad scaler's state
+    (make_grad_scaler), the plan, and `extra` (the
     training loop's own state: numbers, strings, lists, dicts and tensors, as rank 0 has it).
     `keep` complete versions stay (the newest; older ones and the leftovers of interrupted saves
     are removed). Returns the version folder.
@@ -231,6 +238,10 @@ def save(pp: "Pipeline", path: str | Path, optimizer: torch.optim.Optimizer | No
             info["extra_tensors"] = {k: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
                                      for k, t in extra_tensors.items()}
             tensors.update(extra_tensors)
+            # make_grad_scaler's scale and growth tracker, the same on every rank (found by review: a resume
+            # started from the initial scale, and its first steps overflowed and were skipped without a word)
+            info["grad_scaler"] = _json(pp.grad_scaler.state_dict(), "the grad scaler's state") \
+                if pp.grad_scaler is not None else None
             folder.mkdir(parents=True)
             _writing[folder] = _lock(folder / WRITING)  # held until committed: no other writer's clean removes it
         return info
@@ -274,6 +285,7 @@ def _write(pp: "Pipeline", path: Path, folder: Path, tensors: dict[str, torch.Te
             "microbatches": pp.M, "stages_per_rank": pp.v, "plan": pp.plan.to_dict(),
             "state_keys": pp.state_key_names(), "files": {}, "rng": [None] * len(everyone), "rng_by": "global rank",
             "optimizer": None, "optimizer_class": None, "extra": info["extra"], "extra_tensors": info["extra_tensors"],
+            "grad_scaler": info["grad_scaler"] or None,
             "committed_ns": time.time_ns()}  # the versions' order: a run resumed from an older one saves newer
         for f, i in everyone:
             manifest["files"].update(f)
@@ -435,6 +447,10 @@ def load(pp: "Pipeline", path: str | Path, optimizer: torch.optim.Optimizer | No
         src = _rng_source(pp, manifest)
         _set_rng_state(targets, manifest["rng"][src], src, pp.ctx.device)
         pp.steps_done = int(manifest["step"])
+        scaler = manifest.get("grad_scaler")
+        if scaler and pp.grad_scaler is not None:
+            pp.grad_scaler.load_state_dict(scaler)
+        pp._loaded_scaler = scaler or None  # (for a grad scaler made after the load: make_grad_scaler)
         return Loaded(pp.steps_done, extra, str(folder))
     return everywhere(apply)
 

@@ -294,8 +294,8 @@ def optimizer_names(named: dict[int, str], optimizer: torch.optim.Optimizer) -> 
     """The name of each parameter the optimizer steps, in its order; `named`: id(param) -> name."""
     order = [named.get(id(p)) for group in optimizer.param_groups for p in group["params"]]
     if any(n is None for n in order):
-        raise CheckpointError("the optimizer holds parameters that are not the model's; build it from "
-                              "pp.parameters() (or model.parameters())")
+        raise CheckpointError("the optimizer holds parameters that are not this rank's stages' (built from "
+                              "model.parameters(), it holds the whole model's); build it from pp.parameters()")
     return [str(n) for n in order]
 
 
@@ -316,11 +316,20 @@ def key_difference(missing: list[str], unexpected: list[str]) -> str:
 
 
 def check_model(pp: "Pipeline", manifest: dict[str, Any], folder: Path) -> None:
-    saved, mine = set(manifest["state_keys"]), set(pp.state_key_names())
-    if saved != mine:
+    saved, mine = manifest["state_keys"], pp.state_key_names()
+    if set(saved) != set(mine):
         raise CheckpointError(f"{folder} was saved from another model: it "
-                              f"{key_difference(sorted(mine - saved), sorted(saved - mine))}; load it into the "
-                              "model it was saved from")
+                              f"{key_difference(sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine)))}; "
+                              "load it into the model it was saved from")
+    # the same keys tied otherwise (found by review: an untied model's head loaded into a model tying it to the
+    # embedding was dropped, its optimizer state too, without a word)
+    tied = [k for k in sorted(mine) if saved[k] != mine[k]]
+    if tied:
+        said = "; ".join(f"{k}: saved as {saved[k]}, read here as {mine[k]}" for k in tied[:3])
+        more = " ..." if len(tied) > 3 else ""
+        raise CheckpointError(f"{folder} ties its weights otherwise than this model ({said}{more}): its tensors are "
+                              "not this model's; load it into a model that ties them as the saved one did (e.g. the "
+                              "same tie_word_embeddings)")
 
 
 

@@ -321,6 +321,7 @@ class Pipeline:
         self.transport: comm.Transport = transport or comm.TorchTransport(
             None if self.pp_group is None else self._global)
         self.grad_scaler: Any = None  # make_grad_scaler's: scales each microbatch's loss before its backward
+        self._loaded_scaler: dict[str, Any] | None = None  # the grad scaler's state the last pp.load read
         self.timeline: list[Event] = []
         self.collectives: list[Event] = []  # the last step's grad all-reduces (REDUCE_GRAD, mb = bucket)
         self.posts: list[Event] = []  # the last step's batches of messages, the host posting each (POST)
@@ -419,11 +420,14 @@ class Pipeline:
         not scaled); the loop then calls, as with torch.amp, scaler.unscale_(opt) (before
         clip_grad_norm_), scaler.step(opt) and scaler.update(). kwargs: GradScaler's (init_scale,
         growth_factor, backoff_factor, growth_interval, enabled). A collective call's companion: every
-        rank makes it."""
+        rank makes it. Checkpoints save its state (scale, growth tracker); a scaler made after pp.load takes
+        the loaded one's."""
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
         self.grad_scaler = ShardedGradScaler(device=self.ctx.device.type, process_group=dist.group.WORLD, **kwargs)
         self.grad_scaler.scale(torch.zeros((), device=self.ctx.device))  # its scale set up on every rank, not
-        return self.grad_scaler                                          # only where a loss is scaled
+        if self._loaded_scaler:                                          # only where a loss is scaled
+            self.grad_scaler.load_state_dict(self._loaded_scaler)
+        return self.grad_scaler
 
     def unread_parameters(self) -> dict[str, torch.Tensor]:
         """The model's parameters no stage reads (a head the forward does not call), by original name: rank 0

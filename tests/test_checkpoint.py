@@ -477,6 +477,34 @@ def buffers_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
            "loaded": all(torch.equal(p2.local_buffers()[k], b) for k, b in bufs.items()),
            "moved": all(w.model.get_buffer(k) is not b for k, b in pp.local_buffers().items())}
     out.update(_unread_parameters(root))
+    out.update(_grad_scaler(root))
+    return out
+
+
+def _grad_scaler(root: str) -> dict[str, Any]:
+    """make_grad_scaler's state saved and restored, also into a scaler made after the load (found by review: a
+    resume started from the initial scale, 1.1e12 for 65536, and its first steps overflowed, skipped silently)."""
+    import pipe
+    w = _scaled_mlp()
+    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=2, cost="flops")
+    opt = torch.optim.SGD(list(pp.parameters()), lr=1e-3)
+    scaler = pp.make_grad_scaler(init_scale=2.0 ** 40, backoff_factor=2.0 ** -24)
+    args, _, target = w.batch(2 * w.microbatch_size, 0)
+    with torch.autocast("cpu", dtype=torch.float16):
+        pp.step(*args, target=target)
+    scaler.step(opt)
+    scaler.update()  # an overflow at 2**40: backed off
+    state = scaler.state_dict()
+    pp.save(f"{root}/scaled", optimizer=opt)
+    out = {}
+    for before in (True, False):
+        w2 = _scaled_mlp()
+        p2 = pipe.Pipeline(w2.model, w2.example_args, loss_fn=w2.loss_fn, microbatches=2, cost="flops")
+        s2 = p2.make_grad_scaler(init_scale=2.0 ** 40) if before else None
+        p2.load(f"{root}/scaled", optimizer=torch.optim.SGD(list(p2.parameters()), lr=1e-3))
+        s2 = s2 or p2.make_grad_scaler(init_scale=2.0 ** 40)
+        out[f"scaler made {'before' if before else 'after'} the load"] = s2.state_dict() == state
+    out["scale"] = state["scale"]
     return out
 
 
@@ -517,6 +545,8 @@ def test_buffers_are_the_stages_own_tensors_and_unread_parameters_are_kept(tmp_p
         assert r["n"] == 1 and r["moved"] and r["saved"] and r["loaded"], r
         assert r["checkpoint"] == [] and r["keys"], r
     assert res[0]["loaded"] and res[0]["exported"] == [] and res[0]["meta"] == [], res[0]
+    for r in res:
+        assert r["scale"] < 2.0 ** 40 and r["scaler made before the load"] and r["scaler made after the load"], r
 
 
 def test_keep_counts_versions_in_the_order_they_were_committed(tmp_path: Path) -> None:
@@ -581,3 +611,52 @@ def test_extra_state_comes_back_as_given() -> None:
     assert back["n"] == {"__tensor__": "extra.0"} and back["pair"] == (1, (2.5, "x"))
     assert back["marks"] == [{"__tuple__": 1}, {"__dict__": {"a": 1}}] and back["plain"] == {"a": [1, 2]}
     assert torch.equal(back["t"], t) and set(back) == set(extra)
+
+
+def test_a_schedulers_state_with_keys_other_than_strings_resumes_its_schedule() -> None:
+    """Found by review: MultiStepLR's state (milestones, a Counter of ints) was refused in extra=, and the fix the
+    error named (string keys) kept the learning rate from ever decaying: 0.1 where 0.01 and 0.001 were due."""
+    import collections
+    import json
+
+    from pipe.checkpoint import _decode_extra, _encode_extra
+
+    def lrs(sched: Any, opt: Any, n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            opt.step()
+            sched.step()
+            out.append(opt.param_groups[0]["lr"])
+        return out
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=0.1)
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[4, 6], gamma=0.1)
+    lrs(sched, opt, 2)
+    tensors: dict[str, torch.Tensor] = {}
+    extra = {"sched": sched.state_dict(), "keys": {(1, "a"): 2, 3.5: None, None: [1]}}
+    back = _decode_extra(json.loads(json.dumps(_encode_extra(extra, tensors))), tensors)
+    assert isinstance(back["sched"]["milestones"], collections.Counter), back["sched"]
+    assert back["sched"] == sched.state_dict() and back["keys"] == extra["keys"], back
+    p2 = torch.nn.Parameter(torch.zeros(1))
+    opt2 = torch.optim.SGD([p2], lr=0.1)
+    sched2 = torch.optim.lr_scheduler.MultiStepLR(opt2, milestones=[100], gamma=0.5)
+    sched2.load_state_dict(back["sched"])
+    opt2.param_groups[0]["lr"] = opt.param_groups[0]["lr"]
+    want = lrs(sched, opt, 6)
+    assert lrs(sched2, opt2, 6) == want and want[-1] == pytest.approx(0.001), want
+
+
+def test_a_checkpoint_tying_weights_otherwise_is_refused() -> None:
+    """Found by review: an untied model's checkpoint loaded into the model tying its head to the embedding
+    dropped the saved head and its optimizer state without a word (the keys are the same, the tying not)."""
+    from types import SimpleNamespace
+
+    from pipe.ckpt_format import CheckpointError, check_model
+    tied = {"tok_emb.weight": "tok_emb.weight", "lm_head.weight": "tok_emb.weight"}
+    untied = {"tok_emb.weight": "tok_emb.weight", "lm_head.weight": "lm_head.weight"}
+    for saved, mine in ((untied, tied), (tied, untied)):
+        pp = SimpleNamespace(state_key_names=lambda mine=mine: dict(mine))
+        with pytest.raises(CheckpointError, match=rf"ties its weights otherwise than this model \(lm_head.weight: "
+                           rf"saved as {saved['lm_head.weight']}, read here as {mine['lm_head.weight']}\)"):
+            check_model(pp, {"state_keys": saved}, Path("ckpt"))
+    check_model(SimpleNamespace(state_key_names=lambda: dict(tied)), {"state_keys": tied}, Path("ckpt"))
