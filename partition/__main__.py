@@ -17,7 +17,8 @@ from partition.workload import BUNDLED, WorkloadError, load, parse_overrides
 
 # The command line reads the schedules' in-flight counts from pipe.schedules, the pure table of
 # schedules; the partition library itself takes them as data (in_flight_counts=) and never imports pipe.
-from pipe.schedules import SCHEDULES, ScheduleError, default_stages_per_rank, default_stages_text, in_flight_limit  # noqa: E402
+from pipe.schedules import (SCHEDULES, ScheduleError, build, default_stages_per_rank, default_stages_text,  # noqa: E402
+                            in_flight_limit)
 
 USAGE_ERRORS = (WorkloadError, PlanError, PartitionError, TraceError, ScheduleError)
 
@@ -75,12 +76,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("python -m partition: error: --stages N is required (the pipeline's stages), but with --schedule auto "
               "(which takes --ranks)", file=sys.stderr)
         return 2
+    given = [f"--{k.replace('_', '-')}" for k in ("ranks", "batch_size", "calibration")
+             if getattr(args, k) is not None]
+    if given:  # (found by review: ignored without a word, a calibration file never opened)
+        print(f"python -m partition: error: {' and '.join(given)} {'is' if len(given) == 1 else 'are'} read only "
+              f"with --schedule auto, and --schedule {args.schedule} plans --stages {args.stages} as given; leave "
+              f"{given[0]} out, or pass --schedule auto", file=sys.stderr)
+        return 2
     v = args.stages_per_rank or default_stages_per_rank(args.schedule)
     M = args.microbatches or args.stages
     try:
         if args.stages % v:
             raise PlanError(f"--stages {args.stages} is not a multiple of --stages-per-rank {v}; the stages are "
                             f"spread evenly over the ranks: use --stages {args.stages - args.stages % v + v}")
+        build(args.schedule, args.stages // v, M, v)  # a schedule the pipeline runs (found by review: 1f1b with
+        # --stages-per-rank 2 was planned, and pipe.run refused the plan)
         w = load(args.model, **parse_overrides(args.model_arg))
         flights = [in_flight_limit(args.schedule, args.stages, M, s, v) for s in range(args.stages)]
         found: list[Any] = []  # the analysis the plan was cut from (its memory plans are made on it)

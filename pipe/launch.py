@@ -21,7 +21,7 @@ from typing import Any, NoReturn, Sequence
 import torch
 import torch.distributed as dist
 
-from partition.errors import FxpipeError
+from partition.errors import FxpipeError, first_line
 from pipe.comm import _DONE_KEY, _FAILED, _KEPT, _LOST_KEY, _TIMEOUT_S, DEFAULT_TIMEOUT_S
 
 __all__ = ["Context", "LaunchError", "TimeoutSettingError", "DEFAULT_TIMEOUT_S", "init", "context", "finish",
@@ -46,7 +46,7 @@ class Context:
     local_rank: int
     device: torch.device
     backend: str
-    launcher: str  # "torchrun", "mpi" or "single"
+    launcher: str  # "torchrun", "env" (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set by hand), "mpi" or "single"
     freed_kept: bool = False  # glibc keeps the memory this process frees (keep_freed_memory)
 
 
@@ -112,6 +112,30 @@ def _store_host(addr: str, port: int = 0) -> int:
                           "; set MASTER_ADDR to an address of this host the other ranks reach" +
                           (" and MASTER_PORT to a free port" if port else ""))
     return int(got)
+
+
+def _client_store(addr: str, port: int, world: int, timeout_s: float) -> Any:
+    """A client of the rendezvous store at addr:port, or a LaunchError within the timeout (+ 5 s). Found by
+    review: where another program held MASTER_PORT, rank 0 named it, and a rank connecting to that program
+    waited for its answer forever, past the timeout; the connection is made in a thread that is left behind."""
+    import threading
+    got: list[Any] = []
+
+    def connect() -> None:
+        try:
+            got.append(dist.TCPStore(addr, port, world, is_master=False,
+                                     timeout=datetime.timedelta(seconds=timeout_s)))
+        except Exception as e:  # noqa: BLE001 - said below, as this rank's own error
+            got.append(e)
+    thread = threading.Thread(target=connect, name="fxpipe-store-connect", daemon=True)
+    thread.start()
+    thread.join(timeout_s + 5.0)
+    if not got or isinstance(got[0], Exception):
+        why = f" ({first_line(got[0])})" if got else ""
+        raise LaunchError(f"could not reach the rendezvous store at {addr}:{port} within {timeout_s:g} s{why}: rank "
+                          "0 did not start it there (it names why), or another program holds that port; set "
+                          "MASTER_PORT to a free port on every rank")
+    return got[0]
 
 
 def _plain_env() -> bool:
@@ -225,8 +249,9 @@ def init(*, backend: str | None = None, timeout_s: float | None = None, keep_fre
             addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
             if rank == 0:
                 _store_host(addr, port)
-            store = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+            store = _client_store(addr, port, world, timeout_s)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **bound)
+            launcher = "env"
         elif launcher == "torchrun":
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **bound)
         elif launcher == "mpi":

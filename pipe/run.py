@@ -98,7 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--calibration", default=None, metavar="FILE",
                    help="this machine's calibration for the predictions (python -m bench calibrate writes it)")
     p.add_argument("--plan", default=None, help="a plan.json from python -m partition, or a checkpoint's folder "
-                   "(default: plan now); its schedule, microbatches and memory budget are the defaults")
+                   "(default: plan now); its schedule, microbatches, stages per rank and memory budget are the "
+                   "defaults")
     p.add_argument("--memory-budget", type=_budget, default=None,
                    help="per-stage budget, e.g. 8GiB (default: --plan's, else none)")
     p.add_argument("--compile", action="store_true",
@@ -136,20 +137,63 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.schedule = plan.schedule if args.schedule is None else args.schedule
         args.microbatches = plan.microbatches if args.microbatches is None else args.microbatches
         args.memory_budget = plan.memory_budget if args.memory_budget is None else args.memory_budget
+        if args.stages_per_rank is None and args.schedule == plan.schedule:  # (found by review: a plan of 2
+            args.stages_per_rank = plan.stages_per_rank                      # stages per rank ran as 1, refused)
     if args.dp_shard != "none" and args.data_parallel == 1:  # (found by review: accepted, and nothing sharded)
         p.error(f"--dp-shard {args.dp_shard} shards over data-parallel replicas, but --data-parallel is 1; pass "
                 "--data-parallel N (N > 1), or leave --dp-shard out")
+    if args.schedule == "auto" and args.batch_size is not None and args.microbatches is not None \
+            and args.plan is None:  # (found by review: ignored, the run took M=16 without a word)
+        p.error(f"--schedule auto chooses the microbatch count among the divisors of --batch-size "
+                f"{args.batch_size}, so --microbatches {args.microbatches} would be ignored; leave it out, or give "
+                "a --schedule")
     args.schedule = "1f1b" if args.schedule is None else args.schedule
     args.microbatches = 8 if args.microbatches is None else args.microbatches
+    from pipe.launch import _detect
+    if _detect()[2] == 1:  # one process: refused at once (ranks of a job agree on it after starting: main)
+        why = out_error(args)
+        if why:
+            p.error(why)
+    return args
+
+
+def out_error(args: argparse.Namespace) -> str | None:
+    """Why --out cannot take this run's outputs (rank 0 writes them), or None."""
     out = Path(args.out)
     blocked = next((q for q in (out, *out.parents) if q.exists() and not q.is_dir()), None)
     if blocked is not None:  # (found by review: refused only after the whole run, its results lost)
-        p.error(f"--out {args.out} cannot be a folder: {blocked} is a file; give another --out")
+        return f"--out {args.out} cannot be a folder: {blocked} is a file; give another --out"
     previous = [name for name in OUTPUTS if (Path(args.out) / name).exists()]
     if previous and not args.overwrite:
-        p.error(f"--out {args.out} already holds a previous run's outputs ({', '.join(previous)}); "
+        return (f"--out {args.out} already holds a previous run's outputs ({', '.join(previous)}); "
                 "give another --out, or --overwrite to replace them")
-    return args
+    return None
+
+
+_LOCAL = ("threads",)  # options each node may set apart (its cores); every other one is the job's
+
+
+def _agreed(rank: int, args: argparse.Namespace) -> str | None:
+    """Why the ranks cannot run together, on every rank alike, or None: options that differ between the ranks
+    (found by review: --lr 1e-3 on one node and 0.5 on the other trained without a word, the loss climbing to
+    33.9; --steps apart crashed in gloo, naming neither), or an --out rank 0 cannot write to."""
+    grouped = dist.is_initialized() and dist.get_world_size() > 1  # (else each rank's own: no group to agree in)
+    mine = ({k: v for k, v in sorted(vars(args).items()) if k not in _LOCAL},
+            out_error(args) if rank == 0 or not grouped else None)
+    everyone: list[Any] = [mine]
+    if grouped:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    if everyone[0][1]:
+        return everyone[0][1]
+    for key, value in everyone[0][0].items():
+        apart = [r for r, (opts, _) in enumerate(everyone) if opts.get(key) != value]
+        if apart:
+            flag = "--" + key.replace("_", "-")
+            return (f"the ranks were started with different options: {flag} {value!r} on rank 0, "
+                    f"{everyone[apart[0]][0].get(key)!r} on rank {apart[0]}; give every rank (every node) the same "
+                    "command line")
+    return None
 
 
 def _gather(pp: Any, mine: Any) -> list[Any]:
@@ -214,7 +258,16 @@ def main(argv: list[str] | None = None) -> int:
     from pipe.comm import PeerLost
     from pipe.runtime import NonFiniteLoss
 
-    ctx = pipe.init(timeout_s=args.timeout)
+    from pipe.launch import LaunchError, _detect
+    try:
+        ctx = pipe.init(timeout_s=args.timeout)
+    except (LaunchError, ValueError, RuntimeError) as e:  # (found by review: a traceback, e.g. MASTER_ADDR unset)
+        say_error(error_line(_detect()[1], e))
+        return 2
+    why = _agreed(ctx.rank, args)
+    if why:
+        say_error(error_line(ctx.rank, ValueError(why)))
+        return 2
     say = print if ctx.rank == 0 else (lambda *a, **k: None)
     try:
         extra = {} if args.seed is None else {"seed": args.seed}
@@ -278,17 +331,19 @@ def _train(pp: Any, w: Any, args: argparse.Namespace, say: Callable[..., None]) 
         b_args, b_kwargs, target = w.batch(batch_size, step * pp.dp + pp.dp_rank)
         t0 = time.perf_counter()
         loss = pp.step(*b_args, target=target, **b_kwargs)
+        skipped = not math.isfinite(loss)  # only with --skip-nonfinite: else step raised NonFiniteLoss
         if args.clip_grad_norm is not None:  # collective: on every rank, one without parameters too
-            norms.append(float(pp.clip_grad_norm_(args.clip_grad_norm)))
+            norm = float(pp.clip_grad_norm_(args.clip_grad_norm))
+            if not skipped:  # (a skipped step's grads were cleared: its norm of 0 is no grad's)
+                norms.append(norm)
         if opt is not None:
             opt.step()
             opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
         times.append(dt)
-        skipped = not math.isfinite(loss)  # only with --skip-nonfinite: else step raised NonFiniteLoss
         if not skipped:
             losses.append(loss)
-        clipped = f"  grad norm {norms[-1]:.4g}" if norms else ""
+        clipped = f"  grad norm {norms[-1]:.4g}" if norms and not skipped else ""
         if args.eval_every is not None and (step + 1) % args.eval_every == 0:  # untimed, after the update
             evaluated.append((step + 1, _held_out_loss(pp, w, batch_size, say)))
         held = f"  eval loss {evaluated[-1][1]:.4f}" if evaluated and evaluated[-1][0] == step + 1 else ""
@@ -323,6 +378,10 @@ def _report(pp: Any, args: argparse.Namespace, ctx: Any, run: dict[str, Any], sa
     memory_lines = _memory_lines(pp)
     peaks = _measured_peaks(pp)
     measured = pp.gather_timeline()
+    link = None
+    if pp.dp > 1:  # the replicas' all-reduce, measured on every rank at once, prices the prediction's grad sync
+        from pipe.launch import measure_allreduce
+        link = measure_allreduce(ctx.device, pp.dp_group)
     if ctx.rank != 0 or measured is None:
         return 0
     out = Path(args.out)
@@ -330,6 +389,15 @@ def _report(pp: Any, args: argparse.Namespace, ctx: Any, run: dict[str, Any], sa
     warm = run["times"][1:] or run["times"]
     first, last = (run["losses"][0], run["losses"][-1]) if run["losses"] else (math.nan, math.nan)
     predicted = predicted_timeline(pp.plan, pp.world, calibration=pp.calibration, compiled=pp._compile is not None)
+    predicted_ms, synced = predicted.makespan, ""
+    if link is not None:  # (found by review: the prediction left the replicas' grad all-reduce out)
+        from pipe.predict import layout_costs
+        from pipe.scale import predict_layout
+        layout = predict_layout(layout_costs(pp.plan, any(a.kind == "W" for a in pp.actions),
+                                             calibration=pp.calibration),
+                                pp=pp.world, dp=pp.dp, schedule=pp.schedule_name, microbatches=pp.M, v=pp.v,
+                                allreduce_bytes_per_ms=link[0], allreduce_latency_ms=link[1])
+        predicted_ms, synced = layout.step_ms, f", with the {pp.dp} replicas' grad all-reduce"
     summary: dict[str, Any] = {
         "model": args.model, "schedule": pp.schedule_name, "microbatches": pp.M, "stages_per_rank": pp.v,
         "ranks": ctx.world_size, "data_parallel": pp.dp, "dp_shard": pp.dp_shard, "launcher": ctx.launcher,
@@ -338,7 +406,7 @@ def _report(pp: Any, args: argparse.Namespace, ctx: Any, run: dict[str, Any], sa
         "skipped_steps": run["skipped"],
         "median_step_s": statistics.median(warm), "tokens_per_s": run["tokens"] / statistics.median(warm),
         "measured_bubble": measured.bubble, "predicted_bubble": predicted.bubble,
-        "measured_step_ms": measured.makespan, "predicted_step_ms": predicted.makespan}
+        "measured_step_ms": measured.makespan, "predicted_step_ms": predicted_ms}
     try:  # the summary first, created only if absent (unless --overwrite): a concurrent run's is kept
         with open(out / "summary.json", "w" if args.overwrite else "x") as f:
             f.write(json.dumps(summary, indent=1))
@@ -359,7 +427,7 @@ def _report(pp: Any, args: argparse.Namespace, ctx: Any, run: dict[str, Any], sa
     say(f"loss {first:.4f} -> {last:.4f}{skipped}; median step {summary['median_step_s'] * 1e3:.1f} ms, "
         f"{summary['tokens_per_s']:.0f} tok/s")
     say(f"bubble: measured {measured.bubble:.3f}, predicted {predicted.bubble:.3f}; last step "
-        f"{measured.makespan:.1f} ms measured, {predicted.makespan:.1f} ms predicted")
+        f"{measured.makespan:.1f} ms measured, {predicted_ms:.1f} ms predicted{synced}")
     say(measured.to_text(width=80))
     say(f"wrote {out / 'trace.json'} (open in ui.perfetto.dev or chrome://tracing){png}")
     say("memory per stage (last step):\n" + memory_lines)

@@ -508,7 +508,7 @@ class Pipeline:
         self._weigh_by_target(flats[0], targets[0])
         exchange = calls.exchange(self)
         run = StepState(self, flats, targets, exchange)
-        with failures(self, run, f"step {self.steps_done}"):
+        with failures(self, run, f"step {self.steps_done + 1}"):  # (counted from 1, as pipe.run prints them)
             # what tied grads held before the step (accumulated over steps): only this step's part is summed;
             # read before the memory manager's step begins (streamed grads are host views between steps)
             held = {id(p): p.grad.detach().clone() for _, ps in self._tied_groups for p in ps if p.grad is not None}

@@ -514,10 +514,11 @@ def non_finite(pp: Pipeline, value: float, run: StepState, accumulated: bool = F
         for p in pp.parameters():
             p.grad = None
         if accumulated:
-            warnings.warn(f"step {pp.steps_done - 1}: the loss is {value}, so skip_nonfinite cleared every grad, "
+            warnings.warn(f"step {pp.steps_done}: the loss is {value}, so skip_nonfinite cleared every grad, "
                           "including those earlier step() calls accumulated since the last zero_grad (no step can "
                           "be taken out of a sum that holds a NaN or inf)", RuntimeWarning, stacklevel=3)
         return
-    raise NonFiniteLoss(f"the loss is {value} at step {pp.steps_done - 1}; it first appeared on stage {stage} "
+    raise NonFiniteLoss(f"the loss is {value} at step {pp.steps_done} (counted from 1); it first appeared on stage "
+                        f"{stage} "
                         f"(rank {pp._global[pp.place[stage]]}); lower the learning rate, check the data, or "
                         "pass skip_nonfinite=True to drop such steps (their grads are cleared)")

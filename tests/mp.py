@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import io
+import multiprocessing
 import os
 import pickle
 import signal
@@ -39,7 +41,72 @@ def _base_env(threads: int = 1) -> dict[str, str]:
     return env
 
 
-def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
+# Ranks are forked from a server that has imported these once (multiprocessing's forkserver), not started
+# afresh: importing torch, torch.export and fxpipe took 3-8 s of each rank's start, and the suite starts
+# hundreds. FXPIPE_MP_START=spawn starts each rank as a new interpreter instead (`python -m tests.mp`).
+_PRELOAD = ["torch", "torch.distributed", "torch.fx", "torch.export", "torch.distributed.checkpoint", "transformers",
+            "pipe", "partition", "memory", "bench", "tests.parity", "tests.nccl_like"]
+_FORKS: Any = None
+
+
+def _forks() -> Any:
+    global _FORKS
+    if _FORKS is None:
+        _FORKS = multiprocessing.get_context("forkserver")
+        _FORKS.set_forkserver_preload(_PRELOAD)
+    return _FORKS
+
+
+class _Forked:
+    """A rank forked from the server, as much like a Popen as the harness uses: pid, poll(), wait(),
+    returncode (negative: the signal that ended it)."""
+
+    def __init__(self, env: dict[str, str], log: Path) -> None:
+        self._p = _forks().Process(target=_forked_child, args=(env, str(log)), daemon=False)
+        self._p.start()
+        self.pid = self._p.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._p.exitcode
+
+    def poll(self) -> int | None:
+        return self._p.exitcode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        self._p.join(timeout)
+        if self._p.exitcode is None and timeout is not None:
+            raise subprocess.TimeoutExpired("forked rank", timeout)
+        return self._p.exitcode
+
+
+def _forked_child(env: dict[str, str], log: str) -> None:
+    """A forked rank: a session of its own (the harness kills its group), its output to `log`, unbuffered,
+    the rank's environment, then the body as `python -m tests.mp` would run it."""
+    os.setsid()
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = io.TextIOWrapper(open(1, "wb", buffering=0, closefd=False), write_through=True)
+    sys.stderr = io.TextIOWrapper(open(2, "wb", buffering=0, closefd=False), write_through=True)
+    os.environ.clear()
+    os.environ.update(env)
+    code = 1
+    try:
+        _child()
+    except SystemExit as e:  # as the interpreter exits on it
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - as the interpreter reports an uncaught one
+        import traceback
+        traceback.print_exc()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _kill(procs: list[Any]) -> None:
     for p in procs:
         if p.poll() is None:
             try:
@@ -50,7 +117,7 @@ def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
         p.wait()
 
 
-def _wait_all(procs: list[subprocess.Popen[bytes]], timeout: float) -> bool:
+def _wait_all(procs: list[Any], timeout: float) -> bool:
     """Wait for every process; return False on timeout (the processes are then killed)."""
     deadline = time.monotonic() + timeout
     while any(p.poll() is None for p in procs):
@@ -93,8 +160,9 @@ def run_ranks(target: str, world_size: int, *, timeout: float = 120.0, threads: 
     with tempfile.TemporaryDirectory(prefix="fxpipe-mp-") as tmp:
         tmpdir = Path(tmp)
         (tmpdir / "kwargs.pkl").write_bytes(pickle.dumps(kwargs))
-        procs: list[subprocess.Popen[bytes]] = []
+        procs: list[Any] = []
         logs: list[Path] = []
+        fork = os.environ.get("FXPIPE_MP_START", "forkserver") != "spawn"
         for rank in range(world_size):
             e = _base_env(threads)
             e.update(env or {})
@@ -104,6 +172,9 @@ def run_ranks(target: str, world_size: int, *, timeout: float = 120.0, threads: 
                      FXPIPE_MP_TARGET=target, FXPIPE_MP_DIR=tmp)
             log = tmpdir / f"rank{rank}.log"
             logs.append(log)
+            if fork:
+                procs.append(_Forked(e, log))
+                continue
             with open(log, "wb") as out:
                 procs.append(subprocess.Popen([sys.executable, "-m", "tests.mp"], env=e, cwd=ROOT,
                                               stdout=out, stderr=subprocess.STDOUT,

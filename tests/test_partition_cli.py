@@ -228,3 +228,17 @@ def test_a_budget_with_several_stages_per_rank_is_noted_per_stage(capsys: pytest
                  "--json"]) == 0
     notes = json.loads(capsys.readouterr().out)["notes"]
     assert any(n.startswith("memory_budget is per stage, and each rank holds 2 stages") for n in notes), notes
+
+
+def test_options_only_auto_reads_and_schedules_the_pipeline_refuses_are_refused(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by review: --ranks, --batch-size and --calibration (a file never opened) were ignored without
+    --schedule auto, and 1f1b with --stages-per-rank 2 was planned, a plan pipe.run then refused."""
+    from partition.__main__ import main
+    assert main(["gpt", "--stages", "2", "--cost", "flops", "--ranks", "4", "--calibration", "/nonexistent.json"]) == 2
+    err = capsys.readouterr().err
+    assert "--ranks and --calibration are read only with --schedule auto, and --schedule 1f1b plans --stages 2 as " \
+           "given" in err, err
+    assert main(["gpt", "--stages", "4", "--schedule", "1f1b", "--stages-per-rank", "2", "--cost", "flops"]) == 2
+    err = capsys.readouterr().err
+    assert "1f1b runs one stage per rank (got stages_per_rank=2)" in err, err

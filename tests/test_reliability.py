@@ -23,6 +23,74 @@ def cli_body(rank: int, world: int, *, argv: list[str]) -> None:
     sys.exit(main(argv + ["--cost", "flops", "--steps", "3", "--out", os.environ["FXPIPE_OUT"]]))
 
 
+def cli_ranks_body(rank: int, world: int, *, argvs: list[list[str]]) -> None:
+    import sys
+    from pipe.run import main
+    sys.exit(main(argvs[rank] + ["--cost", "flops", "--steps", "3"]))
+
+
+def test_ranks_given_different_options_or_an_out_rank_0_cannot_write_stop_on_every_rank(tmp_path: Path) -> None:
+    """Found by review: --lr 1e-3 on one node and 0.5 on the other trained without a word (the loss climbing to
+    33.9), --steps apart crashed inside gloo naming neither, and an --out refused on one node only left the other's
+    ranks killed without a reason. Every rank now names the option and its values, or rank 0's --out, at once."""
+    base = ["gpt", *GPT]
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "summary.json").write_text("{}")
+    cases = {"lr": ([base + ["--lr", "1e-3", "--out", str(tmp_path / "a")],
+                     base + ["--lr", "0.5", "--out", str(tmp_path / "a")]],
+                    "different options: --lr 0.001 on rank 0, 0.5 on rank 1; give every rank (every node) the same"),
+             "eval": ([base + ["--out", str(tmp_path / "a")],
+                       base + ["--out", str(tmp_path / "a"), "--eval-every", "2"]],
+                      "--eval-every None on rank 0, 2 on rank 1"),
+             "out": ([base + ["--out", str(tmp_path / "used")], base + ["--out", str(tmp_path / "fresh")]],
+                     f"--out {tmp_path / 'used'} already holds a previous run's outputs (summary.json)")}
+    for name, (argvs, said) in cases.items():
+        start = time.monotonic()
+        exits = run_ranks("tests.test_reliability:cli_ranks_body", 2, timeout=60, raw=True, argvs=argvs)
+        assert time.monotonic() - start < 40, name
+        for r, ex in enumerate(exits):
+            assert ex.code == 2, f"{name}: rank {r} exited {ex.code}:\n{ex.output[-3000:]}"
+            err = [line for line in ex.output.splitlines() if line.startswith("error (rank")][-1]
+            assert said in err, (name, err)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "fresh").exists()
+
+
+def test_a_port_another_program_holds_is_named_by_every_rank_within_the_timeout(tmp_path: Path) -> None:
+    """Found by review: ranks started by hand (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) where another program
+    listened on MASTER_PORT: rank 0 named it, rank 1 waited on that program's socket past the timeout, for ever."""
+    import socket
+    import subprocess
+    from tests.mp import _base_env
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(8)
+        port = held.getsockname()[1]
+        procs, logs = [], [tmp_path / f"rank{r}.log" for r in range(2)]
+        for r in range(2):
+            env = {k: v for k, v in _base_env().items() if not k.startswith("TORCHELASTIC")}
+            env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            with open(logs[r], "wb") as out:
+                procs.append(subprocess.Popen([sys.executable, "-m", "pipe.run", "gpt", *GPT, "--timeout", "3",
+                                               "--out", str(tmp_path / "out")], env=env, stdout=out,
+                                              stderr=subprocess.STDOUT, start_new_session=True))
+        try:
+            deadline = time.monotonic() + 45
+            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            codes = [p.poll() for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    texts = [log.read_text(errors="replace") for log in logs]
+    assert codes == [2, 2], (codes, texts[0][-2000:], texts[1][-2000:])
+    assert f"error (rank 0): rank 0 could not start the rendezvous store on 127.0.0.1:{port}" in texts[0], \
+        texts[0][-2000:]
+    assert f"error (rank 1): could not reach the rendezvous store at 127.0.0.1:{port} within 3 s" in texts[1] \
+        and "set MASTER_PORT to a free port on every rank" in texts[1], texts[1][-2000:]
+
+
 def _plan_for(tmp: Path, model: list[str], stages: int) -> str:
     import partition
     from partition.workload import parse_overrides
@@ -44,7 +112,7 @@ CASES = {
     "wrong input shape at run time": ([f"{BAD}:wrong_shape"], ["shape", "[", "plan"]),
     "plan for another model": (["mlp", "--plan", "@mlp-other"], ["fingerprint", "re-create"]),
     "plan for another stage count": (["gpt", *GPT, "--plan", "@gpt3"], ["3 stages", "world size 2"]),
-    "NaN loss": ([f"{BAD}:nan_data"], ["nan", "step 1", "stage 0", "skip_nonfinite"]),
+    "NaN loss": ([f"{BAD}:nan_data"], ["nan at step 2 (counted from 1)", "stage 0", "skip_nonfinite"]),
     "world size vs stages per rank": (["gpt", *GPT, "--schedule", "interleaved-1f1b", "--stages-per-rank", "2",
                                        "--microbatches", "3"], ["divisible", "M=3"]),
     "interleaved with one stage per rank": (["gpt", *GPT, "--schedule", "interleaved-1f1b", "--stages-per-rank", "1"],
@@ -293,8 +361,8 @@ def test_calls_after_a_failure_in_a_step_name_it(how: str, tmp_path: Path) -> No
     res = run_ranks("tests.test_reliability:after_failure_body", 2, timeout=90, how=how,
                     rendezvous=str(tmp_path / "group"))
     failing = 1 if how == "error" else 0
-    said = "failed in step 0 with ValueError: a target out of range" if how == "error" else \
-        "was interrupted in step 0 with KeyboardInterrupt"
+    said = "failed in step 1 with ValueError: a target out of range" if how == "error" else \
+        "was interrupted in step 1 with KeyboardInterrupt"
     for r, out in enumerate(res):
         if r == failing:
             own = "ValueError: a target out of range" if how == "error" else "KeyboardInterrupt: "
@@ -312,7 +380,7 @@ def test_calls_after_a_failure_in_a_step_name_it(how: str, tmp_path: Path) -> No
 
 def _lose_a_rank(rank: int, world: int, lost: int, how: str, folder: Path | None = None,
                  plan: str | None = None) -> None:
-    """Train the small GPT; in step 1, at its second microbatch, rank `lost` dies ("kill": SIGKILL),
+    """Train the small GPT; in step 2 (index 1), at its second microbatch, rank `lost` dies ("kill": SIGKILL),
     sleeps past the 4 s timeout and then ends ("sleep"), or stops ("stop": SIGSTOP). With `folder`,
     each rank writes its pid there (pid0, pid1, ...) and the lost rank when it stopped (froze). With a
     `plan` file no rank waits on rank 0's planning (which a short timeout may not cover)."""
@@ -344,7 +412,7 @@ def _lose_a_rank(rank: int, world: int, lost: int, how: str, folder: Path | None
 
 
 def kill_body(rank: int, world: int, freeze: bool = False) -> None:
-    """The last rank dies (SIGKILL) or freezes (for longer than the timeout) in step 1."""
+    """The last rank dies (SIGKILL) or freezes (for longer than the timeout) in step 2 (index 1)."""
     import pipe
     pipe.init(timeout_s=4.0 if freeze else 300.0)
     _lose_a_rank(rank, world, world - 1, "sleep" if freeze else "kill")
@@ -361,7 +429,7 @@ def test_lost_rank_ends_the_others_and_every_survivor_names_it(world: int, freez
     for r, ex in enumerate(exits[:-1]):
         assert ex.code not in (0, None), ex.output[-2000:]
         lines = [line for line in ex.output.splitlines() if "PeerLost: rank" in line]
-        assert lines and f"rank {r} lost rank {world - 1} during step 1" in lines[-1], ex.output[-3000:]
+        assert lines and f"rank {r} lost rank {world - 1} during step 2" in lines[-1], ex.output[-3000:]
         if r < world - 2:  # it waited on a live rank: the message says through whom
             assert f"through rank {r + 1}" in lines[-1], lines[-1]
 
@@ -395,7 +463,7 @@ def test_rank_0_frozen_under_plain_environment_variables_ends_the_survivor(tmp_p
             time.sleep(0.05)
         out = logs[1].read_text(errors="replace")
         assert procs[1].poll() not in (0, None), f"rank 1 still running {time.time() - froze:.0f} s after the freeze"
-        assert "rank 1 lost rank 0 during step 1" in out, out[-3000:]
+        assert "rank 1 lost rank 0 during step 2" in out, out[-3000:]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -492,7 +560,7 @@ def test_a_frozen_rank_under_a_launcher_ends_every_survivor_who_names_it(launche
     assert code not in (0, None), out[-3000:]
     assert ended(pids[lost])
     for r in survivors:
-        assert f"rank {r} lost rank {lost} during step 1" in out, out[-4000:]
+        assert f"rank {r} lost rank {lost} during step 2" in out, out[-4000:]
 
 
 def skip_body(rank: int, world: int) -> dict[str, Any]:

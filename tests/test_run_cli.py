@@ -64,6 +64,8 @@ def test_run_command(launcher: str, tmp_path: Path) -> None:
     lanes = {e["tid"] for e in trace["traceEvents"] if e.get("ph") == "X" and e["cat"] == "REDUCE_GRAD"}
     assert lanes == {1000, 1001}  # each pipeline rank's grad reduction, in a lane of its own
     assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # found by review: the predicted step left the replicas' grad all-reduce out (the same as without replicas)
+    assert "ms predicted, with the 2 replicas' grad all-reduce" in out, out[-3000:]
 
 
 def test_a_hugging_face_causal_lm_whose_loss_reads_logits_trains_with_the_loss_in_the_graph(tmp_path: Path) -> None:
@@ -185,17 +187,20 @@ def test_timeout_reaches_init_from_the_flag_before_the_environment(monkeypatch: 
     import pipe
     from pipe.run import main
 
+    class Seen(Exception):
+        pass
+
     def init(*, timeout_s: float | None = None) -> None:
-        raise RuntimeError(f"init got {timeout_s}")
+        raise Seen(f"init got {timeout_s}")
     monkeypatch.setattr(pipe, "init", init)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # this process's own stays
     monkeypatch.setenv("FXPIPE_TIMEOUT", "40")
-    with pytest.raises(RuntimeError, match="init got 40.0"):
+    with pytest.raises(Seen, match="init got 40.0"):
         main(["gpt", "--out", str(tmp_path)])
-    with pytest.raises(RuntimeError, match="init got 7.5"):
+    with pytest.raises(Seen, match="init got 7.5"):
         main(["gpt", "--timeout", "7.5", "--out", str(tmp_path)])
     monkeypatch.delenv("FXPIPE_TIMEOUT")
-    with pytest.raises(RuntimeError, match="init got None"):  # init's own default: 300 s
+    with pytest.raises(Seen, match="init got None"):  # init's own default: 300 s
         main(["gpt", "--out", str(tmp_path)])
 
 
@@ -278,6 +283,20 @@ def test_plan_settings_are_the_defaults_and_out_must_be_a_folder(tmp_path: Path,
     assert (args.schedule, args.microbatches) == ("zb-h1", 4), args
     args = parse_args(["gpt", "--out", str(tmp_path / "c")])
     assert (args.schedule, args.microbatches, args.memory_budget) == ("1f1b", 8, None), args
+    # found by review: a plan of two stages per rank ran as one (then refused: world size 2 x stages_per_rank 1)
+    from pipe.schedules import in_flight_limit
+    plan = partition.plan(w.model, w.example_args, 4, loss_fn=w.loss_fn, example_target=w.example_target,
+                          cost="flops", schedule="interleaved-1f1b", microbatches=4, stages_per_rank=2,
+                          in_flight_counts=[in_flight_limit("interleaved-1f1b", 4, 4, s, 2) for s in range(4)])
+    plan.save(tmp_path / "plan_v2.json")
+    args = parse_args(["gpt", "--plan", str(tmp_path / "plan_v2.json"), "--out", str(tmp_path / "e")])
+    assert (args.schedule, args.stages_per_rank) == ("interleaved-1f1b", 2), args
+    with pytest.raises(SystemExit):  # found by review: --microbatches ignored under auto, M=16 run without a word
+        parse_args(["gpt", "--schedule", "auto", "--batch-size", "32", "--microbatches", "4", "--out",
+                    str(tmp_path / "f")])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--schedule auto chooses the microbatch count among the divisors of --batch-size 32, so --microbatches 4 " \
+           "would be ignored" in line, line
     (tmp_path / "afile").write_text("hi")
     for out in (tmp_path / "afile", tmp_path / "afile" / "run"):
         with pytest.raises(SystemExit):
