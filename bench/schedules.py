@@ -99,6 +99,19 @@ def check_grid(argv: list[str]) -> None:
     error."""
     p = parser()
     args = p.parse_args(argv)
+    # (found by review: each of these took ~30 s of launching ranks, then a traceback on every rank)
+    unknown = [n for n in args.schedules.split(",") if n not in SCHEDULES]
+    if unknown:
+        p.error(f"--schedules names {', '.join(unknown)}, which fxpipe does not have; pick from {', '.join(SCHEDULES)}")
+    if args.ranks % args.data_parallel:
+        p.error(f"--ranks {args.ranks} is not a multiple of --data-parallel {args.data_parallel}: each replica is a "
+                f"pipeline of --ranks / --data-parallel ranks; use e.g. --ranks {2 * args.data_parallel}")
+    if args.calibration:
+        from pipe.calibration import Calibration
+        try:
+            Calibration.load(args.calibration)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            p.error(f"--calibration {args.calibration}: {e}")
     why = nothing_to_measure(args, args.ranks)
     if why:
         p.error(why)

@@ -25,6 +25,7 @@ __all__ = ["main", "parse_args", "error_line", "say_error", "OUTPUTS"]
 
 HELD_OUT = 1_000_000  # --eval-every: replica r evaluates batch HELD_OUT + r (training batches count from 0)
 OUTPUTS = ("summary.json", "trace.json", "timeline.json", "timeline.png")  # what a run writes to --out
+CHECKPOINT = "checkpoint"  # --out's folder of the checkpoints --save-every writes and --resume reads
 _EPILOG = (f"--out: a folder that already holds a previous run's outputs ({', '.join(OUTPUTS)}) is refused "
            f"before anything runs, unless --overwrite is given. --timeout: also FXPIPE_TIMEOUT (seconds); "
            f"default {DEFAULT_TIMEOUT_S:g} s.")
@@ -120,6 +121,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=_whole("--threads", 1, 1), default=1, help="torch threads per process")
     p.add_argument("--out", default="out/run", help="folder for the trace, the PNG and the summary")
     p.add_argument("--overwrite", action="store_true", help="replace a previous run's outputs in --out")
+    p.add_argument("--save-every", type=_whole("--save-every", 1, 10), default=None, metavar="N",
+                   help=f"every N steps and at the last, save a checkpoint (Pipeline.save: the model, AdamW's state, "
+                        f"the step, the random state, the losses so far) to --out's {CHECKPOINT}/ (the newest kept)")
+    p.add_argument("--resume", action="store_true",
+                   help=f"continue from the checkpoint in --out's {CHECKPOINT}/ at its step (any plan of the model, "
+                        "another world size too), up to --steps; without one, start at step 1")
     p.add_argument("--seed", type=int, default=None, help="passed to the factory as seed= when given")
     args = p.parse_args(argv)
     env = os.environ.get("FXPIPE_TIMEOUT", "")
@@ -167,6 +174,9 @@ def out_error(args: argparse.Namespace) -> str | None:
     if previous and not args.overwrite:
         return (f"--out {args.out} already holds a previous run's outputs ({', '.join(previous)}); "
                 "give another --out, or --overwrite to replace them")
+    if (out / CHECKPOINT / "LATEST").exists() and not args.resume and not args.overwrite:  # nothing saved is lost
+        return (f"--out {args.out} holds a checkpoint ({out / CHECKPOINT}); pass --resume to continue from it, or "
+                "--overwrite to start again (its first save then replaces it)")
     return None
 
 
@@ -324,34 +334,65 @@ def _train(pp: Any, w: Any, args: argparse.Namespace, say: Callable[..., None]) 
     batch_size = args.batch_size or w.microbatch_size * args.microbatches
     tokens = batch_size * w.tokens_per_sample * pp.dp  # every replica's
     times: list[float] = []
-    losses: list[float] = []
-    norms: list[float] = []
-    evaluated: list[tuple[int, float]] = []
-    for step in range(args.steps):  # replica r of N trains on batch step * N + r
+    ckpt = Path(args.out) / CHECKPOINT
+    start, before = _resume(pp, opt, ckpt, args, say)
+    losses: list[float] = list(before.get("losses", []))
+    norms: list[float] = list(before.get("grad_norms", []))
+    evaluated: list[tuple[int, float]] = [(int(s), float(x)) for s, x in before.get("eval_losses", [])]
+    skipped = int(before.get("skipped", 0))
+    for step in range(start, args.steps):  # replica r of N trains on batch step * N + r
         b_args, b_kwargs, target = w.batch(batch_size, step * pp.dp + pp.dp_rank)
         t0 = time.perf_counter()
         loss = pp.step(*b_args, target=target, **b_kwargs)
-        skipped = not math.isfinite(loss)  # only with --skip-nonfinite: else step raised NonFiniteLoss
+        skipped_now = not math.isfinite(loss)  # only with --skip-nonfinite: else step raised NonFiniteLoss
         if args.clip_grad_norm is not None:  # collective: on every rank, one without parameters too
             norm = float(pp.clip_grad_norm_(args.clip_grad_norm))
-            if not skipped:  # (a skipped step's grads were cleared: its norm of 0 is no grad's)
+            if not skipped_now:  # (a skipped step's grads were cleared: its norm of 0 is no grad's)
                 norms.append(norm)
         if opt is not None:
             opt.step()
             opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
         times.append(dt)
-        if not skipped:
+        if skipped_now:
+            skipped += 1
+        else:
             losses.append(loss)
-        clipped = f"  grad norm {norms[-1]:.4g}" if norms and not skipped else ""
+        clipped = f"  grad norm {norms[-1]:.4g}" if norms and not skipped_now else ""
         if args.eval_every is not None and (step + 1) % args.eval_every == 0:  # untimed, after the update
             evaluated.append((step + 1, _held_out_loss(pp, w, batch_size, say)))
         held = f"  eval loss {evaluated[-1][1]:.4f}" if evaluated and evaluated[-1][0] == step + 1 else ""
         say(f"step {step + 1:4d}/{args.steps} {_bar(step + 1, args.steps)} loss {loss:.4f}{clipped}{held}  "
-            f"{tokens / dt:9.0f} tok/s  {dt * 1e3:7.1f} ms" + ("  (skipped: not finite)" if skipped else ""),
+            f"{tokens / dt:9.0f} tok/s  {dt * 1e3:7.1f} ms" + ("  (skipped: not finite)" if skipped_now else ""),
             flush=True)
+        if args.save_every is not None and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
+            run = {"losses": losses, "grad_norms": norms, "eval_losses": evaluated, "skipped": skipped}
+            folder = pp.save(ckpt, optimizer=opt, extra={"run": run})
+            say(f"saved step {step + 1} to {folder}", flush=True)
     return {"times": times, "losses": losses, "grad_norms": norms, "eval_losses": evaluated, "tokens": tokens,
-            "skipped": args.steps - len(losses)}
+            "skipped": skipped, "resumed_at": start}
+
+
+def _resume(pp: Any, opt: Any, ckpt: Path, args: argparse.Namespace, say: Callable[..., None]
+            ) -> tuple[int, dict[str, Any]]:
+    """With --resume: the step the checkpoint in `ckpt` (rank 0's view of it, on every rank) was saved at and the
+    run's records until then, the pipeline and the optimizer loaded from it; (0, {}) without."""
+    if not args.resume:
+        return 0, {}
+    found = [(ckpt / "LATEST").exists()]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(found, src=0)
+    if not found[0]:
+        say(f"--resume: no checkpoint in {ckpt}; starting at step 1", flush=True)
+        return 0, {}
+    pp.load(ckpt, optimizer=opt)
+    loaded = pp.loaded
+    if loaded.step >= args.steps:
+        raise ValueError(f"the checkpoint in {ckpt} was saved at step {loaded.step}, and --steps is {args.steps}: "
+                         f"nothing is left to train; give --steps above {loaded.step}")
+    say(f"resumed from {loaded.folder} at step {loaded.step}; training steps {loaded.step + 1} to {args.steps}",
+        flush=True)
+    return loaded.step, dict(loaded.extra.get("run", {}))
 
 
 def _held_out_loss(pp: Any, w: Any, batch_size: int, say: Callable[..., None]) -> float:
@@ -404,6 +445,7 @@ def _report(pp: Any, args: argparse.Namespace, ctx: Any, run: dict[str, Any], sa
         "losses": run["losses"], "grad_norms": run["grad_norms"], "eval_losses": run["eval_losses"],
         "first_loss": first, "last_loss": last,
         "skipped_steps": run["skipped"],
+        "resumed_at_step": run["resumed_at"],
         "median_step_s": statistics.median(warm), "tokens_per_s": run["tokens"] / statistics.median(warm),
         "measured_bubble": measured.bubble, "predicted_bubble": predicted.bubble,
         "measured_step_ms": measured.makespan, "predicted_step_ms": predicted_ms}

@@ -519,6 +519,7 @@ def non_finite(pp: Pipeline, value: float, run: StepState, accumulated: bool = F
                           "be taken out of a sum that holds a NaN or inf)", RuntimeWarning, stacklevel=3)
         return
     raise NonFiniteLoss(f"the loss is {value} at step {pp.steps_done} (counted from 1); it first appeared on stage "
-                        f"{stage} "
-                        f"(rank {pp._global[pp.place[stage]]}); lower the learning rate, check the data, or "
-                        "pass skip_nonfinite=True to drop such steps (their grads are cleared)")
+                        f"{stage} (rank {pp._global[pp.place[stage]]}); the step's grads are left as computed (not "
+                        "finite): call optimizer.zero_grad() before the next step if you go on; lower the learning "
+                        "rate, check the data, or pass skip_nonfinite=True to drop such steps (their grads are "
+                        "cleared)")

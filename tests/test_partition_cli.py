@@ -129,7 +129,11 @@ def test_bench_help_lists_every_option() -> None:
     (["partition", "mlp", "--stages", "0"], "argument --stages: must be comma-separated whole numbers >= 1"),
     (["schedules", "mlp", "--microbatches", "3", "--schedules", "interleaved-1f1b"],
      "nothing to measure: interleaved-1f1b M=3 needs M divisible by 2"),
-    (["vs-torch", "gpt", "--rounds", "x"], "argument --rounds: must be a whole number >= 1, got 'x'")])
+    (["vs-torch", "gpt", "--rounds", "x"], "argument --rounds: must be a whole number >= 1, got 'x'"),
+    # found in review: each launched its ranks first (~30 s), then a traceback on every rank
+    (["schedules", "mlp", "--schedules", "1f1b,nosuch"], "--schedules names nosuch, which fxpipe does not have"),
+    (["schedules", "mlp", "--calibration", "/nonexistent.json"], "--calibration /nonexistent.json: no calibration at"),
+    (["schedules", "mlp", "--ranks", "3", "--data-parallel", "2"], "--ranks 3 is not a multiple of --data-parallel 2")])
 def test_bench_refuses_a_bad_count_before_launching(argv: list[str], words: str,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     """Found by review: `bench schedules --microbatches 0` launched two ranks and ended in their tracebacks,

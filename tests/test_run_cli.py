@@ -323,3 +323,47 @@ def test_an_error_line_is_one_write(monkeypatch: pytest.MonkeyPatch, tmp_path: P
         run.say_error("error (rank 1): " + "x" * 3000)
     assert writes == [b"error (rank 1): " + b"x" * 3000 + b"\n"]
     assert (tmp_path / "err").read_text() == "error (rank 1): " + "x" * 3000 + "\n"
+
+
+def runs_body(rank: int, world: int, *, runs: list[list[str]]) -> list[int]:
+    """pipe.run's main for each argv in turn on this launch's ranks (a run that finishes ends the process group:
+    it comes last); their exit codes."""
+    from pipe.run import main
+    return [main(argv) for argv in runs]
+
+
+def test_a_run_saved_every_n_steps_resumes_where_it_stopped(tmp_path: Path) -> None:
+    """Found by review: pipe.run saved nothing until its end, so a run killed at step 39 of 40 left nothing and
+    started again at step 1. --save-every N saves a checkpoint to --out/checkpoint; --resume continues from it: the
+    4 steps of a run saved at step 2 and resumed are the uninterrupted run's. A fresh run into a folder holding a
+    checkpoint is refused (its first save would replace it)."""
+    import shutil
+
+    from tests.mp import run_ranks
+    base = [*TINY, "--cost", "flops"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert run_ranks("tests.test_run_cli:runs_body", 2, timeout=120,
+                     runs=[base + ["--steps", "4", "--out", str(full)]]) == [[0], [0]]
+    assert run_ranks("tests.test_run_cli:runs_body", 2, timeout=120,
+                     runs=[base + ["--steps", "2", "--save-every", "1", "--out", str(part)]]) == [[0], [0]]
+    saved = sorted(p.name for p in (part / "checkpoint").iterdir() if p.name.startswith("step-"))
+    assert len(saved) == 1 and saved[0].startswith("step-00000002-"), saved  # the newest kept
+    shutil.copytree(part / "checkpoint", tmp_path / "other" / "checkpoint")
+    codes = run_ranks("tests.test_run_cli:runs_body", 2, timeout=120, raw=True,
+                      runs=[base + ["--steps", "4", "--out", str(tmp_path / "other")],
+                            base + ["--steps", "2", "--resume", "--out", str(tmp_path / "other")],
+                            base + ["--steps", "4", "--resume", "--overwrite", "--save-every", "3",
+                                    "--out", str(part)]])
+    for r, ex in enumerate(codes):
+        assert ex.code == 0, ex.output[-3000:]
+        errors = [line for line in ex.output.splitlines() if line.startswith("error (rank")]
+        assert f"holds a checkpoint ({tmp_path / 'other' / 'checkpoint'}); pass --resume to continue from it" \
+            in errors[0], errors
+        assert "was saved at step 2, and --steps is 2: nothing is left to train; give --steps above 2" in errors[1], \
+            errors
+    assert "resumed from" in codes[0].output and "at step 2; training steps 3 to 4" in codes[0].output
+    a, b = (json.loads((f / "summary.json").read_text()) for f in (full, part))
+    assert len(a["losses"]) == len(b["losses"]) == 4 and b["resumed_at_step"] == 2, (a, b)
+    assert a["losses"] == b["losses"], (a["losses"], b["losses"])  # bitwise: model, AdamW, random state restored
+    saved = sorted(p.name for p in (part / "checkpoint").iterdir() if p.name.startswith("step-"))
+    assert len(saved) == 1 and saved[0].startswith("step-00000004-"), saved  # at step 3 and at the last
