@@ -68,14 +68,22 @@ def test_run_command(launcher: str, tmp_path: Path) -> None:
     assert "ms predicted, with the 2 replicas' grad all-reduce" in out, out[-3000:]
 
 
+def _ranks_run(argv: list[str]) -> str:
+    """pipe.run's main on 2 ranks of tests/mp.py (forked: the launchers themselves are tested above): what rank 0
+    printed."""
+    from tests.mp import run_ranks
+    exits = run_ranks("tests.test_run_cli:runs_body", 2, timeout=180, raw=True, runs=[argv])
+    for ex in exits:
+        assert ex.code == 0, ex.output[-3000:]
+    return exits[0].output
+
+
 def test_a_hugging_face_causal_lm_whose_loss_reads_logits_trains_with_the_loss_in_the_graph(tmp_path: Path) -> None:
     """... under --schedule auto over 1f1b and zb-h1: the candidates (M 2 or 4 of a batch of 4) ranked,
     the fastest run; --eval-every in eval mode."""
-    cmd = [str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "pipe.run",
-           "bench.hf_models:gpt2_lm", "--model-arg", "n_embd=32", "--model-arg", "seq_len=16", "--steps", "3",
-           "--schedule", "auto", "--auto-schedules", "1f1b,zb-h1", "--batch-size", "4", "--cost", "flops",
-           "--eval-every", "2", "--out", str(tmp_path)]
-    out = run_command(cmd, timeout=180).output
+    out = _ranks_run(["bench.hf_models:gpt2_lm", "--model-arg", "n_embd=32", "--model-arg", "seq_len=16", "--steps",
+                      "3", "--schedule", "auto", "--auto-schedules", "1f1b,zb-h1", "--batch-size", "4", "--cost",
+                      "flops", "--eval-every", "2", "--out", str(tmp_path)])
     ranking = out.split("schedule=auto, the candidates:\n")[1].splitlines()
     chosen = next(line.split() for line in ranking if line.endswith("chosen"))
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -96,10 +104,8 @@ def test_a_hugging_face_causal_lm_whose_loss_reads_logits_trains_with_the_loss_i
 def test_eval_every_says_when_it_evaluates_in_training_mode(tmp_path: Path) -> None:
     """A model whose eval mode skips a layer is refused in it (pipe.runtime.ModeError): the held-out loss
     in training mode, said in the output and in the plan's notes."""
-    cmd = [str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "pipe.run",
-           "tests/bad_models.py:mode_branch", "--steps", "2", "--microbatches", "2", "--eval-every", "1",
-           "--cost", "flops", "--out", str(tmp_path)]
-    out = run_command(cmd, timeout=120).output
+    out = _ranks_run(["tests/bad_models.py:mode_branch", "--steps", "2", "--microbatches", "2", "--eval-every", "1",
+                      "--cost", "flops", "--out", str(tmp_path)])
     said = "--eval-every: the held-out loss in training mode, not eval mode: rank 0 failed"
     lines = [line for line in out.splitlines() if said in line]  # once when it happened, once in the plan's notes
     assert len(lines) == 2 and lines[1].startswith("note: ") and "build a Pipeline from the model" in lines[0], out
