@@ -431,7 +431,8 @@ def load(pp: "Pipeline", path: str | Path, optimizer: torch.optim.Optimizer | No
     dcp_load(targets, folder)
 
     def prepare() -> tuple[dict[str, Any] | None, Any]:  # all that may fail, before anything changes
-        osd = None if optimizer is None else optimizer_state_dict(param_ids(pp), optimizer, manifest, targets)
+        osd = None if optimizer is None else optimizer_state_dict(
+            param_ids(pp), optimizer, manifest, targets, outer if outer is not optimizer else None)
         return osd, _decode_extra(manifest["extra"], targets)
     osd, extra = everywhere(prepare)
 

@@ -369,13 +369,16 @@ def optimizer_targets(named: dict[int, str], optimizer: torch.optim.Optimizer, m
 
 
 def optimizer_state_dict(named: dict[int, str], optimizer: torch.optim.Optimizer, manifest: dict[str, Any],
-                         loaded: dict[str, torch.Tensor]) -> dict[str, Any]:
+                         loaded: dict[str, torch.Tensor], outer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
     """The state dict for `optimizer.load_state_dict` from the state saved by parameter name; each of
-    its groups takes the settings its parameters were saved with (its own `param_names` kept)."""
+    its groups takes the settings its parameters were saved with (its own `param_names` kept). A group holding
+    none of them (ZeRO's shard of a group on another replica; `outer`: the ZeroRedundancyOptimizer) takes those of
+    the outer group's parameters (found by review: it kept its fresh settings, a learning rate the scheduler
+    had since changed)."""
     saved = manifest["optimizer"]
     names = optimizer_names(named, optimizer)
     state: dict[int, dict[str, Any]] = {}
-    groups = []
+    groups: list[dict[str, Any]] = []
     index = 0
     for group in optimizer.param_groups:
         settings = None
@@ -391,6 +394,9 @@ def optimizer_state_dict(named: dict[int, str], optimizer: torch.optim.Optimizer
                 state[index] = s
             index += 1
         mine = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        if settings is None and outer is not None and len(outer.param_groups) == len(optimizer.param_groups):
+            whole = outer.param_groups[len(groups)]["params"]
+            settings = next((saved[named[id(p)]]["group"] for p in whole if named.get(id(p)) in saved), None)
         groups.append({**(settings if settings is not None else mine),
                        "params": list(range(index - len(group["params"]), index)),
                        **({"param_names": group["param_names"]} if "param_names" in group else {})})

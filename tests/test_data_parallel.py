@@ -517,6 +517,32 @@ def _uneven_mean() -> dict[str, Any]:
     return got
 
 
+def _a_group_on_one_replica(root: str, x: torch.Tensor, batch: torch.Tensor, target: torch.Tensor) -> list[Any]:
+    """Found by review: a ZeRO group whose one parameter the other replica holds kept, on this replica, the learning
+    rate it was built with when loaded, not the scheduler's it was saved with. The groups' lrs, saved and loaded."""
+    import pipe
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    lrs = []
+    for load in (False, True):
+        pp = pipe.Pipeline(_bn_model(), (x,), loss_fn=lambda out, t: (out - t).pow(2).mean(), microbatches=2,
+                           cost="flops", data_parallel=2, dp_shard="optimizer")
+        named = dict(pp.named_parameters())
+        opt = ZeroRedundancyOptimizer([p for n, p in named.items() if n != "5.bias"], optimizer_class=torch.optim.SGD,
+                                      process_group=pp.dp_group, lr=0.1)
+        opt.add_param_group({"params": [named["5.bias"]], "lr": 0.2})
+        pp.attach_optimizer(opt)
+        if load:
+            pp.load(f"{root}-groups", optimizer=opt)
+        else:
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+            pp.step(batch, target=target)
+            opt.step()
+            sched.step()
+            pp.save(f"{root}-groups", optimizer=opt)
+        lrs.append([g["lr"] for g in opt.param_groups])
+    return lrs
+
+
 def replicas_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
     """Two replicas of a one-rank pipeline (ZeRO-1): batch norm's running statistics after a step, the learning
     rate an LR scheduler set after the optimizer's step as saved and resumed, and each replica's random state."""
@@ -551,6 +577,7 @@ def replicas_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
     pp2.load(root, optimizer=opt2)
     out["redrawn"] = torch.rand(3)
     out["lr"] = (opt.param_groups[0]["lr"], opt2.param_groups[0]["lr"], opt2.optim.param_groups[0]["lr"])
+    out["group lr"] = _a_group_on_one_replica(root, x, batch, target)
     # found by review of the change: full_state_dict() on one replica alone (every replica holds the weights) waited
     # for the other replica's agreement on the call until the timeout; it is the pipeline's own, as before
     out["one replica exports"] = sorted(pp2.full_state_dict() or {}) if pp2.dp_rank == 0 else None
@@ -587,6 +614,7 @@ def test_replicas_share_buffers_and_resume_their_own_lr_and_random_state(tmp_pat
         for k in r["ref"]:
             torch.testing.assert_close(r["buffers"][k], r["ref"][k], msg=k)
         assert r["lr"] == (5e-3, 5e-3, 5e-3), r["lr"]  # the scheduler's, not the one ZeRO's last step copied
+        assert r["group lr"] == [[0.05, 0.1], [0.05, 0.1]], r["group lr"]
         assert r["no grad"]["gain"] == [None, None] and max(r["no grad"]["diff"]) < 1e-6, r["no grad"]
     assert res[0]["one replica exports"] == sorted(_bn_model().state_dict()) and res[1]["one replica exports"] is None
     for r in res:
