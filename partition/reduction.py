@@ -176,11 +176,14 @@ _DIV = {operator.truediv, torch.div, torch.true_divide, torch.ops.aten.div.Tenso
         "true_divide", "__truediv__"}
 
 
-def _batch_constants(gm: torch.fx.GraphModule, example: Sequence[Any] | None) -> set[torch.fx.Node]:
+def _batch_constants(gm: torch.fx.GraphModule, example: Sequence[Any] | None, weights: bool = False
+                     ) -> set[torch.fx.Node]:
     """Nodes every microbatch of a batch gives the same value: inputs that are not tensors or are 0-dim tensors
-    (repeated, not split: num_items_in_batch), the module's tensors (parameters and buffers: an L2 penalty of the
-    weights), and pure ops of them alone."""
-    out: set[torch.fx.Node] = {n for n in gm.graph.nodes if n.op == "get_attr"}
+    (repeated, not split: num_items_in_batch), with `weights` the module's tensors too (parameters and buffers: an
+    L2 penalty of the weights, which a loss may add but not be scaled by: a microbatch counting no target has a
+    NaN loss, weighed 0, and the grad of a weight scaling it would be 0 x NaN; found by review of the change), and
+    pure ops of them alone."""
+    out: set[torch.fx.Node] = {n for n in gm.graph.nodes if n.op == "get_attr"} if weights else set()
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for i, n in enumerate(inputs):
         x = example[i] if example is not None and i < len(example) else n.meta.get("val")
@@ -227,24 +230,26 @@ def weighting(gm: torch.fx.GraphModule, example: Sequence[Any] | None = None,
         loss = loss[0]
     if not isinstance(loss, torch.fx.Node):
         return Weighting("mean", "the loss is not a value of the graph")
-    found, chain, reader = _weigh(gm, loss, _batch_constants(gm, example), _Sizes(gm, example, twice))
+    found, chain, reader = _weigh(gm, loss, _batch_constants(gm, example), _Sizes(gm, example, twice),
+                                  _batch_constants(gm, example, weights=True))
     found.chain = chain
     if found.kind == "ratio":
         found.reader = reader
     return found
 
 
-def _weigh(gm: torch.fx.GraphModule, loss: torch.fx.Node, constants: set[torch.fx.Node], sizes: _Sizes
-           ) -> tuple[Weighting, list[str], str]:
+def _weigh(gm: torch.fx.GraphModule, loss: torch.fx.Node, constants: set[torch.fx.Node], sizes: _Sizes,
+           shared: set[torch.fx.Node]) -> tuple[Weighting, list[str], str]:
     """weighting's answer for the loss node `loss`, the nodes from it in to the loss it weighs (each passes
-    on the next's value) and the node reading that loss ("" for `loss` itself)."""
+    on the next's value) and the node reading that loss ("" for `loss` itself); `constants` may scale a loss,
+    `shared` (the weights' values too) be added to one."""
     chain, reader = [loss.name], ""
     # x * 0.5, a sum / num_items_in_batch, loss.float(), the .sum() of one number
     while (inner := _scaled(loss, constants) or _as_it_is(loss, sizes)) is not None:
         loss, reader = inner, loss.name
         chain.append(loss.name)
     if _adds(loss):
-        return _terms(gm, loss, constants, sizes), chain, reader
+        return _terms(gm, loss, constants, sizes, shared), chain, reader
     pairs = sizes.paired(loss)
     if pairs is not None:
         one, two = sizes.of(pairs) or (0, 0)  # (known: its growth is what pairs)
@@ -268,18 +273,18 @@ def _adds(node: torch.fx.Node) -> bool:
             and not node.kwargs and any(isinstance(a, torch.fx.Node) for a in node.args))
 
 
-def _terms(gm: torch.fx.GraphModule, node: torch.fx.Node, constants: set[torch.fx.Node], sizes: _Sizes
-           ) -> Weighting:
+def _terms(gm: torch.fx.GraphModule, node: torch.fx.Node, constants: set[torch.fx.Node], sizes: _Sizes,
+           shared: set[torch.fx.Node]) -> Weighting:
     """The weighting of a loss that adds terms (a cross entropy plus an auxiliary loss): each term's, when they
     agree (every term a sum, or a count of the same targets; a number every microbatch shares added to a count
     or a mean), else the mean of the microbatches' losses, which the note says is not the batch's where a term
     is a sum (1/M of it) or a count (weighed as a mean)."""
     terms: list[tuple[str, Weighting | None]] = []
     for a in node.args:
-        if not isinstance(a, torch.fx.Node) or a in constants:
+        if not isinstance(a, torch.fx.Node) or a in shared:
             terms.append((a.name if isinstance(a, torch.fx.Node) else repr(a), None))
             continue
-        w = _weigh(gm, a, constants, sizes)[0]
+        w = _weigh(gm, a, constants, sizes, shared)[0]
         terms.append((a.name, w))
     kinds = {w.kind for _, w in terms if w is not None}
     named = [(n, w) for n, w in terms if w is not None]  # (not a shared number)

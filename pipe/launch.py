@@ -83,7 +83,7 @@ def _mpi_rendezvous(rank: int) -> tuple[str, int]:
     return result
 
 
-def _store_host(addr: str, port: int = 0) -> int:
+def _store_host(addr: str, port: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
     """Under mpirun, or ranks started with plain environment variables (RANK, WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT, no torchrun agent): fork a process to host the rendezvous store on `port` (0: any), as
     torchrun's agent hosts it, so that it answers while rank 0 is frozen (a stopped process's store
@@ -97,7 +97,8 @@ def _store_host(addr: str, port: int = 0) -> int:
             for fd in (0, 1, 2):
                 os.dup2(null, fd)
             parent = os.getppid()
-            store = dist.TCPStore(addr, port, is_master=True, wait_for_workers=False)
+            store = dist.TCPStore(addr, port, is_master=True, wait_for_workers=False,  # (found by review: an
+                                  timeout=datetime.timedelta(seconds=timeout_s))  # address no host has: for ever)
             os.write(write, str(store.port).encode())
             os.close(write)
             while os.getppid() == parent:
@@ -248,7 +249,7 @@ def init(*, backend: str | None = None, timeout_s: float | None = None, keep_fre
         if launcher == "torchrun" and _plain_env():  # no agent: rank 0's own store would freeze with it
             addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
             if rank == 0:
-                _store_host(addr, port)
+                _store_host(addr, port, timeout_s)
             store = _client_store(addr, port, world, timeout_s)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **bound)
             launcher = "env"

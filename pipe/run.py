@@ -188,7 +188,8 @@ def _agreed(rank: int, args: argparse.Namespace) -> str | None:
     (found by review: --lr 1e-3 on one node and 0.5 on the other trained without a word, the loss climbing to
     33.9; --steps apart crashed in gloo, naming neither), or an --out rank 0 cannot write to."""
     grouped = dist.is_initialized() and dist.get_world_size() > 1  # (else each rank's own: no group to agree in)
-    mine = ({k: v for k, v in sorted(vars(args).items()) if k not in _LOCAL},
+    options = {k: sorted(v) if k == "model_arg" else v for k, v in sorted(vars(args).items()) if k not in _LOCAL}
+    mine = (options,  # (the factory's keywords in any order: found by review of the change, refused)
             out_error(args) if rank == 0 or not grouped else None)
     everyone: list[Any] = [mine]
     if grouped:

@@ -43,7 +43,10 @@ def _base_env(threads: int = 1) -> dict[str, str]:
 
 # Ranks are forked from a server that has imported these once (multiprocessing's forkserver), not started
 # afresh: importing torch, torch.export and fxpipe took 3-8 s of each rank's start, and the suite starts
-# hundreds. FXPIPE_MP_START=spawn starts each rank as a new interpreter instead (`python -m tests.mp`).
+# hundreds. FXPIPE_MP_START=spawn (or run_ranks(start="spawn")) starts each rank as a new interpreter instead
+# (`python -m tests.mp`). What a forked rank cannot have of a fresh interpreter: a string hash seed of its own
+# (every forked rank shares the server's, so ranks iterating a set of strings alike hide an order that differs
+# between processes); launches that check such orders run spawned (tests/test_runtime.py's NCCL-like parity).
 _PRELOAD = ["torch", "torch.distributed", "torch.fx", "torch.export", "torch.distributed.checkpoint", "transformers",
             "pipe", "partition", "memory", "bench", "tests.parity", "tests.nccl_like"]
 _FORKS: Any = None
@@ -92,9 +95,14 @@ def _forked_child(env: dict[str, str], log: str) -> None:
     sys.stderr = io.TextIOWrapper(open(2, "wb", buffering=0, closefd=False), write_through=True)
     os.environ.clear()
     os.environ.update(env)
+    # what the interpreter reads at its start: the module path (env= may add to it), the fault handler
+    sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    if env.get("PYTHONFAULTHANDLER"):
+        import faulthandler
+        faulthandler.enable()
     code = 1
     try:
-        _child()
+        _child()  # (returns only by an exception: a body's result ends the process with os._exit(0))
     except SystemExit as e:  # as the interpreter exits on it
         code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
         if not isinstance(e.code, (int, type(None))):
@@ -102,6 +110,13 @@ def _forked_child(env: dict[str, str], log: str) -> None:
     except BaseException:  # noqa: BLE001 - as the interpreter reports an uncaught one
         import traceback
         traceback.print_exc()
+    # then as the interpreter ends (found by review of the change: skipped here): it waits for the threads that
+    # are not daemons, then runs the exit handlers (pipe.launch.finish after a failure among them)
+    import atexit
+    import threading
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
 
@@ -143,11 +158,13 @@ class RankExit:
 
 
 def run_ranks(target: str, world_size: int, *, timeout: float = 120.0, threads: int = 1,
-              env: dict[str, str] | None = None, raw: bool = False, **kwargs: Any) -> list[Any]:
+              env: dict[str, str] | None = None, raw: bool = False, start: str | None = None,
+              **kwargs: Any) -> list[Any]:
     """Run `module:function(rank, world_size, **kwargs)` on `world_size` processes.
 
     Each process gets the torchrun variables (RANK, WORLD_SIZE, MASTER_ADDR/PORT,
-    LOCAL_RANK), so `pipe.init()` starts gloo exactly as under torchrun. Returns the
+    LOCAL_RANK), so `pipe.init()` starts gloo exactly as under torchrun (`start`: "forkserver" or "spawn", see
+    _PRELOAD; default $FXPIPE_MP_START, else "forkserver"). Returns the
     functions' return values by rank (with raw=True: each rank's RankExit, failures included,
     so tests can check exit codes and messages). Raises RankFailure with all ranks' output when a
     rank fails or the group runs past `timeout` seconds (then every rank is killed).
@@ -162,7 +179,7 @@ def run_ranks(target: str, world_size: int, *, timeout: float = 120.0, threads: 
         (tmpdir / "kwargs.pkl").write_bytes(pickle.dumps(kwargs))
         procs: list[Any] = []
         logs: list[Path] = []
-        fork = os.environ.get("FXPIPE_MP_START", "forkserver") != "spawn"
+        fork = (start or os.environ.get("FXPIPE_MP_START", "forkserver")) != "spawn"
         for rank in range(world_size):
             e = _base_env(threads)
             e.update(env or {})

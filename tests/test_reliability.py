@@ -53,42 +53,58 @@ def test_ranks_given_different_options_or_an_out_rank_0_cannot_write_stop_on_eve
             err = [line for line in ex.output.splitlines() if line.startswith("error (rank")][-1]
             assert said in err, (name, err)
     assert not (tmp_path / "a").exists() and not (tmp_path / "fresh").exists()
+    # the factory's keywords in another order are the same command (found by review of the change: refused)
+    reordered = ["gpt", *[x for kv in reversed(GPT[1::2]) for x in ("--model-arg", kv)]]
+    exits = run_ranks("tests.test_reliability:cli_ranks_body", 2, timeout=60, raw=True,
+                      argvs=[base + ["--out", str(tmp_path / "b")], reordered + ["--out", str(tmp_path / "b")]])
+    assert [ex.code for ex in exits] == [0, 0], exits[1].output[-3000:]
+
+
+def _plain_ranks(tmp_path: Path, addr: str, port: int) -> tuple[list[int | None], list[str]]:
+    """pipe.run on 2 ranks started by hand (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; --timeout 3): exit codes
+    (None: still running 45 s later, then killed) and outputs."""
+    import subprocess
+    from tests.mp import _base_env
+    procs, logs = [], [tmp_path / f"rank{r}.log" for r in range(2)]
+    for r in range(2):
+        env = {k: v for k, v in _base_env().items() if not k.startswith("TORCHELASTIC")}
+        env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR=addr, MASTER_PORT=str(port))
+        with open(logs[r], "wb") as out:
+            procs.append(subprocess.Popen([sys.executable, "-m", "pipe.run", "gpt", *GPT, "--timeout", "3",
+                                           "--out", str(tmp_path / "out")], env=env, stdout=out,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+    try:
+        deadline = time.monotonic() + 45
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        codes = [p.poll() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    return codes, [log.read_text(errors="replace") for log in logs]
 
 
 def test_a_port_another_program_holds_is_named_by_every_rank_within_the_timeout(tmp_path: Path) -> None:
     """Found by review: ranks started by hand (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) where another program
-    listened on MASTER_PORT: rank 0 named it, rank 1 waited on that program's socket past the timeout, for ever."""
+    listened on MASTER_PORT: rank 0 named it, rank 1 waited on that program's socket past the timeout, for ever.
+    Found by review of the change: a MASTER_ADDR no host has kept rank 0 waiting for ever, without a word."""
     import socket
-    import subprocess
-    from tests.mp import _base_env
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
         held.bind(("127.0.0.1", 0))
         held.listen(8)
         port = held.getsockname()[1]
-        procs, logs = [], [tmp_path / f"rank{r}.log" for r in range(2)]
-        for r in range(2):
-            env = {k: v for k, v in _base_env().items() if not k.startswith("TORCHELASTIC")}
-            env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            with open(logs[r], "wb") as out:
-                procs.append(subprocess.Popen([sys.executable, "-m", "pipe.run", "gpt", *GPT, "--timeout", "3",
-                                               "--out", str(tmp_path / "out")], env=env, stdout=out,
-                                              stderr=subprocess.STDOUT, start_new_session=True))
-        try:
-            deadline = time.monotonic() + 45
-            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            codes = [p.poll() for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    texts = [log.read_text(errors="replace") for log in logs]
+        codes, texts = _plain_ranks(tmp_path, "127.0.0.1", port)
     assert codes == [2, 2], (codes, texts[0][-2000:], texts[1][-2000:])
     assert f"error (rank 0): rank 0 could not start the rendezvous store on 127.0.0.1:{port}" in texts[0], \
         texts[0][-2000:]
     assert f"error (rank 1): could not reach the rendezvous store at 127.0.0.1:{port} within 3 s" in texts[1] \
         and "set MASTER_PORT to a free port on every rank" in texts[1], texts[1][-2000:]
+    codes, texts = _plain_ranks(tmp_path, "no.such.host.invalid", free_port())
+    assert codes == [2, 2], (codes, texts[0][-2000:], texts[1][-2000:])
+    assert "error (rank 0): rank 0 could not start the rendezvous store on no.such.host.invalid" in texts[0], \
+        texts[0][-2000:]
 
 
 def _plan_for(tmp: Path, model: list[str], stages: int) -> str:

@@ -448,6 +448,8 @@ class _Penalised(nn.Module):
     def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         o = self.b(torch.relu(self.a(x)))
         fit = _sq(o, t).sum() if self.summed else _ce(o, t)
+        if hasattr(self, "scale"):
+            fit = fit * self.scale
         return fit + 0.01 * (self.a.weight.pow(2).sum() + self.b.weight.pow(2).sum())
 
 
@@ -481,6 +483,13 @@ def test_a_penalty_of_the_weights_is_the_same_in_every_microbatch(cls: type) -> 
     w = loss_weighting(trace(summed, (x[:1], t[:1]), {}), lambda out, _: out, False, [x[:1], t[:1]], None)
     assert w.kind == "mean" and "NOT the batch's" in w.describe() and "a number every microbatch shares" in w.why, \
         w.describe()
+    # found by review of the change: a cross entropy scaled by a weight (a learned loss weight) was counted, and a
+    # microbatch counting no target (its loss NaN, weighed 0) gave that weight the grad 0 x NaN, silently: a weight
+    # may be added to a loss, not scale it
+    scaled = cls(summed=False)
+    scaled.scale = nn.Parameter(torch.tensor(1.5))
+    w = loss_weighting(trace(scaled, (x[:1], t[:1]), {}), lambda out, _: out, False, [x[:1], t[:1]], None)
+    assert w.kind == "mean", w.describe()
 
 
 class _OwnPairsLoss(nn.Module):
