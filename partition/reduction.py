@@ -241,13 +241,28 @@ def weighting(gm: torch.fx.GraphModule, example: Sequence[Any] | None = None,
 def _weigh(gm: torch.fx.GraphModule, loss: torch.fx.Node, constants: set[torch.fx.Node], sizes: _Sizes,
            shared: set[torch.fx.Node]) -> tuple[Weighting, list[str], str]:
     """weighting's answer for the loss node `loss`, the nodes from it in to the loss it weighs (each passes
-    on the next's value) and the node reading that loss ("" for `loss` itself); `constants` may scale a loss,
-    `shared` (the weights' values too) be added to one."""
-    chain, reader = [loss.name], ""
-    # x * 0.5, a sum / num_items_in_batch, loss.float(), the .sum() of one number
-    while (inner := _scaled(loss, constants) or _as_it_is(loss, sizes)) is not None:
+    on the next's value) and the node reading that loss ("" for `loss` itself); `constants`: values every
+    microbatch shares, `shared` with the weights' too (a loss they scale is a sum or a ratio as the loss it
+    scales, not a count; a term of them alone is added alike to every microbatch's loss)."""
+    chain, reader, by_weight = [loss.name], "", ""
+    # x * 0.5, a sum / num_items_in_batch, alpha * loss, loss.float(), the .sum() of one number
+    while (inner := _scaled(loss, shared) or _as_it_is(loss, sizes)) is not None:
+        if _scaled(loss, shared) is not None and _scaled(loss, constants) is None:
+            by_weight = loss.name
         loss, reader = inner, loss.name
         chain.append(loss.name)
+    found, chain, reader = _weighed(gm, loss, constants, sizes, shared, chain, reader)
+    if by_weight and found.kind == "count":  # (found by review of the change: a NaN grad, silently)
+        found = Weighting("mean", f"the loss {found.loss} is scaled by a weight ({by_weight}): weighed by counts, a "
+                                  "microbatch counting no target (its loss NaN, weighed 0) would give that weight the "
+                                  "grad 0 x NaN, so the mean of the microbatches' losses, the batch's only where each "
+                                  "counts as many targets", inexact=True)
+    return found, chain, reader
+
+
+def _weighed(gm: torch.fx.GraphModule, loss: torch.fx.Node, constants: set[torch.fx.Node], sizes: _Sizes,
+             shared: set[torch.fx.Node], chain: list[str], reader: str) -> tuple[Weighting, list[str], str]:
+    """_weigh's answer for `loss`, its scaling peeled."""
     if _adds(loss):
         return _terms(gm, loss, constants, sizes, shared), chain, reader
     pairs = sizes.paired(loss)
@@ -754,7 +769,12 @@ def _additive(gm: torch.fx.GraphModule, node: torch.fx.Node, sizes: _Sizes) -> s
     terms = [a for a in node.args if isinstance(a, torch.fx.Node)]
     if _adds(node) and len(terms) == len(node.args):  # a sum of sums: (ce_a + ce_b) / mask.sum()
         parts = [_additive(gm, a, sizes) for a in terms]
-        return " + ".join(f"{a.name}: {p}" for a, p in zip(terms, parts)) if all(parts) else None
+        sign = " - " if "sub" in str(getattr(node.target, "__name__", node.target)) else " + "
+        return sign.join(f"{a.name}: {p}" for a, p in zip(terms, parts)) if all(parts) else None
+    numbers = [a for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+    if node.op in ("call_function", "call_method") and len(terms) == 1 and len(numbers) == 1 and not node.kwargs \
+            and (node.target in _MUL or node.target in _DIV and node.args[0] is terms[0]):  # 0.5 * a sum: a sum
+        return _additive(gm, terms[0], sizes)
     name = _summed(gm, node)
     for kind in ("cross_entropy", "nll_loss"):
         args = loss_args(gm, node, kind) if name is None else None
@@ -799,8 +819,11 @@ def _ratio(gm: torch.fx.GraphModule, loss: torch.fx.Node, sizes: _Sizes) -> Weig
     if found is None or not _sums_the_batch(found[0], sizes):
         return None
     what = _additive(gm, numerator, sizes)
-    if what is None:
-        return None
+    if what is None:  # (found by review: said to be the batch's where the microbatches average alike)
+        return Weighting("mean", f"it divides {numerator.name}, which is not a sum over the samples fxpipe can split "
+                                 f"(a sum scaled by a weight, a term every microbatch shares), by {found[0].name}, a "
+                                 "sum over the batch: the mean of the microbatches' ratios is the batch's only where "
+                                 "their divisors are equal", inexact=True)
     sub, attrs, written, why = _inputs_only(gm, [found[0], None], loss)
     if sub is None:
         return Weighting("mean", f"it is {what} over a sum whose {why.replace('target', 'value', 1)}")

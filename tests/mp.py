@@ -46,7 +46,8 @@ def _base_env(threads: int = 1) -> dict[str, str]:
 # hundreds. FXPIPE_MP_START=spawn (or run_ranks(start="spawn")) starts each rank as a new interpreter instead
 # (`python -m tests.mp`). What a forked rank cannot have of a fresh interpreter: a string hash seed of its own
 # (every forked rank shares the server's, so ranks iterating a set of strings alike hide an order that differs
-# between processes); launches that check such orders run spawned (tests/test_runtime.py's NCCL-like parity).
+# between processes); launches that check such orders run spawned (tests/test_runtime.py's 4-rank NCCL-like
+# parity on the GPT).
 _PRELOAD = ["torch", "torch.distributed", "torch.fx", "torch.export", "torch.distributed.checkpoint", "transformers",
             "pipe", "partition", "memory", "bench", "tests.parity", "tests.nccl_like"]
 _FORKS: Any = None

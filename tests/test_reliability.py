@@ -61,7 +61,7 @@ def test_ranks_given_different_options_or_an_out_rank_0_cannot_write_stop_on_eve
 
 
 def _plain_ranks(tmp_path: Path, addr: str, port: int) -> tuple[list[int | None], list[str]]:
-    """pipe.run on 2 ranks started by hand (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; --timeout 3): exit codes
+    """pipe.run on 2 ranks started by hand (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; --timeout 1): exit codes
     (None: still running 45 s later, then killed) and outputs."""
     import subprocess
     from tests.mp import _base_env
@@ -70,7 +70,7 @@ def _plain_ranks(tmp_path: Path, addr: str, port: int) -> tuple[list[int | None]
         env = {k: v for k, v in _base_env().items() if not k.startswith("TORCHELASTIC")}
         env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR=addr, MASTER_PORT=str(port))
         with open(logs[r], "wb") as out:
-            procs.append(subprocess.Popen([sys.executable, "-m", "pipe.run", "gpt", *GPT, "--timeout", "3",
+            procs.append(subprocess.Popen([sys.executable, "-m", "pipe.run", "gpt", *GPT, "--timeout", "1",
                                            "--out", str(tmp_path / "out")], env=env, stdout=out,
                                           stderr=subprocess.STDOUT, start_new_session=True))
     try:
@@ -99,7 +99,7 @@ def test_a_port_another_program_holds_is_named_by_every_rank_within_the_timeout(
     assert codes == [2, 2], (codes, texts[0][-2000:], texts[1][-2000:])
     assert f"error (rank 0): rank 0 could not start the rendezvous store on 127.0.0.1:{port}" in texts[0], \
         texts[0][-2000:]
-    assert f"error (rank 1): could not reach the rendezvous store at 127.0.0.1:{port} within 3 s" in texts[1] \
+    assert f"error (rank 1): could not reach the rendezvous store at 127.0.0.1:{port} within 1 s" in texts[1] \
         and "set MASTER_PORT to a free port on every rank" in texts[1], texts[1][-2000:]
     codes, texts = _plain_ranks(tmp_path, "no.such.host.invalid", free_port())
     assert codes == [2, 2], (codes, texts[0][-2000:], texts[1][-2000:])

@@ -122,7 +122,14 @@ CASES = [  # (loss_fn, kind, what the plan's note says)
     (lambda o, t: (F.cross_entropy(o.flatten(0, 1), t.flatten(), reduction="sum") + F.cross_entropy(
         o.flatten(0, 1), t.flatten(), label_smoothing=0.1, reduction="sum")) / (t != 0).sum(), "ratio",
      "each microbatch's numerator over the batch's divisor"),
-    (lambda o, t: _ce(o, t) / (t != 0).sum(), "mean", "not a cross entropy or NLL loss"),  # a mean over a count
+    # found by review of the change: a numerator scaling a sum by a number is a sum; one adding a term that is not
+    # (a mean, a weight's penalty) was averaged and said to be the batch's where the microbatches average alike
+    (lambda o, t: (F.cross_entropy(o.flatten(0, 1), t.flatten(), reduction="sum") - 0.5 * F.cross_entropy(
+        o.flatten(0, 1), t.flatten(), label_smoothing=0.1, reduction="sum")) / (t != 0).sum(), "ratio",
+     "each microbatch's numerator over the batch's divisor"),
+    (lambda o, t: (F.cross_entropy(o.flatten(0, 1), t.flatten(), reduction="sum") + o.abs().mean()) / (t != 0).sum(),
+     "mean", "NOT the batch's"),
+    (lambda o, t: _ce(o, t) / (t != 0).sum(), "mean", "NOT the batch's"),  # a mean over a count
     # found by review: a sum of terms each divided by a value of the whole microbatch was summed (4x the loss)
     (lambda o, t: ((o - t.unsqueeze(-1)) ** 2 / o.shape[0]).sum(), "mean", "not each from its own sample"),
     (lambda o, t: (_ce_none(o, t) * (t != 0) / (t != 0).sum().clamp(min=1)).sum(), "mean", "not each from its own"),
@@ -489,7 +496,11 @@ def test_a_penalty_of_the_weights_is_the_same_in_every_microbatch(cls: type) -> 
     scaled = cls(summed=False)
     scaled.scale = nn.Parameter(torch.tensor(1.5))
     w = loss_weighting(trace(scaled, (x[:1], t[:1]), {}), lambda out, _: out, False, [x[:1], t[:1]], None)
-    assert w.kind == "mean", w.describe()
+    assert w.kind == "mean" and "is scaled by a weight" in w.describe() and "NOT the batch's" in w.describe(), \
+        w.describe()
+    summed.scale = nn.Parameter(torch.tensor(1.5))  # a sum scaled by a weight stays a sum (its microbatches' add)
+    w = loss_weighting(trace(summed, (x[:1], t[:1]), {}), lambda out, _: out, False, [x[:1], t[:1]], None)
+    assert w.kind == "mean" and "a number every microbatch shares" in w.why, w.describe()  # (+ the penalty: M x)
 
 
 class _OwnPairsLoss(nn.Module):
