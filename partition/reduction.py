@@ -246,9 +246,13 @@ def _weigh(gm: torch.fx.GraphModule, loss: torch.fx.Node, constants: set[torch.f
     scales, not a count; a term of them alone is added alike to every microbatch's loss)."""
     chain, reader, by_weight = [loss.name], "", ""
     # x * 0.5, a sum / num_items_in_batch, alpha * loss, loss.float(), the .sum() of one number
-    while (inner := _scaled(loss, shared) or _as_it_is(loss, sizes)) is not None:
-        if _scaled(loss, shared) is not None and _scaled(loss, constants) is None:
+    while True:
+        inner = _scaled(loss, shared)
+        if inner is not None and _scaled(loss, constants) is None:
             by_weight = loss.name
+        inner = inner or _as_it_is(loss, sizes)
+        if inner is None:
+            break
         loss, reader = inner, loss.name
         chain.append(loss.name)
     found, chain, reader = _weighed(gm, loss, constants, sizes, shared, chain, reader)

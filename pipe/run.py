@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from partition.costs import COSTS
+from pipe.ckpt_format import LATEST
 from pipe.launch import DEFAULT_TIMEOUT_S, exit_process, timeout_setting
 from pipe.schedules import SCHEDULES, default_stages_text
 
@@ -174,7 +175,7 @@ def out_error(args: argparse.Namespace) -> str | None:
     if previous and not args.overwrite:
         return (f"--out {args.out} already holds a previous run's outputs ({', '.join(previous)}); "
                 "give another --out, or --overwrite to replace them")
-    if (out / CHECKPOINT / "LATEST").exists() and not args.resume and not args.overwrite:  # nothing saved is lost
+    if (out / CHECKPOINT / LATEST).exists() and not args.resume and not args.overwrite:  # nothing saved is lost
         return (f"--out {args.out} holds a checkpoint ({out / CHECKPOINT}); pass --resume to continue from it, or "
                 "--overwrite to start again (its first save then replaces it)")
     return None
@@ -380,7 +381,7 @@ def _resume(pp: Any, opt: Any, ckpt: Path, args: argparse.Namespace, say: Callab
     run's records until then, the pipeline and the optimizer loaded from it; (0, {}) without."""
     if not args.resume:
         return 0, {}
-    found = [(ckpt / "LATEST").exists()]
+    found = [(ckpt / LATEST).exists()]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(found, src=0)
     if not found[0]:
