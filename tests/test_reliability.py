@@ -60,19 +60,27 @@ def test_ranks_given_different_options_or_an_out_rank_0_cannot_write_stop_on_eve
     assert [ex.code for ex in exits] == [0, 0], exits[1].output[-3000:]
 
 
-def _plain_ranks(tmp_path: Path, addr: str, port: int) -> tuple[list[int | None], list[str]]:
-    """pipe.run on 2 ranks started by hand (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; --timeout 1): exit codes
-    (None: still running 45 s later, then killed) and outputs."""
+def _start_plain_ranks(out: Path, addr: str, port: int) -> list[tuple[Any, Path]]:
+    """pipe.run on 2 ranks started by hand (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; --timeout 1), each
+    process with its log."""
     import subprocess
     from tests.mp import _base_env
-    procs, logs = [], [tmp_path / f"rank{r}.log" for r in range(2)]
+    out.mkdir(parents=True, exist_ok=True)
+    started = []
     for r in range(2):
         env = {k: v for k, v in _base_env().items() if not k.startswith("TORCHELASTIC")}
         env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR=addr, MASTER_PORT=str(port))
-        with open(logs[r], "wb") as out:
-            procs.append(subprocess.Popen([sys.executable, "-m", "pipe.run", "gpt", *GPT, "--timeout", "1",
-                                           "--out", str(tmp_path / "out")], env=env, stdout=out,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
+        log = out / f"rank{r}.log"
+        with open(log, "wb") as f:
+            started.append((subprocess.Popen([sys.executable, "-m", "pipe.run", "gpt", *GPT, "--timeout", "1",
+                                              "--out", str(out / "out")], env=env, stdout=f,
+                                             stderr=subprocess.STDOUT, start_new_session=True), log))
+    return started
+
+
+def _ended(started: list[tuple[Any, Path]]) -> tuple[list[int | None], list[str]]:
+    """The exit codes (None: still running 45 s after the call, then killed) and outputs of started ranks."""
+    procs = [p for p, _ in started]
     try:
         deadline = time.monotonic() + 45
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
@@ -83,7 +91,7 @@ def _plain_ranks(tmp_path: Path, addr: str, port: int) -> tuple[list[int | None]
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait()
-    return codes, [log.read_text(errors="replace") for log in logs]
+    return codes, [log.read_text(errors="replace") for _, log in started]
 
 
 def test_a_port_another_program_holds_is_named_by_every_rank_within_the_timeout(tmp_path: Path) -> None:
@@ -95,13 +103,15 @@ def test_a_port_another_program_holds_is_named_by_every_rank_within_the_timeout(
         held.bind(("127.0.0.1", 0))
         held.listen(8)
         port = held.getsockname()[1]
-        codes, texts = _plain_ranks(tmp_path, "127.0.0.1", port)
+        on_held = _start_plain_ranks(tmp_path / "held", "127.0.0.1", port)  # (both launches at once)
+        nowhere = _start_plain_ranks(tmp_path / "nowhere", "no.such.host.invalid", free_port())
+        codes, texts = _ended(on_held)
     assert codes == [2, 2], (codes, texts[0][-2000:], texts[1][-2000:])
     assert f"error (rank 0): rank 0 could not start the rendezvous store on 127.0.0.1:{port}" in texts[0], \
         texts[0][-2000:]
     assert f"error (rank 1): could not reach the rendezvous store at 127.0.0.1:{port} within 1 s" in texts[1] \
         and "set MASTER_PORT to a free port on every rank" in texts[1], texts[1][-2000:]
-    codes, texts = _plain_ranks(tmp_path, "no.such.host.invalid", free_port())
+    codes, texts = _ended(nowhere)
     assert codes == [2, 2], (codes, texts[0][-2000:], texts[1][-2000:])
     assert "error (rank 0): rank 0 could not start the rendezvous store on no.such.host.invalid" in texts[0], \
         texts[0][-2000:]
@@ -322,7 +332,7 @@ def after_failure_body(rank: int, world: int, how: str, rendezvous: str) -> dict
     import torch.distributed as dist
     import partition
     import pipe
-    pipe.init(timeout_s=10)  # (under gloo a peer wakes when the failing process exits, or at the timeout: this one
+    pipe.init(timeout_s=5)  # (under gloo a peer wakes when the failing process exits, or at the timeout: this one
     w = partition.load("gpt", n_layer=2, d_model=32, n_head=2, seq_len=16, vocab=64)  # goes on to a new group)
     armed = [True]
 
@@ -492,7 +502,7 @@ def lost_in_build_body(rank: int, world: int, when: str) -> None:
     "build"), or between two steps."""
     import partition
     import pipe
-    pipe.init()
+    pipe.init(timeout_s=30)  # (the survivors' roll call waits a tenth of it, at least 1 s, for the lost rank)
     w = partition.load("gpt", n_layer=2, d_model=32, n_head=2, seq_len=16, vocab=64)
     said = [0]
 
