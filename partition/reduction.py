@@ -278,7 +278,7 @@ def _weighed(gm: torch.fx.GraphModule, loss: torch.fx.Node, constants: set[torch
                                   "each microbatch alone, so each pairs its own samples only (fewer microbatches "
                                   "pair more)", inexact=True)
     else:
-        found = _found(gm, loss, sizes)
+        found = _found(gm, loss, sizes, shared)
     return found, chain, reader
 
 
@@ -767,18 +767,27 @@ def _sums_the_batch(node: torch.fx.Node, sizes: _Sizes, one: bool = True) -> boo
         and sizes.mixed(node.args[0]) is False
 
 
-def _additive(gm: torch.fx.GraphModule, node: torch.fx.Node, sizes: _Sizes) -> str | None:
+def _additive(gm: torch.fx.GraphModule, node: torch.fx.Node, sizes: _Sizes,
+              shared: set[torch.fx.Node] | frozenset[torch.fx.Node] = frozenset()) -> str | None:
     """What `node` is when it is the sum of its microbatches' values (a loss with reduction='sum', a
-    .sum() over the samples), else None."""
+    .sum() over the samples, such a sum times or over a number or a value in `shared`, which every
+    microbatch has alike: a learned weight), else None."""
     terms = [a for a in node.args if isinstance(a, torch.fx.Node)]
     if _adds(node) and len(terms) == len(node.args):  # a sum of sums: (ce_a + ce_b) / mask.sum()
-        parts = [_additive(gm, a, sizes) for a in terms]
+        parts = [_additive(gm, a, sizes, shared) for a in terms]
         sign = " - " if "sub" in str(getattr(node.target, "__name__", node.target)) else " + "
         return sign.join(f"{a.name}: {p}" for a, p in zip(terms, parts)) if all(parts) else None
     numbers = [a for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
     if node.op in ("call_function", "call_method") and len(terms) == 1 and len(numbers) == 1 and not node.kwargs \
             and (node.target in _MUL or node.target in _DIV and node.args[0] is terms[0]):  # 0.5 * a sum: a sum
-        return _additive(gm, terms[0], sizes)
+        return _additive(gm, terms[0], sizes, shared)
+    if node.op in ("call_function", "call_method") and len(terms) == 2 == len(node.args) and not node.kwargs \
+            and (node.target in _MUL or node.target in _DIV and node.args[1] in shared):
+        # a sum times a learned weight: the microbatches' sums times the one weight add to the batch's (a sum over
+        # no sample is 0, so its weight's grad is finite, where a counted mean's would be 0 x NaN)
+        inner = [a for a in terms if a not in shared]
+        if len(inner) == 1:
+            return _additive(gm, inner[0], sizes, shared)
     name = _summed(gm, node)
     for kind in ("cross_entropy", "nll_loss"):
         args = loss_args(gm, node, kind) if name is None else None
@@ -809,7 +818,8 @@ def _divisor(node: torch.fx.Node) -> tuple[torch.fx.Node, float | None] | None:
     return node, floor
 
 
-def _ratio(gm: torch.fx.GraphModule, loss: torch.fx.Node, sizes: _Sizes) -> Weighting | None:
+def _ratio(gm: torch.fx.GraphModule, loss: torch.fx.Node, sizes: _Sizes, shared: set[torch.fx.Node]
+           ) -> Weighting | None:
     """A "ratio" weighting for `loss` = a sum over the samples / a sum over the samples computed from the
     inputs alone (dtype casts and a lower bound on the way); a "mean" one saying why when the divisor
     needs more than the inputs; None when `loss` is no such ratio."""
@@ -822,10 +832,10 @@ def _ratio(gm: torch.fx.GraphModule, loss: torch.fx.Node, sizes: _Sizes) -> Weig
     found = _divisor(divisor)
     if found is None or not _sums_the_batch(found[0], sizes):
         return None
-    what = _additive(gm, numerator, sizes)
+    what = _additive(gm, numerator, sizes, shared)
     if what is None:  # (found by review: said to be the batch's where the microbatches average alike)
         return Weighting("mean", f"it divides {numerator.name}, which is not a sum over the samples fxpipe can split "
-                                 f"(a sum scaled by a weight, a term every microbatch shares), by {found[0].name}, a "
+                                 f"(a term every microbatch shares, a mean), by {found[0].name}, a "
                                  "sum over the batch: the mean of the microbatches' ratios is the batch's only where "
                                  "their divisors are equal", inexact=True)
     sub, attrs, written, why = _inputs_only(gm, [found[0], None], loss)
@@ -835,12 +845,12 @@ def _ratio(gm: torch.fx.GraphModule, loss: torch.fx.Node, sizes: _Sizes) -> Weig
                      written=written, origin=gm, ratio=loss.name, numerator=numerator.name, floor=found[1])
 
 
-def _found(gm: torch.fx.GraphModule, loss: torch.fx.Node, sizes: _Sizes) -> Weighting:
+def _found(gm: torch.fx.GraphModule, loss: torch.fx.Node, sizes: _Sizes, shared: set[torch.fx.Node]) -> Weighting:
     """weighting's answer for the loss node `loss` (its scaling by shared values peeled)."""
-    name = _additive(gm, loss, sizes)
+    name = _additive(gm, loss, sizes, shared)
     if name is not None:
         return Weighting("sum", "", loss=name if "reduction" in name else f"{loss.name}: {name}")
-    ratio = _ratio(gm, loss, sizes)
+    ratio = _ratio(gm, loss, sizes, shared)
     if ratio is not None:
         return ratio
     mean = _elementwise(gm, loss)

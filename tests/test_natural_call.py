@@ -113,17 +113,22 @@ def test_inference_stages_form_the_logits_of_a_head_cut_into_vocabulary_slices()
 
 class _OwnLoss(torch.nn.Module):
     """A model computing its own loss from labels padded with -100: a cross entropy plus an L2 penalty of its
-    weights (`penalty`), or two cross entropies summed over a count of the labels (a masked mean written by hand)."""
+    weights (`penalty`), or two cross entropies summed over a count of the labels (a masked mean written by hand),
+    scaled after (`scaled ratio`) or before by a learned weight (`weighted ratio`)."""
 
     def __init__(self, how: str) -> None:
         super().__init__()
         self.a, self.b, self.c, self.how = torch.nn.Linear(8, 16), torch.nn.Linear(16, 10), torch.nn.Linear(16, 10), how
+        if how == "weighted ratio":  # a learned weight of the summed cross entropies
+            self.alpha = torch.nn.Parameter(torch.tensor(1.5))
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.a(x))
         if self.how == "penalty":
             return F.cross_entropy(self.b(h), labels) + 0.01 * (self.a.weight.pow(2).sum() + self.b.weight.pow(2).sum())
         both = F.cross_entropy(self.b(h), labels, reduction="sum") + F.cross_entropy(self.c(h), labels, reduction="sum")
+        if self.how == "weighted ratio":
+            return both * self.alpha / (labels != -100).sum().clamp(min=1)
         ratio = both / (labels != -100).sum().clamp(min=1)
         return ratio if self.how == "ratio" else 0.5 * ratio  # (the model's own op reading the ratio)
 
@@ -238,7 +243,8 @@ def natural_body(rank: int, world: int) -> dict[str, Any]:
     uneven[:6] = -100  # microbatch 0 counts no label, microbatch 1 two
     for kind, said in (("penalty", "(the same in every microbatch) weighs by its targets"),
                        ("ratio", "each microbatch's numerator over the batch's divisor"),
-                       ("scaled ratio", "each microbatch's numerator over the batch's divisor")):
+                       ("scaled ratio", "each microbatch's numerator over the batch's divisor"),
+                       ("weighted ratio", "each microbatch's numerator over the batch's divisor")):
         out[f"own loss {kind}"], how = _own_loss_in_parity(x, uneven, kind)
         assert said in how, how
     return out

@@ -503,6 +503,45 @@ def test_a_penalty_of_the_weights_is_the_same_in_every_microbatch(cls: type) -> 
     assert w.kind == "mean" and "a number every microbatch shares" in w.why, w.describe()  # (+ the penalty: M x)
 
 
+class _WeightedRatio(nn.Module):
+    """A model computing its own loss: a summed cross entropy times a learned weight over the batch's count of
+    targets (`ce_sum * alpha / count`)."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.alpha = nn.Linear(4, V), nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        ce = F.cross_entropy(self.a(x).flatten(0, 1), t.flatten(), ignore_index=0, reduction="sum")
+        return ce * self.alpha / (t != 0).sum()
+
+
+def test_a_ratio_whose_numerator_is_a_sum_times_a_weight_is_the_batchs() -> None:
+    """Left in session 35: `ce_sum * alpha / count` was averaged and said NOT to be the batch's (2.989 for the
+    model's 3.955). The microbatches' numerators times the one weight add to the batch's, and a microbatch counting
+    no target adds 0 (its own ratio NaN): the step's loss and grads, the weight's too, are the model's."""
+    from partition.reduction import keep_numerator
+    torch.manual_seed(0)
+    model, ref = _WeightedRatio(), _WeightedRatio()
+    ref.load_state_dict(model.state_dict())
+    x, t = torch.randn(8, 3, 4), torch.randint(1, V, (8, 3))
+    t[:2] = 0                 # microbatch 0: every target ignored
+    t[2:4, 1:] = 0            # microbatch 1: two counted
+    gm = trace(model, (x[:2], t[:2]), {})
+    w = loss_weighting(gm, lambda out, _: out, False, [x[:2], t[:2]], None)
+    assert w.kind == "ratio" and "each microbatch's numerator over the batch's divisor" in w.describe(), w.describe()
+    keep_numerator(gm, w)
+    counts = [w.count([xm, tm]) for xm, tm in zip(x.chunk(4), t.chunk(4))]
+    assert [float(c) for c in counts] == [0.0, 2.0, 6.0, 6.0]
+    got = sum(gm(xm, tm) / sum(counts) for xm, tm in zip(x.chunk(4), t.chunk(4)))
+    got.backward()
+    want = ref(x, t)
+    want.backward()
+    torch.testing.assert_close(got.float(), want, rtol=1e-6, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad is not None and bool(torch.isfinite(p.grad).all()), name
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
 class _OwnPairsLoss(nn.Module):
     """CLIP's shape: the model computes its own loss over in-batch negatives, and torch.fx cannot trace it (control
     flow on a size), so torch.export fixes the graph's sizes."""
