@@ -346,7 +346,7 @@ def _train(pp: Any, w: Any, args: argparse.Namespace, say: Callable[..., None]) 
         b_args, b_kwargs, target = w.batch(batch_size, step * pp.dp + pp.dp_rank)
         t0 = time.perf_counter()
         loss = pp.step(*b_args, target=target, **b_kwargs)
-        skipped_now = not math.isfinite(loss)  # only with --skip-nonfinite: else step raised NonFiniteLoss
+        skipped_now = pp.skipped  # (--skip-nonfinite: a loss or a grad not finite; else step raised NonFiniteLoss)
         if args.clip_grad_norm is not None:  # collective: on every rank, one without parameters too
             norm = float(pp.clip_grad_norm_(args.clip_grad_norm))
             if not skipped_now:  # (a skipped step's grads were cleared: its norm of 0 is no grad's)

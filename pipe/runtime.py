@@ -27,7 +27,7 @@ from pipe.lower import forward_only, fuse_backward, lower, validate, with_reload
 from pipe.replicas import DataParallelError, ShardedStages, pipeline_groups, share_buffers, written_buffers
 from pipe.schedules import Action, ScheduleError, build, placement
 from pipe.simulate import Event, Timeline
-from pipe.step import StepState, failures, non_finite, sum_tied_grads, tied_trained
+from pipe.step import StepState, failures, grads_not_finite, non_finite, sum_tied_grads, tied_trained
 from partition.meta import meta_copy, on_meta
 from partition.measure import release_memory
 
@@ -154,6 +154,7 @@ class Pipeline:
         self.loss_fn = loss_fn
         self.dynamic = dynamic_shapes
         self.skip_nonfinite = skip_nonfinite
+        self.skipped = False  # skip_nonfinite dropped the last step: its loss, or a grad, was not finite
         self.steps_done = 0
         self._cut_dtypes: dict[str, dict[tuple[int, int], torch.dtype]] = {}  # autocast -> what a step learned
         self._build_autocast = calls.autocast_key(self.ctx.device)  # the plan's dtypes are this one's
@@ -533,8 +534,12 @@ class Pipeline:
             self.plan.notes.append(said)
             warnings.warn(said, RuntimeWarning, stacklevel=2)
         value = float(loss.item())
+        self.skipped = False
         if not math.isfinite(value):
-            non_finite(self, value, run, accumulated)
+            non_finite(self, value, run, accumulated)  # (raises NonFiniteLoss without skip_nonfinite)
+            self.skipped = True
+        elif self.skip_nonfinite and self.grad_scaler is None:  # (a scaler finds inf grads and skips for itself)
+            self.skipped = grads_not_finite(self, value, accumulated)
         return value
 
     def _weigh_by_target(self, flat: list[Any], target: Any) -> None:

@@ -91,6 +91,39 @@ def nan_data() -> Workload:
     return w
 
 
+class _SqrtGate(torch.nn.Module):
+    """x + sqrt(g * |x[:, :1]|): finite for any finite x, but g's grad is 0 x inf = NaN where x[:, 0] is 0."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner, self.g = inner, torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x + torch.sqrt(self.g * x[:, :1].abs()))
+
+
+class _ZeroAt:
+    def __init__(self, inner: Any, step: int) -> None:
+        self.inner, self.step = inner, step
+
+    def __call__(self, batch_size: int, step: int) -> tuple[tuple[Any, ...], torch.Tensor]:
+        (x,), y = self.inner(batch_size, step)
+        if step == self.step:
+            x = x.clone()
+            x[0, 0] = 0.0
+        return (x,), y
+
+
+def nan_grad() -> Workload:
+    """A finite loss at every step, but at step 1 (from 0) a NaN grad: a first input feature of exactly 0 under a
+    square root (an overflow in a backward)."""
+    w = models.mlp(depth=4, width=16, in_features=8)
+    w.model = _SqrtGate(w.model)
+    w.make_batch = _ZeroAt(w.make_batch, 1)
+    w.layer_prefixes = tuple(f"inner.{p}" for p in w.layer_prefixes)
+    return w
+
+
 class _Changed:
     """The GPT's batches as at step 0 (what the plan is made from), changed by `how` after it."""
 

@@ -1,4 +1,5 @@
 """Reliability: every bad input a clear error on every rank, lost and frozen ranks under every launcher, NaN, soak."""
+import math
 import os
 import signal
 import sys
@@ -616,7 +617,26 @@ def skip_body(rank: int, world: int) -> dict[str, Any]:
         warnings.simplefilter("always")
         pp.step(*args, target=target)
     assert all(p.grad is None for p in pp.parameters())
-    return {"losses": losses, "warned": [str(c.message) for c in caught if "skip_nonfinite" in str(c.message)]}
+    out: dict[str, Any] = {"losses": losses,
+                           "warned": [str(c.message) for c in caught if "skip_nonfinite" in str(c.message)]}
+    # a finite loss whose grads are not (step 2, on the first stage's rank): every rank drops the step
+    w = partition.load(f"{BAD}:nan_grad")
+    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=2, cost="flops",
+                       skip_nonfinite=True)
+    opt = torch.optim.AdamW(list(pp.parameters()), lr=1e-2)
+    out["grads"] = []
+    for step in range(3):
+        args, target = w.make_batch(w.microbatch_size * 2, step)
+        before = [p.detach().clone() for p in pp.parameters()]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = pp.step(*args, target=target)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        kept = all(torch.equal(a, p) for a, p in zip(before, pp.parameters()))
+        out["grads"].append((loss, pp.skipped, kept, [str(c.message) for c in caught if "skip_nonfinite" in
+                                                       str(c.message)]))
+    return out
 
 
 def test_skip_nonfinite_drops_the_step(batch: list[dict[str, Any]]) -> None:
@@ -624,6 +644,12 @@ def test_skip_nonfinite_drops_the_step(batch: list[dict[str, Any]]) -> None:
     assert losses[1] != losses[1] and losses[0] == losses[0] and losses[2] == losses[2]
     warned = batch[0]["skip_body"]["warned"]
     assert len(warned) == 1 and "including those earlier step() calls accumulated" in warned[0], warned
+    for r in batch:  # a finite loss, a NaN grad on rank 0 (left in session 35: stepped, it made every weight NaN)
+        (l0, s0, k0, w0), (l1, s1, k1, w1), (l2, s2, k2, w2) = r["skip_body"]["grads"]
+        assert math.isfinite(l0) and math.isfinite(l1) and math.isfinite(l2), r["skip_body"]["grads"]
+        assert (s0, s1, s2) == (False, True, False) and (k0, k1, k2) == (False, True, False), r["skip_body"]["grads"]
+        assert not w0 and not w2 and len(w1) == 1 and "step 2 (counted from 1)" in w1[0] and \
+            "a grad is not finite" in w1[0], w1
 
 
 def test_run_skip_nonfinite_and_a_second_run_into_one_folder(batch: list[dict[str, Any]]) -> None:
