@@ -5,7 +5,7 @@ built whole or on the meta device; each prints a table and writes JSON (and pict
 
   python -m bench schedules gpt --ranks 2 --microbatches 4,8,16 --schedules gpipe,1f1b,interleaved-1f1b,zb-h1
   python -m bench calibrate gpt --out out/calibration.json
-  python -m bench auto gpt --batch-size 32 --calibration out/calibration.json
+  python -m bench auto gpt --batch-size 32 --calibration out/calibration.json --cost flops
   python -m bench vs-torch gpt --ranks 2
   python -m bench partition gpt_wide_vocab --stages 2,4
   python -m bench data-parallel gpt --ranks 4 --data-parallel 2 --model-arg n_layer=8
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from partition.args import wholes
 import argparse
+import os
 import shutil
 import socket
 import subprocess
@@ -48,9 +49,60 @@ def launch(module: str, ranks: int, argv: list[str], launcher: str = "torchrun",
         print(f"error: --launcher must be torchrun or mpirun, got {launcher!r}", file=sys.stderr)
         return 2
     print("$ " + " ".join(cmd), flush=True)
-    import os
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     return subprocess.call(cmd, env=env)
+
+
+def _folder_error(flag: str, path: Path) -> str | None:
+    """Why `path` cannot be made a folder this process writes into, or None."""
+    blocked = next((q for q in (path, *path.parents) if q.exists() and not q.is_dir()), None)
+    if blocked is not None:
+        return f"{flag} {path} cannot be a folder: {blocked} is a file; give another {flag}"
+    existing = next(q for q in (path, *path.parents) if q.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{flag} {path}: {existing} is not writable; give another {flag}"
+    return None
+
+
+def check_launch(cmd: str, p: argparse.ArgumentParser, argv: list[str]) -> None:
+    """A launched command's arguments, before it starts --ranks processes (found by review: an unknown model,
+    schedule or calibration, a calibration of plans costed otherwise, ranks the replicas do not divide, and an
+    --out that cannot be written each failed on every rank after the launch, as tracebacks, the last only after
+    the whole run, its measurements lost): an error naming the flag, its value and the fix, through `p`."""
+    from partition.workload import WorkloadError, factory_of
+    args = p.parse_args(argv)
+    try:
+        factory_of(args.model)
+    except WorkloadError as e:
+        p.error(str(e))
+    if cmd == "calibrate":  # the fit's file, and the run's folder beside it
+        out = Path(args.out)
+        why = f"--out {out} is a folder; give the calibration's file" if out.is_dir() else \
+            _folder_error("--out", out.parent) or _folder_error("--out", Path(f"{out}.run"))
+    else:
+        why = _folder_error("--out", Path(args.out))
+    if why:
+        p.error(why)
+    if getattr(args, "calibration", None):
+        from pipe.calibration import Calibration
+        try:
+            Calibration.load(args.calibration).check_cost(args.cost)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            p.error(f"--calibration {args.calibration}: {e}")
+    if cmd == "data-parallel" and args.ranks % args.data_parallel:
+        p.error(f"--ranks {args.ranks} is not a multiple of --data-parallel {args.data_parallel}: each replica is a "
+                f"pipeline of --ranks / --data-parallel ranks; use e.g. --ranks {2 * args.data_parallel}")
+    if cmd == "auto" and args.schedules:
+        from pipe.schedules import SCHEDULES
+        unknown = [n for n in args.schedules.split(",") if n not in SCHEDULES]
+        if unknown:
+            p.error(f"--schedules names {', '.join(unknown)}, which fxpipe does not have; pick from "
+                    f"{', '.join(SCHEDULES)}")
+    if cmd == "vs-torch":
+        from bench.vs_torch import TORCH_SCHEDULES
+        unknown = [n for n in args.torch_schedules.split(",") if n not in (*TORCH_SCHEDULES, "all")]
+        if unknown:
+            p.error(f"--torch-schedules names {', '.join(unknown)}; torch's are {', '.join(TORCH_SCHEDULES)} (or all)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "schedules":  # what only its own parser checks (a grid with nothing to run), before launching
         schedules.check_grid(argv[argv.index(args.cmd) + 1:])
     if args.cmd in _LAUNCHED:  # parsed above to check and for --help; the ranks parse again
+        check_launch(args.cmd, sub.choices[args.cmd], argv[argv.index(args.cmd) + 1:])
         return launch(_LAUNCHED[args.cmd], args.ranks, argv[argv.index(args.cmd) + 1:], args.launcher, args.threads)
     if args.cmd == "scale":  # one process: parsed again by bench.scale
         return scale.main(argv[argv.index(args.cmd) + 1:])

@@ -6,7 +6,7 @@ timed); the table ranks them as measured, with each one's prediction. The fastes
 medians is biased low (whichever the noise favoured), so a final runs the K fastest and auto's choice
 again, alternating over more rounds, and the note says how auto's choice measures against the fastest
 there (and in the grid):
-torchrun --nproc-per-node 2 -m bench.auto gpt --batch-size 32 --calibration out/calibration.json"""
+torchrun --nproc-per-node 2 -m bench.auto gpt --batch-size 32 --calibration out/calibration.json --cost flops"""
 from __future__ import annotations
 
 from partition.args import whole
@@ -126,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         table = "\n".join(lines)
         verdict = (f"auto chose {chosen.label}: measured {mine['measured_ms']:.1f} ms, "
                    f"{mine['measured_ms'] / fastest['measured_ms']:.3f}x the fastest measured candidate "
-                   f"({fastest['label']}, {fastest['measured_ms']:.1f} ms), batch {batch}")
+                   f"({fastest['label']}, {fastest['measured_ms']:.1f} ms), batch {batch}; predicted "
+                   + (f"with the calibration {args.calibration}" if args.calibration else
+                      "from the plans' costs uncalibrated (no --calibration)"))
         finals = sorted((x for x in rows if x["final_ms"] is not None), key=lambda x: x["final_ms"])
         final_ratio = None
         if finals:

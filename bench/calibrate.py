@@ -9,7 +9,7 @@ pace while it ran (bench.pace: a fixed forward and backward timed on every rank 
 pipe.Pipeline(calibration=FILE) as it is."""
 from __future__ import annotations
 
-from partition.args import whole
+from partition.args import whole, wholes
 import argparse
 import sys
 
@@ -26,8 +26,8 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", default="gpt", help="bundled name, package.module:factory or file.py:factory")
     p.add_argument("--model-arg", action="append", default=[], metavar="K=V", help="factory keyword, repeatable")
-    p.add_argument("--microbatches", default="8")
-    p.add_argument("--microbatch-sizes", default="1,4,16", metavar="B1,B2,...",
+    p.add_argument("--microbatches", default="8", type=wholes(1), help="comma-separated microbatch counts")
+    p.add_argument("--microbatch-sizes", default="1,4,16", metavar="B1,B2,...", type=wholes(1),
                    help="samples per microbatch, each size running every schedule: sizes that differ let the fit "
                         "tell an op's fixed cost from its FLOPs; cover the sizes predicted (schedule='auto' at "
                         "batch 32 on 2 ranks weighs 1 to 16)")

@@ -21,6 +21,7 @@ __all__ = [
     "Workload",
     "WorkloadError",
     "WorkloadTypeError",
+    "factory_of",
     "load",
     "parse_overrides",
 ]
@@ -106,6 +107,27 @@ def load(spec: str, **kwargs: Any) -> Workload:
     current directory), or a bundled name such as `gpt` (= `bench.models:gpt`).
     A file is imported once per process (cached by its absolute path).
     """
+    factory = factory_of(spec)
+    target, attr = _split_spec(spec)
+    tried = f"file {target!r}" if _is_path(target) else f"module {target!r}"
+    try:
+        result = factory(**kwargs)
+    except Exception as err:
+        call = f"{attr}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})"
+        raise WorkloadError(
+            f"workload {spec!r}: calling {call} from {tried} failed: {type(err).__name__}: {err}"
+        ) from err
+    if not isinstance(result, Workload):
+        raise WorkloadTypeError(
+            f"workload {spec!r}: factory {attr!r} from {tried} returned "
+            f"{type(result).__name__} ({result!r:.80}), expected a partition.workload.Workload"
+        )
+    return result
+
+
+def factory_of(spec: str) -> Callable[..., Any]:
+    """The factory `spec` names (see load), imported but not called; WorkloadError naming the forms when
+    there is none (a launcher checks this before it starts its processes)."""
     target, attr = _split_spec(spec)
     if _is_path(target):
         module, tried = _import_file(spec, target), f"file {target!r}"
@@ -123,19 +145,7 @@ def load(spec: str, **kwargs: Any) -> Workload:
             f"workload {spec!r}: {tried} attribute {attr!r} is a "
             f"{type(factory).__name__}, not a callable factory; {_FORMS}"
         )
-    try:
-        result = factory(**kwargs)
-    except Exception as err:
-        call = f"{attr}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})"
-        raise WorkloadError(
-            f"workload {spec!r}: calling {call} from {tried} failed: {type(err).__name__}: {err}"
-        ) from err
-    if not isinstance(result, Workload):
-        raise WorkloadTypeError(
-            f"workload {spec!r}: factory {attr!r} from {tried} returned "
-            f"{type(result).__name__} ({result!r:.80}), expected a partition.workload.Workload"
-        )
-    return result
+    return factory
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:

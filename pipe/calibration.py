@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import platform
 import statistics
 from collections.abc import Iterable, Sequence
@@ -64,6 +65,26 @@ class Line:
 
 def _times(line: Line, k: float) -> Line:
     return Line(line.scale * k, line.fixed * k, line.per_node * k)
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _of_its_type(key: str, value: Any) -> bool:
+    """Whether a calibration file's `value` for `key` is what Calibration.save writes there."""
+    if key in ("f", "b", "b_split", "w"):
+        return isinstance(value, dict) and set(value) == {"scale", "fixed", "per_node"} \
+            and all(_number(v) for v in value.values())
+    if key in ("late_post_ms", "pace_ms"):
+        return value is None or _number(value)
+    if key in ("cost", "machine"):
+        return isinstance(value, str)
+    if key in ("samples", "step_scales"):
+        return isinstance(value, dict) and all(isinstance(k, str) and _number(v) for k, v in value.items())
+    if key == "version":
+        return isinstance(value, int)
+    return _number(value)
 
 
 @dataclass(frozen=True)
@@ -166,8 +187,15 @@ class Calibration:
                                    "before it was posted or not"}.get(
                                     d.get("version", 1), "by another fxpipe")
                              + f"; this fxpipe reads version {VERSION}: make it again with python -m bench calibrate")
+        missing = sorted(known - set(d))
+        wrong = [k for k in sorted(set(d) & known) if not _of_its_type(k, d[k])]
+        if missing or wrong:  # (found by review: {"version": 6} was read as the identity, silently)
+            raise ValueError("this calibration is damaged: "
+                             + "; ".join(([f"it lacks {', '.join(missing)}"] if missing else [])
+                                         + [f"{k} is {d[k]!r}" for k in wrong])
+                             + "; make it again with python -m bench calibrate")
         given: dict[str, Any] = dict(d)
-        given.update({k: Line(**d[k]) for k in ("f", "b", "b_split", "w") if k in d})
+        given.update({k: Line(**d[k]) for k in ("f", "b", "b_split", "w")})
         return cls(**given)
 
     def save(self, path: str | Path) -> Path:

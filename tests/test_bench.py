@@ -96,6 +96,7 @@ def test_bench_auto_measures_every_candidate_with_its_recompute_policy(tmp_path:
     table = (tmp_path / "auto.md").read_text()
     assert table.startswith("| measured rank | schedule | M | v | recompute | memory |") and "(auto)" in table
     assert f"auto chose {data['chosen']}: measured" in out
+    assert "predicted from the plans' costs uncalibrated (no --calibration)" in out  # (found by review: unsaid)
     # the final: the grid's fastest and auto's choice run again, on more rounds
     finalists = {r["label"] for r in rows if r["final_ms"] is not None}
     assert finalists == {rows[0]["label"], data["chosen"]}
@@ -271,8 +272,13 @@ def test_bench_data_parallel(tmp_path: Path) -> None:
 def test_bench_schedules_with_data_parallel(tmp_path: Path) -> None:
     out = run_command([sys.executable, "-m", "bench", "schedules", "gpt", *TINY, "--ranks", "4",
                        "--data-parallel", "2", "--microbatches", "4", "--schedules", "1f1b,interleaved-1f1b",
-                       "--steps", "1", "--warmup", "1", "--cost", "flops", "--out", str(tmp_path)], timeout=180).output
+                       "--steps", "1", "--warmup", "1", "--cost", "flops", "--out", str(tmp_path),
+                       "--calibrate", str(tmp_path / "cal.json")], timeout=180).output
     assert "grad all-reduce over 2 replicas" in out and "| interleaved-1f1b | 4 |" in out
+    # found by review: the replicas' steps were left out of the fit's step scales (1.0, none per schedule)
+    from pipe.calibration import Calibration
+    cal = Calibration.load(tmp_path / "cal.json")
+    assert sorted(cal.step_scales) == ["1f1b", "interleaved-1f1b"] and cal.step_scale != 1.0, cal
     data = json.loads((tmp_path / "schedules.json").read_text())
     assert data["ranks"] == 4 and data["data_parallel"] == 2
     assert data["agree_ms"] > 0  # each pipeline's ranks agree on their replica's batch (not the other's)

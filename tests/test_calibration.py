@@ -180,6 +180,19 @@ def test_a_calibration_file_round_trips_and_a_wrong_one_is_refused(tmp_path: Pat
         Calibration.load(tmp_path / "bad.json")
     with pytest.raises(FileNotFoundError, match="python -m bench calibrate"):
         Calibration.load(tmp_path / "none.json")
+    # found by review: a file of this version lacking its figures was read as no correction, silently, and one
+    # holding a string for a number passed the check made before launching, to fail on the ranks
+    (tmp_path / "partial.json").write_text('{"version": %d}' % TRUE.version)
+    with pytest.raises(ValueError, match="damaged: it lacks b, b_split, cost, f, gap_ms.*bench calibrate"):
+        Calibration.load(tmp_path / "partial.json")
+    import json
+    for key, value, said in (("f", {"scale": "x", "fixed": 0, "per_node": 0}, "f is {'scale': 'x'"),
+                             ("gap_ms", float("nan"), "gap_ms is nan"), ("step_scales", {"1f1b": None}, "step_scales"),
+                             ("cost", 3, "cost is 3")):
+        damaged = TRUE.to_dict() | {key: value}
+        (tmp_path / "typed.json").write_text(json.dumps(damaged))
+        with pytest.raises(ValueError, match=f"damaged: {said}"):
+            Calibration.load(tmp_path / "typed.json")
 
 
 def test_simulate_schedule_is_the_lowered_program_simulated() -> None:
@@ -308,3 +321,19 @@ def test_compiled_stages_are_predicted_as_they_run_bw() -> None:
     one = predicted_timeline(plan_of("1f1b", 1), 2)
     assert fused.makespan == pytest.approx(one.makespan, rel=0.05)
     assert predicted_timeline(plan_of("1f1b", 1), 2, compiled=True).makespan == one.makespan  # no W: as it was
+
+
+def test_a_fit_the_grid_could_not_determine_is_said() -> None:
+    """Found by review: `bench calibrate --microbatches 3 --microbatch-sizes 1` could run neither interleaved
+    schedule, fitted each line as a scale alone from a few points, and wrote the file without a word."""
+    from bench.schedules import thin_fit
+    thin = Calibration(f=Line(18.4), b=Line(7.2), b_split=Line(2.0, 0.1, 0.001), samples={"F": 4, "B": 2, "B_split": 6},
+                       step_scale=1.2, step_scales={"1f1b": 1.1, "zb-h1": 1.3})
+    said = thin_fit(thin, ["1f1b", "zb-h1", "interleaved-1f1b", "interleaved-zb"], 1)
+    assert len(said) == 2, said
+    assert said[0].startswith("F (4 points), B (2 points) fitted as a scale of the planned cost alone (one microbatch "
+                              "size") and "--microbatch-sizes" in said[0], said
+    assert said[1] == "interleaved-1f1b, interleaved-zb did not run, so their predictions take the step scale of the " \
+                      "others (1.200x)", said
+    assert thin_fit(dataclasses.replace(thin, f=Line(1.0, 0.2, 0.0), b=Line(1.0, 0.0, 0.01)), ["1f1b", "zb-h1"], 3) \
+        == []

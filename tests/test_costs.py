@@ -275,3 +275,16 @@ def test_clean_runs_back_to_back_are_priced_per_call() -> None:
     # each call's kept activations: at most a quarter of the free device memory for all the calls
     assert back_to_back(0.1, synced=True, held_bytes=1 << 30, free_bytes=20 << 30) == 5
     assert back_to_back(0.1, synced=True, held_bytes=1 << 30, free_bytes=2 << 30) == 1
+
+
+def test_node_times_fit_a_clean_total_but_never_one_at_or_below_0() -> None:
+    """The node-by-node times are fitted to the clean pass's total: their per-node overhead taken off, then
+    scaled. Found by review: on a loaded machine the backward's total (the clean pass's less the shared weights'
+    accumulation) came out at 0 or below, and stages holding transformer blocks were priced a backward of 0 ms."""
+    from partition.costs import _fit
+    times = {"a": 2.0, "b": 6.0, "c": 0.0}
+    fitted = _fit(times, 4.0)
+    assert sum(fitted.values()) == pytest.approx(4.0) and fitted["c"] == 0 and fitted["b"] > fitted["a"] > 0
+    for total in (0.0, -3.0, 0.1):  # no measurement of the nodes: fitted to 1/20 of their sum, none at 0
+        got = _fit(times, total)
+        assert sum(got.values()) == pytest.approx(0.4) and got["b"] > got["a"] > 0 and got["c"] == 0, (total, got)

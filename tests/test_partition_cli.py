@@ -147,17 +147,42 @@ def test_bench_help_lists_every_option(capsys: pytest.CaptureFixture[str]) -> No
     # found in review: each launched its ranks first (~30 s), then a traceback on every rank
     (["schedules", "mlp", "--schedules", "1f1b,nosuch"], "--schedules names nosuch, which fxpipe does not have"),
     (["schedules", "mlp", "--calibration", "/nonexistent.json"], "--calibration /nonexistent.json: no calibration at"),
-    (["schedules", "mlp", "--ranks", "3", "--data-parallel", "2"], "--ranks 3 is not a multiple of --data-parallel 2")])
-def test_bench_refuses_a_bad_count_before_launching(argv: list[str], words: str,
+    (["schedules", "mlp", "--ranks", "3", "--data-parallel", "2"], "--ranks 3 is not a multiple of --data-parallel 2"),
+    # found by review of the bench commands (session 36): each failed on every rank after the launch, as
+    # tracebacks (an --out under a file only after the whole run, its measurements lost)
+    (["schedules", "nosuch.module:factory"], "workload 'nosuch.module:factory': importing module 'nosuch.module'"),
+    (["vs-torch", "nosuch"], "workload 'nosuch' is not a bundled name"),
+    (["auto", "mlp", "--schedules", "1f1b,foo"], "--schedules names foo, which fxpipe does not have"),
+    (["vs-torch", "gpt", "--torch-schedules", "foo"], "--torch-schedules names foo; torch's are gpipe"),
+    (["data-parallel", "mlp", "--ranks", "3", "--data-parallel", "2"], "--ranks 3 is not a multiple of --data-parall"),
+    (["calibrate", "gpt", "--microbatches", "abc"], "python -m bench calibrate: error: argument --microbatches"),
+    (["schedules", "mlp", "--out", "@file/sub"], "--out @file/sub cannot be a folder: @file is a file"),
+    (["calibrate", "mlp", "--out", "@file/cal.json"], "--out @file cannot be a folder: @file is a file"),
+    (["calibrate", "mlp", "--out", "@dir"], "--out @dir is a folder; give the calibration's file"),
+    (["auto", "mlp", "--calibration", "@flops"], "costed by 'flops' and these are costed by 'measured'"),
+    (["schedules", "mlp", "--calibration", "@partial"], "this calibration is damaged: it lacks b, b_split")])
+def test_bench_refuses_a_bad_count_before_launching(argv: list[str], words: str, tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     """Found by review: `bench schedules --microbatches 0` launched two ranks and ended in their tracebacks,
     `--ranks 0` in torchrun's bare AssertionError, `bench auto --batch-size 0` ran 70 s on another batch, and
     `bench partition --stages 0` ended in a traceback, and a grid every schedule skipped measured nothing and exited 0:
     each is now argparse's usage error, before anything runs."""
     from bench.__main__ import main as bench_main
+    from pipe.calibration import Calibration
+    files = {"@file": tmp_path / "file", "@dir": tmp_path, "@flops": tmp_path / "flops.json",
+             "@partial": tmp_path / "partial.json"}
+    files["@file"].write_text("")
+    Calibration(cost="flops").save(files["@flops"])
+    files["@partial"].write_text('{"version": %d}' % Calibration().version)
+
+    def placed(x: str) -> str:
+        for k, v in files.items():
+            x = x.replace(k, str(v))
+        return x
     with pytest.raises(SystemExit) as e:
-        bench_main(argv)
-    assert e.value.code == 2 and words in capsys.readouterr().err
+        bench_main([placed(x) for x in argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and placed(words) in err, err[-2000:]
 
 
 def test_bench_takes_the_zeros_its_options_mean() -> None:
