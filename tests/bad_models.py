@@ -72,22 +72,23 @@ def wrong_shape() -> Workload:
     return w
 
 
-class _NaNAt:
-    def __init__(self, inner: Any, step: int) -> None:
-        self.inner, self.step = inner, step
+class _ValueAt:
+    """The batches of `inner` with x[0, 0] set to `value` at step `step`."""
+    def __init__(self, inner: Any, step: int, value: float) -> None:
+        self.inner, self.step, self.value = inner, step, value
 
     def __call__(self, batch_size: int, step: int) -> tuple[tuple[Any, ...], torch.Tensor]:
         (x,), y = self.inner(batch_size, step)
         if step == self.step:
             x = x.clone()
-            x[0, 0] = float("nan")
+            x[0, 0] = self.value
         return (x,), y
 
 
 def nan_data() -> Workload:
     """Finite data except one NaN input at step 1."""
     w = models.mlp(depth=4, width=16, in_features=8)
-    w.make_batch = _NaNAt(w.make_batch, 1)
+    w.make_batch = _ValueAt(w.make_batch, 1, float("nan"))
     return w
 
 
@@ -102,24 +103,12 @@ class _SqrtGate(torch.nn.Module):
         return self.inner(x + torch.sqrt(self.g * x[:, :1].abs()))
 
 
-class _ZeroAt:
-    def __init__(self, inner: Any, step: int) -> None:
-        self.inner, self.step = inner, step
-
-    def __call__(self, batch_size: int, step: int) -> tuple[tuple[Any, ...], torch.Tensor]:
-        (x,), y = self.inner(batch_size, step)
-        if step == self.step:
-            x = x.clone()
-            x[0, 0] = 0.0
-        return (x,), y
-
-
 def nan_grad() -> Workload:
     """A finite loss at every step, but at step 1 (from 0) a NaN grad: a first input feature of exactly 0 under a
     square root (an overflow in a backward)."""
     w = models.mlp(depth=4, width=16, in_features=8)
     w.model = _SqrtGate(w.model)
-    w.make_batch = _ZeroAt(w.make_batch, 1)
+    w.make_batch = _ValueAt(w.make_batch, 1, 0.0)
     w.layer_prefixes = tuple(f"inner.{p}" for p in w.layer_prefixes)
     return w
 

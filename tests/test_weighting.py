@@ -265,25 +265,39 @@ def test_a_ratio_of_sums_is_the_batchs_with_a_microbatch_whose_divisor_is_0(floo
     microbatch whose every target is masked: the graph returns the numerator (keep_numerator), each scaled by
     one over the batch's divisor, as a step does; loss and grads are the whole batch's, finite (that
     microbatch's own ratio is NaN without the floor, and so were its grads through it)."""
-    from partition.reduction import keep_numerator
     torch.manual_seed(0)
     model, ref = Head(), Head()
     ref.load_state_dict(model.state_dict())
-    x, t = torch.randn(8, 3, 4), torch.randint(1, V, (8, 3))
-    t[:2] = 0                 # microbatch 0: every target masked
-    t[2:4, 1:] = 0            # microbatch 1: two counted
+    x, t = _uneven_batch()
     gm = trace(model, (x[:2],), {})
     assert attach_loss(gm, lambda o, tt: _masked_mean(o, tt, floor)) is None
     w = loss_weighting(gm, None, True, [x[:2], t[:2]])
     assert w.kind == "ratio" and w.floor == floor, w
+    _numerators_give_the_batchs(gm, w, model, x, t, lambda: _masked_mean(ref(x), t, floor), ref)
+
+
+def _uneven_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """8 samples of 3 targets in 1..V-1 (0 ignored) for 4 microbatches: microbatch 0 counts none, 1 two."""
+    x, t = torch.randn(8, 3, 4), torch.randint(1, V, (8, 3))
+    t[:2] = 0
+    t[2:4, 1:] = 0
+    return x, t
+
+
+def _numerators_give_the_batchs(gm: Any, w: Any, model: nn.Module, x: torch.Tensor, t: torch.Tensor,
+                                want_fn: Any, ref: nn.Module) -> None:
+    """A "ratio" weighting, as a step applies it to _uneven_batch's 4 microbatches: the graph returns the
+    numerator (keep_numerator), each scaled by one over the batch's divisor (its floor too); loss and grads are
+    `want_fn()`'s and ref's, finite."""
+    from partition.reduction import keep_numerator
     keep_numerator(gm, w)
     counts = [w.count([xm, tm]) for xm, tm in zip(x.chunk(4), t.chunk(4))]
     assert [float(c) for c in counts] == [0.0, 2.0, 6.0, 6.0]
     total = sum(counts)
-    scale = 1 / (total if floor is None else total.clamp(min=floor))
+    scale = 1 / (total if w.floor is None else total.clamp(min=w.floor))
     got = sum(gm(xm, tm) * scale for xm, tm in zip(x.chunk(4), t.chunk(4)))
     got.backward()
-    want = _masked_mean(ref(x), t, floor)
+    want = want_fn()
     want.backward()
     torch.testing.assert_close(got.float(), want, rtol=1e-6, atol=1e-6)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
@@ -519,27 +533,14 @@ def test_a_ratio_whose_numerator_is_a_sum_times_a_weight_is_the_batchs() -> None
     """Left in session 35: `ce_sum * alpha / count` was averaged and said NOT to be the batch's (2.989 for the
     model's 3.955). The microbatches' numerators times the one weight add to the batch's, and a microbatch counting
     no target adds 0 (its own ratio NaN): the step's loss and grads, the weight's too, are the model's."""
-    from partition.reduction import keep_numerator
     torch.manual_seed(0)
     model, ref = _WeightedRatio(), _WeightedRatio()
     ref.load_state_dict(model.state_dict())
-    x, t = torch.randn(8, 3, 4), torch.randint(1, V, (8, 3))
-    t[:2] = 0                 # microbatch 0: every target ignored
-    t[2:4, 1:] = 0            # microbatch 1: two counted
+    x, t = _uneven_batch()
     gm = trace(model, (x[:2], t[:2]), {})
     w = loss_weighting(gm, lambda out, _: out, False, [x[:2], t[:2]], None)
     assert w.kind == "ratio" and "each microbatch's numerator over the batch's divisor" in w.describe(), w.describe()
-    keep_numerator(gm, w)
-    counts = [w.count([xm, tm]) for xm, tm in zip(x.chunk(4), t.chunk(4))]
-    assert [float(c) for c in counts] == [0.0, 2.0, 6.0, 6.0]
-    got = sum(gm(xm, tm) / sum(counts) for xm, tm in zip(x.chunk(4), t.chunk(4)))
-    got.backward()
-    want = ref(x, t)
-    want.backward()
-    torch.testing.assert_close(got.float(), want, rtol=1e-6, atol=1e-6)
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert p.grad is not None and bool(torch.isfinite(p.grad).all()), name
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    _numerators_give_the_batchs(gm, w, model, x, t, lambda: ref(x, t), ref)
 
 
 class _OwnPairsLoss(nn.Module):
