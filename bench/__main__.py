@@ -64,6 +64,13 @@ def _folder_error(flag: str, path: Path) -> str | None:
     return None
 
 
+def _file_error(flag: str, path: Path) -> str | None:
+    """Why `path` cannot be a file this process writes, or None."""
+    if path.is_dir():
+        return f"{flag} {path} is a folder; give a file's path"
+    return _folder_error(flag, path.parent)
+
+
 def check_launch(cmd: str, p: argparse.ArgumentParser, argv: list[str]) -> None:
     """A launched command's arguments, before it starts --ranks processes (found by review: an unknown model,
     schedule or calibration, a calibration of plans costed otherwise, ranks the replicas do not divide, and an
@@ -76,14 +83,14 @@ def check_launch(cmd: str, p: argparse.ArgumentParser, argv: list[str]) -> None:
     except WorkloadError as e:
         p.error(str(e))
     if cmd == "calibrate":  # the fit's file, and the run's folder beside it
-        out = Path(args.out)
-        why = f"--out {out} is a folder; give the calibration's file" if out.is_dir() else \
-            _folder_error("--out", out.parent) or _folder_error("--out", Path(f"{out}.run"))
+        why = _file_error("--out", Path(args.out)) or _folder_error("--out", Path(f"{args.out}.run"))
     else:
         why = _folder_error("--out", Path(args.out))
+        if not why and getattr(args, "calibrate", None):  # (bench schedules: the fit is written before the tables)
+            why = _file_error("--calibrate", Path(args.calibrate))
     if why:
         p.error(why)
-    if getattr(args, "calibration", None):
+    if getattr(args, "calibration", None) and (cmd != "vs-torch" or args.auto):  # (vs-torch: auto's alone)
         from pipe.calibration import Calibration
         try:
             Calibration.load(args.calibration).check_cost(args.cost)

@@ -120,8 +120,9 @@ def thin_fit(cal: Any, asked: list[str], sizes: int) -> list[str]:
              if cal.samples.get(k, 0) and getattr(cal, k.lower()).fixed == 0 and getattr(cal, k.lower()).per_node == 0]
     if alone:
         said.append(", ".join(f"{k} ({n} points)" for k, n in alone) + " fitted as a scale of the planned cost alone"
-                    + (" (one microbatch size: nothing tells an op's fixed cost from its FLOPs)" if sizes < 2 else "")
-                    + ": predictions at other microbatch sizes may miss; calibrate at several --microbatch-sizes")
+                    + (" (one microbatch size: nothing tells an op's fixed cost from its FLOPs): predictions at other "
+                       "microbatch sizes may miss; calibrate at several --microbatch-sizes" if sizes < 2 else
+                       " (the points gave no fixed or per-node part of 0 or more)"))
     unseen = [n for n in asked if n not in cal.step_scales]
     if unseen:
         said.append(f"{', '.join(unseen)} did not run, so their predictions take the step scale of the others "

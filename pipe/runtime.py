@@ -27,7 +27,7 @@ from pipe.lower import forward_only, fuse_backward, lower, validate, with_reload
 from pipe.replicas import DataParallelError, ShardedStages, pipeline_groups, share_buffers, written_buffers
 from pipe.schedules import Action, ScheduleError, build, placement
 from pipe.simulate import Event, Timeline
-from pipe.step import StepState, failures, grads_not_finite, non_finite, sum_tied_grads, tied_trained
+from pipe.step import StepState, drop_grads, failures, grads_not_finite, non_finite, sum_tied_grads, tied_trained
 from partition.meta import meta_copy, on_meta
 from partition.measure import release_memory
 
@@ -527,7 +527,11 @@ class Pipeline:
                     share_buffers(self._written_buffers, self.dp_group)
             sum_tied_grads(self, held, trained)
             loss = self._mean_loss(run)
-            calls.learned(self, exchange)  # (the loss's broadcast: the last collective of every rank)
+            # (a grad scaler, enabled, finds inf grads and skips for itself; the loss is every rank's alike)
+            unscaled = self.grad_scaler is None or not self.grad_scaler.is_enabled()
+            bad_grads = self.skip_nonfinite and unscaled and math.isfinite(float(loss.item())) \
+                and grads_not_finite(self)
+            calls.learned(self, exchange)  # (the last collective of every rank)
         self.timeline, self.collectives, self.posts = run.events()
         self.steps_done += 1
         for said in self.memory.over_measured():  # the budget the plan claims to meet, not met: said, once
@@ -538,8 +542,9 @@ class Pipeline:
         if not math.isfinite(value):
             non_finite(self, value, run, accumulated)  # (raises NonFiniteLoss without skip_nonfinite)
             self.skipped = True
-        elif self.skip_nonfinite and self.grad_scaler is None:  # (a scaler finds inf grads and skips for itself)
-            self.skipped = grads_not_finite(self, value, accumulated)
+        elif bad_grads:
+            drop_grads(self, value, accumulated)
+            self.skipped = True
         return value
 
     def _weigh_by_target(self, flat: list[Any], target: Any) -> None:

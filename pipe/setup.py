@@ -313,6 +313,13 @@ def shard(pp: Pipeline, offload: str) -> ShardedStages:
         raise PipelineError(f"dp_shard='full' shards the stages' parameters over the replicas, which offload="
                             f"{offload!r} would stream in chunks too; use offload='none' or 'activations', or "
                             "dp_shard='optimizer'")
+    scalars = sorted(n for n, p in pp._gm.named_parameters() if p.dim() == 0)  # (the whole model's: every rank's)
+    if scalars:  # (found by review: fully_shard refused them on the ranks holding them alone; the others went on)
+        raise PipelineError(f"dp_shard='full' shards every parameter along dim 0 with torch's fully_shard, which "
+                            f"takes no 0-dim parameter, and {', '.join(scalars[:4])}"
+                            f"{f' and {len(scalars) - 4} more' if len(scalars) > 4 else ''} "
+                            f"{'is one' if len(scalars) == 1 else 'are'}; use dp_shard='optimizer' (or 'none'), or "
+                            "make each a tensor of shape [1]")
     holder: dict[tuple[str, int], int] = {}  # (parameter, rank) -> stage; from the plan, alike everywhere
     for st in pp.plan.stages:
         for n in st.params:

@@ -500,15 +500,18 @@ def sum_tied_grads(pp: Pipeline, held: dict[int, torch.Tensor], trained: dict[st
                     g.add_(held[id(p)])
 
 
-def grads_not_finite(pp: Pipeline, value: float, accumulated: bool) -> bool:
-    """skip_nonfinite, a finite loss: whether a grad on any rank of the job holds an inf or a NaN (an overflow in a
-    backward; stepped, it would make the parameters NaN, and every later step's loss, which skip_nonfinite would then
-    drop for good). If so every grad is cleared, with a warning, and the step is dropped as one whose loss is not.
-    Collective over the pipeline's ranks and its replicas'."""
+def grads_not_finite(pp: Pipeline) -> bool:
+    """Whether a grad on any rank of the job holds an inf or a NaN (skip_nonfinite, a finite loss: an overflow in a
+    backward, which stepped would make the parameters NaN, and every later step's loss, which skip_nonfinite would
+    then drop for good). Collective over the pipeline's ranks and its replicas'."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for p in pp.parameters():
         if p.grad is not None:
             g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            if g.layout == torch.sparse_coo:  # (the fused test takes dense tensors: a sparse grad's values)
+                g = g._values()
+            elif g.layout != torch.strided:
+                g = g.values()
             by_device.setdefault(g.device, []).append(g)
     found = torch.zeros(1, device=pp.ctx.device)
     for device, held in by_device.items():  # (inv_scale 1: the grads unchanged; an exact test, no norm to overflow)
@@ -520,15 +523,18 @@ def grads_not_finite(pp: Pipeline, value: float, accumulated: bool) -> bool:
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=pp.pp_group)  # (None: the job's default group)
         if pp.dp_group is not None:
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=pp.dp_group)
-    if not bool(found.item()):
-        return False
+    return bool(found.item())
+
+
+def drop_grads(pp: Pipeline, value: float, accumulated: bool) -> None:
+    """skip_nonfinite, a finite loss `value` whose grads are not finite (grads_not_finite): every grad cleared, with
+    a warning."""
     for p in pp.parameters():
         p.grad = None
     warnings.warn(f"step {pp.steps_done} (counted from 1): the loss is {value:.6g}, but a grad is not finite (inf or "
                   "NaN: an overflow in a backward), so skip_nonfinite dropped the step and cleared every grad"
                   + (", including those earlier step() calls accumulated since the last zero_grad" if accumulated
                      else ""), RuntimeWarning, stacklevel=3)
-    return True
 
 
 def non_finite(pp: Pipeline, value: float, run: StepState, accumulated: bool = False) -> None:

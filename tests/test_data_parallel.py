@@ -136,8 +136,11 @@ def _errors() -> dict[str, str]:
                      ("full with streamed states", dict(data_parallel=2, dp_shard="full", offload="states")),
                      ("full with a weight shared on a rank", dict(data_parallel=2, dp_shard="full", schedule="zbv")),
                      ("zero with a factory", dict(data_parallel=2, dp_shard="optimizer")),
-                     ("bucket size", dict(data_parallel=2, dp_bucket_mb=True))]:
+                     ("bucket size", dict(data_parallel=2, dp_bucket_mb=True)),
+                     ("full with a 0-dim parameter", dict(data_parallel=2, dp_shard="full"))]:
         w = partition.load("gpt", **GPT)
+        if case == "full with a 0-dim parameter":  # (found by review: refused by fully_shard on the ranks holding
+            w.model = _Tempered(w.model)          # it alone, the others going on into the step)
         try:
             pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=M, cost="flops", **kw)
             pp.build_optimizer(lambda params: torch.optim.SGD(params, lr=0.1))
@@ -145,6 +148,16 @@ def _errors() -> dict[str, str]:
         except pipe.PipelineError as e:
             errors[case] = str(e)
     return errors
+
+
+class _Tempered(torch.nn.Module):
+    """A model's logits over a learned temperature, a 0-dim parameter."""
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner, self.temperature = inner, torch.nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.inner(idx) / self.temperature
 
 
 def _grads_after_two_steps(**pipe_kw: Any) -> dict[str, Any]:
@@ -418,7 +431,8 @@ def test_pipeline_times_data_parallel_on_4_ranks(tmp_path: Path) -> None:
              "full with streamed states": ["dp_shard='full'", "offload='states'", "dp_shard='optimizer'"],
              "full with a weight shared on a rank": ["tok_emb.weight", "stages 0 and 3", "dp_shard='optimizer'"],
              "zero with a factory": ["ZeroRedundancyOptimizer", "torch.optim class", "build_optimizer"],
-             "bucket size": ["dp_bucket_mb must be a number of MiB", "got True", "pass e.g. 25"]}
+             "bucket size": ["dp_bucket_mb must be a number of MiB", "got True", "pass e.g. 25"],
+             "full with a 0-dim parameter": ["takes no 0-dim parameter, and temperature is one", "shape [1]"]}
     for case, ws in words.items():
         assert len({r["errors"][case] for r in res}) == 1, case  # the same on every rank
         for word in ws:

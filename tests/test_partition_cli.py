@@ -158,9 +158,11 @@ def test_bench_help_lists_every_option(capsys: pytest.CaptureFixture[str]) -> No
     (["calibrate", "gpt", "--microbatches", "abc"], "python -m bench calibrate: error: argument --microbatches"),
     (["schedules", "mlp", "--out", "@file/sub"], "--out @file/sub cannot be a folder: @file is a file"),
     (["calibrate", "mlp", "--out", "@file/cal.json"], "--out @file cannot be a folder: @file is a file"),
-    (["calibrate", "mlp", "--out", "@dir"], "--out @dir is a folder; give the calibration's file"),
+    (["calibrate", "mlp", "--out", "@dir"], "--out @dir is a folder; give a file's path"),
+    (["schedules", "mlp", "--calibrate", "@dir"], "--calibrate @dir is a folder; give a file's path"),
+    (["schedules", "mlp", "--calibrate", "@file/cal.json"], "--calibrate @file cannot be a folder: @file is a file"),
     (["auto", "mlp", "--calibration", "@flops"], "costed by 'flops' and these are costed by 'measured'"),
-    (["schedules", "mlp", "--calibration", "@partial"], "this calibration is damaged: it lacks b, b_split")])
+    (["schedules", "mlp", "--calibration", "@partial"], "this calibration is damaged: it lacks f, b, b_split, w")])
 def test_bench_refuses_a_bad_count_before_launching(argv: list[str], words: str, tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     """Found by review: `bench schedules --microbatches 0` launched two ranks and ended in their tracebacks,

@@ -636,7 +636,42 @@ def skip_body(rank: int, world: int) -> dict[str, Any]:
         kept = all(torch.equal(a, p) for a, p in zip(before, pp.parameters()))
         out["grads"].append((loss, pp.skipped, kept, [str(c.message) for c in caught if "skip_nonfinite" in
                                                        str(c.message)]))
+    # found by review of the change: a grad scaler made with enabled=False (a bf16 run keeping the fp16 loop) steps
+    # as no scaler does, so the grads are tested then too (they were not: the weights became NaN)
+    w = partition.load(f"{BAD}:nan_grad")
+    pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=2, cost="flops",
+                       skip_nonfinite=True)
+    opt = torch.optim.SGD(list(pp.parameters()), lr=0.1)
+    scaler = pp.make_grad_scaler(enabled=False)
+    out["disabled scaler"] = []
+    for step in range(3):
+        args, target = w.make_batch(w.microbatch_size * 2, step)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pp.step(*args, target=target)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        out["disabled scaler"].append((pp.skipped, all(bool(torch.isfinite(p).all()) for p in pp.parameters())))
+    # and sparse grads (an embedding's) are tested by their values (the fused test refused them, and the other rank
+    # waited in the check's all-reduce until the timeout)
+    torch.manual_seed(0)
+    i, y = torch.randint(0, 50, (8, 5)), torch.randint(0, 10, (8,))
+    pp = pipe.Pipeline(_SparseEmbedding(), (i[:2],), loss_fn=torch.nn.functional.cross_entropy, example_target=y[:2],
+                       microbatches=4, cost="flops", skip_nonfinite=True)
+    loss = pp.step(i, target=y)
+    out["sparse"] = (math.isfinite(loss), pp.skipped, sorted({str(p.grad.layout) for p in pp.parameters()}))
     return out
+
+
+class _SparseEmbedding(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.e = torch.nn.Embedding(50, 16, sparse=True)
+        self.b, self.c = torch.nn.Linear(16, 16), torch.nn.Linear(16, 10)
+
+    def forward(self, i: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.relu(self.b(self.e(i).mean(1))))
 
 
 def test_skip_nonfinite_drops_the_step(batch: list[dict[str, Any]]) -> None:
@@ -650,6 +685,9 @@ def test_skip_nonfinite_drops_the_step(batch: list[dict[str, Any]]) -> None:
         assert (s0, s1, s2) == (False, True, False) and (k0, k1, k2) == (False, True, False), r["skip_body"]["grads"]
         assert not w0 and not w2 and len(w1) == 1 and "step 2 (counted from 1)" in w1[0] and \
             "a grad is not finite" in w1[0], w1
+        assert r["skip_body"]["disabled scaler"] == [(False, True), (True, True), (False, True)], r["skip_body"]
+    assert batch[0]["skip_body"]["sparse"] == (True, False, ["torch.sparse_coo"]), batch[0]["skip_body"]["sparse"]
+    assert batch[1]["skip_body"]["sparse"][:2] == (True, False), batch[1]["skip_body"]["sparse"]
 
 
 def test_run_skip_nonfinite_and_a_second_run_into_one_folder(batch: list[dict[str, Any]]) -> None:
