@@ -637,7 +637,8 @@ def skip_body(rank: int, world: int) -> dict[str, Any]:
         out["grads"].append((loss, pp.skipped, kept, [str(c.message) for c in caught if "skip_nonfinite" in
                                                        str(c.message)]))
     # found by review of the change: a grad scaler made with enabled=False (a bf16 run keeping the fp16 loop) steps
-    # as no scaler does, so the grads are tested then too (they were not: the weights became NaN)
+    # as no scaler does, so the grads are tested then too (they were not: the weights became NaN). (Made here, the
+    # scaler also shows test_an_ended_group_leaves_no_gloo_thread that it no longer holds the group's threads.)
     w = partition.load(f"{BAD}:nan_grad")
     pp = pipe.Pipeline(w.model, w.example_args, loss_fn=w.loss_fn, microbatches=2, cost="flops",
                        skip_nonfinite=True)
