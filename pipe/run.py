@@ -450,7 +450,8 @@ def _report(pp: Any, args: argparse.Namespace, ctx: Any, run: dict[str, Any], sa
         "resumed_at_step": run["resumed_at"],
         "median_step_s": statistics.median(warm), "tokens_per_s": run["tokens"] / statistics.median(warm),
         "measured_bubble": measured.bubble, "predicted_bubble": predicted.bubble,
-        "measured_step_ms": measured.makespan, "predicted_step_ms": predicted_ms}
+        "measured_step_ms": measured.makespan, "predicted_step_ms": predicted_ms,
+        "calibrated": pp.calibration is not None}
     try:  # the summary first, created only if absent (unless --overwrite): a concurrent run's is kept
         with open(out / "summary.json", "w" if args.overwrite else "x") as f:
             f.write(json.dumps(summary, indent=1))
@@ -467,11 +468,15 @@ def _report(pp: Any, args: argparse.Namespace, ctx: Any, run: dict[str, Any], sa
         png = f", {out / 'timeline.png'}"
     except RuntimeError as e:
         say(f"(no PNG: {e})")
-    skipped = f"; {run['skipped']} step(s) skipped (loss not finite)" if run["skipped"] else ""
+    skipped = f"; {run['skipped']} step(s) skipped (a loss or a grad not finite)" if run["skipped"] else ""
+    # (found by review: with no calibration, the plan's costs as they are, FLOP counts priced on a notional device,
+    # gave 414 ms where 150 ms were measured, unsaid)
+    how = f"with the calibration {args.calibration}" if pp.calibration is not None else \
+        "from the plan's costs, uncalibrated: pass --calibration FILE from python -m bench calibrate"
     say(f"loss {first:.4f} -> {last:.4f}{skipped}; median step {summary['median_step_s'] * 1e3:.1f} ms, "
         f"{summary['tokens_per_s']:.0f} tok/s")
     say(f"bubble: measured {measured.bubble:.3f}, predicted {predicted.bubble:.3f}; last step "
-        f"{measured.makespan:.1f} ms measured, {predicted_ms:.1f} ms predicted{synced}")
+        f"{measured.makespan:.1f} ms measured, {predicted_ms:.1f} ms predicted{synced} ({how})")
     say(measured.to_text(width=80))
     say(f"wrote {out / 'trace.json'} (open in ui.perfetto.dev or chrome://tracing){png}")
     say("memory per stage (last step):\n" + memory_lines)

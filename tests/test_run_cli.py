@@ -65,7 +65,8 @@ def test_run_command(launcher: str, tmp_path: Path) -> None:
     assert lanes == {1000, 1001}  # each pipeline rank's grad reduction, in a lane of its own
     assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # found by review: the predicted step left the replicas' grad all-reduce out (the same as without replicas)
-    assert "ms predicted, with the 2 replicas' grad all-reduce" in out, out[-3000:]
+    assert "ms predicted, with the 2 replicas' grad all-reduce (from the plan's costs, uncalibrated: pass " \
+        "--calibration FILE" in out and summary["calibrated"] is False, out[-3000:]  # (found by review: unsaid)
 
 
 def _ranks_run(argv: list[str]) -> str:
@@ -104,8 +105,12 @@ def test_a_hugging_face_causal_lm_whose_loss_reads_logits_trains_with_the_loss_i
 def test_eval_every_says_when_it_evaluates_in_training_mode(tmp_path: Path) -> None:
     """A model whose eval mode skips a layer is refused in it (pipe.runtime.ModeError): the held-out loss
     in training mode, said in the output and in the plan's notes."""
+    from pipe.calibration import Calibration
+    cal = Calibration(cost="flops").save(tmp_path / "cal.json")  # (the prediction says it is made with it)
     out = _ranks_run(["tests/bad_models.py:mode_branch", "--steps", "2", "--microbatches", "2", "--eval-every", "1",
-                      "--cost", "flops", "--out", str(tmp_path)])
+                      "--cost", "flops", "--calibration", str(cal), "--out", str(tmp_path / "run")])
+    assert f"ms predicted (with the calibration {cal})" in out, out[-2000:]
+    tmp_path = tmp_path / "run"
     said = "--eval-every: the held-out loss in training mode, not eval mode: rank 0 failed"
     lines = [line for line in out.splitlines() if said in line]  # once when it happened, once in the plan's notes
     assert len(lines) == 2 and lines[1].startswith("note: ") and "build a Pipeline from the model" in lines[0], out
