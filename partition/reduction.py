@@ -35,8 +35,8 @@ from partition.costs import attr_of
 from partition.loss import TARGET
 from partition.rewrite import loss_args
 
-__all__ = ["Weighting", "batch_statistics", "keep_numerator", "loss_weighting", "output_forms", "pairing_read",
-           "weighting"]
+__all__ = ["TERMS", "Weighting", "batch_statistics", "keep_numerator", "loss_weighting", "output_forms",
+           "pairing_read", "weigh_terms", "weighting"]
 
 # element-wise losses: the batch's sum is the sum of the microbatches' sums
 _SUMMED = {F.mse_loss: "mse_loss", F.l1_loss: "l1_loss", F.smooth_l1_loss: "smooth_l1_loss",
@@ -82,6 +82,11 @@ class Weighting:
     floor: float | None = None
     # "mean" that is not the batch's: losses each pairing its own microbatch's samples only, terms weighed otherwise
     inexact: bool = False
+    # "terms": a loss adding terms the batch forms each its own way (a cross entropy over counted targets plus a
+    # mean auxiliary loss, as a mixture of experts' router adds): each term's weighting
+    # and where the term is added: (the adding node, its argument, the term's name)
+    parts: list[Weighting] = field(default_factory=list)
+    at: list[tuple[str, int, str]] = field(default_factory=list)
     counted: tuple[Any, ...] = ()  # "count": what it counts (target, ignore_index, class weights), to compare terms
     elements: bool = False  # "count": of the target's elements (an element-wise loss over values a mask selects)
 
@@ -131,6 +136,9 @@ class Weighting:
             floor = f", at least {self.floor:g}" if self.floor is not None else ""
             return (f"loss: the batch's, {self.loss}: each microbatch's numerator over the batch's divisor{floor} "
                     f"(computed from the inputs){over}")
+        if self.kind == "terms":
+            each = "; ".join(f"{n}{_named(n, p.loss)}: {_part_note(p)}" for (_, _, n), p in zip(self.at, self.parts))
+            return f"loss: its terms each weighed in its microbatch as the batch forms it{over}: {each}"
         if self.inexact:
             return f"loss: NOT the batch's, the mean of the microbatches' losses: {self.why}"
         if dynamic:
@@ -143,6 +151,24 @@ class Weighting:
         assert self.targets is not None
         out = next(n for n in self.targets.graph.nodes if n.op == "output")
         return isinstance(out.args[0][1], torch.fx.Node)
+
+
+def _named(name: str, loss: str) -> str:
+    """" (what the term is)" after the term's node name, when its loss says more than the name."""
+    what = loss.removeprefix(f"{name}: ")
+    return f" ({what})" if what and what != name else ""
+
+
+def _part_note(w: Weighting) -> str:
+    """How a term of a "terms" loss is weighed, for the plan's note."""
+    if w.kind == "count":
+        what = "its target's elements" if w.elements else f"its targets other than ignore_index={w.ignore_index}"
+        return f"weighed by {what} over the batch's"
+    if w.kind == "sum":
+        return "the sum of the microbatches'"
+    return ("the mean of the microbatches' (the batch's only where it averages as many elements in each; a "
+            "statistic of the whole batch, as a router's load-balancing loss, is each microbatch's, as under gradient "
+            "accumulation)")
 
 
 def _elementwise(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[str, Any, str] | None:
@@ -319,12 +345,24 @@ def _terms(gm: torch.fx.GraphModule, node: torch.fx.Node, constants: set[torch.f
     if kinds == {"mean"}:
         return Weighting("mean", "the loss adds terms each formed as a mean: "
                                  + "; ".join(f"{n}: {w.why}" for n, w in named))
+    if "ratio" not in kinds:  # each term weighed its own way where it is added (weigh_terms)
+        parts: list[Weighting] = []
+        at: list[tuple[str, int, str]] = []
+        for i, (n, part) in enumerate(terms):
+            if part is not None and part.kind == "terms":
+                parts += part.parts
+                at += part.at
+                continue
+            parts.append(part if part is not None else Weighting("mean", "the same in every microbatch"))
+            at.append((node.name, i, n))
+        return Weighting("terms", "", loss=loss, parts=parts, at=at)
     how = ", ".join(f"{n}: {_kind_name(w)}" for n, w in terms)
     return Weighting("mean", f"the loss adds terms the batch forms otherwise ({how}), and a step weighs the "
                              "microbatches' whole losses one way: as their mean, so a sum term counts 1/M of the "
                              "batch's and a counted term is weighed as a mean (the batch's only where every "
-                             "microbatch counts as many targets); give each term the same reduction, or step "
-                             "with one microbatch", inexact=True)
+                             "microbatch counts as many targets); a ratio term, whose grads are NaN on a "
+                             "microbatch with a divisor of 0, is not weighed apart: give each term the same "
+                             "reduction, or step with one microbatch", inexact=True)
 
 
 def _structure(value: Any) -> Any:
@@ -489,6 +527,39 @@ def keep_numerator(gm: torch.fx.GraphModule, w: Weighting) -> None:
     reader = nodes[w.reader] if w.reader else next(n for n in gm.graph.nodes if n.op == "output")
     reader.replace_input_with(nodes[w.ratio], nodes[w.numerator])
     gm.recompile()
+
+
+TERMS = "fxpipe_term_weights"  # the input weigh_terms adds: each term's weight in the batch's loss
+
+
+def weigh_terms(gm: torch.fx.GraphModule, w: Weighting, names: dict[str, str] | None = None) -> bool:
+    """For a "terms" weighting: `gm` (a stage) takes one more input, last, TERMS: one microbatch's weight of each
+    term in the batch's loss (pipe.step), and adds each term as where(weight > 0, term, 0) * weight (a microbatch
+    counting no target has a NaN cross entropy, weighed 0, whose grads stay 0). The scalings and casts between
+    the adding nodes and the loss are linear, so the loss is the weighed sum of its terms. `names`: gm's node
+    -> the node of the weighting's graph it stands for (a trace in another mode). True when done; False, gm
+    unchanged, when gm does not hold every adding node (the terms are added on another stage)."""
+    if w.kind != "terms":
+        return False
+    by = {(names or {}).get(n.name, n.name): n for n in gm.graph.nodes}
+    adds = [by.get(name) for name, _, _ in w.at]
+    if any(a is None for a in adds):
+        return False
+    g = gm.graph
+    inputs = [n for n in g.nodes if n.op == "placeholder"]
+    with g.inserting_after(inputs[-1]) if inputs else g.inserting_before(next(iter(g.nodes))):
+        weights = g.placeholder(TERMS, default_value=None)  # (after any input with a default)
+    for k, (add, (_, i, _)) in enumerate(zip(adds, w.at)):
+        assert add is not None
+        term = add.args[i]
+        with g.inserting_before(add):
+            weight = g.call_function(operator.getitem, (weights, k))
+            if isinstance(term, torch.fx.Node):
+                term = g.call_function(torch.where, (g.call_function(operator.gt, (weight, 0)), term, 0.0))
+            weighed = g.call_function(operator.mul, (term, weight))
+        add.update_arg(i, weighed)
+    gm.recompile()
+    return True
 
 
 class _Sizes:
@@ -914,6 +985,12 @@ def loss_weighting(gm: torch.fx.GraphModule, loss_fn: Any, in_graph: bool,
     if why:
         return Weighting("mean", f"the loss stays outside the graph and its kind is unknown: {why}")
     found = weighting(view, None if example is None else [*example, target], twice)
+    if found.kind == "terms" and not all(name in {n.name for n in gm.graph.nodes} for name, _, _ in found.at):
+        return Weighting("mean", f"the loss adds terms the batch forms each its own way ({found.loss}), which fxpipe "
+                                 "weighs apart only where the graph adds them (a model's own loss, or a plan with "
+                                 "the loss in its last stage: give example_target=): the mean of the microbatches' "
+                                 "losses, the batch's only where every microbatch counts as many targets",
+                         inexact=True)
     if found.kind == "ratio":  # weighed where the model computes the ratio (its own loss): gm returns the numerator
         nodes = {n.name: n for n in gm.graph.nodes}
         out = next(n for n in gm.graph.nodes if n.op == "output")

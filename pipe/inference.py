@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from partition.plan import PlanError
-from partition.reduction import keep_numerator, loss_weighting, output_forms
+from partition.reduction import keep_numerator, loss_weighting, output_forms, weigh_terms
 from partition.split import assemble_outputs, inference_stage, param_nodes_of
 from partition.trace import flatten_inputs
 from pipe import calls, comm, modes
@@ -84,6 +84,8 @@ def loss_weights(pp: Pipeline, flats: list[list[Any]]) -> dict[int, list[float]]
         leaf = names.index(w.numerator)
     if leaf is None or w.kind == "mean":
         return {}
+    if w.kind == "terms":  # the stage computing the leaf weighs its terms (_weighing): the sum is the batch's
+        return {leaf: [1.0] * len(flats)}
     if w.kind == "sum":
         return {leaf: [1.0] * len(flats)}
     try:
@@ -196,8 +198,8 @@ def stages_in_mode_of(pp: Pipeline, inference: bool) -> tuple[dict[int, Any] | N
                     raise ValueError(f"its loss is no longer a ratio of sums ({found.describe()})")
                 keep_numerator(gm, found)
             names: dict[str, str] = {}
-            pp._other_mode["stages"] = _streamed(pp, modes.stages_in_mode(gm, fresh, pp._gm, pp.plan, pp._trained,
-                                                                          names))
+            pp._other_mode["stages"] = _streamed(pp, _weighing(pp, modes.stages_in_mode(
+                gm, fresh, pp._gm, pp.plan, pp._trained, names), names, strict=True))
             pp._other_mode["gm"], pp._other_mode["names"] = gm, names
         except Exception as e:  # noqa: BLE001 - whatever the trace or the cut raises: on every rank, not one
             error = (f"{type(e).__name__}: in {'training' if pp.training else 'eval'} mode the model traces "
@@ -208,8 +210,9 @@ def stages_in_mode_of(pp: Pipeline, inference: bool) -> tuple[dict[int, Any] | N
         if any(names.get(n.name, n.name) != n.name for n in gm.graph.nodes):  # (torch.export numbers its nodes:
             gm = modes.renamed(gm, names)  # without dropout, others) inference_stage cuts by the plan's names
         try:
-            pp._other_mode["inference"] = _streamed(pp, {s: inference_stage(gm, pp.plan, s, pp._trained[s])
-                                                         for s in pp.local})
+            pp._other_mode["inference"] = _streamed(pp, _weighing(pp, {s: inference_stage(gm, pp.plan, s,
+                                                                                          pp._trained[s])
+                                                                       for s in pp.local}))
         except Exception as e:  # noqa: BLE001 - a value the cut misses (found by review: a KeyError on one
             # rank, the other waiting for it until the timeout)
             error = (f"forward() in {'training' if pp.training else 'eval'} mode, the loss in the graph: the "
@@ -219,6 +222,20 @@ def stages_in_mode_of(pp: Pipeline, inference: bool) -> tuple[dict[int, Any] | N
         agree_everywhere(error, ModeError, pp.pp_group, when=f"cutting the stages without the loss in {_mode(pp)} "
                          "mode")
     return pp._other_mode["stages"], pp._other_mode.get("inference") if inference else None
+
+
+def _weighing(pp: Pipeline, stages: dict[int, Any], names: dict[str, str] | None = None, strict: bool = False
+              ) -> dict[int, Any]:
+    """`stages` (stage -> (module, ...)), the last stage, where this rank holds it, weighing the loss's terms
+    as the training stage does (partition.reduction.weigh_terms; `names`: its nodes -> the plan's). `strict`:
+    a stage computing the loss (another mode's training stage) that does not add the terms where the plan's
+    graph does is refused (ValueError); a stage without the loss (forward()) that does not is left as it is."""
+    last = pp.S - 1
+    if pp.weighting.kind == "terms" and last in stages and not weigh_terms(stages[last][0], pp.weighting, names) \
+            and strict:
+        raise ValueError(f"its loss does not add the terms {', '.join(n for _, _, n in pp.weighting.at)} where the "
+                         "plan's graph adds them")
+    return stages
 
 
 def _mode(pp: Pipeline) -> str:
@@ -273,7 +290,8 @@ def forward(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, A
     if pp.plan.loss and not pp._inference:  # stages without the loss, returning the model's outputs
         error = None
         try:
-            pp._inference = _streamed(pp, {s: inference_stage(pp._gm, pp.plan, s, pp._trained[s]) for s in pp.local})
+            pp._inference = _streamed(pp, _weighing(pp, {s: inference_stage(pp._gm, pp.plan, s, pp._trained[s])
+                                                         for s in pp.local}))
         except PlanError as e:
             error = f"PipelineError: forward() on this pipeline: {e}"
         except Exception as e:  # noqa: BLE001 - raised on every rank, not on one while the others wait

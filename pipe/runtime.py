@@ -20,7 +20,7 @@ from partition.plan import Plan, per_stage_note
 from partition.split import StageIO
 from partition.split import split_graph
 from partition.loss import TARGET, attach_loss
-from partition.reduction import batch_statistics, keep_numerator, loss_weighting, pairing_read
+from partition.reduction import Weighting, batch_statistics, keep_numerator, loss_weighting, pairing_read, weigh_terms
 from partition.trace import flatten_inputs, trace
 from memory import MemoryManager
 from pipe import calls, comm, grads, inference, launch, optim, options, planning, setup, state_dicts, timing
@@ -60,6 +60,17 @@ def _once(fn: Callable[[], Any]) -> Callable[[], Any]:
             kept.append(fn())
         return kept[0]
     return call
+
+
+def weigh_on(stages: list[torch.fx.GraphModule], w: Weighting) -> Weighting:
+    """`w`, its terms weighed where the last stage adds them (partition.reduction.weigh_terms); where another stage
+    adds them, the mean of the microbatches' losses, said not to be the batch's."""
+    if w.kind != "terms" or weigh_terms(stages[-1], w):
+        return w
+    return Weighting("mean", f"the loss adds terms the batch forms each its own way ({w.loss}), which fxpipe weighs "
+                             "apart where the last stage adds them, and this plan adds them on an earlier stage: the "
+                             "mean of the microbatches' losses, the batch's only where every microbatch counts as "
+                             "many targets", inexact=True, chain=w.chain)
 
 
 class Pipeline:
@@ -230,6 +241,7 @@ class Pipeline:
                 self.weighting = pairing_read(gm, self.weighting, shapes())
             keep_numerator(gm, self.weighting)
             stages = split_graph(gm, self.plan)
+            self.weighting = weigh_on(stages, self.weighting)
             error = None
         except (ValueError, TypeError) as e:
             error = f"{type(e).__name__}: {e}"
@@ -558,13 +570,14 @@ class Pipeline:
         if not self._weigh_at_target or target is None:
             return
         self._weigh_at_target = False
-        if self.weighting.kind == "ratio":  # the model's own, found at planning: the stages return its numerator
-            return
+        if self.weighting.kind in ("ratio", "terms"):  # the model's own, found at planning: the stages return its
+            return  # numerator, or weigh its terms
         try:
             found = loss_weighting(self._gm, self.loss_fn, False, flat, target, self._twice)
         except Exception:  # noqa: BLE001 - as planned: the note says so
             return
-        if found.kind in (self.weighting.kind, "ratio"):  # (a ratio only where the stages return its numerator)
+        if found.kind in (self.weighting.kind, "ratio", "terms"):  # (a ratio or terms only where the stages return
+            # its numerator or weigh them, as planned)
             return
         said = self.weighting.describe(self.dp, dynamic=self.dynamic)
         found.holder = self.weighting.holder

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from partition.errors import first_line
 from partition.planner import check_scalar_loss
+from partition.reduction import TERMS
 from partition.trace import unflatten_outputs
 from memory.recompute import autocast_as
 from pipe.backward import Saved, backward_full, backward_input, backward_weight
@@ -201,6 +202,7 @@ class StepState:
         self.finite: list[tuple[int, torch.Tensor]] = []  # (stage, all outputs finite), read only on NaN
         self.loss_sum: torch.Tensor | float = 0.0
         self.scales: list[float | torch.Tensor] | None = None  # each microbatch's weight in the batch's loss
+        self.term_weights: torch.Tensor | None = None  # a loss of terms: [microbatch, term] weights (_scales)
         self.clock = clock_for(pp.ctx.device)  # device time: CUDA events on CUDA, read after the step
         self.clock.begin()
         self.reducer = pp.reducer
@@ -278,7 +280,7 @@ class StepState:
         start = self.clock.mark()
         if self.inference and self.inference_stages:  # a plan with the loss in the graph: the stage without it
             module, inputs, extras = self.inference_stages[s]
-            outs = list(module(*leaves, *[self.flats[mb][i] for i in inputs]))
+            outs = list(module(*leaves, *[self.flats[mb][i] for i in inputs], *self._weights_for(module, mb)))
             sent = len(outs) - len(extras)
             if not io.last:
                 self.ex.send_activations(s, mb, outs[:sent])
@@ -288,10 +290,13 @@ class StepState:
                              for i, x in zip(extras, outs[sent:])})
             return
         model_inputs = [self.flats[mb][i] for i in io.inputs]
+        if io.last and pp.weighting.kind == "terms":  # the last stage weighs the loss's terms (weigh_on)
+            model_inputs.append(self._term_weights()[mb])
         args = leaves + model_inputs
         if self.stages is not None:  # the other mode's stage, without grads: no memory or W split to manage
             module, inputs = self.stages[s]
-            outs, param_outs, ins = module(*leaves, *[self.flats[mb][i] for i in inputs]), (), []
+            outs, param_outs, ins = module(*leaves, *[self.flats[mb][i] for i in inputs],
+                                           *self._weights_for(module, mb)), (), []
         else:
             with pp.memory.forward(s, mb, model_inputs):
                 if pp.split_w:
@@ -331,6 +336,44 @@ class StepState:
                                     param_versions=list(ins[1]) if ins else [])
         self._record(a, start)
 
+    def _weights_for(self, module: Any, mb: int) -> list[torch.Tensor]:
+        """[microbatch mb's weights of the loss's terms] for a stage of another mode or without the loss that
+        weighs them (partition.reduction.weigh_terms), else []."""
+        graph = getattr(module, "graph", None)
+        weighs = graph is not None and any(n.op == "placeholder" and n.name == TERMS for n in graph.nodes)
+        return [self._term_weights()[mb]] if weighs else []
+
+    def _term_weights(self) -> torch.Tensor:
+        """A loss adding terms each formed its own way ("terms"): [microbatch, term] weights in the batch's loss,
+        float32 on the device, as _scales weighs a whole loss of the term's kind (its counts over the batch's,
+        every replica's, in one all-reduce; times the replicas); forward()'s are its replica's own."""
+        if self.term_weights is None:
+            pp, w = self.pp, self.pp.weighting
+            values = self.flats if pp.plan.loss else [f + [t] for f, t in zip(self.flats, self.targets)]
+            counted = [k for k, p in enumerate(w.parts) if p.kind == "count"]
+            counts = [torch.stack([w.parts[k].count(v) for v in values]).to(pp.ctx.device) for k in counted]
+            if pp.dynamic:  # mean terms: each microbatch's samples over the batch's
+                counts.append(torch.tensor([float(_samples(f)) for f in self.flats], dtype=torch.float64,
+                                           device=pp.ctx.device))
+            dp = 1 if self.inference else pp.dp
+            totals = torch.stack([c.sum() for c in counts]) if counts else None
+            if totals is not None and pp.dp_group is not None and not self.inference:
+                with comm.guarded("the data-parallel all-reduce of the batch's counts of the loss's terms"):
+                    dist.all_reduce(totals, group=pp.dp_group)
+            columns = []
+            for k, p in enumerate(w.parts):
+                if p.kind == "count":
+                    i = counted.index(k)
+                    columns.append(counts[i] * (dp / totals[i]))  # type: ignore[index]
+                elif p.kind == "sum":
+                    columns.append(torch.full((pp.M,), float(dp), dtype=torch.float64, device=pp.ctx.device))
+                elif pp.dynamic:
+                    columns.append(counts[-1] * (dp / totals[-1]))  # type: ignore[index]
+                else:
+                    columns.append(torch.full((pp.M,), 1.0 / pp.M, dtype=torch.float64, device=pp.ctx.device))
+            self.term_weights = torch.stack(columns, 1).float()
+        return self.term_weights
+
     def _scales(self) -> list[float | torch.Tensor]:
         """Each microbatch's weight in the batch's loss (partition.reduction): its count of targets over
         the batch's (every replica's: one all-reduce of the count, made before this rank's first loss),
@@ -346,6 +389,8 @@ class StepState:
                     with comm.guarded("the data-parallel all-reduce of the batch's samples"):
                         dist.all_reduce(total, group=pp.dp_group)
                 self.scales = list(counts * (pp.dp / total))
+            elif w.kind == "terms":  # the last stage weighs each term (_term_weights): the loss is the batch's
+                self.scales = [1.0] * pp.M
             elif w.kind not in ("count", "ratio"):
                 self.scales = [float(pp.dp) if w.kind == "sum" else 1.0 / pp.M] * pp.M
             else:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.mp import run_ranks
 
@@ -185,7 +186,6 @@ def _grads_after_two_steps(**pipe_kw: Any) -> dict[str, Any]:
 def _masked_mean(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """The GPT's cross entropy as a masked mean written by hand: its per-token loss times the mask, summed,
     over the mask's sum."""
-    import torch.nn.functional as F
     mask = (target >= 0).flatten()
     per = F.cross_entropy(logits.flatten(0, 1), target.clamp(min=0).flatten(), reduction="none")
     return (per * mask).sum() / mask.sum()
@@ -210,6 +210,33 @@ def _ratio_over_replicas() -> dict[str, float]:
         out["loss"] = max(out["loss"], abs(loss - float(want)))
     refs = dict(ref.model.named_parameters())
     return {**out, **{n: float((p.grad - refs[n].grad).abs().max()) for n, p in pp.named_parameters()}}
+
+
+def _terms_over_replicas() -> dict[str, float]:
+    """A mixture of experts' loss (tests/test_natural_call.py's _OwnLoss("router"): a cross entropy plus a router's
+    load-balancing term) on 2 replicas x 2 microbatches, replica 0's first microbatch counting no label, its
+    parameters sharded over the replicas: the cross entropy weighed by both replicas' count of labels, the
+    load-balancing term the mean of the 4 microbatches'. The largest difference from one process, of the loss
+    and of each parameter's grads."""
+    import pipe
+    from tests.test_natural_call import _OwnLoss
+    torch.manual_seed(0)
+    x, labels = torch.randn(16, 8), torch.randint(0, 10, (16,))
+    labels[:6] = -100
+    torch.manual_seed(2)
+    model, ref = _OwnLoss("router"), _OwnLoss("router")
+    ref.load_state_dict(model.state_dict())
+    pp = pipe.Pipeline(model, (x[:4], labels[:4]), loss_fn=lambda out, _: out, microbatches=2, cost="flops",
+                       data_parallel=2, dp_shard="full")
+    assert pp.weighting.kind == "terms", pp.weighting
+    mine = slice(8 * pp.dp_rank, 8 * pp.dp_rank + 8)
+    loss = pp.step(x[mine], labels[mine])
+    want = F.cross_entropy(ref.b(torch.relu(ref.a(x))), labels) + \
+        sum(ref.terms(xm, lm)[1] for xm, lm in zip(x.chunk(4), labels.chunk(4))) / 4
+    want.backward()
+    refs = dict(ref.named_parameters())
+    return {"loss": abs(loss - float(want)),
+            **{n: float((p.grad.full_tensor() - refs[n].grad).abs().max()) for n, p in pp.named_parameters()}}
 
 
 def _frozen_on_one_rank() -> dict[str, Any]:
@@ -336,6 +363,7 @@ def four_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
     for shard in SHARDS:
         res[f"two steps {shard}"] = _grads_after_two_steps(data_parallel=2, dp_shard=shard)
     res["ratio"] = _ratio_over_replicas()
+    res["terms"] = _terms_over_replicas()
     res["refused replica"] = _one_replica_refuses()
     res["frozen on one rank"] = _frozen_on_one_rank()
     res["save on one rank"] = _save_on_one_rank(root)
@@ -377,6 +405,9 @@ def test_pipeline_times_data_parallel_on_4_ranks(tmp_path: Path) -> None:
                 assert err < 1e-5, (shard, name, err)
         for name, err in r["ratio"].items():
             assert err < 1e-5, ("masked mean over replicas", name, err)
+        assert len(r["terms"]) > 1, r["terms"]  # (the loss, and a stage's parameters)
+        for name, err in r["terms"].items():
+            assert err < 1e-5, ("a cross entropy plus a load-balancing term over replicas", name, err)
         refused = r["refused replica"]
         assert "not divisible into 4 microbatches" in refused["error"] or "planned shape" in refused["error"], refused
         assert refused["error"].startswith("replica 1 (global ranks [1, 3]) stopped") == (r is res[0] or r is res[2]), \
@@ -390,8 +421,8 @@ def test_pipeline_times_data_parallel_on_4_ranks(tmp_path: Path) -> None:
         torch.testing.assert_close(*torch.tensor(streamed["norms"]).T, rtol=1e-5, atol=0)
         torch.testing.assert_close(*streamed["evaluated"], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(*streamed["evaluated in eval mode"], rtol=1e-5, atol=1e-6)
-    cases = [k for k in res[0] if k not in ("errors", "streamed states", "ratio", "refused replica", "save on one rank",
-                                         "frozen on one rank")
+    cases = [k for k in res[0] if k not in ("errors", "streamed states", "ratio", "terms", "refused replica",
+                                         "save on one rank", "frozen on one rank")
              and not k.startswith(("loaded into", "two steps"))]
     assert len(cases) == len(SCHEDULES) * len(SHARDS) + len(SCHEDULES) + 1
     for case in cases:

@@ -114,7 +114,8 @@ def test_inference_stages_form_the_logits_of_a_head_cut_into_vocabulary_slices()
 class _OwnLoss(torch.nn.Module):
     """A model computing its own loss from labels padded with -100: a cross entropy plus an L2 penalty of its
     weights (`penalty`), or two cross entropies summed over a count of the labels (a masked mean written by hand),
-    scaled after (`scaled ratio`) or before by a learned weight (`weighted ratio`)."""
+    scaled after (`scaled ratio`) or before by a learned weight (`weighted ratio`); or a cross entropy plus a
+    router's load-balancing loss, a statistic of the whole microbatch (`router`, as a mixture of experts adds)."""
 
     def __init__(self, how: str) -> None:
         super().__init__()
@@ -122,7 +123,16 @@ class _OwnLoss(torch.nn.Module):
         if how == "weighted ratio":  # a learned weight of the summed cross entropies
             self.alpha = torch.nn.Parameter(torch.tensor(1.5))
 
+    def terms(self, x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`router`'s cross entropy and its load-balancing term (squared mean routing probabilities)."""
+        h = torch.relu(self.a(x))
+        routed = torch.softmax(self.c(h), -1).mean(0)
+        return F.cross_entropy(self.b(h), labels), 0.1 * (routed * routed).sum() * 10
+
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.how == "router":
+            ce, balance = self.terms(x, labels)
+            return ce + balance
         h = torch.relu(self.a(x))
         if self.how == "penalty":
             return F.cross_entropy(self.b(h), labels) + 0.01 * (self.a.weight.pow(2).sum() + self.b.weight.pow(2).sum())
@@ -133,18 +143,24 @@ class _OwnLoss(torch.nn.Module):
         return ratio if self.how == "ratio" else 0.5 * ratio  # (the model's own op reading the ratio)
 
 
-def _own_loss_in_parity(x: torch.Tensor, labels: torch.Tensor, how: str) -> tuple[float, str]:
+def _own_loss_in_parity(x: torch.Tensor, labels: torch.Tensor, how: str, schedule: str = "1f1b"
+                        ) -> tuple[float, str]:
     """One step of a pipeline (M=4) of _OwnLoss against the model on the whole batch: loss and grads, then
-    forward() and evaluate() in both modes."""
+    forward() and evaluate() in both modes. `router`: against the batch's cross entropy (each microbatch's
+    weighed by its labels) plus the mean of the microbatches' load-balancing terms, as a pipeline forms it."""
     import pipe
     from tests.nccl_like import NcclLike
     torch.manual_seed(2)
     model, ref = _OwnLoss(how), _OwnLoss(how)
     ref.load_state_dict(model.state_dict())
     pp = pipe.Pipeline(model, (x[:4], labels[:4]), loss_fn=lambda out, _: out, microbatches=4, cost="flops",
-                       transport=NcclLike())
+                       transport=NcclLike(), schedule=schedule)
     loss = pp.step(x, labels)
-    want = ref(x, labels)
+    if how == "router":
+        ce = F.cross_entropy(ref.b(torch.relu(ref.a(x))), labels)
+        want = ce + sum(ref.terms(xm, lm)[1] for xm, lm in zip(x.chunk(4), labels.chunk(4))) / 4
+    else:
+        want = ref(x, labels)
     want.backward()
     torch.testing.assert_close(loss, want.item(), rtol=1e-5, atol=1e-6)
     grads = dict(pp.named_parameters())
@@ -247,6 +263,13 @@ def natural_body(rank: int, world: int) -> dict[str, Any]:
                        ("weighted ratio", "each microbatch's numerator over the batch's divisor")):
         out[f"own loss {kind}"], how = _own_loss_in_parity(x, uneven, kind)
         assert said in how, how
+    # a mixture of experts' loss: a cross entropy plus a router's load-balancing term was averaged as one loss (the
+    # cross entropy then weighed as a mean; a microbatch counting no label made the step's loss NaN): each term is
+    # weighed its own way, the cross entropy the batch's; under zero bubble too (B and W through the weighing)
+    for schedule in ("1f1b", "zb-h1"):
+        out[f"router {schedule}"], how = _own_loss_in_parity(x, uneven, "router", schedule)
+        assert "cross_entropy: weighed by its targets other than ignore_index=-100 over the batch's; mul_2: the " \
+            "mean of the microbatches' (the batch's only where" in how, how
     return out
 
 

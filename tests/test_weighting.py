@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 
 from partition.loss import attach_loss
 from partition.reduction import loss_weighting
@@ -436,17 +437,20 @@ def _sq(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
      "weighs by its targets other than ignore_index=-100"),
     (lambda o, t: _ce(o, t) + 1.0, "count", "weighs by its targets"),
     (lambda o, t: _sq(o, t).mean() + 0.01 * o.pow(2).mean(), "mean", "the loss adds terms each formed as a mean"),
-    # terms formed otherwise: averaged, and said not to be the batch's
-    (lambda o, t: _sq(o, t).sum() + 0.1 * o.abs().mean(), "mean", "NOT the batch's"),
-    (lambda o, t: _ce(o, t) + 0.01 * o.pow(2).mean(), "mean", "a counted term is weighed as a mean"),
-    (lambda o, t: _ce(o, t) + F.cross_entropy(o.flatten(0, 1), t.flatten(), ignore_index=1), "mean",
-     "NOT the batch's"),
+    # terms formed otherwise: each weighed its own way (test_terms_formed_otherwise_are_each_weighed_their_way)
+    (lambda o, t: _sq(o, t).sum() + 0.1 * o.abs().mean(), "terms", "sum_1 (a .sum() over the samples): the sum of "
+                                                                   "the microbatches'; mul: the mean of the "
+                                                                   "microbatches'"),
+    (lambda o, t: _ce(o, t) + 0.01 * o.pow(2).mean(), "terms", "cross_entropy: weighed by its targets"),
 ])
 @pytest.mark.parametrize("in_graph", [True, False])
 def test_a_loss_adding_terms_is_weighed_by_its_terms(loss_fn: Any, kind: str, said: str, in_graph: bool) -> None:
     """Found in review: mse_loss(reduction='sum') + a mean penalty was averaged over the microbatches with a note
     naming only the add (10.64 where the batch's loss is 42.49); two summed terms were averaged too."""
     w = _weighting(loss_fn, in_graph)
+    if kind == "terms" and not in_graph:  # weighed apart only where the graph adds them
+        kind, said = "mean", "NOT the batch's, the mean of the microbatches' losses: the loss adds terms"
+        assert "give example_target=" in w.describe(), w.describe()
     assert w.kind == kind and said in w.describe(), w.describe()
     if kind == "count":  # the counts still weigh the microbatches to the batch's loss
         x, t = torch.randn(4, 3, 4), torch.randint(0, V, (4, 3))
@@ -458,6 +462,76 @@ def test_a_loss_adding_terms_is_weighed_by_its_terms(loss_fn: Any, kind: str, sa
         got = sum(c / sum(counts) * torch.nan_to_num(loss_fn(model(x[i:i + 1]), t[i:i + 1]), nan=0.0)
                   for i, c in enumerate(counts))
         torch.testing.assert_close(got, want.double())
+
+
+def _balance(o: torch.Tensor, _: Any = None) -> torch.Tensor:
+    """A statistic of the whole microbatch, as a router's load-balancing loss: not linear in its samples."""
+    routed = o.softmax(-1).mean((0, 1))
+    return (routed * routed).sum() * V
+
+
+@pytest.mark.parametrize("terms", [
+    [(_ce, "count"), (lambda o, t: 0.01 * o.pow(2).mean(), "mean")],
+    [(_ce, "count"), (lambda o, t: 0.5 * _balance(o), "mean")],
+    [(lambda o, t: _sq(o, t).sum(), "sum"), (lambda o, t: -0.1 * _balance(o), "mean")],
+    [(_ce, "count"), (lambda o, t: F.cross_entropy(o.flatten(0, 1), t.clamp(min=0).flatten(), ignore_index=1),
+                      "count")],
+    [(_ce, "count"), (lambda o, t: 0.3 * _sq(o, t).sum(), "sum"), (lambda o, t: 2.0 * _balance(o), "mean"),
+     (lambda o, t: 1.5, "mean")],
+], ids=["ce+mean", "ce+balance", "sum-balance", "two counts", "nested"])
+def test_terms_formed_otherwise_are_each_weighed_their_way(terms: list[tuple[Any, str]]) -> None:
+    """Found in session 36 (a mixture of experts: Mixtral's cross entropy + coef x its router's load-balancing
+    loss): a loss adding terms the batch forms in different ways was averaged as one loss, its cross entropy then
+    weighed as a mean (5.1805 where the batch's is 5.1725), and a microbatch counting no target made the step's
+    loss NaN. Each term is now weighed in its microbatch by its own weight (weigh_terms: the stage takes the
+    weights as an input), as a step gives them: the count and sum terms are the batch's, a mean term the mean of
+    the microbatches', and loss and grads are finite with a microbatch counting no target."""
+    from partition.reduction import TERMS, weigh_terms
+
+    def loss_fn(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        total = terms[0][0](o, t)
+        for fn, _ in terms[1:]:
+            total = total + fn(o, t)
+        return total
+    torch.manual_seed(0)
+    x, t = torch.randn(8, 3, 4), torch.randint(0, V, (8, 3))
+    t[:2] = -100  # microbatch 0 counts no target
+    t[2:4, 1:] = 1  # microbatch 1: ignore_index=1 counts two fewer
+    model = Head()
+    gm = trace(model, (x[:2],), {})
+    assert attach_loss(gm, loss_fn) is None
+    w = loss_weighting(gm, loss_fn, True, [x[:2], t[:2]])
+    assert w.kind == "terms" and [p.kind for p in w.parts] == [k for _, k in terms], w.describe()
+    # a stage that does not add the terms (a plan adding them before its last stage) is left as it is, and the
+    # pipeline averages the whole loss, said NOT to be the batch's
+    from pipe.runtime import weigh_on
+    other = trace(Head(), (x[:2],), {})
+    code = other.code
+    assert not weigh_terms(other, w) and other.code == code
+    assert weigh_on([gm, other], w).describe().startswith("loss: NOT the batch's, the mean of the microbatches' "
+                                                          "losses: the loss adds terms"), weigh_on([gm, other], w)
+    assert weigh_terms(gm, w) and [n.name for n in gm.graph.nodes if n.op == "placeholder"][-1] == TERMS
+    xs, ts = x.chunk(4), t.chunk(4)
+    weights = []
+    for p in w.parts:  # as pipe.step's _term_weights gives them (one replica)
+        if p.kind == "count":
+            counts = torch.stack([p.count([xm, tm]) for xm, tm in zip(xs, ts)])
+            weights.append(counts / counts.sum())
+        else:
+            weights.append(torch.full((4,), 1.0 if p.kind == "sum" else 0.25, dtype=torch.float64))
+    per_mb = torch.stack(weights, 1).float()
+    got = sum(gm(xm, tm, per_mb[m]) for m, (xm, tm) in enumerate(zip(xs, ts)))
+    got.backward()
+    grads = {n: q.grad.clone() for n, q in model.named_parameters()}
+    model.zero_grad()
+    want = 0.0
+    for fn, kind in terms:  # the batch's count and sum terms, and the mean of the microbatches' mean terms
+        want = want + (fn(model(x), t) if kind != "mean" else sum(fn(model(xm), tm) for xm, tm in zip(xs, ts)) / 4)
+    want.backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for name, q in model.named_parameters():
+        assert bool(torch.isfinite(grads[name]).all()), name
+        torch.testing.assert_close(grads[name], q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 class _Penalised(nn.Module):
@@ -500,10 +574,10 @@ def test_a_penalty_of_the_weights_is_the_same_in_every_microbatch(cls: type) -> 
     got = sum(c / sum(counts) * torch.nan_to_num(model(x[i:i + 1], t[i:i + 1]), nan=0.0)
               for i, c in enumerate(counts))
     torch.testing.assert_close(got, model(x, t).double())
+    # added to a sum, the penalty was averaged (M x in the batch's loss), and said so: now a term of its own, weighed
+    # 1/M in each microbatch, which sums the batch's
     summed = cls(summed=True)
-    w = loss_weighting(trace(summed, (x[:1], t[:1]), {}), lambda out, _: out, False, [x[:1], t[:1]], None)
-    assert w.kind == "mean" and "NOT the batch's" in w.describe() and "a number every microbatch shares" in w.why, \
-        w.describe()
+    _penalty_once(summed, x, t)
     # found by review of the change: a cross entropy scaled by a weight (a learned loss weight) was counted, and a
     # microbatch counting no target (its loss NaN, weighed 0) gave that weight the grad 0 x NaN, silently: a weight
     # may be added to a loss, not scale it
@@ -513,8 +587,30 @@ def test_a_penalty_of_the_weights_is_the_same_in_every_microbatch(cls: type) -> 
     assert w.kind == "mean" and "is scaled by a weight" in w.describe() and "NOT the batch's" in w.describe(), \
         w.describe()
     summed.scale = nn.Parameter(torch.tensor(1.5))  # a sum scaled by a weight stays a sum (its microbatches' add)
-    w = loss_weighting(trace(summed, (x[:1], t[:1]), {}), lambda out, _: out, False, [x[:1], t[:1]], None)
-    assert w.kind == "mean" and "a number every microbatch shares" in w.why, w.describe()  # (+ the penalty: M x)
+    _penalty_once(summed, x, t)
+
+
+def _penalty_once(model: nn.Module, x: torch.Tensor, t: torch.Tensor) -> None:
+    """_Penalised(summed=True): its sum and its penalty each weighed their way (the sum's microbatches summed, the
+    penalty 1/M in each), loss and grads the model's on the batch."""
+    from partition.reduction import weigh_terms
+    model.zero_grad()
+    gm = trace(model, (x[:1], t[:1]), {})
+    w = loss_weighting(gm, lambda out, _: out, False, [x[:1], t[:1]], None)
+    assert w.kind == "terms" and [p.kind for p in w.parts] == ["sum", "mean"], w.describe()
+    gm.graph._codegen = torch.fx.graph.CodeGen()  # flat inputs, as a stage's (torch.export's takes a pytree)
+    gm = torch.fx.GraphModule(gm, gm.graph)
+    assert weigh_terms(gm, w)
+    weights = torch.tensor([1.0, 0.25])
+    got = sum(pytree.tree_leaves(gm(xm, tm, weights))[0] for xm, tm in zip(x.chunk(4), t.chunk(4)))
+    got.backward()
+    grads = {n: q.grad.clone() for n, q in model.named_parameters()}
+    model.zero_grad()
+    want = model(x, t)
+    want.backward()
+    torch.testing.assert_close(got, want)
+    for name, q in model.named_parameters():
+        torch.testing.assert_close(grads[name], q.grad, msg=lambda m: f"{name}: {m}")
 
 
 class _WeightedRatio(nn.Module):
