@@ -76,7 +76,7 @@ def check_launch(cmd: str, p: argparse.ArgumentParser, argv: list[str]) -> None:
     schedule or calibration, a calibration of plans costed otherwise, ranks the replicas do not divide, and an
     --out that cannot be written each failed on every rank after the launch, as tracebacks, the last only after
     the whole run, its measurements lost): an error naming the flag, its value and the fix, through `p`."""
-    from partition.workload import WorkloadError, factory_of
+    from partition.workload import WorkloadError, factory_of, parse_overrides
     args = p.parse_args(argv)
     try:
         factory_of(args.model)
@@ -106,10 +106,18 @@ def check_launch(cmd: str, p: argparse.ArgumentParser, argv: list[str]) -> None:
             p.error(f"--schedules names {', '.join(unknown)}, which fxpipe does not have; pick from "
                     f"{', '.join(SCHEDULES)}")
     if cmd == "vs-torch":
-        from bench.vs_torch import TORCH_SCHEDULES
+        from bench.vs_torch import DEFAULTS, TORCH_SCHEDULES, uneven_batch
         unknown = [n for n in args.torch_schedules.split(",") if n not in (*TORCH_SCHEDULES, "all")]
         if unknown:
             p.error(f"--torch-schedules names {', '.join(unknown)}; torch's are {', '.join(TORCH_SCHEDULES)} (or all)")
+        if args.model == "gpt":  # (its microbatch size known without building it; another model's, on the ranks)
+            try:
+                size = {**DEFAULTS, **parse_overrides(args.model_arg)}["microbatch_size"]
+            except WorkloadError as e:
+                p.error(str(e))
+            why = uneven_batch(args.microbatches, size, args.ranks) if isinstance(size, int) and size > 0 else None
+            if why:
+                p.error(why)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -95,6 +95,15 @@ def _torch_pipeline(w: Any, rank: int, world: int, M: int, schedule: str = "1f1b
     return step, params
 
 
+def uneven_batch(microbatches: int, microbatch_size: int, world: int) -> str | None:
+    """Why `world` ranks cannot share the batch evenly for the ideal at once, or None."""
+    batch = microbatches * microbatch_size
+    if batch % world == 0:
+        return None
+    return (f"the batch ({microbatches} microbatches of {microbatch_size}) is {batch} samples, which {world} ranks "
+            f"cannot share evenly for the ideal at once: pass --microbatches a multiple of {world}")
+
+
 def parser(add_help: bool = True) -> argparse.ArgumentParser:
     """The options of `python -m bench vs-torch` (the launcher's too, so --help lists them all)."""
     p = argparse.ArgumentParser(prog="python -m bench vs-torch", description=__doc__, add_help=add_help)
@@ -144,9 +153,9 @@ def main(argv: list[str] | None = None) -> int:
 
     w = fresh()
     batch_size = w.microbatch_size * M
-    if batch_size % world:
-        raise SystemExit(f"the batch ({M} microbatches of {w.microbatch_size}) is {batch_size} samples, which {world} "
-                         f"ranks cannot share evenly for the ideal at once: pass --microbatches a multiple of {world}")
+    uneven = uneven_batch(M, w.microbatch_size, world)
+    if uneven:
+        raise SystemExit(uneven)
     wanted = list(TORCH_SCHEDULES) if args.torch_schedules == "all" else args.torch_schedules.split(",")
     unknown = [x for x in wanted if x not in TORCH_SCHEDULES]
     if unknown:

@@ -154,13 +154,16 @@ def test_stage_actions_takes_each_stage_s_median_forward_and_backward() -> None:
     assert got == {0: (2.0, 4.0), 1: (5.0, 7.0)}
 
 
-def test_bench_vs_torch_refuses_a_batch_the_ranks_cannot_share_on_every_rank(tmp_path: Path) -> None:
+def test_bench_vs_torch_refuses_a_batch_the_ranks_cannot_share_before_launching(tmp_path: Path) -> None:
     """3 microbatches of 1 sample on 2 ranks: the ideal at once gives each rank half the batch, so the run is
-    refused before anything is built, with the fix, and the launch ends (no rank left waiting)."""
+    refused with the fix: for the bundled gpt before launching (it took 9 s: the ranks refused it), for another
+    model by every rank before anything is built (the launch ends: no rank left waiting)."""
+    from bench.vs_torch import uneven_batch
+    assert uneven_batch(4, 1, 2) is None and "is 3 samples, which 2 ranks" in str(uneven_batch(3, 1, 2))
     done = run_command([sys.executable, "-m", "bench", "vs-torch", "gpt", *TINY, "--model-arg", "microbatch_size=1",
                         "--microbatches", "3", "--rounds", "1", "--out", str(tmp_path)], timeout=90, check=False)
-    assert done.returncode != 0
-    assert done.output.count("is 3 samples, which 2 ranks cannot share evenly") == 2, done.output[-3000:]
+    assert done.returncode == 2 and "vs-torch: error: the batch" in done.output, done.output[-3000:]
+    assert done.output.count("is 3 samples, which 2 ranks cannot share evenly") == 1, done.output[-3000:]
     assert "pass --microbatches a multiple of 2" in done.output
 
 
