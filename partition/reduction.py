@@ -162,8 +162,9 @@ def _named(name: str, loss: str) -> str:
 def _part_note(w: Weighting) -> str:
     """How a term of a "terms" loss is weighed, for the plan's note."""
     if w.kind == "count":
+        weighed = " (by class weight)" if w.weight_path is not None or w._graph_weight() else ""
         what = "its target's elements" if w.elements else f"its targets other than ignore_index={w.ignore_index}"
-        return f"weighed by {what} over the batch's"
+        return f"weighed by {what}{weighed} over the batch's"
     if w.kind == "sum":
         return "the sum of the microbatches'"
     return ("the mean of the microbatches' (the batch's only where it averages as many elements in each; a "

@@ -306,7 +306,8 @@ class Pipeline:
             self.stages = {s: stages[s].to(self.ctx.device) for s in self.local}
         self.io: dict[int, StageIO] = {s: stages[s].io for s in self.local}  # type: ignore[misc]
         if self.S - 1 in self.local:  # the loss's tensors (class weights), as loaded into the stage computing it
-            self.weighting.holder = self.stages[self.S - 1]
+            for w in (self.weighting, *self.weighting.parts):  # (a loss of terms: each term's)
+                w.holder = self.stages[self.S - 1]
         setup.fill(self, model)
         if self.meta:
             release_memory()  # the reads of the weights

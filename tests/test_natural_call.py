@@ -122,12 +122,14 @@ class _OwnLoss(torch.nn.Module):
         self.a, self.b, self.c, self.how = torch.nn.Linear(8, 16), torch.nn.Linear(16, 10), torch.nn.Linear(16, 10), how
         if how == "weighted ratio":  # a learned weight of the summed cross entropies
             self.alpha = torch.nn.Parameter(torch.tensor(1.5))
+        if how == "router":  # class weights of its cross entropy
+            self.register_buffer("classes", torch.ones(10))
 
     def terms(self, x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`router`'s cross entropy and its load-balancing term (squared mean routing probabilities)."""
         h = torch.relu(self.a(x))
         routed = torch.softmax(self.c(h), -1).mean(0)
-        return F.cross_entropy(self.b(h), labels), 0.1 * (routed * routed).sum() * 10
+        return F.cross_entropy(self.b(h), labels, weight=self.classes), 0.1 * (routed * routed).sum() * 10
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.how == "router":
@@ -153,11 +155,17 @@ def _own_loss_in_parity(x: torch.Tensor, labels: torch.Tensor, how: str, schedul
     torch.manual_seed(2)
     model, ref = _OwnLoss(how), _OwnLoss(how)
     ref.load_state_dict(model.state_dict())
+    weights = None
+    if how == "router":  # built on the meta device, its class weights loaded by weights=: read where loaded
+        ref.classes.copy_(torch.linspace(0.5, 2.0, 10))
+        weights = ref.state_dict()
+        with torch.device("meta"):
+            model = _OwnLoss(how)
     pp = pipe.Pipeline(model, (x[:4], labels[:4]), loss_fn=lambda out, _: out, microbatches=4, cost="flops",
-                       transport=NcclLike(), schedule=schedule)
+                       transport=NcclLike(), schedule=schedule, weights=weights)
     loss = pp.step(x, labels)
     if how == "router":
-        ce = F.cross_entropy(ref.b(torch.relu(ref.a(x))), labels)
+        ce = F.cross_entropy(ref.b(torch.relu(ref.a(x))), labels, weight=ref.classes)
         want = ce + sum(ref.terms(xm, lm)[1] for xm, lm in zip(x.chunk(4), labels.chunk(4))) / 4
     else:
         want = ref(x, labels)
@@ -268,8 +276,8 @@ def natural_body(rank: int, world: int) -> dict[str, Any]:
     # weighed its own way, the cross entropy the batch's; under zero bubble too (B and W through the weighing)
     for schedule in ("1f1b", "zb-h1"):
         out[f"router {schedule}"], how = _own_loss_in_parity(x, uneven, "router", schedule)
-        assert "cross_entropy: weighed by its targets other than ignore_index=-100 over the batch's; mul_2: the " \
-            "mean of the microbatches' (the batch's only where" in how, how
+        assert ": weighed by its targets other than ignore_index=-100 (by class weight) over the batch's; mul_2: " \
+            "the mean of the microbatches' (the batch's only where" in how, how
     return out
 
 
