@@ -161,6 +161,9 @@ def _named(name: str, loss: str) -> str:
 
 def _part_note(w: Weighting) -> str:
     """How a term of a "terms" loss is weighed, for the plan's note."""
+    if w.kind == "ratio":
+        floor = f", at least {w.floor:g}" if w.floor is not None else ""
+        return f"each microbatch's numerator over the batch's divisor{floor}"
     if w.kind == "count":
         weighed = " (by class weight)" if w.weight_path is not None or w._graph_weight() else ""
         what = "its target's elements" if w.elements else f"its targets other than ignore_index={w.ignore_index}"
@@ -323,14 +326,16 @@ def _terms(gm: torch.fx.GraphModule, node: torch.fx.Node, constants: set[torch.f
            shared: set[torch.fx.Node]) -> Weighting:
     """The weighting of a loss that adds terms (a cross entropy plus an auxiliary loss): each term's, when they
     agree (every term a sum, or a count of the same targets; a number every microbatch shares added to a count
-    or a mean), else the mean of the microbatches' losses, which the note says is not the batch's where a term
-    is a sum (1/M of it) or a count (weighed as a mean)."""
+    or a mean); the mean of the microbatches' losses where a term is not the batch's anyway (pairs its samples)
+    or every term is a mean; else "terms": each term weighed its own way where the graph adds it (weigh_terms)."""
     terms: list[tuple[str, Weighting | None]] = []
     for a in node.args:
         if not isinstance(a, torch.fx.Node) or a in shared:
             terms.append((a.name if isinstance(a, torch.fx.Node) else repr(a), None))
             continue
-        w = _weigh(gm, a, constants, sizes, shared)[0]
+        w, _, reader = _weigh(gm, a, constants, sizes, shared)
+        if w.kind == "ratio":  # (weigh_terms reads its numerator there)
+            w.reader = reader
         terms.append((a.name, w))
     kinds = {w.kind for _, w in terms if w is not None}
     named = [(n, w) for n, w in terms if w is not None]  # (not a shared number)
@@ -346,24 +351,16 @@ def _terms(gm: torch.fx.GraphModule, node: torch.fx.Node, constants: set[torch.f
     if kinds == {"mean"}:
         return Weighting("mean", "the loss adds terms each formed as a mean: "
                                  + "; ".join(f"{n}: {w.why}" for n, w in named))
-    if "ratio" not in kinds:  # each term weighed its own way where it is added (weigh_terms)
-        parts: list[Weighting] = []
-        at: list[tuple[str, int, str]] = []
-        for i, (n, part) in enumerate(terms):
-            if part is not None and part.kind == "terms":
-                parts += part.parts
-                at += part.at
-                continue
-            parts.append(part if part is not None else Weighting("mean", "the same in every microbatch"))
-            at.append((node.name, i, n))
-        return Weighting("terms", "", loss=loss, parts=parts, at=at)
-    how = ", ".join(f"{n}: {_kind_name(w)}" for n, w in terms)
-    return Weighting("mean", f"the loss adds terms the batch forms otherwise ({how}), and a step weighs the "
-                             "microbatches' whole losses one way: as their mean, so a sum term counts 1/M of the "
-                             "batch's and a counted term is weighed as a mean (the batch's only where every "
-                             "microbatch counts as many targets); a ratio term, whose grads are NaN on a "
-                             "microbatch with a divisor of 0, is not weighed apart: give each term the same "
-                             "reduction, or step with one microbatch", inexact=True)
+    parts: list[Weighting] = []  # each term weighed its own way where it is added (weigh_terms)
+    at: list[tuple[str, int, str]] = []
+    for i, (n, part) in enumerate(terms):
+        if part is not None and part.kind == "terms":
+            parts += part.parts
+            at += part.at
+            continue
+        parts.append(part if part is not None else Weighting("mean", "the same in every microbatch"))
+        at.append((node.name, i, n))
+    return Weighting("terms", "", loss=loss, parts=parts, at=at)
 
 
 def _structure(value: Any) -> Any:
@@ -380,13 +377,6 @@ def _structure(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return ("tensor", id(value))
     return repr(value)
-
-
-def _kind_name(w: Weighting | None) -> str:
-    if w is None:
-        return "a number every microbatch shares"
-    return {"sum": "a sum", "count": "a mean over its counted targets", "ratio": "a ratio of sums"}.get(
-        w.kind, "a mean")
 
 
 def pairing_read(gm: torch.fx.GraphModule, w: Weighting, shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
@@ -536,7 +526,9 @@ TERMS = "fxpipe_term_weights"  # the input weigh_terms adds: each term's weight 
 def weigh_terms(gm: torch.fx.GraphModule, w: Weighting, names: dict[str, str] | None = None) -> bool:
     """For a "terms" weighting: `gm` (a stage) takes one more input, last, TERMS: one microbatch's weight of each
     term in the batch's loss (pipe.step), and adds each term as where(weight > 0, term, 0) * weight (a microbatch
-    counting no target has a NaN cross entropy, weighed 0, whose grads stay 0). The scalings and casts between
+    counting no target has a NaN cross entropy, weighed 0, whose grads stay 0); a ratio term as its numerator
+    times its weight (one over the batch's divisor: a ratio over no sample is NaN, its grads too, where its
+    numerator is 0). The scalings and casts between
     the adding nodes and the loss are linear, so the loss is the weighed sum of its terms. `names`: gm's node
     -> the node of the weighting's graph it stands for (a trace in another mode). True when done; False, gm
     unchanged, when gm does not hold every adding node (the terms are added on another stage)."""
@@ -544,18 +536,23 @@ def weigh_terms(gm: torch.fx.GraphModule, w: Weighting, names: dict[str, str] | 
         return False
     by = {(names or {}).get(n.name, n.name): n for n in gm.graph.nodes}
     adds = [by.get(name) for name, _, _ in w.at]
-    if any(a is None for a in adds):
+    ratios = [(p, add) for p, add in zip(w.parts, adds) if p.kind == "ratio"]
+    if any(a is None for a in adds) or any(p.ratio not in by or p.numerator not in by or p.reader and p.reader not in by
+                                           for p, _ in ratios):
         return False
+    for p, add in ratios:  # a ratio term adds its numerator, weighed by one over the batch's divisor (keep_numerator)
+        assert add is not None
+        (by[p.reader] if p.reader else add).replace_input_with(by[p.ratio], by[p.numerator])
     g = gm.graph
     inputs = [n for n in g.nodes if n.op == "placeholder"]
     with g.inserting_after(inputs[-1]) if inputs else g.inserting_before(next(iter(g.nodes))):
         weights = g.placeholder(TERMS, default_value=None)  # (after any input with a default)
-    for k, (add, (_, i, _)) in enumerate(zip(adds, w.at)):
+    for k, (add, (_, i, _), part) in enumerate(zip(adds, w.at, w.parts)):
         assert add is not None
         term = add.args[i]
         with g.inserting_before(add):
             weight = g.call_function(operator.getitem, (weights, k))
-            if isinstance(term, torch.fx.Node):
+            if isinstance(term, torch.fx.Node) and part.kind != "ratio":  # (a numerator over no sample is 0)
                 term = g.call_function(torch.where, (g.call_function(operator.gt, (weight, 0)), term, 0.0))
             weighed = g.call_function(operator.mul, (term, weight))
         add.update_arg(i, weighed)

@@ -350,7 +350,7 @@ class StepState:
         if self.term_weights is None:
             pp, w = self.pp, self.pp.weighting
             values = self.flats if pp.plan.loss else [f + [t] for f, t in zip(self.flats, self.targets)]
-            counted = [k for k, p in enumerate(w.parts) if p.kind == "count"]
+            counted = [k for k, p in enumerate(w.parts) if p.kind in ("count", "ratio")]
             counts = [torch.stack([w.parts[k].count(v) for v in values]).to(pp.ctx.device) for k in counted]
             if pp.dynamic:  # mean terms: each microbatch's samples over the batch's
                 counts.append(torch.tensor([float(_samples(f)) for f in self.flats], dtype=torch.float64,
@@ -365,6 +365,10 @@ class StepState:
                 if p.kind == "count":
                     i = counted.index(k)
                     columns.append(counts[i] * (dp / totals[i]))  # type: ignore[index]
+                elif p.kind == "ratio":  # its numerator (weigh_terms) over the batch's divisor, at least its floor
+                    total = totals[counted.index(k)]  # type: ignore[index]
+                    total = total if p.floor is None else total.clamp(min=p.floor)
+                    columns.append((dp / total).expand(pp.M))
                 elif p.kind == "sum":
                     columns.append(torch.full((pp.M,), float(dp), dtype=torch.float64, device=pp.ctx.device))
                 elif pp.dynamic:

@@ -115,7 +115,8 @@ class _OwnLoss(torch.nn.Module):
     """A model computing its own loss from labels padded with -100: a cross entropy plus an L2 penalty of its
     weights (`penalty`), or two cross entropies summed over a count of the labels (a masked mean written by hand),
     scaled after (`scaled ratio`) or before by a learned weight (`weighted ratio`); or a cross entropy plus a
-    router's load-balancing loss, a statistic of the whole microbatch (`router`, as a mixture of experts adds)."""
+    router's load-balancing loss, a statistic of the whole microbatch (`router`, as a mixture of experts adds), or
+    the two cross entropies summed over a count of the labels (unclamped) plus that term (`router ratio`)."""
 
     def __init__(self, how: str) -> None:
         super().__init__()
@@ -139,6 +140,9 @@ class _OwnLoss(torch.nn.Module):
         if self.how == "penalty":
             return F.cross_entropy(self.b(h), labels) + 0.01 * (self.a.weight.pow(2).sum() + self.b.weight.pow(2).sum())
         both = F.cross_entropy(self.b(h), labels, reduction="sum") + F.cross_entropy(self.c(h), labels, reduction="sum")
+        if self.how == "router ratio":
+            routed = torch.softmax(self.c(h), -1).mean(0)
+            return both / (labels != -100).sum() + (routed * routed).sum()
         if self.how == "weighted ratio":
             return both * self.alpha / (labels != -100).sum().clamp(min=1)
         ratio = both / (labels != -100).sum().clamp(min=1)
@@ -167,6 +171,11 @@ def _own_loss_in_parity(x: torch.Tensor, labels: torch.Tensor, how: str, schedul
     if how == "router":
         ce = F.cross_entropy(ref.b(torch.relu(ref.a(x))), labels, weight=ref.classes)
         want = ce + sum(ref.terms(xm, lm)[1] for xm, lm in zip(x.chunk(4), labels.chunk(4))) / 4
+    elif how == "router ratio":  # (the batch's ratio: the model's on the batch less its term, plus the mean term)
+        def term(xm: torch.Tensor) -> torch.Tensor:
+            routed = torch.softmax(ref.c(torch.relu(ref.a(xm))), -1).mean(0)
+            return (routed * routed).sum()
+        want = ref(x, labels) - term(x) + sum(term(xm) for xm in x.chunk(4)) / 4
     else:
         want = ref(x, labels)
     want.backward()
@@ -278,6 +287,10 @@ def natural_body(rank: int, world: int) -> dict[str, Any]:
         out[f"router {schedule}"], how = _own_loss_in_parity(x, uneven, "router", schedule)
         assert ": weighed by its targets other than ignore_index=-100 (by class weight) over the batch's; mul_2: " \
             "the mean of the microbatches' (the batch's only where" in how, how
+    # a ratio term (its divisor 0 on microbatch 0: a NaN ratio) with such a term: its numerator over the batch's
+    # divisor, finite (it was averaged as one loss: NaN)
+    out["router ratio"], how = _own_loss_in_parity(x, uneven, "router ratio")
+    assert "each microbatch's numerator over the batch's divisor; " in how, how
     return out
 
 

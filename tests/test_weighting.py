@@ -478,7 +478,9 @@ def _balance(o: torch.Tensor, _: Any = None) -> torch.Tensor:
                       "count")],
     [(_ce, "count"), (lambda o, t: 0.3 * _sq(o, t).sum(), "sum"), (lambda o, t: 2.0 * _balance(o), "mean"),
      (lambda o, t: 1.5, "mean")],
-], ids=["ce+mean", "ce+balance", "sum-balance", "two counts", "nested"])
+    [(lambda o, t: _masked_mean(o, t.clamp(min=0)) * 0.5, "ratio"), (lambda o, t: _balance(o), "mean"),
+     (_ce, "count")],
+], ids=["ce+mean", "ce+balance", "sum-balance", "two counts", "nested", "ratio"])
 def test_terms_formed_otherwise_are_each_weighed_their_way(terms: list[tuple[Any, str]]) -> None:
     """Found in session 36 (a mixture of experts: Mixtral's cross entropy + coef x its router's load-balancing
     loss): a loss adding terms the batch forms in different ways was averaged as one loss, its cross entropy then
@@ -517,6 +519,9 @@ def test_terms_formed_otherwise_are_each_weighed_their_way(terms: list[tuple[Any
         if p.kind == "count":
             counts = torch.stack([p.count([xm, tm]) for xm, tm in zip(xs, ts)])
             weights.append(counts / counts.sum())
+        elif p.kind == "ratio":  # its numerator over the batch's divisor
+            total = torch.stack([p.count([xm, tm]) for xm, tm in zip(xs, ts)]).sum()
+            weights.append((1 / (total if p.floor is None else total.clamp(min=p.floor))).expand(4))
         else:
             weights.append(torch.full((4,), 1.0 if p.kind == "sum" else 0.25, dtype=torch.float64))
     per_mb = torch.stack(weights, 1).float()
