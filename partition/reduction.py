@@ -556,6 +556,7 @@ def weigh_terms(gm: torch.fx.GraphModule, w: Weighting, names: dict[str, str] | 
                 term = g.call_function(torch.where, (g.call_function(operator.gt, (weight, 0)), term, 0.0))
             weighed = g.call_function(operator.mul, (term, weight))
         add.update_arg(i, weighed)
+    gm.meta[TERMS] = True  # (what a caller asks: does it take the weights)
     gm.recompile()
     return True
 

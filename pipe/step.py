@@ -339,9 +339,7 @@ class StepState:
     def _weights_for(self, module: Any, mb: int) -> list[torch.Tensor]:
         """[microbatch mb's weights of the loss's terms] for a stage of another mode or without the loss that
         weighs them (partition.reduction.weigh_terms), else []."""
-        graph = getattr(module, "graph", None)
-        weighs = graph is not None and any(n.op == "placeholder" and n.name == TERMS for n in graph.nodes)
-        return [self._term_weights()[mb]] if weighs else []
+        return [self._term_weights()[mb]] if getattr(module, "meta", {}).get(TERMS) else []
 
     def _term_weights(self) -> torch.Tensor:
         """A loss adding terms each formed its own way ("terms"): [microbatch, term] weights in the batch's loss,
