@@ -35,8 +35,8 @@ from partition.costs import attr_of
 from partition.loss import TARGET
 from partition.rewrite import loss_args
 
-__all__ = ["TERMS", "Weighting", "batch_statistics", "keep_numerator", "loss_weighting", "output_forms",
-           "pairing_read", "weigh_terms", "weighting"]
+__all__ = ["TERMS", "Weighting", "batch_statistics", "keep_numerator", "literal_numbers", "loss_weighting",
+           "output_forms", "pairing_read", "weigh_terms", "weighting"]
 
 # element-wise losses: the batch's sum is the sum of the microbatches' sums
 _SUMMED = {F.mse_loss: "mse_loss", F.l1_loss: "l1_loss", F.smooth_l1_loss: "smooth_l1_loss",
@@ -153,6 +153,9 @@ class Weighting:
         return isinstance(out.args[0][1], torch.fx.Node)
 
 
+_SAME = "the same in every microbatch"  # a "terms" part: a number, or a penalty of the weights alone
+
+
 def _named(name: str, loss: str) -> str:
     """" (what the term is)" after the term's node name, when its loss says more than the name."""
     what = loss.removeprefix(f"{name}: ")
@@ -170,9 +173,11 @@ def _part_note(w: Weighting) -> str:
         return f"weighed by {what}{weighed} over the batch's"
     if w.kind == "sum":
         return "the sum of the microbatches'"
-    return ("the mean of the microbatches' (the batch's only where it averages as many elements in each; a "
-            "statistic of the whole batch, as a router's load-balancing loss, is each microbatch's, as under gradient "
-            "accumulation)")
+    if w.why == _SAME:
+        return "the same in every microbatch, added once (1/M in each)"
+    return ("the mean of the microbatches' (the batch's where each averages as many elements; a statistic of a "
+            "microbatch's samples together, as a router's load-balancing loss, is each microbatch's own, as under "
+            "gradient accumulation)")
 
 
 def _elementwise(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[str, Any, str] | None:
@@ -248,19 +253,21 @@ def _scaled(node: torch.fx.Node, constants: set[torch.fx.Node]) -> torch.fx.Node
 
 
 def weighting(gm: torch.fx.GraphModule, example: Sequence[Any] | None = None,
-              twice: Callable[[], dict[str, tuple[int, ...]]] | None = None) -> Weighting:
+              twice: Callable[[], dict[str, tuple[int, ...]]] | None = None,
+              literals: Callable[[], dict[str, Any]] | None = None) -> Weighting:
     """How the loss `gm` returns (a graph with the loss attached: partition.loss.attach_loss, or the
     model's own loss) forms the batch's from the microbatches'; `example`: the values of gm's inputs
     for one microbatch, the loss's target last when it is one (without them, a .sum() is not known
     to be over the samples, nor an input to be shared by every microbatch); `twice`: the model's outputs' shapes
-    at twice the samples, by node name, where the graph fixes its sizes (see _Sizes). See the module's doc."""
+    at twice the samples, by node name, where the graph fixes its sizes, and `literals` its nodes' numbers there
+    (see _Sizes). See the module's doc."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
     loss = out.args[0]
     if isinstance(loss, (tuple, list)) and len(loss) == 1:
         loss = loss[0]
     if not isinstance(loss, torch.fx.Node):
         return Weighting("mean", "the loss is not a value of the graph")
-    found, chain, reader = _weigh(gm, loss, _batch_constants(gm, example), _Sizes(gm, example, twice),
+    found, chain, reader = _weigh(gm, loss, _batch_constants(gm, example), _Sizes(gm, example, twice, literals),
                                   _batch_constants(gm, example, weights=True))
     found.chain = chain
     if found.kind == "ratio":
@@ -275,17 +282,31 @@ def _weigh(gm: torch.fx.GraphModule, loss: torch.fx.Node, constants: set[torch.f
     microbatch shares, `shared` with the weights' too (a loss they scale is a sum or a ratio as the loss it
     scales, not a count; a term of them alone is added alike to every microbatch's loss)."""
     chain, reader, by_weight = [loss.name], "", ""
+    numbers: list[torch.fx.Node] = []  # scalings by a number: a size of the microbatch, where torch.export fixed it?
     # x * 0.5, a sum / num_items_in_batch, alpha * loss, loss.float(), the .sum() of one number
     while True:
         inner = _scaled(loss, shared)
         if inner is not None and _scaled(loss, constants) is None:
             by_weight = loss.name
+        if inner is not None and any(_number(a) for a in loss.args):
+            numbers.append(loss)
         inner = inner or _as_it_is(loss, sizes)
         if inner is None:
             break
         loss, reader = inner, loss.name
         chain.append(loss.name)
     found, chain, reader = _weighed(gm, loss, constants, sizes, shared, chain, reader)
+    sized = [n for n in numbers if sizes.sized(n)] if found.kind != "mean" else []
+    if sized:  # (found by review: x.sum() / x.shape[0] under torch.export, a mean over the
+        # microbatch, was weighed as a sum, M x the batch's, silently)
+        what = (f"{', '.join(n.name for n in sized)} scales {found.loss or found.kind} by a size of the microbatch, "
+                "a number torch.export fixed in the graph (it differs in a trace at twice the samples)")
+        if found.kind == "sum" and all(n.target in _DIV and n.args[0] is not n.args[1] and _number(n.args[1])
+                                       for n in sized):
+            found = Weighting("mean", f"{what}: a sum over the microbatch's samples over their count, a mean")
+        else:
+            found = Weighting("mean", f"{what}: the mean of the microbatches' losses, the batch's only where each "
+                                      "scales alike", inexact=True)
     if by_weight and found.kind == "count":  # (found by review of the change: a NaN grad, silently)
         found = Weighting("mean", f"the loss {found.loss} is scaled by a weight ({by_weight}): weighed by counts, a "
                                   "microbatch counting no target (its loss NaN, weighed 0) would give that weight the "
@@ -314,6 +335,10 @@ def _weighed(gm: torch.fx.GraphModule, loss: torch.fx.Node, constants: set[torch
 
 _ADDS = {operator.add, operator.sub, torch.add, torch.sub, torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor,
          "add", "sub", "__add__", "__radd__", "__sub__", "__rsub__"}
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _adds(node: torch.fx.Node) -> bool:
@@ -358,7 +383,7 @@ def _terms(gm: torch.fx.GraphModule, node: torch.fx.Node, constants: set[torch.f
             parts += part.parts
             at += part.at
             continue
-        parts.append(part if part is not None else Weighting("mean", "the same in every microbatch"))
+        parts.append(part if part is not None else Weighting("mean", _SAME))
         at.append((node.name, i, n))
     return Weighting("terms", "", loss=loss, parts=parts, at=at)
 
@@ -415,24 +440,26 @@ _RESHAPES = {"view", "reshape", "flatten", "contiguous", torch.reshape, torch.fl
              torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.clone.default}
 
 
-def output_forms(gm: torch.fx.GraphModule, leaves: Sequence[torch.fx.Node | None], example: Sequence[Any] | None
-                 ) -> list[tuple[str | None, int | None]]:
+def output_forms(gm: torch.fx.GraphModule, leaves: Sequence[torch.fx.Node | None], example: Sequence[Any] | None,
+                 literals: Callable[[], dict[str, Any]] | None = None) -> list[tuple[str | None, int | None]]:
     """How the batch's value of each of `leaves` (the model's outputs in gm) is formed from the microbatches',
     for forward(): (for a value of one element: "sum", "mean" (of every element of a tensor holding each
     sample's, as many in each), "max", "min", or None when unknown; for a tensor whose dim 0 merges its batch
     dim with dims before it (a sequence-first [T, B, V] output flattened to tokens, `.view(-1, V)`: its rows
     run over the positions, each over the samples): the product of those dims before, else None). From a run
     of a meta copy of gm on one microbatch and on two (example: gm's inputs for one microbatch)."""
-    sizes, constants = _Sizes(gm, example), _batch_constants(gm, example)
+    sizes, constants = _Sizes(gm, example, literals=literals), _batch_constants(gm, example)
     return [(None, None) if n is None else (_one_value(gm, n, constants, sizes), _within(n, sizes)) for n in leaves]
 
 
 def _one_value(gm: torch.fx.GraphModule, node: torch.fx.Node, constants: set[torch.fx.Node], sizes: _Sizes
                ) -> str | None:
     """How a value of one element forms the batch's (see output_forms)."""
-    scaled = False
+    scaled, numbers = False, []
     while True:
         inner = _scaled(node, constants)
+        if inner is not None and any(_number(a) for a in node.args):
+            numbers.append(node)
         if inner is None and node.op in ("call_function", "call_method") and node.target in _CASTS \
                 and node.args and isinstance(node.args[0], torch.fx.Node):
             inner = node.args[0]
@@ -442,7 +469,9 @@ def _one_value(gm: torch.fx.GraphModule, node: torch.fx.Node, constants: set[tor
     if sizes.of(node) != (1, 1):
         return None
     if _additive(gm, node, sizes) is not None:
-        return "sum"
+        sized = [n for n in numbers if sizes.sized(n)]  # x.sum() / x.shape[0] under torch.export: a mean
+        return "sum" if not sized else "mean" if all(n.target in _DIV and _number(n.args[1]) for n in sized) \
+            else None
     arg = node.args[0] if node.op in ("call_function", "call_method") and len(node.args) == 1 and not node.kwargs \
         else None  # over every element: no dim
     if isinstance(arg, torch.fx.Node) and sizes._carries(arg) and sizes.mixed(arg) is False:
@@ -520,6 +549,12 @@ def keep_numerator(gm: torch.fx.GraphModule, w: Weighting) -> None:
     gm.recompile()
 
 
+def literal_numbers(node: torch.fx.Node) -> tuple[str, tuple[float, ...]]:
+    """(`node`'s op, the numbers among its arguments), to compare with a trace at other sizes (_Sizes.sized)."""
+    return str(node.target), tuple(x for x in pytree.tree_leaves((node.args, node.kwargs))
+                                   if isinstance(x, (int, float)) and not isinstance(x, bool))
+
+
 TERMS = "fxpipe_term_weights"  # the input weigh_terms adds: each term's weight in the batch's loss
 
 
@@ -566,12 +601,26 @@ class _Sizes:
     along dim 0, as microbatches are split), found at the first question: a tensor's number of elements, a
     number's or a size's value. From them, `of` and `mixed`."""
     def __init__(self, gm: torch.fx.GraphModule, example: Sequence[Any] | None,
-                 twice: Callable[[], dict[str, tuple[int, ...]]] | None = None) -> None:
-        self.gm, self.example, self.twice = gm, example, twice
+                 twice: Callable[[], dict[str, tuple[int, ...]]] | None = None,
+                 literals: Callable[[], dict[str, Any]] | None = None) -> None:
+        self.gm, self.example, self.twice, self.literals = gm, example, twice, literals
+        self._literals: dict[str, Any] | None = None
         self.values: dict[str, list[Any]] | None = None
         self.why = ""  # why the run gave nothing
         self._mixed: dict[torch.fx.Node, bool] = {}
         self._paired: dict[torch.fx.Node, torch.fx.Node | None] | None = None
+
+    def sized(self, node: torch.fx.Node) -> bool | None:
+        """Whether a number among `node`'s arguments is a size of the microbatch (x.sum() / x.shape[0]): where
+        torch.export traced the graph, fixing sizes as numbers, one that differs in its trace at twice the samples
+        (`literals`: literal_numbers of that trace's nodes, by name); False in a graph keeping sizes as values;
+        None unknown (no such trace, or one that differs in its ops)."""
+        if self.gm.meta.get("fxpipe_tracer") != "torch.export.export":
+            return False
+        if self._literals is None:
+            self._literals = self.literals() if self.literals is not None else {}
+        two = self._literals.get(node.name)
+        return None if two is None or two[0] != str(node.target) else literal_numbers(node)[1] != two[1]
 
     def of(self, node: torch.fx.Node) -> tuple[int, int] | None:
         """The number of elements of the tensor `node` gives, on one microbatch and on two; None unknown."""
@@ -847,10 +896,11 @@ def _additive(gm: torch.fx.GraphModule, node: torch.fx.Node, sizes: _Sizes,
         parts = [_additive(gm, a, sizes, shared) for a in terms]
         sign = " - " if "sub" in str(getattr(node.target, "__name__", node.target)) else " + "
         return sign.join(f"{a.name}: {p}" for a, p in zip(terms, parts)) if all(parts) else None
-    numbers = [a for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+    numbers = [a for a in node.args if _number(a)]
     if node.op in ("call_function", "call_method") and len(terms) == 1 and len(numbers) == 1 and not node.kwargs \
             and (node.target in _MUL or node.target in _DIV and node.args[0] is terms[0]):  # 0.5 * a sum: a sum
-        return _additive(gm, terms[0], sizes, shared)
+        summed = _additive(gm, terms[0], sizes, shared)
+        return None if summed is None or sizes.sized(node) else summed  # (a sum over a size is none)
     if node.op in ("call_function", "call_method") and len(terms) == 2 == len(node.args) and not node.kwargs \
             and (node.target in _MUL or node.target in _DIV and node.args[1] in shared):
         # a sum times a learned weight: the microbatches' sums times the one weight add to the batch's (a sum over
@@ -963,7 +1013,8 @@ def _found(gm: torch.fx.GraphModule, loss: torch.fx.Node, sizes: _Sizes, shared:
 
 def loss_weighting(gm: torch.fx.GraphModule, loss_fn: Any, in_graph: bool,
                    example: Sequence[Any] | None = None, target: Any = None,
-                   twice: Callable[[], dict[str, tuple[int, ...]]] | None = None) -> Weighting:
+                   twice: Callable[[], dict[str, tuple[int, ...]]] | None = None,
+                   literals: Callable[[], dict[str, Any]] | None = None) -> Weighting:
     """`weighting` of the loss a pipeline computes: gm's own when the loss is in the graph, else
     loss_fn's traced onto a copy of gm (whose last input is then the target: a step counts a
     microbatch from its inputs followed by its target). `example`: one microbatch's values of gm's
@@ -973,7 +1024,7 @@ def loss_weighting(gm: torch.fx.GraphModule, loss_fn: Any, in_graph: bool,
     import copy
     from partition.loss import attach_loss
     if in_graph:
-        return weighting(gm, example, twice)
+        return weighting(gm, example, twice, literals)
     if loss_fn is None:
         return Weighting("mean", "no loss_fn")
     view = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
@@ -983,12 +1034,13 @@ def loss_weighting(gm: torch.fx.GraphModule, loss_fn: Any, in_graph: bool,
     why = attach_loss(view, loss_fn)
     if why:
         return Weighting("mean", f"the loss stays outside the graph and its kind is unknown: {why}")
-    found = weighting(view, None if example is None else [*example, target], twice)
+    found = weighting(view, None if example is None else [*example, target], twice, literals)
     if found.kind == "terms" and not all(name in {n.name for n in gm.graph.nodes} for name, _, _ in found.at):
         return Weighting("mean", f"the loss adds terms the batch forms each its own way ({found.loss}), which fxpipe "
-                                 "weighs apart only where the graph adds them (a model's own loss, or a plan with "
-                                 "the loss in its last stage: give example_target=): the mean of the microbatches' "
-                                 "losses, the batch's only where every microbatch counts as many targets",
+                                 "weighs apart only where the graph adds them (a model's own loss, or a loss_fn traced "
+                                 "into the last stage: leave trace_loss on, and give example_target= where fxpipe "
+                                 "cannot infer the target): the mean of the microbatches' losses, the batch's only "
+                                 "where every microbatch counts as many targets",
                          inexact=True)
     if found.kind == "ratio":  # weighed where the model computes the ratio (its own loss): gm returns the numerator
         nodes = {n.name: n for n in gm.graph.nodes}

@@ -150,6 +150,12 @@ def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     return gm
 
 
+def export_graph(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.fx.GraphModule:
+    """The graph `trace` makes with torch.export, without its checks (the model's tensors as they are: a meta
+    copy at other sizes, whose numbers are compared with the trace's)."""
+    return _export(model, *_distinct(tuple(args), dict(kwargs)))
+
+
 def _differentiable_copies(graph: torch.fx.Graph) -> None:
     """Each functional `aten.copy(dst, src)` (what export makes of `dst.copy_(src)` into a fresh tensor:
     DeepSeek-V3's attention writes its keys into `new_empty(...)[..., :k]`) as the ops it computes, src cast to

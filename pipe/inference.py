@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from partition.plan import PlanError
-from partition.reduction import keep_numerator, loss_weighting, output_forms, weigh_terms
+from partition.reduction import keep_numerator, literal_numbers, loss_weighting, output_forms, weigh_terms
 from partition.split import assemble_outputs, inference_stage, param_nodes_of
 from partition.trace import flatten_inputs
 from pipe import calls, comm, modes
@@ -47,7 +47,8 @@ def forms(pp: Pipeline) -> list[tuple[str | None, int | None]] | None:
     if pp._forms is None:
         leaves, _ = _output_nodes(pp._gm)
         try:
-            pp._forms = output_forms(pp._gm, leaves, flatten_inputs(pp._gm, *pp._example, pp._example_target))
+            pp._forms = output_forms(pp._gm, leaves, flatten_inputs(pp._gm, *pp._example, pp._example_target),
+                                     pp._literals)
         except Exception:  # noqa: BLE001 - unknown: one number averaged with a warning, dim 0 concatenated
             pp._forms = [(None, None)] * len(leaves)
     return pp._forms
@@ -134,6 +135,26 @@ def output_shapes(model: torch.nn.Module, args: Any, kwargs: Any, gm: torch.fx.G
         return {}
     return {n.name: (tuple(one), tuple(two)) for n, one, two in zip(leaves, *shapes)
             if isinstance(n, torch.fx.Node) and one[:1] != ("value",) and two[:1] != ("value",)}
+
+
+def literals_at_twice(model: torch.nn.Module, args: Any, kwargs: Any, gm: torch.fx.GraphModule) -> dict[str, Any]:
+    """For a graph torch.export traced (`gm`), which fixes the sizes it computes with as numbers: each node's op and
+    numbers (partition.reduction.literal_numbers) in a trace of a meta copy of the model at twice the example's
+    samples, by node name (a number that differs is a size of the batch: x.sum() / x.shape[0]); {} for another
+    graph, or where that trace fails."""
+    if gm.meta.get("fxpipe_tracer") != "torch.export.export":
+        return {}
+    from partition.meta import meta_copy
+    from partition.trace import export_graph
+    try:
+        copy = meta_copy(model).train(model.training)
+        a, kw = pytree.tree_map(lambda x: torch.cat([x.to("meta")] * 2) if isinstance(x, torch.Tensor) and x.dim()
+                                else x, (tuple(args), dict(kwargs)))
+        with torch.device("meta"):
+            two = export_graph(copy, a, kw)
+    except Exception:  # noqa: BLE001 - a model that needs values: its sizes stay unknown
+        return {}
+    return {n.name: literal_numbers(n) for n in two.graph.nodes if n.op == "call_function"}
 
 
 def _leaf_shapes(model: torch.nn.Module, args: Any, kwargs: Any, training: bool) -> list[list[Any]] | None:

@@ -24,7 +24,7 @@ from partition.reduction import Weighting, batch_statistics, keep_numerator, los
 from partition.trace import flatten_inputs, trace
 from memory import MemoryManager
 from pipe import calls, comm, grads, inference, launch, optim, options, planning, setup, state_dicts, timing
-from pipe.inference import output_shapes
+from pipe.inference import literals_at_twice, output_shapes
 from pipe.calls import split_microbatches
 from pipe.errors import ModeError, NonFiniteLoss, PipelineError, agree_everywhere
 from pipe.lower import forward_only, fuse_backward, lower, validate, with_reloads
@@ -234,9 +234,10 @@ class Pipeline:
             # numerator returned in its place
             shapes = _once(lambda: output_shapes(model, args, kwargs, gm))
             self._twice = lambda: {name: two for name, (_, two) in shapes().items()}
+            self._literals = _once(lambda: literals_at_twice(model, args, kwargs, gm))  # (torch.export's sizes)
             self.weighting = loss_weighting(gm, loss_fn, self.plan.loss,
                                             flatten_inputs(gm, args, kwargs, example_target), example_target,
-                                            self._twice)
+                                            self._twice, self._literals)
             if self.plan.loss:  # a loss computed from outputs pairing the samples: said (the model's own, CLIP's)
                 self.weighting = pairing_read(gm, self.weighting, shapes())
             keep_numerator(gm, self.weighting)
@@ -574,7 +575,7 @@ class Pipeline:
         if self.weighting.kind in ("ratio", "terms"):  # the model's own, found at planning: the stages return its
             return  # numerator, or weigh its terms
         try:
-            found = loss_weighting(self._gm, self.loss_fn, False, flat, target, self._twice)
+            found = loss_weighting(self._gm, self.loss_fn, False, flat, target, self._twice, self._literals)
         except Exception:  # noqa: BLE001 - as planned: the note says so
             return
         if found.kind in (self.weighting.kind, "ratio", "terms"):  # (a ratio or terms only where the stages return

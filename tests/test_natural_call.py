@@ -286,12 +286,38 @@ def natural_body(rank: int, world: int) -> dict[str, Any]:
     for schedule in ("1f1b", "zb-h1"):
         out[f"router {schedule}"], how = _own_loss_in_parity(x, uneven, "router", schedule)
         assert ": weighed by its targets other than ignore_index=-100 (by class weight) over the batch's; mul_2: " \
-            "the mean of the microbatches' (the batch's only where" in how, how
+            "the mean of the microbatches' (the batch's where each" in how, how
     # a ratio term (its divisor 0 on microbatch 0: a NaN ratio) with such a term: its numerator over the batch's
     # divisor, finite (it was averaged as one loss: NaN)
     out["router ratio"], how = _own_loss_in_parity(x, uneven, "router ratio")
     assert "each microbatch's numerator over the batch's divisor; " in how, how
+    out["z-loss over a size"] = _sum_over_a_size_in_parity()
     return out
+
+
+def _sum_over_a_size_in_parity() -> float:
+    """tests/test_weighting.py's _OverSize on 2 ranks: a cross entropy plus a z-loss written as a sum over the
+    microbatch's size in a graph torch.export traced (the size a number there), weighed as the mean it is (it was
+    weighed as a sum: M x, silently)."""
+    import pipe
+    from tests.test_weighting import _OverSize
+    torch.manual_seed(3)
+    model, ref = _OverSize(), _OverSize()
+    ref.load_state_dict(model.state_dict())
+    x, t = torch.randn(8, 4), torch.randint(0, 5, (8,))
+    t[:2] = -100
+    pp = pipe.Pipeline(model, (x[:2], t[:2]), loss_fn=lambda out, _: out, microbatches=4, cost="flops")
+    assert pp.weighting.kind == "terms" and "torch.export.export" in pp.plan.table(), pp.plan.table()
+    loss = pp.step(x, t)
+    o = ref.lin(x)
+    want = F.cross_entropy(o, t) + 0.01 * sum((om.logsumexp(-1) ** 2).sum() / 2 for om in o.chunk(4)) / 4
+    want.backward()
+    torch.testing.assert_close(loss, want.item(), rtol=1e-5, atol=1e-6)
+    grads = dict(pp.named_parameters())
+    for name, p in ref.named_parameters():
+        if name in grads:
+            torch.testing.assert_close(grads[name].grad, p.grad, msg=name)
+    return loss
 
 
 def test_the_natural_call_trains_in_parity_and_forward_returns_the_output_on_two_ranks() -> None:

@@ -450,7 +450,7 @@ def test_a_loss_adding_terms_is_weighed_by_its_terms(loss_fn: Any, kind: str, sa
     w = _weighting(loss_fn, in_graph)
     if kind == "terms" and not in_graph:  # weighed apart only where the graph adds them
         kind, said = "mean", "NOT the batch's, the mean of the microbatches' losses: the loss adds terms"
-        assert "give example_target=" in w.describe(), w.describe()
+        assert "leave trace_loss on, and give example_target= where" in w.describe(), w.describe()
     assert w.kind == kind and said in w.describe(), w.describe()
     if kind == "count":  # the counts still weigh the microbatches to the batch's loss
         x, t = torch.randn(4, 3, 4), torch.randint(0, V, (4, 3))
@@ -791,3 +791,50 @@ def test_an_aten_element_wise_loss_is_read_as_the_function_is() -> None:
     assert any(n.target is torch.ops.aten.mse_loss.default for n in gm.graph.nodes), gm.graph
     w = loss_weighting(gm, lambda out, _: out, False, [x, y], None)
     assert w.kind == "sum" and "mse_loss, reduction='sum'" in w.describe(), w.describe()
+
+
+class _OverSize(nn.Module):
+    """Its own loss a cross entropy plus a router z-loss written as a sum over the microbatch's size (as Switch
+    Transformers writes it), or that z-loss alone (`alone`), or the sum over a number that is no size (`by`); control
+    flow on a size: torch.export traces it, fixing x.shape[0] as a number."""
+    def __init__(self, alone: bool = False, by: float | None = None) -> None:
+        super().__init__()
+        self.lin, self.alone, self.by = nn.Linear(4, V), alone, by
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        if x.size(0) == 0:
+            return x.sum()
+        o = self.lin(x)
+        z = (o.logsumexp(-1) ** 2).sum() / (self.by or x.shape[0])
+        return z if self.alone else F.cross_entropy(o, t) + 0.01 * z
+
+
+@pytest.mark.parametrize("alone, by, kind", [(False, None, "terms"), (True, None, "mean"), (True, 2.0, "sum")])
+def test_a_sum_over_a_size_torch_export_fixed_is_a_mean(alone: bool, by: float | None, kind: str) -> None:
+    """Found by review: under torch.export, x.sum() / x.shape[0] (a mean over the microbatch: the size is a number in
+    the graph) was weighed as a sum, M x the batch's loss and grads, silently (21.298 where the batch's is 5.325;
+    in a loss of terms 2.479 for 2.319). A number that differs in a trace at twice the samples is a size: such a
+    sum over it is a mean. A number that is no size (the same at twice the samples, though equal to the
+    microbatch's) keeps a sum a sum. forward()'s value of it is formed alike."""
+    from partition.reduction import output_forms
+    from pipe.inference import literals_at_twice
+    torch.manual_seed(0)
+    model = _OverSize(alone, by)
+    x, t = torch.randn(8, 4), torch.randint(0, V, (8,))
+    t[:2] = -100
+    gm = trace(model, (x[:2], t[:2]), {})
+    assert gm.meta["fxpipe_tracer"] == "torch.export.export"
+    literals = lambda: literals_at_twice(model, (x[:2], t[:2]), {}, gm)  # noqa: E731
+    w = loss_weighting(gm, lambda out, _: out, False, [x[:2], t[:2]], None, literals=literals)
+    assert w.kind == kind, w.describe()
+    mean = [w] if kind == "mean" else [p for p in w.parts if p.kind == "mean"]
+    assert kind == "sum" or "by a size of the microbatch, a number torch.export fixed" in mean[0].why, w.describe()
+    without = loss_weighting(gm, lambda out, _: out, False, [x[:2], t[:2]], None)  # (no trace at twice: unknown)
+    assert without.kind == ("sum" if alone else "terms"), without.describe()
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    leaf = pytree.tree_leaves(out.args)[0]
+    form = output_forms(gm, [leaf], [x[:2], t[:2]], literals)[0][0]
+    assert form == {"terms": None, "mean": "mean", "sum": "sum"}[kind], form
+    if kind == "mean":  # the mean of the microbatches' z-losses is the model's on the batch
+        got = sum(model(xm, tm) for xm, tm in zip(x.chunk(4), t.chunk(4))) / 4
+        torch.testing.assert_close(got, model(x, t))
