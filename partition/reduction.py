@@ -134,8 +134,10 @@ class Weighting:
             return f"loss: the batch's, the sum of the microbatches' ({self.loss}){over}"
         if self.kind == "ratio":
             floor = f", at least {self.floor:g}" if self.floor is not None else ""
+            once = [n for (_, _, n), p in zip(self.at, self.parts) if p.kind == "mean"]
+            added = f"; {', '.join(once)}, the same in every microbatch, added once" if once else ""
             return (f"loss: the batch's, {self.loss}: each microbatch's numerator over the batch's divisor{floor} "
-                    f"(computed from the inputs){over}")
+                    f"(computed from the inputs){added}{over}")
         if self.kind == "terms":
             each = "; ".join(f"{n}{_named(n, p.loss)}: {_part_note(p)}" for (_, _, n), p in zip(self.at, self.parts))
             return f"loss: its terms each weighed in its microbatch as the batch forms it{over}: {each}"
@@ -296,17 +298,8 @@ def _weigh(gm: torch.fx.GraphModule, loss: torch.fx.Node, constants: set[torch.f
         loss, reader = inner, loss.name
         chain.append(loss.name)
     found, chain, reader = _weighed(gm, loss, constants, sizes, shared, chain, reader)
-    sized = [n for n in numbers if sizes.sized(n)] if found.kind != "mean" else []
-    if sized:  # (found by review: x.sum() / x.shape[0] under torch.export, a mean over the
-        # microbatch, was weighed as a sum, M x the batch's, silently)
-        what = (f"{', '.join(n.name for n in sized)} scales {found.loss or found.kind} by a size of the microbatch, "
-                "a number torch.export fixed in the graph (it differs in a trace at twice the samples)")
-        if found.kind == "sum" and all(n.target in _DIV and n.args[0] is not n.args[1] and _number(n.args[1])
-                                       for n in sized):
-            found = Weighting("mean", f"{what}: a sum over the microbatch's samples over their count, a mean")
-        else:
-            found = Weighting("mean", f"{what}: the mean of the microbatches' losses, the batch's only where each "
-                                      "scales alike", inexact=True)
+    if found.kind != "mean" and numbers:  # (found by review: x.sum() / x.shape[0] under torch.export, a mean over
+        found = _over_sizes(found, numbers, sizes)  # the microbatch, was weighed as a sum, M x the batch's, silently)
     if by_weight and found.kind == "count":  # (found by review of the change: a NaN grad, silently)
         found = Weighting("mean", f"the loss {found.loss} is scaled by a weight ({by_weight}): weighed by counts, a "
                                   "microbatch counting no target (its loss NaN, weighed 0) would give that weight the "
@@ -335,6 +328,43 @@ def _weighed(gm: torch.fx.GraphModule, loss: torch.fx.Node, constants: set[torch
 
 _ADDS = {operator.add, operator.sub, torch.add, torch.sub, torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor,
          "add", "sub", "__add__", "__radd__", "__sub__", "__rsub__"}
+
+
+def _per_sample(nodes: list[torch.fx.Node], sizes: _Sizes) -> str:
+    """How the numbers `nodes` scale a value by (_Sizes.sized): "constant" (all of them), "per sample" (one of
+    them over the count of the samples, the others constants: a sum so scaled is a mean), else "unknown"
+    ("other", or a number fxpipe cannot tell)."""
+    kinds = []
+    for n in nodes:
+        kind = sizes.sized(n)
+        divides = n.target in _DIV and _number(n.args[1]) and not _number(n.args[0])
+        kinds.append("constant" if kind == "constant" else "per sample"
+                     if (kind, divides) in (("samples", True), ("per sample", False)) else "unknown")
+    varying = [k for k in kinds if k != "constant"]
+    return "constant" if not varying else "per sample" if varying == ["per sample"] else "unknown"
+
+
+def _over_sizes(found: Weighting, numbers: list[torch.fx.Node], sizes: _Sizes) -> Weighting:
+    """`found`, the weighting of a loss `numbers` scale: where torch.export fixed the microbatch's size as a number,
+    a sum over it is a mean, and one fxpipe cannot tell from a constant makes the loss the microbatches' mean,
+    said not to be the batch's."""
+    how = _per_sample(numbers, sizes)
+    if how == "constant" or how == "unknown" and found.kind != "sum":  # (a count or ratio scaled by a number)
+        return found
+    names = ", ".join(n.name for n in numbers)
+    if how == "per sample" and found.kind == "sum":
+        return Weighting("mean", f"{names} scales {found.loss} by one over the microbatch's count of samples, a number "
+                                 "torch.export fixed in the graph (it doubles in a trace at twice the samples): a sum "
+                                 "over the microbatch over its size, a mean")
+    if how == "per sample":
+        return Weighting("mean", f"{names} scales {found.loss or found.kind} by one over the microbatch's count of "
+                                 "samples, a number torch.export fixed in the graph: the mean of the microbatches' "
+                                 "losses", inexact=True)
+    return Weighting("mean", f"{names} scales {found.loss} by a number that torch.export fixed in the graph and "
+                             "fxpipe cannot tell from a constant (a size of the microbatch, sqrt(n) or n - 1, or a "
+                             "trace at twice the samples failed or took other ops): the mean of the microbatches' "
+                             "losses; write the scaling with the model's values (x.mean(), a tensor of the count) or "
+                             "make the model traceable by torch.fx", inexact=True)
 
 
 def _number(value: Any) -> bool:
@@ -468,10 +498,8 @@ def _one_value(gm: torch.fx.GraphModule, node: torch.fx.Node, constants: set[tor
         scaled, node = scaled or node.target not in _CASTS, inner
     if sizes.of(node) != (1, 1):
         return None
-    if _additive(gm, node, sizes) is not None:
-        sized = [n for n in numbers if sizes.sized(n)]  # x.sum() / x.shape[0] under torch.export: a mean
-        return "sum" if not sized else "mean" if all(n.target in _DIV and _number(n.args[1]) for n in sized) \
-            else None
+    if _additive(gm, node, sizes) is not None:  # (x.sum() / x.shape[0] under torch.export: a mean)
+        return {"constant": "sum", "per sample": "mean"}.get(_per_sample(numbers, sizes)) if numbers else "sum"
     arg = node.args[0] if node.op in ("call_function", "call_method") and len(node.args) == 1 and not node.kwargs \
         else None  # over every element: no dim
     if isinstance(arg, torch.fx.Node) and sizes._carries(arg) and sizes.mixed(arg) is False:
@@ -559,7 +587,8 @@ TERMS = "fxpipe_term_weights"  # the input weigh_terms adds: each term's weight 
 
 
 def weigh_terms(gm: torch.fx.GraphModule, w: Weighting, names: dict[str, str] | None = None) -> bool:
-    """For a "terms" weighting: `gm` (a stage) takes one more input, last, TERMS: one microbatch's weight of each
+    """For a "terms" weighting (or a "ratio" whose numerator adds a penalty of the weights to its sums: the
+    numerator's terms): `gm` (a stage) takes one more input, last, TERMS: one microbatch's weight of each
     term in the batch's loss (pipe.step), and adds each term as where(weight > 0, term, 0) * weight (a microbatch
     counting no target has a NaN cross entropy, weighed 0, whose grads stay 0); a ratio term as its numerator
     times its weight (one over the batch's divisor: a ratio over no sample is NaN, its grads too, where its
@@ -567,7 +596,7 @@ def weigh_terms(gm: torch.fx.GraphModule, w: Weighting, names: dict[str, str] | 
     the adding nodes and the loss are linear, so the loss is the weighed sum of its terms. `names`: gm's node
     -> the node of the weighting's graph it stands for (a trace in another mode). True when done; False, gm
     unchanged, when gm does not hold every adding node (the terms are added on another stage)."""
-    if w.kind != "terms":
+    if not w.parts:
         return False
     by = {(names or {}).get(n.name, n.name): n for n in gm.graph.nodes}
     adds = [by.get(name) for name, _, _ in w.at]
@@ -610,17 +639,30 @@ class _Sizes:
         self._mixed: dict[torch.fx.Node, bool] = {}
         self._paired: dict[torch.fx.Node, torch.fx.Node | None] | None = None
 
-    def sized(self, node: torch.fx.Node) -> bool | None:
-        """Whether a number among `node`'s arguments is a size of the microbatch (x.sum() / x.shape[0]): where
-        torch.export traced the graph, fixing sizes as numbers, one that differs in its trace at twice the samples
-        (`literals`: literal_numbers of that trace's nodes, by name); False in a graph keeping sizes as values;
-        None unknown (no such trace, or one that differs in its ops)."""
+    def sized(self, node: torch.fx.Node) -> str:
+        """What the number among `node`'s arguments is, where torch.export traced the graph and fixed the sizes it
+        computes with as numbers (x.sum() / x.shape[0] divides by one), from a trace at twice the samples
+        (`literals`: literal_numbers of its nodes, by name, in program order): "constant" (the same there; also in
+        a graph keeping sizes as values), "samples" (doubled: a count of the samples, or of their tokens),
+        "per sample" (halved: one over such a count), "other" (changed otherwise: sqrt(n), n - 1, two of them), or
+        "unknown" (no such trace: it failed; or one whose ops differ from gm's, a branch on a size)."""
         if self.gm.meta.get("fxpipe_tracer") != "torch.export.export":
-            return False
+            return "constant"
         if self._literals is None:
-            self._literals = self.literals() if self.literals is not None else {}
-        two = self._literals.get(node.name)
-        return None if two is None or two[0] != str(node.target) else literal_numbers(node)[1] != two[1]
+            two = self.literals() if self.literals is not None else {}
+            mine = [(n.name, str(n.target)) for n in self.gm.graph.nodes if n.op == "call_function" and n.name in two]
+            self._literals = two if mine == [(k, v[0]) for k, v in two.items()] else {}  # (the same ops, in order)
+        there = self._literals.get(node.name)
+        if there is None:
+            return "unknown"
+        one = literal_numbers(node)[1]
+        changed = [(a, b) for a, b in zip(one, there[1]) if a != b]
+        if len(one) != len(there[1]) or len(changed) > 1:
+            return "other"
+        if not changed:
+            return "constant"
+        a, b = changed[0]
+        return "samples" if b == 2 * a else "per sample" if 2 * b == a else "other"
 
     def of(self, node: torch.fx.Node) -> tuple[int, int] | None:
         """The number of elements of the tensor `node` gives, on one microbatch and on two; None unknown."""
@@ -900,7 +942,7 @@ def _additive(gm: torch.fx.GraphModule, node: torch.fx.Node, sizes: _Sizes,
     if node.op in ("call_function", "call_method") and len(terms) == 1 and len(numbers) == 1 and not node.kwargs \
             and (node.target in _MUL or node.target in _DIV and node.args[0] is terms[0]):  # 0.5 * a sum: a sum
         summed = _additive(gm, terms[0], sizes, shared)
-        return None if summed is None or sizes.sized(node) else summed  # (a sum over a size is none)
+        return summed if summed is None or _per_sample([node], sizes) == "constant" else None  # (over a size: none)
     if node.op in ("call_function", "call_method") and len(terms) == 2 == len(node.args) and not node.kwargs \
             and (node.target in _MUL or node.target in _DIV and node.args[1] in shared):
         # a sum times a learned weight: the microbatches' sums times the one weight add to the batch's (a sum over
@@ -953,6 +995,10 @@ def _ratio(gm: torch.fx.GraphModule, loss: torch.fx.Node, sizes: _Sizes, shared:
     if found is None or not _sums_the_batch(found[0], sizes):
         return None
     what = _additive(gm, numerator, sizes, shared)
+    parts: list[Weighting] = []
+    at: list[tuple[str, int, str]] = []
+    if what is None:  # a sum plus a penalty of the weights ((ce_a + ce_b + 0.01 * w.pow(2).sum()) / mask.sum()):
+        what = _with_shared(gm, numerator, sizes, shared, parts, at)  # the penalty added once (weigh_terms)
     if what is None:  # (found by review: said to be the batch's where the microbatches average alike)
         return Weighting("mean", f"it divides {numerator.name}, which is not a sum over the samples fxpipe can split "
                                  f"(a term every microbatch shares, a mean), by {found[0].name}, a "
@@ -962,7 +1008,35 @@ def _ratio(gm: torch.fx.GraphModule, loss: torch.fx.Node, sizes: _Sizes, shared:
     if sub is None:
         return Weighting("mean", f"it is {what} over a sum whose {why.replace('target', 'value', 1)}")
     return Weighting("ratio", "", loss=f"{numerator.name} ({what}) / {found[0].name}", targets=sub, attrs=attrs,
-                     written=written, origin=gm, ratio=loss.name, numerator=numerator.name, floor=found[1])
+                     written=written, origin=gm, ratio=loss.name, numerator=numerator.name, floor=found[1],
+                     parts=parts, at=at)
+
+
+def _with_shared(gm: torch.fx.GraphModule, node: torch.fx.Node, sizes: _Sizes, shared: set[torch.fx.Node],
+                 parts: list[Weighting], at: list[tuple[str, int, str]]) -> str | None:
+    """What a ratio's numerator `node` is when it adds sums over the samples and values every microbatch shares
+    (a penalty of the weights, a number), at least one a sum, else None; `parts` and `at` receive each term's
+    weighting ("sum", or "mean" for a shared one: weighed to count once in the batch) and where it is added."""
+    if not _adds(node):
+        return None
+    said = []
+    for i, a in enumerate(node.args):
+        name = a.name if isinstance(a, torch.fx.Node) else repr(a)
+        if not isinstance(a, torch.fx.Node) or a in shared:
+            parts.append(Weighting("mean", _SAME))
+            at.append((node.name, i, name))
+            said.append(f"{name}: {_SAME}")
+            continue
+        what = _additive(gm, a, sizes, shared)
+        if what is not None:
+            parts.append(Weighting("sum", "", loss=what))
+            at.append((node.name, i, name))
+            said.append(f"{name}: {what}")
+        elif _with_shared(gm, a, sizes, shared, parts, at) is None:
+            return None
+        else:
+            said.append(f"{name}: terms")
+    return " + ".join(said) if any(p.kind == "sum" for p in parts) else None
 
 
 def _found(gm: torch.fx.GraphModule, loss: torch.fx.Node, sizes: _Sizes, shared: set[torch.fx.Node]) -> Weighting:

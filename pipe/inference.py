@@ -252,7 +252,7 @@ def _weighing(pp: Pipeline, stages: dict[int, Any], names: dict[str, str] | None
     a stage computing the loss (another mode's training stage) that does not add the terms where the plan's
     graph does is refused (ValueError); a stage without the loss (forward()) that does not is left as it is."""
     last = pp.S - 1
-    if pp.weighting.kind == "terms" and last in stages and not weigh_terms(stages[last][0], pp.weighting, names) \
+    if pp.weighting.parts and last in stages and not weigh_terms(stages[last][0], pp.weighting, names) \
             and strict:
         raise ValueError(f"its loss does not add the terms {', '.join(n for _, _, n in pp.weighting.at)} where the "
                          "plan's graph adds them")

@@ -65,12 +65,12 @@ def _once(fn: Callable[[], Any]) -> Callable[[], Any]:
 def weigh_on(stages: list[torch.fx.GraphModule], w: Weighting) -> Weighting:
     """`w`, its terms weighed where the last stage adds them (partition.reduction.weigh_terms); where another stage
     adds them, the mean of the microbatches' losses, said not to be the batch's."""
-    if w.kind != "terms" or weigh_terms(stages[-1], w):
+    if not w.parts or weigh_terms(stages[-1], w):
         return w
     return Weighting("mean", f"the loss adds terms the batch forms each its own way ({w.loss}), which fxpipe weighs "
                              "apart where the last stage adds them, and this plan adds them on an earlier stage: the "
                              "mean of the microbatches' losses, the batch's only where every microbatch counts as "
-                             "many targets", inexact=True, chain=w.chain)
+                             "many targets and shares one divisor", inexact=True, chain=w.chain)
 
 
 class Pipeline:

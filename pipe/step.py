@@ -290,7 +290,7 @@ class StepState:
                              for i, x in zip(extras, outs[sent:])})
             return
         model_inputs = [self.flats[mb][i] for i in io.inputs]
-        if io.last and pp.weighting.kind == "terms":  # the last stage weighs the loss's terms (weigh_on)
+        if io.last and pp.weighting.parts:  # the last stage weighs the loss's terms (weigh_on)
             model_inputs.append(self._term_weights()[mb])
         args = leaves + model_inputs
         if self.stages is not None:  # the other mode's stage, without grads: no memory or W split to manage
@@ -344,13 +344,14 @@ class StepState:
     def _term_weights(self) -> torch.Tensor:
         """A loss adding terms each formed its own way ("terms"): [microbatch, term] weights in the batch's loss,
         float32 on the device, as _scales weighs a whole loss of the term's kind (its counts over the batch's,
-        every replica's, in one all-reduce; times the replicas); forward()'s are its replica's own."""
+        every replica's, in one all-reduce; times the replicas); forward()'s are its replica's own. A ratio's
+        numerator adding a penalty of the weights to its sums: 1 for a sum, 1/(M x replicas) for the penalty."""
         if self.term_weights is None:
             pp, w = self.pp, self.pp.weighting
             values = self.flats if pp.plan.loss else [f + [t] for f, t in zip(self.flats, self.targets)]
             counted = [k for k, p in enumerate(w.parts) if p.kind in ("count", "ratio")]
             counts = [torch.stack([w.parts[k].count(v) for v in values]).to(pp.ctx.device) for k in counted]
-            if pp.dynamic:  # mean terms: each microbatch's samples over the batch's
+            if pp.dynamic and w.kind == "terms":  # mean terms: each microbatch's samples over the batch's
                 counts.append(torch.tensor([float(_samples(f)) for f in self.flats], dtype=torch.float64,
                                            device=pp.ctx.device))
             dp = 1 if self.inference else pp.dp
@@ -360,7 +361,10 @@ class StepState:
                     dist.all_reduce(totals, group=pp.dp_group)
             columns = []
             for k, p in enumerate(w.parts):
-                if p.kind == "count":
+                if w.kind == "ratio":  # its numerator's terms (the step scales it by one over the batch's divisor):
+                    once = 1.0 if p.kind == "sum" else 1.0 / (pp.M * dp)  # a penalty added once over the replicas
+                    columns.append(torch.full((pp.M,), once, dtype=torch.float64, device=pp.ctx.device))
+                elif p.kind == "count":
                     i = counted.index(k)
                     columns.append(counts[i] * (dp / totals[i]))  # type: ignore[index]
                 elif p.kind == "ratio":  # its numerator (weigh_terms) over the batch's divisor, at least its floor

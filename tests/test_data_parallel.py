@@ -212,11 +212,12 @@ def _ratio_over_replicas() -> dict[str, float]:
     return {**out, **{n: float((p.grad - refs[n].grad).abs().max()) for n, p in pp.named_parameters()}}
 
 
-def _terms_over_replicas() -> dict[str, float]:
+def _terms_over_replicas(how: str = "router") -> dict[str, float]:
     """A mixture of experts' loss (tests/test_natural_call.py's _OwnLoss("router"): a cross entropy plus a router's
     load-balancing term) on 2 replicas x 2 microbatches, replica 0's first microbatch counting no label, its
     parameters sharded over the replicas: the cross entropy weighed by both replicas' count of labels, the
-    load-balancing term the mean of the 4 microbatches'. The largest difference from one process, of the loss
+    load-balancing term the mean of the 4 microbatches'. `ratio penalty`: a masked mean whose numerator adds a
+    penalty of the weights, added once over both replicas. The largest difference from one process, of the loss
     and of each parameter's grads."""
     import pipe
     from tests.test_natural_call import _OwnLoss
@@ -224,15 +225,16 @@ def _terms_over_replicas() -> dict[str, float]:
     x, labels = torch.randn(16, 8), torch.randint(0, 10, (16,))
     labels[:6] = -100
     torch.manual_seed(2)
-    model, ref = _OwnLoss("router"), _OwnLoss("router")
+    model, ref = _OwnLoss(how), _OwnLoss(how)
     ref.load_state_dict(model.state_dict())
     pp = pipe.Pipeline(model, (x[:4], labels[:4]), loss_fn=lambda out, _: out, microbatches=2, cost="flops",
                        data_parallel=2, dp_shard="full")
-    assert pp.weighting.kind == "terms", pp.weighting
+    assert pp.weighting.kind == ("terms" if how == "router" else "ratio") and pp.weighting.parts, pp.weighting
     mine = slice(8 * pp.dp_rank, 8 * pp.dp_rank + 8)
     loss = pp.step(x[mine], labels[mine])
-    want = F.cross_entropy(ref.b(torch.relu(ref.a(x))), labels) + \
-        sum(ref.terms(xm, lm)[1] for xm, lm in zip(x.chunk(4), labels.chunk(4))) / 4
+    want = F.cross_entropy(ref.b(torch.relu(ref.a(x))), labels, weight=ref.classes) + \
+        sum(ref.terms(xm, lm)[1] for xm, lm in zip(x.chunk(4), labels.chunk(4))) / 4 if how == "router" \
+        else ref(x, labels)
     want.backward()
     refs = dict(ref.named_parameters())
     return {"loss": abs(loss - float(want)),
@@ -364,6 +366,7 @@ def four_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
         res[f"two steps {shard}"] = _grads_after_two_steps(data_parallel=2, dp_shard=shard)
     res["ratio"] = _ratio_over_replicas()
     res["terms"] = _terms_over_replicas()
+    res["ratio penalty"] = _terms_over_replicas("ratio penalty")
     res["refused replica"] = _one_replica_refuses()
     res["frozen on one rank"] = _frozen_on_one_rank()
     res["save on one rank"] = _save_on_one_rank(root)
@@ -405,9 +408,10 @@ def test_pipeline_times_data_parallel_on_4_ranks(tmp_path: Path) -> None:
                 assert err < 1e-5, (shard, name, err)
         for name, err in r["ratio"].items():
             assert err < 1e-5, ("masked mean over replicas", name, err)
-        assert len(r["terms"]) > 1, r["terms"]  # (the loss, and a stage's parameters)
-        for name, err in r["terms"].items():
-            assert err < 1e-5, ("a cross entropy plus a load-balancing term over replicas", name, err)
+        for case in ("terms", "ratio penalty"):
+            assert len(r[case]) > 1, r[case]  # (the loss, and a stage's parameters)
+            for name, err in r[case].items():
+                assert err < 1e-5, (case, "over replicas", name, err)
         refused = r["refused replica"]
         assert "not divisible into 4 microbatches" in refused["error"] or "planned shape" in refused["error"], refused
         assert refused["error"].startswith("replica 1 (global ranks [1, 3]) stopped") == (r is res[0] or r is res[2]), \
@@ -421,8 +425,8 @@ def test_pipeline_times_data_parallel_on_4_ranks(tmp_path: Path) -> None:
         torch.testing.assert_close(*torch.tensor(streamed["norms"]).T, rtol=1e-5, atol=0)
         torch.testing.assert_close(*streamed["evaluated"], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(*streamed["evaluated in eval mode"], rtol=1e-5, atol=1e-6)
-    cases = [k for k in res[0] if k not in ("errors", "streamed states", "ratio", "terms", "refused replica",
-                                         "save on one rank", "frozen on one rank")
+    cases = [k for k in res[0] if k not in ("errors", "streamed states", "ratio", "terms", "ratio penalty",
+                                         "refused replica", "save on one rank", "frozen on one rank")
              and not k.startswith(("loaded into", "two steps"))]
     assert len(cases) == len(SCHEDULES) * len(SHARDS) + len(SCHEDULES) + 1
     for case in cases:

@@ -114,7 +114,8 @@ def test_inference_stages_form_the_logits_of_a_head_cut_into_vocabulary_slices()
 class _OwnLoss(torch.nn.Module):
     """A model computing its own loss from labels padded with -100: a cross entropy plus an L2 penalty of its
     weights (`penalty`), or two cross entropies summed over a count of the labels (a masked mean written by hand),
-    scaled after (`scaled ratio`) or before by a learned weight (`weighted ratio`); or a cross entropy plus a
+    scaled after (`scaled ratio`) or before by a learned weight (`weighted ratio`), or with a penalty of the weights
+    in its numerator (`ratio penalty`, which the batch's numerator adds once); or a cross entropy plus a
     router's load-balancing loss, a statistic of the whole microbatch (`router`, as a mixture of experts adds), or
     the two cross entropies summed over a count of the labels (unclamped) plus that term (`router ratio`)."""
 
@@ -140,6 +141,8 @@ class _OwnLoss(torch.nn.Module):
         if self.how == "penalty":
             return F.cross_entropy(self.b(h), labels) + 0.01 * (self.a.weight.pow(2).sum() + self.b.weight.pow(2).sum())
         both = F.cross_entropy(self.b(h), labels, reduction="sum") + F.cross_entropy(self.c(h), labels, reduction="sum")
+        if self.how == "ratio penalty":  # a penalty of the weights in the numerator: added once to the batch's
+            return (both + 0.01 * self.a.weight.pow(2).sum()) / (labels != -100).sum().clamp(min=1)
         if self.how == "router ratio":
             routed = torch.softmax(self.c(h), -1).mean(0)
             return both / (labels != -100).sum() + (routed * routed).sum()
@@ -277,7 +280,8 @@ def natural_body(rank: int, world: int) -> dict[str, Any]:
     for kind, said in (("penalty", "(the same in every microbatch) weighs by its targets"),
                        ("ratio", "each microbatch's numerator over the batch's divisor"),
                        ("scaled ratio", "each microbatch's numerator over the batch's divisor"),
-                       ("weighted ratio", "each microbatch's numerator over the batch's divisor")):
+                       ("weighted ratio", "each microbatch's numerator over the batch's divisor"),
+                       ("ratio penalty", "(computed from the inputs); mul, the same in every microbatch, added once")):
         out[f"own loss {kind}"], how = _own_loss_in_parity(x, uneven, kind)
         assert said in how, how
     # a mixture of experts' loss: a cross entropy plus a router's load-balancing term was averaged as one loss (the

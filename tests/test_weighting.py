@@ -795,42 +795,56 @@ def test_an_aten_element_wise_loss_is_read_as_the_function_is() -> None:
 
 class _OverSize(nn.Module):
     """Its own loss a cross entropy plus a router z-loss written as a sum over the microbatch's size (as Switch
-    Transformers writes it), or that z-loss alone (`alone`), or the sum over a number that is no size (`by`); control
-    flow on a size: torch.export traces it, fixing x.shape[0] as a number."""
-    def __init__(self, alone: bool = False, by: float | None = None) -> None:
+    Transformers writes it), or that z-loss alone (`alone`), its sum scaled (`how`): over the size ("n"), times one
+    over it ("inverse"), over a number that is no size ("constant": 2.0, the microbatch's size), over sqrt(n), or
+    over n where a trace at twice the samples fails ("fails": it refuses more samples) or takes other ops ("branch").
+    Control flow on a size: torch.export traces it, fixing x.shape[0] as a number."""
+    def __init__(self, alone: bool = False, how: str = "n") -> None:
         super().__init__()
-        self.lin, self.alone, self.by = nn.Linear(4, V), alone, by
+        self.lin, self.alone, self.how = nn.Linear(4, V), alone, how
 
     def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        if x.size(0) == 0:
-            return x.sum()
+        if x.size(0) == 0 or self.how == "fails" and x.size(0) > 2:
+            raise ValueError("no more than 2 samples")
+        if self.how == "branch" and x.size(0) > 2:
+            x = x * 1.0
         o = self.lin(x)
-        z = (o.logsumexp(-1) ** 2).sum() / (self.by or x.shape[0])
+        z = (o.logsumexp(-1) ** 2).sum()
+        n = x.shape[0]
+        z = {"inverse": lambda: z * (1 / n), "constant": lambda: z / 2.0, "sqrt": lambda: z / n ** 0.5}.get(
+            self.how, lambda: z / n)()
         return z if self.alone else F.cross_entropy(o, t) + 0.01 * z
 
 
-@pytest.mark.parametrize("alone, by, kind", [(False, None, "terms"), (True, None, "mean"), (True, 2.0, "sum")])
-def test_a_sum_over_a_size_torch_export_fixed_is_a_mean(alone: bool, by: float | None, kind: str) -> None:
+@pytest.mark.parametrize("alone, how, kind", [(False, "n", "terms"), (True, "n", "mean"), (True, "inverse", "mean"),
+                                              (True, "constant", "sum"), (True, "sqrt", "NOT"), (True, "fails", "NOT"),
+                                              (False, "branch", "NOT")])
+def test_a_sum_over_a_size_torch_export_fixed_is_a_mean(alone: bool, how: str, kind: str) -> None:
     """Found by review: under torch.export, x.sum() / x.shape[0] (a mean over the microbatch: the size is a number in
     the graph) was weighed as a sum, M x the batch's loss and grads, silently (21.298 where the batch's is 5.325;
-    in a loss of terms 2.479 for 2.319). A number that differs in a trace at twice the samples is a size: such a
-    sum over it is a mean. A number that is no size (the same at twice the samples, though equal to the
-    microbatch's) keeps a sum a sum. forward()'s value of it is formed alike."""
+    in a loss of terms 2.479 for 2.319). A number that doubles in a trace at twice the samples counts them: a sum
+    over it, or times one over it, is a mean; one that stays (though equal to the microbatch's size) keeps a sum a
+    sum. One that changes otherwise (sqrt(n)), or that fxpipe cannot tell (that trace fails, or takes other ops:
+    found by review of the change, which then read it as a constant or compared another node, silently), makes
+    the loss the microbatches' mean, said NOT to be the batch's. forward()'s value of it is formed alike."""
     from partition.reduction import output_forms
     from pipe.inference import literals_at_twice
     torch.manual_seed(0)
-    model = _OverSize(alone, by)
+    model = _OverSize(alone, how)
     x, t = torch.randn(8, 4), torch.randint(0, V, (8,))
     t[:2] = -100
     gm = trace(model, (x[:2], t[:2]), {})
     assert gm.meta["fxpipe_tracer"] == "torch.export.export"
     literals = lambda: literals_at_twice(model, (x[:2], t[:2]), {}, gm)  # noqa: E731
     w = loss_weighting(gm, lambda out, _: out, False, [x[:2], t[:2]], None, literals=literals)
+    if kind == "NOT":
+        assert w.kind == "mean" and w.describe().startswith("loss: NOT the batch's") and \
+            "fxpipe cannot tell from a constant" in w.describe(), w.describe()
+        return
     assert w.kind == kind, w.describe()
     mean = [w] if kind == "mean" else [p for p in w.parts if p.kind == "mean"]
-    assert kind == "sum" or "by a size of the microbatch, a number torch.export fixed" in mean[0].why, w.describe()
-    without = loss_weighting(gm, lambda out, _: out, False, [x[:2], t[:2]], None)  # (no trace at twice: unknown)
-    assert without.kind == ("sum" if alone else "terms"), without.describe()
+    assert kind == "sum" or "over the microbatch's count of samples, a number torch.export fixed" in mean[0].why, \
+        w.describe()
     out = next(n for n in gm.graph.nodes if n.op == "output")
     leaf = pytree.tree_leaves(out.args)[0]
     form = output_forms(gm, [leaf], [x[:2], t[:2]], literals)[0][0]
