@@ -24,6 +24,7 @@ import math
 import operator
 import warnings
 from dataclasses import dataclass, field
+from difflib import SequenceMatcher
 from typing import Any, Callable, Sequence
 
 import torch
@@ -140,7 +141,8 @@ class Weighting:
                     f"(computed from the inputs){added}{over}")
         if self.kind == "terms":
             each = "; ".join(f"{n}{_named(n, p.loss)}: {_part_note(p)}" for (_, _, n), p in zip(self.at, self.parts))
-            return f"loss: its terms each weighed in its microbatch as the batch forms it{over}: {each}"
+            said = "NOT the batch's, " if self.inexact else ""
+            return f"loss: {said}its terms each weighed in its microbatch as the batch forms it{over}: {each}"
         if self.inexact:
             return f"loss: NOT the batch's, the mean of the microbatches' losses: {self.why}"
         if dynamic:
@@ -177,6 +179,8 @@ def _part_note(w: Weighting) -> str:
         return "the sum of the microbatches'"
     if w.why == _SAME:
         return "the same in every microbatch, added once (1/M in each)"
+    if w.inexact:
+        return f"the mean of the microbatches', NOT the batch's: {w.why}"
     return ("the mean of the microbatches' (the batch's where each averages as many elements; a statistic of a "
             "microbatch's samples together, as a router's load-balancing loss, is each microbatch's own, as under "
             "gradient accumulation)")
@@ -367,6 +371,30 @@ def _over_sizes(found: Weighting, numbers: list[torch.fx.Node], sizes: _Sizes) -
                              "make the model traceable by torch.fx", inexact=True)
 
 
+_SIZED = ("{} is computed from the weights alone with a number torch.export fixed in the graph that is not the same "
+          "at twice the samples, or that fxpipe cannot tell from a constant (a penalty over the microbatch's size): "
+          "not the same in every microbatch of another size")
+
+
+def _fixed(node: torch.fx.Node, sizes: _Sizes, shared: set[torch.fx.Node]) -> bool:
+    """Whether `node`, a value every microbatch shares (computed from the weights and numbers alone), is the same
+    whatever the microbatch's size: where torch.export traced the graph, every number it is computed with stays at
+    twice the samples (found by review: w.pow(2).sum() / x.shape[0] under torch.export was added once, as a
+    constant, silently)."""
+    if sizes.gm.meta.get("fxpipe_tracer") != "torch.export.export":
+        return True
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen or n not in shared:
+            continue
+        seen.add(n)
+        if n.op == "call_function" and literal_numbers(n)[1] and sizes.sized(n) != "constant":
+            return False
+        todo.extend(n.all_input_nodes)
+    return True
+
+
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -385,6 +413,9 @@ def _terms(gm: torch.fx.GraphModule, node: torch.fx.Node, constants: set[torch.f
     or every term is a mean; else "terms": each term weighed its own way where the graph adds it (weigh_terms)."""
     terms: list[tuple[str, Weighting | None]] = []
     for a in node.args:
+        if isinstance(a, torch.fx.Node) and a in shared and not _fixed(a, sizes, shared):
+            terms.append((a.name, Weighting("mean", _SIZED.format(a.name), inexact=True)))
+            continue
         if not isinstance(a, torch.fx.Node) or a in shared:
             terms.append((a.name if isinstance(a, torch.fx.Node) else repr(a), None))
             continue
@@ -401,11 +432,17 @@ def _terms(gm: torch.fx.GraphModule, node: torch.fx.Node, constants: set[torch.f
     if kinds == {"count"} and len({w.counted for _, w in named}) == 1 and named[0][1].counted:
         return dataclasses.replace(named[0][1], loss=loss)
     inexact = next((w for _, w in named if w.inexact), None)
-    if inexact is not None:
+    if kinds == {"mean"} and inexact is not None:
         return Weighting("mean", inexact.why, inexact=True)
     if kinds == {"mean"}:
         return Weighting("mean", "the loss adds terms each formed as a mean: "
                                  + "; ".join(f"{n}: {w.why}" for n, w in named))
+    nested = next((n for n, w in named if w.kind == "ratio" and w.parts), None)
+    if nested is not None:  # (found by review: its penalty was added M times, silently)
+        return Weighting("mean", f"the loss adds terms the batch forms each its own way ({loss}), one of them a ratio "
+                                 f"({nested}) whose numerator adds a penalty of the weights to its sums, which fxpipe "
+                                 "weighs apart only where the ratio is the whole loss: the mean of the microbatches' "
+                                 "losses", inexact=True)
     parts: list[Weighting] = []  # each term weighed its own way where it is added (weigh_terms)
     at: list[tuple[str, int, str]] = []
     for i, (n, part) in enumerate(terms):
@@ -415,7 +452,10 @@ def _terms(gm: torch.fx.GraphModule, node: torch.fx.Node, constants: set[torch.f
             continue
         parts.append(part if part is not None else Weighting("mean", _SAME))
         at.append((node.name, i, n))
-    return Weighting("terms", "", loss=loss, parts=parts, at=at)
+    # a term not the batch's (a sum over a number fxpipe cannot tell, a pairing loss) is weighed as the mean of the
+    # microbatches', the others still each their own way (found by review: the whole loss averaged, a cross entropy
+    # then NaN on a microbatch counting no target)
+    return Weighting("terms", "", loss=loss, parts=parts, at=at, inexact=any(p.inexact for p in parts))
 
 
 def _structure(value: Any) -> Any:
@@ -598,8 +638,8 @@ def weigh_terms(gm: torch.fx.GraphModule, w: Weighting, names: dict[str, str] | 
     unchanged, when gm does not hold every adding node (the terms are added on another stage)."""
     if not w.parts:
         return False
-    by = {(names or {}).get(n.name, n.name): n for n in gm.graph.nodes}
-    adds = [by.get(name) for name, _, _ in w.at]
+    by = {(names or {}).get(n.name, n.name): n for n in gm.graph.nodes if n.op != "placeholder"}  # (a value
+    adds = [by.get(name) for name, _, _ in w.at]  # received from another stage bears the name of its node there)
     ratios = [(p, add) for p, add in zip(w.parts, adds) if p.kind == "ratio"]
     if any(a is None for a in adds) or any(p.ratio not in by or p.numerator not in by or p.reader and p.reader not in by
                                            for p, _ in ratios):
@@ -642,16 +682,21 @@ class _Sizes:
     def sized(self, node: torch.fx.Node) -> str:
         """What the number among `node`'s arguments is, where torch.export traced the graph and fixed the sizes it
         computes with as numbers (x.sum() / x.shape[0] divides by one), from a trace at twice the samples
-        (`literals`: literal_numbers of its nodes, by name, in program order): "constant" (the same there; also in
-        a graph keeping sizes as values), "samples" (doubled: a count of the samples, or of their tokens),
-        "per sample" (halved: one over such a count), "other" (changed otherwise: sqrt(n), n - 1, two of them), or
-        "unknown" (no such trace: it failed; or one whose ops differ from gm's, a branch on a size)."""
+        (`literals`: literal_numbers of its nodes, by name, in program order; the two graphs' ops aligned in order,
+        as their names shift where one has ops the other lacks: an expand at other sizes, a branch on a size):
+        "constant" (the same there; also in a graph keeping sizes as values), "samples" (doubled: a count of the
+        samples, or of their tokens), "per sample" (halved: one over such a count), "other" (changed otherwise:
+        sqrt(n), n - 1, two of them), or "unknown" (no such trace: it failed; or no op there aligned with it)."""
         if self.gm.meta.get("fxpipe_tracer") != "torch.export.export":
             return "constant"
         if self._literals is None:
-            two = self.literals() if self.literals is not None else {}
-            mine = [(n.name, str(n.target)) for n in self.gm.graph.nodes if n.op == "call_function" and n.name in two]
-            self._literals = two if mine == [(k, v[0]) for k, v in two.items()] else {}  # (the same ops, in order)
+            two = list((self.literals() if self.literals is not None else {}).values())
+            mine = [n for n in self.gm.graph.nodes if n.op == "call_function"]
+            self._literals = {}
+            ops = SequenceMatcher(a=[str(n.target) for n in mine], b=[t for t, _ in two], autojunk=False)
+            for tag, i1, i2, j1, j2 in ops.get_opcodes():
+                if tag == "equal":
+                    self._literals.update((n.name, there) for n, there in zip(mine[i1:i2], two[j1:j2]))
         there = self._literals.get(node.name)
         if there is None:
             return "unknown"
@@ -1022,6 +1067,8 @@ def _with_shared(gm: torch.fx.GraphModule, node: torch.fx.Node, sizes: _Sizes, s
     said = []
     for i, a in enumerate(node.args):
         name = a.name if isinstance(a, torch.fx.Node) else repr(a)
+        if isinstance(a, torch.fx.Node) and a in shared and not _fixed(a, sizes, shared):
+            return None  # (a penalty over the microbatch's size, torch.export's number: not added once)
         if not isinstance(a, torch.fx.Node) or a in shared:
             parts.append(Weighting("mean", _SAME))
             at.append((node.name, i, name))

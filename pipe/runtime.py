@@ -62,10 +62,11 @@ def _once(fn: Callable[[], Any]) -> Callable[[], Any]:
     return call
 
 
-def weigh_on(stages: list[torch.fx.GraphModule], w: Weighting) -> Weighting:
-    """`w`, its terms weighed where the last stage adds them (partition.reduction.weigh_terms); where another stage
-    adds them, the mean of the microbatches' losses, said not to be the batch's."""
-    if not w.parts or weigh_terms(stages[-1], w):
+def weigh_on(last: set[str], w: Weighting) -> Weighting:
+    """`w`, whose terms the last stage (`last`: the plan's nodes on it) will weigh where it adds them
+    (partition.reduction.weigh_terms); where another stage adds them, the mean of the microbatches' losses, said not
+    to be the batch's."""
+    if not w.parts or all(name in last for name, _, _ in w.at):
         return w
     return Weighting("mean", f"the loss adds terms the batch forms each its own way ({w.loss}), which fxpipe weighs "
                              "apart where the last stage adds them, and this plan adds them on an earlier stage: the "
@@ -240,9 +241,14 @@ class Pipeline:
                                             self._twice, self._literals)
             if self.plan.loss:  # a loss computed from outputs pairing the samples: said (the model's own, CLIP's)
                 self.weighting = pairing_read(gm, self.weighting, shapes())
+            # terms weighed on the last stage, decided before the graph returns a ratio's numerator (found by
+            # review: a fallback to the mean then averaged the numerators)
+            self.weighting = weigh_on(set(self.plan.stages[-1].nodes), self.weighting)
             keep_numerator(gm, self.weighting)
             stages = split_graph(gm, self.plan)
-            self.weighting = weigh_on(stages, self.weighting)
+            if self.weighting.parts and not weigh_terms(stages[-1], self.weighting):
+                raise ValueError(f"the last stage does not add the loss's terms {self.weighting.loss}, which the plan "
+                                 "puts on it")
             error = None
         except (ValueError, TypeError) as e:
             error = f"{type(e).__name__}: {e}"
