@@ -1086,6 +1086,33 @@ def _with_shared(gm: torch.fx.GraphModule, node: torch.fx.Node, sizes: _Sizes, s
     return " + ".join(said) if any(p.kind == "sum" for p in parts) else None
 
 
+def _by_a_size(gm: torch.fx.GraphModule, loss: torch.fx.Node, sizes: _Sizes, shared: set[torch.fx.Node]
+               ) -> Weighting | None:
+    """Where the graph keeps sizes as values (torch.fx): a loss multiplying or dividing by one that changes with the
+    microbatch's samples, as a "mean" weighting: a sum over the samples over their count (x.sum() / x.shape[0]) is a
+    mean, any other such scaling (z.mean() * x.shape[0], a sum written so; x.sum() / n ** 2) makes the loss the
+    microbatches' mean, said not to be the batch's (found by review: it was averaged with a note saying it is the
+    batch's where each averages as many elements: 21.30 where the batch's is 85.19); None for any other loss."""
+    if loss.op not in ("call_function", "call_method") or len(loss.args) != 2 or loss.kwargs \
+            or not (loss.target in _MUL or loss.target in _DIV):
+        return None
+    values = [sizes._values(a) if isinstance(a, torch.fx.Node) else None for a in loss.args]
+    changing = [i for i, v in enumerate(values) if v is not None and v[0][0] == "value" and v[0] != v[1]]
+    if len(changing) != 1:
+        return None
+    i = changing[0]
+    one, two = values[i][0][1], values[i][1][1]  # type: ignore[index]
+    size, other = loss.args[i], loss.args[1 - i]
+    assert isinstance(size, torch.fx.Node)
+    if loss.target in _DIV and i == 1 and isinstance(one, (int, float)) and two == 2 * one \
+            and isinstance(other, torch.fx.Node) and _additive(gm, other, sizes, shared) is not None:
+        return Weighting("mean", f"it divides {other.name}, a sum over the samples, by {size.name}, their count: a "
+                                 "mean")
+    return Weighting("mean", f"the loss {loss.name} scales by {size.name}, a size of the microbatch ({one} "
+                             f"here, {two} at twice the samples): the mean of the microbatches' losses; write it as a "
+                             "sum or a mean over the samples", inexact=True)
+
+
 def _found(gm: torch.fx.GraphModule, loss: torch.fx.Node, sizes: _Sizes, shared: set[torch.fx.Node]) -> Weighting:
     """weighting's answer for the loss node `loss` (its scaling by shared values peeled)."""
     name = _additive(gm, loss, sizes, shared)
@@ -1114,6 +1141,9 @@ def _found(gm: torch.fx.GraphModule, loss: torch.fx.Node, sizes: _Sizes, shared:
             return Weighting("mean", (
                 "the loss is a .sum() fxpipe cannot tell is over the samples (a run of the graph on the meta device "
                 f"at two batch sizes: {why}): the step's loss and grads are 1/M of the batch's sum"))
+        scaled = _by_a_size(gm, loss, sizes, shared)
+        if scaled is not None:
+            return scaled
         return Weighting("mean", f"the loss is {_what(loss)}, not a cross entropy or NLL loss fxpipe can weigh by "
                                  "its targets")
     reduction = args.get("reduction", "mean")

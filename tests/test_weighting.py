@@ -890,3 +890,38 @@ def test_a_sum_over_a_size_torch_export_fixed_is_a_mean(alone: bool, how: str, k
     if kind == "mean":  # the mean of the microbatches' z-losses is the model's on the batch
         got = sum(model(xm, tm) for xm, tm in zip(x.chunk(4), t.chunk(4))) / 4
         torch.testing.assert_close(got, model(x, t))
+
+
+class _ScaledBySizeFx(nn.Module):
+    """A router z-loss scaled by the microbatch's size, which torch.fx keeps as a value: over it ("sum / n", a mean),
+    a mean times it ("mean * n", a sum written so) or a sum over its square ("sum / n^2"); alone or beside a cross
+    entropy."""
+    def __init__(self, how: str, alone: bool) -> None:
+        super().__init__()
+        self.lin, self.how, self.alone = nn.Linear(4, V), how, alone
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        o = self.lin(x)
+        z = o.logsumexp(-1) ** 2
+        n = x.shape[0]
+        z = {"sum / n": lambda: z.sum() / n, "mean * n": lambda: z.mean() * n, "sum / n^2": lambda: z.sum() / (n * n)}[
+            self.how]()
+        return z if self.alone else F.cross_entropy(o, t) + 0.01 * z
+
+
+@pytest.mark.parametrize("how, alone, said", [
+    ("sum / n", True, "loss: the mean of the microbatches' losses"), ("sum / n", False, "loss: its terms"),
+    ("mean * n", True, "loss: NOT the batch's"), ("sum / n^2", True, "loss: NOT the batch's"),
+    ("mean * n", False, "loss: NOT the batch's, its terms")])
+def test_a_loss_scaled_by_a_size_torch_fx_keeps_is_a_mean_only_over_the_count(how: str, alone: bool,
+                                                                                 said: str) -> None:
+    """Found by review: under torch.fx, z.mean() * x.shape[0] (a sum written so) fell to the mean of the
+    microbatches' losses with a note saying it is the batch's where each averages as many elements: 21.30 where the
+    batch's is 85.19, silently in effect. A sum over the samples over their count is a mean; another scaling by a
+    size is said NOT to be the batch's (beside a cross entropy, that term alone: the cross entropy still counted)."""
+    x, t = torch.randn(2, 4), torch.randint(0, V, (2,))
+    gm = trace(_ScaledBySizeFx(how, alone), (x, t), {})
+    assert gm.meta["fxpipe_tracer"] == "torch.fx.symbolic_trace"
+    w = loss_weighting(gm, lambda out, _: out, False, [x, t], None)
+    assert w.describe().startswith(said), w.describe()
+    assert alone or [p.kind for p in w.parts] == ["count", "mean"], w.describe()
