@@ -66,7 +66,9 @@ def weigh_on(last: set[str], w: Weighting) -> Weighting:
     """`w`, whose terms the last stage (`last`: the plan's nodes on it) will weigh where it adds them
     (partition.reduction.weigh_terms); where another stage adds them, the mean of the microbatches' losses, said not
     to be the batch's."""
-    if not w.parts or all(name in last for name, _, _ in w.at):
+    needed = [name for name, _, _ in w.at] + [n for p in w.parts if p.kind == "ratio"  # (a ratio term's division
+                                               for n in (p.ratio, p.numerator, p.reader) if n]  # is read there too)
+    if not w.parts or all(name in last for name in needed):
         return w
     return Weighting("mean", f"the loss adds terms the batch forms each its own way ({w.loss}), which fxpipe weighs "
                              "apart where the last stage adds them, and this plan adds them on an earlier stage: the "

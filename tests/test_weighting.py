@@ -514,6 +514,9 @@ def test_terms_formed_otherwise_are_each_weighed_their_way(terms: list[tuple[Any
     assert weigh_on({n.name for n in other.graph.nodes}, w).describe().startswith(
         "loss: NOT the batch's, the mean of the microbatches' losses: the loss adds terms")
     assert weigh_on({n.name for n in gm.graph.nodes}, w) is w
+    ratio = next((p for p in w.parts if p.kind == "ratio"), None)
+    if ratio is not None:  # a ratio term divided on an earlier stage: averaged, said so (not refused at the split)
+        assert weigh_on({n.name for n in gm.graph.nodes} - {ratio.ratio}, w).inexact
     assert weigh_terms(gm, w) and [n.name for n in gm.graph.nodes if n.op == "placeholder"][-1] == TERMS
     xs, ts = x.chunk(4), t.chunk(4)
     weights = []
