@@ -302,8 +302,8 @@ def _weigh(gm: torch.fx.GraphModule, loss: torch.fx.Node, constants: set[torch.f
         loss, reader = inner, loss.name
         chain.append(loss.name)
     found, chain, reader = _weighed(gm, loss, constants, sizes, shared, chain, reader)
-    if found.kind != "mean" and numbers:  # (found by review: x.sum() / x.shape[0] under torch.export, a mean over
-        found = _over_sizes(found, numbers, sizes)  # the microbatch, was weighed as a sum, M x the batch's, silently)
+    if numbers:  # (found by review: x.sum() / x.shape[0] under torch.export, a mean over the microbatch, was weighed
+        found = _over_sizes(found, numbers, sizes)  # as a sum, M x the batch's, silently)
     if by_weight and found.kind == "count":  # (found by review of the change: a NaN grad, silently)
         found = Weighting("mean", f"the loss {found.loss} is scaled by a weight ({by_weight}): weighed by counts, a "
                                   "microbatch counting no target (its loss NaN, weighed 0) would give that weight the "
@@ -348,10 +348,45 @@ def _per_sample(nodes: list[torch.fx.Node], sizes: _Sizes) -> str:
     return "constant" if not varying else "per sample" if varying == ["per sample"] else "unknown"
 
 
+def _may_count(numbers: list[torch.fx.Node], sizes: _Sizes) -> bool:
+    """Whether a number among the arguments of `numbers` could be a count of the microbatch's samples that
+    torch.export fixed in the graph: it, or one over it, is the samples of one of the graph's inputs times some of
+    its other dims (the samples' tokens). A loss's coefficient (0.001, a mixture of experts' router term) or a
+    count of experts mostly is none, and then no trace at twice the samples is made to tell."""
+    if sizes.gm.meta.get("fxpipe_tracer") != "torch.export.export":
+        return False
+    counts = set()
+    for t in sizes.example or ():
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            rest = list(t.shape[1:])
+            for mask in range(1 << len(rest)):
+                counts.add(t.shape[0] * math.prod(d for i, d in enumerate(rest) if mask >> i & 1))
+    values = [v for n in numbers for v in literal_numbers(n)[1]]
+    return any(x > 0 and abs(x - round(x)) <= 1e-9 * x and round(x) in counts
+               for v in values for x in (abs(v), 1 / abs(v) if v else 0.0))
+
+
+def _constant(numbers: list[torch.fx.Node], sizes: _Sizes) -> bool:
+    """Whether the numbers among the arguments of `numbers` scale a mean by a constant: none could be a size of the
+    microbatch (_may_count), or each is the same in a trace at twice the samples."""
+    return not numbers or not _may_count(numbers, sizes) or _per_sample(numbers, sizes) == "constant"
+
+
 def _over_sizes(found: Weighting, numbers: list[torch.fx.Node], sizes: _Sizes) -> Weighting:
     """`found`, the weighting of a loss `numbers` scale: where torch.export fixed the microbatch's size as a number,
     a sum over it is a mean, and one fxpipe cannot tell from a constant makes the loss the microbatches' mean,
-    said not to be the batch's."""
+    said not to be the batch's; a mean scaled by a number that may be such a size and is not the same at twice the
+    samples (z.mean() * x.shape[0], a sum written so) is said not to be the batch's, as under torch.fx
+    (_by_a_size)."""
+    if found.kind == "mean":  # (found by review: averaged with the note that it is the batch's where each
+        # microbatch averages as many elements, 1/M of the sum z.mean() * n writes, silently in effect)
+        if found.inexact or _constant(numbers, sizes):
+            return found
+        return Weighting("mean", f"{', '.join(n.name for n in numbers)} scales {found.loss or 'the loss, a mean,'} "
+                                 "by a number torch.export fixed in the graph that is a size of the microbatch (it is "
+                                 "not the same in a trace at twice the samples) or that fxpipe cannot tell from one: "
+                                 "the mean of the microbatches' losses; write the loss as a sum or a mean over the "
+                                 "samples, or make the model traceable by torch.fx", inexact=True)
     how = _per_sample(numbers, sizes)
     if how == "constant" or how == "unknown" and found.kind != "sum":  # (a count or ratio scaled by a number)
         return found
@@ -538,13 +573,16 @@ def _one_value(gm: torch.fx.GraphModule, node: torch.fx.Node, constants: set[tor
         scaled, node = scaled or node.target not in _CASTS, inner
     if sizes.of(node) != (1, 1):
         return None
+    by_size = _by_a_size(gm, node, sizes, constants)  # (x.sum() / x.shape[0] under torch.fx: a mean)
+    if by_size is not None:
+        return None if by_size.inexact else "mean"
     if _additive(gm, node, sizes) is not None:  # (x.sum() / x.shape[0] under torch.export: a mean)
         return {"constant": "sum", "per sample": "mean"}.get(_per_sample(numbers, sizes)) if numbers else "sum"
     arg = node.args[0] if node.op in ("call_function", "call_method") and len(node.args) == 1 and not node.kwargs \
         else None  # over every element: no dim
     if isinstance(arg, torch.fx.Node) and sizes._carries(arg) and sizes.mixed(arg) is False:
         if node.target in _MEANS:
-            return "mean"
+            return "mean" if _constant(numbers, sizes) else None  # (z.mean() * x.shape[0] under torch.export)
         if not scaled and node.target in _MAXES:  # (scaled by a negative number, a max would be a min)
             return "max"
         if not scaled and node.target in _MINS:
@@ -552,7 +590,7 @@ def _one_value(gm: torch.fx.GraphModule, node: torch.fx.Node, constants: set[tor
     found = _elementwise(gm, node)
     if found is not None and found[2] == "mean" and isinstance(node.args[0], torch.fx.Node) \
             and sizes._carries(node.args[0]) and sizes.mixed(node) is False:
-        return "mean"
+        return "mean" if _constant(numbers, sizes) else None
     return None
 
 

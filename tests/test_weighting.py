@@ -895,36 +895,58 @@ def test_a_sum_over_a_size_torch_export_fixed_is_a_mean(alone: bool, how: str, k
         torch.testing.assert_close(got, model(x, t))
 
 
-class _ScaledBySizeFx(nn.Module):
-    """A router z-loss scaled by the microbatch's size, which torch.fx keeps as a value: over it ("sum / n", a mean),
-    a mean times it ("mean * n", a sum written so) or a sum over its square ("sum / n^2"); alone or beside a cross
+class _ScaledBySize(nn.Module):
+    """A router z-loss scaled by the microbatch's size, which torch.fx keeps as a value and torch.export fixes as a
+    number (`export`: a branch on the size, which torch.fx cannot trace): over it ("sum / n", a mean), a mean times
+    it ("mean * n", a sum written so), a mean over it ("mean / n"), a sum over its square ("sum / n^2"), or a mean
+    times a coefficient ("mean * 0.5", one over it the size here; "mean * 0.001"); alone or beside a cross
     entropy."""
-    def __init__(self, how: str, alone: bool) -> None:
+    def __init__(self, how: str, alone: bool, export: bool = False) -> None:
         super().__init__()
-        self.lin, self.how, self.alone = nn.Linear(4, V), how, alone
+        self.lin, self.how, self.alone, self.export = nn.Linear(4, V), how, alone, export
 
     def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        if self.export and x.size(0) == 0:
+            raise ValueError("no samples")
         o = self.lin(x)
         z = o.logsumexp(-1) ** 2
         n = x.shape[0]
-        z = {"sum / n": lambda: z.sum() / n, "mean * n": lambda: z.mean() * n, "sum / n^2": lambda: z.sum() / (n * n)}[
-            self.how]()
+        z = {"sum / n": lambda: z.sum() / n, "mean * n": lambda: z.mean() * n, "sum / n^2": lambda: z.sum() / (n * n),
+             "mean / n": lambda: z.mean() / n, "mean * 0.5": lambda: z.mean() * 0.5,
+             "mean * 0.001": lambda: z.mean() * 0.001}[self.how]()
         return z if self.alone else F.cross_entropy(o, t) + 0.01 * z
 
 
+@pytest.mark.parametrize("export", [False, True], ids=["torch.fx", "torch.export"])
 @pytest.mark.parametrize("how, alone, said", [
     ("sum / n", True, "loss: the mean of the microbatches' losses"), ("sum / n", False, "loss: its terms"),
     ("mean * n", True, "loss: NOT the batch's"), ("sum / n^2", True, "loss: NOT the batch's"),
-    ("mean * n", False, "loss: NOT the batch's, its terms")])
-def test_a_loss_scaled_by_a_size_torch_fx_keeps_is_a_mean_only_over_the_count(how: str, alone: bool,
-                                                                                 said: str) -> None:
-    """Found by review: under torch.fx, z.mean() * x.shape[0] (a sum written so) fell to the mean of the
-    microbatches' losses with a note saying it is the batch's where each averages as many elements: 21.30 where the
-    batch's is 85.19, silently in effect. A sum over the samples over their count is a mean; another scaling by a
-    size is said NOT to be the batch's (beside a cross entropy, that term alone: the cross entropy still counted)."""
+    ("mean * n", False, "loss: NOT the batch's, its terms"), ("mean / n", True, "loss: NOT the batch's"),
+    ("mean * 0.5", True, "loss: the mean of the microbatches' losses"),
+    ("mean * 0.001", False, "loss: its terms")])
+def test_a_loss_scaled_by_a_size_is_a_mean_only_over_the_count(how: str, alone: bool, said: str,
+                                                               export: bool) -> None:
+    """Found by review: z.mean() * x.shape[0] (a sum written so) fell to the mean of the microbatches' losses with a
+    note saying it is the batch's where each averages as many elements: 21.30 where the batch's is 85.19, silently in
+    effect; under torch.fx first, then under torch.export, whose graph fixes the size as a number. A sum over the
+    samples over their count is a mean; another scaling by a size is said NOT to be the batch's (beside a cross
+    entropy, that term alone: the cross entropy still counted), and forward() does not average it. Under
+    torch.export a trace at twice the samples tells a size from a constant; it is made only where a number could be
+    a count of the samples (0.5 is one over the 2 samples here; 0.001, as a mixture of experts' coefficient, is no
+    count, and no trace is made)."""
+    from partition.reduction import output_forms
+    from pipe.inference import literals_at_twice
     x, t = torch.randn(2, 4), torch.randint(0, V, (2,))
-    gm = trace(_ScaledBySizeFx(how, alone), (x, t), {})
-    assert gm.meta["fxpipe_tracer"] == "torch.fx.symbolic_trace"
-    w = loss_weighting(gm, lambda out, _: out, False, [x, t], None)
+    model = _ScaledBySize(how, alone, export)
+    gm = trace(model, (x, t), {})
+    assert gm.meta["fxpipe_tracer"] == ("torch.export.export" if export else "torch.fx.symbolic_trace")
+    traces: list[int] = []
+    literals = functools.cache(lambda: traces.append(1) or literals_at_twice(model, (x, t), {}, gm))
+    w = loss_weighting(gm, lambda out, _: out, False, [x, t], None, literals=literals)
     assert w.describe().startswith(said), w.describe()
     assert alone or [p.kind for p in w.parts] == ["count", "mean"], w.describe()
+    assert traces == ([] if how == "mean * 0.001" or not export else [1]), (traces, w.describe())
+    if alone:  # forward()'s value: the mean of the microbatches' only where the loss is
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        form = output_forms(gm, pytree.tree_leaves(out.args)[:1], [x, t], literals)[0][0]
+        assert form == ("mean" if said.endswith("losses") else None), (form, w.describe())
