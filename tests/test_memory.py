@@ -473,8 +473,14 @@ def test_offload_copies_a_storage_once_while_it_lives_whichever_view_holds_it() 
         b.put(t)
         old = t.untyped_storage().data_ptr()
         t.untyped_storage().resize_(1 << 20)
-        new = next((c for c in (torch.full((64,), 7.0) for _ in range(200)) if c.untyped_storage().data_ptr() == old),
-                   None)
+        held, new = [], None  # (each candidate kept, so the next takes another block: one may be the old one)
+        for _ in range(200):
+            new = torch.full((64,), 7.0)
+            if new.untyped_storage().data_ptr() == old:
+                break
+            held.append(new)
+            new = None
+        del held
         if new is None:
             continue
         landed += 1
