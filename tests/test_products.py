@@ -48,9 +48,17 @@ def test_a_shape_is_timed_once_and_a_layout_is_a_shape_of_its_own() -> None:
 
 
 def test_eight_times_the_reference_s_work_measures_more_than_twice_its_time() -> None:
+    """A timing: the best of three measurements (each the median of 21 alternations), as a loaded machine gave
+    1.18 once (scripts/test's other worker running a launch); a product timed as the reference, or the reference
+    as the product, measures about 1 every time."""
     m, k, n = products.REFERENCE
-    ratio = product_ratio(aten.mm.default, (torch.randn(2 * m, 2 * k), torch.randn(2 * k, 2 * n)), {})
-    assert ratio > 2.0, ratio
+    ratios = []
+    for _ in range(3):
+        products._RATIOS.clear()  # (measured again, not remembered)
+        ratios.append(product_ratio(aten.mm.default, (torch.randn(2 * m, 2 * k), torch.randn(2 * k, 2 * n)), {}))
+        if ratios[-1] > 2.0:
+            break
+    assert max(ratios) > 2.0, ratios
 
 
 def test_on_the_meta_device_a_shape_cannot_be_timed_and_the_error_says_what_to_do() -> None:
