@@ -349,21 +349,33 @@ def _per_sample(nodes: list[torch.fx.Node], sizes: _Sizes) -> str:
 
 
 def _may_count(numbers: list[torch.fx.Node], sizes: _Sizes) -> bool:
-    """Whether a number among the arguments of `numbers` could be a count of the microbatch's samples that
-    torch.export fixed in the graph: it, or one over it, is the samples of one of the graph's inputs times some of
-    its other dims (the samples' tokens). A loss's coefficient (0.001, a mixture of experts' router term) or a
-    count of experts mostly is none, and then no trace at twice the samples is made to tell."""
+    """Whether a number among the arguments of `numbers` could be a size of the microbatch that torch.export fixed
+    in the graph: it, one over it, its square (sqrt(n)) or it plus one (n - 1) is a product of dims of one of the
+    graph's inputs or values that takes a dim that may grow with the samples (a graph input's dim 0 times some of
+    its other dims: the samples, their tokens), as an intermediate value's number of elements does. A loss's
+    coefficient (0.001, a mixture of experts' router term) or a count of experts mostly is none, and then no trace at
+    twice the samples is made to tell."""
     if sizes.gm.meta.get("fxpipe_tracer") != "torch.export.export":
         return False
-    counts = set()
-    for t in sizes.example or ():
-        if isinstance(t, torch.Tensor) and t.dim() > 0:
-            rest = list(t.shape[1:])
-            for mask in range(1 << len(rest)):
-                counts.add(t.shape[0] * math.prod(d for i, d in enumerate(rest) if mask >> i & 1))
-    values = [v for n in numbers for v in literal_numbers(n)[1]]
-    return any(x > 0 and abs(x - round(x)) <= 1e-9 * x and round(x) in counts
-               for v in values for x in (abs(v), 1 / abs(v) if v else 0.0))
+    inputs = [tuple(t.shape) for t in sizes.example or () if isinstance(t, torch.Tensor) and t.dim() > 0]
+    grow = {s[0] * math.prod(s[1:][i] for i in subset) for s in inputs for subset in _subsets(len(s) - 1)}
+    shapes = set(inputs) | {tuple(n.meta["val"].shape) for n in sizes.gm.graph.nodes
+                            if isinstance(n.meta.get("val"), torch.Tensor)
+                            and all(isinstance(d, int) for d in n.meta["val"].shape)}
+    counts = set(grow)
+    for shape in shapes:
+        for subset in _subsets(len(shape)):
+            if any(shape[i] in grow for i in subset):
+                counts.add(math.prod(shape[i] for i in subset))
+    values = [abs(v) for n in numbers for v in literal_numbers(n)[1] if v]
+    return any(x >= 1 and abs(x - round(x)) <= 1e-6 * x and round(x) in counts
+               for v in values for x in (v, 1 / v, v * v, 1 / (v * v), v + 1, 1 / v + 1))
+
+
+def _subsets(n: int) -> list[tuple[int, ...]]:
+    """The subsets of range(n) (of its first 8: a value of more dims is rare), the empty one first."""
+    n = min(n, 8)
+    return [tuple(i for i in range(n) if mask >> i & 1) for mask in range(1 << n)]
 
 
 def _constant(numbers: list[torch.fx.Node], sizes: _Sizes) -> bool:
