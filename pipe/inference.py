@@ -288,14 +288,33 @@ def evaluate(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, 
     run = StepState(pp, flats, targets, calls.exchange(pp), inference=True, evaluating=True, stages=stages)
     with _plain(pp), torch.no_grad(), failures(pp, run, "evaluation"), flags(pp, stages is not None):
         if stages is not None and pp.sharded is not None:  # gathered as the stages' own forward would
-            for s in pp.local:
-                pp._trained[s].unshard()  # type: ignore[operator]
+            _gather(pp, stages)
         run.forwards(pp.inference_program)
         if pp.sharded is not None:  # no backward frees the parameters the forwards gathered
             pp.sharded.reshard()
         loss = pp._mean_loss(run)
         calls.learned(pp, run.ex)  # (the loss's broadcast: the last collective of every rank)
     return float(loss.item())
+
+
+def _gather(pp: Pipeline, stages: dict[int, Any]) -> None:
+    """dp_shard="full": gather this rank's stages' parameters, as a training stage's own forward would, for
+    `stages` (stage -> (module, ...)), modules cut from the training stage that call it for nothing: where they read
+    a parameter as an attribute (get_attr: torch.export's graphs), theirs is the sharded one they were cut with,
+    and FSDP swaps the gathered one in on the training stage alone (found by review: forward() and eval-mode
+    evaluate() raised "mixed torch.Tensor and DTensor" on every model torch.export traced). Each is pointed at the
+    training stage's parameter, gathered."""
+    for s in pp.local:
+        root = pp._trained[s]
+        root.unshard()  # type: ignore[operator]
+        gm = stages[s][0] if s in stages else root
+        for n in gm.graph.nodes if gm is not root else ():
+            if n.op != "get_attr":
+                continue
+            *path, field = n.target.split(".")
+            owner, there = gm.get_submodule(".".join(path)), root.get_submodule(".".join(path))
+            if field in owner._parameters and field in there._parameters:
+                owner._parameters[field] = there._parameters[field]
 
 
 def _plain(pp: Pipeline) -> Any:
@@ -333,8 +352,7 @@ def forward(pp: Pipeline, batch_args: tuple[Any, ...], batch_kwargs: dict[str, A
     shape = forms(pp)
     with _plain(pp), torch.no_grad(), failures(pp, run, "inference"), flags(pp, stages is not None):
         if pp.sharded is not None and (pp._inference or stages):  # gathered as the stages' forward would
-            for s in pp.local:
-                pp._trained[s].unshard()  # type: ignore[operator]
+            _gather(pp, inference or pp._inference or stages or {})
         run.forwards(pp.inference_program)
         if pp.sharded is not None:  # inference has no backward to free the gathered parameters
             pp.sharded.reshard()

@@ -183,6 +183,44 @@ def _grads_after_two_steps(**pipe_kw: Any) -> dict[str, Any]:
     return {n: float((_full(p.grad) - refs[n].grad).abs().max()) for n, p in pp.named_parameters()}
 
 
+class _Sized(torch.nn.Module):
+    """Linear layers and a scale held by the model itself, with a branch on the batch's size, which torch.fx
+    cannot trace and torch.export can: its graph reads the parameters as attributes (get_attr)."""
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+        self.scale = torch.nn.Parameter(torch.rand(8) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.size(0) == 0:
+            raise ValueError("no samples")
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x * self.scale
+
+
+def _exported_and_sharded() -> dict[str, Any]:
+    """dp_shard="full" on a model torch.export traces: forward() and evaluate() in training and in eval mode (found
+    by review: the stages cut for them read the parameters they were cut with, FSDP's shards, and raised "mixed
+    torch.Tensor and DTensor"). Each against the unpartitioned model: (got, expected) pairs."""
+    import pipe
+    model, ref = _Sized(), _Sized()
+    g = torch.Generator().manual_seed(5)
+    x, t = torch.randn(16, 8, generator=g), torch.randint(0, 8, (16,), generator=g)
+    pp = pipe.Pipeline(model, (x[:2],), loss_fn=F.cross_entropy, microbatches=M, cost="flops", data_parallel=2,
+                       dp_shard="full")
+    mine = slice(8 * pp.dp_rank, 8 * pp.dp_rank + 8)
+    pp.step(x[mine], target=t[mine])  # (no optimizer step: the parameters stay the reference's)
+    out: dict[str, Any] = {"tracer": pp.plan.table().split("traced by ")[-1].split()[0]}
+    for mode in ("training", "eval"):
+        getattr(pp, "train" if mode == "training" else "eval")()
+        out[f"forward in {mode} mode"] = (pp.forward(x[mine]), ref(x[mine]).detach())
+        out[f"evaluate in {mode} mode"] = (torch.tensor(pp.evaluate(x[mine], target=t[mine]), dtype=torch.float64),
+                                           F.cross_entropy(ref(x), t).detach().double())
+    return out
+
+
 def _masked_mean(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """The GPT's cross entropy as a masked mean written by hand: its per-token loss times the mask, summed,
     over the mask's sum."""
@@ -375,6 +413,7 @@ def four_body(rank: int, world: int, *, root: str) -> dict[str, Any]:
     res["streamed states"]["notes"] = res["streamed states"].pop("pp").plan.notes
     res["streamed states"].pop("opt")
     res["errors"] = _errors()
+    res["exported, full"] = _exported_and_sharded()
     # the pipelines above made their ("pp", "dp") mesh and their tied weights' groups once: no two groups
     # of this process's own hold the same ranks (the user's mesh, made above, may repeat them)
     import torch.distributed.distributed_c10d as c10d
@@ -425,8 +464,13 @@ def test_pipeline_times_data_parallel_on_4_ranks(tmp_path: Path) -> None:
         torch.testing.assert_close(*torch.tensor(streamed["norms"]).T, rtol=1e-5, atol=0)
         torch.testing.assert_close(*streamed["evaluated"], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(*streamed["evaluated in eval mode"], rtol=1e-5, atol=1e-6)
-    cases = [k for k in res[0] if k not in ("errors", "streamed states", "ratio", "terms", "ratio penalty",
-                                         "refused replica", "save on one rank", "frozen on one rank")
+        exported = r["exported, full"]
+        assert exported.pop("tracer") == "torch.export.export", exported
+        assert len(exported) == 4, exported
+        for case, (got, want) in exported.items():
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=_named(case))
+    cases = [k for k in res[0] if k not in ("errors", "streamed states", "exported, full", "ratio", "terms",
+                                         "ratio penalty", "refused replica", "save on one rank", "frozen on one rank")
              and not k.startswith(("loaded into", "two steps"))]
     assert len(cases) == len(SCHEDULES) * len(SHARDS) + len(SCHEDULES) + 1
     for case in cases:
