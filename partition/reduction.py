@@ -399,8 +399,11 @@ def _over_sizes(found: Weighting, numbers: list[torch.fx.Node], sizes: _Sizes) -
                                  "not the same in a trace at twice the samples) or that fxpipe cannot tell from one: "
                                  "the mean of the microbatches' losses; write the loss as a sum or a mean over the "
                                  "samples, or make the model traceable by torch.fx", inexact=True)
-    how = _per_sample(numbers, sizes)
-    if how == "constant" or how == "unknown" and found.kind != "sum":  # (a count or ratio scaled by a number)
+    # (found by review: a count or a ratio scaled by a number fxpipe could not tell, sqrt(n) among them, was taken for
+    # one scaled by a constant: the batch's, silently; a sum asks for the trace whatever its number, as a mistake
+    # there is M x the loss)
+    how = _per_sample(numbers, sizes) if found.kind == "sum" or _may_count(numbers, sizes) else "constant"
+    if how == "constant":
         return found
     names = ", ".join(n.name for n in numbers)
     if how == "per sample" and found.kind == "sum":

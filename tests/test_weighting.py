@@ -915,6 +915,7 @@ class _ScaledBySize(nn.Module):
              "mean / n": lambda: z.mean() / n, "mean * 0.5": lambda: z.mean() * 0.5,
              "mean * 0.001": lambda: z.mean() * 0.001, "mean * sqrt(n)": lambda: z.mean() * n ** 0.5,
              "mean * (n - 1)": lambda: z.mean() * (n - 1),
+             "ratio * sqrt(n)": lambda: (z * (t > 0)).sum() / (t > 0).sum().clamp(min=1) * n ** 0.5,
              "mean * o.numel()": lambda: z.mean() * o.numel()}[self.how]()
         return z if self.alone else F.cross_entropy(o, t) + 0.01 * z
 
@@ -926,7 +927,8 @@ class _ScaledBySize(nn.Module):
     ("mean * n", False, "loss: NOT the batch's, its terms"), ("mean / n", True, "loss: NOT the batch's"),
     ("mean * 0.5", True, "loss: the mean of the microbatches' losses"),
     ("mean * 0.001", False, "loss: its terms"), ("mean * sqrt(n)", True, "loss: NOT the batch's"),
-    ("mean * (n - 1)", True, "loss: NOT the batch's"), ("mean * o.numel()", True, "loss: NOT the batch's"),
+    ("mean * (n - 1)", True, "loss: NOT the batch's"), ("ratio * sqrt(n)", True, "loss: NOT the batch's"),
+    ("mean * o.numel()", True, "loss: NOT the batch's"),
     ("mean * o.numel()", False, "loss: NOT the batch's, its terms")])
 def test_a_loss_scaled_by_a_size_is_a_mean_only_over_the_count(how: str, alone: bool, said: str,
                                                                export: bool) -> None:
