@@ -343,40 +343,27 @@ class StepState:
 
     def _term_weights(self) -> torch.Tensor:
         """A loss adding terms each formed its own way ("terms"): [microbatch, term] weights in the batch's loss,
-        float32 on the device, as _scales weighs a whole loss of the term's kind (its counts over the batch's,
-        every replica's, in one all-reduce; times the replicas); forward()'s are its replica's own. A ratio's
-        numerator adding a penalty of the weights to its sums: 1 for a sum, 1/(M x replicas) for the penalty."""
+        float32 on the device, as _scales weighs a whole loss of the term's kind (its counts over the batch's; times
+        the replicas); forward()'s are its replica's own. A ratio's numerator adding a penalty of the weights to its
+        sums: 1 for a sum, 1/(M x replicas) for the penalty."""
         if self.term_weights is None:
             pp, w = self.pp, self.pp.weighting
-            values = self.flats if pp.plan.loss else [f + [t] for f, t in zip(self.flats, self.targets)]
             counted = [k for k, p in enumerate(w.parts) if p.kind in ("count", "ratio")]
-            counts = [torch.stack([w.parts[k].count(v) for v in values]).to(pp.ctx.device) for k in counted]
-            if pp.dynamic and w.kind == "terms":  # mean terms: each microbatch's samples over the batch's
-                counts.append(torch.tensor([float(_samples(f)) for f in self.flats], dtype=torch.float64,
-                                           device=pp.ctx.device))
+            counts, totals = self._counts([w.parts[k] for k in counted], pp.dynamic and w.kind == "terms",
+                                          "counts of the loss's terms")
             dp = 1 if self.inference else pp.dp
-            totals = torch.stack([c.sum() for c in counts]) if counts else None
-            if totals is not None and pp.dp_group is not None and not self.inference:
-                with comm.guarded("the data-parallel all-reduce of the batch's counts of the loss's terms"):
-                    dist.all_reduce(totals, group=pp.dp_group)
             columns = []
             for k, p in enumerate(w.parts):
                 if w.kind == "ratio":  # its numerator's terms (the step scales it by one over the batch's divisor):
                     once = 1.0 if p.kind == "sum" else 1.0 / (pp.M * dp)  # a penalty added once over the replicas
                     columns.append(torch.full((pp.M,), once, dtype=torch.float64, device=pp.ctx.device))
-                elif p.kind == "count":
-                    i = counted.index(k)
-                    columns.append(counts[i] * (dp / totals[i]))  # type: ignore[index]
-                elif p.kind == "ratio":  # its numerator (weigh_terms) over the batch's divisor, at least its floor
-                    total = totals[counted.index(k)]  # type: ignore[index]
-                    total = total if p.floor is None else total.clamp(min=p.floor)
-                    columns.append((dp / total).expand(pp.M))
-                elif p.kind == "sum":
-                    columns.append(torch.full((pp.M,), float(dp), dtype=torch.float64, device=pp.ctx.device))
-                elif pp.dynamic:
-                    columns.append(counts[-1] * (dp / totals[-1]))  # type: ignore[index]
-                else:
-                    columns.append(torch.full((pp.M,), 1.0 / pp.M, dtype=torch.float64, device=pp.ctx.device))
+                elif p.kind in ("count", "ratio"):  # a ratio's numerator (weigh_terms) over the batch's divisor
+                    columns.append(self._weighed(p, counts[counted.index(k)], totals[counted.index(k)], dp))
+                elif p.kind == "sum" or not pp.dynamic:
+                    weight = float(dp) if p.kind == "sum" else 1.0 / pp.M
+                    columns.append(torch.full((pp.M,), weight, dtype=torch.float64, device=pp.ctx.device))
+                else:  # a mean with dynamic shapes: the microbatch's samples over the batch's
+                    columns.append(counts[-1] * (dp / totals[-1]))
             self.term_weights = torch.stack(columns, 1).float()
         return self.term_weights
 
@@ -388,29 +375,40 @@ class StepState:
         in size); times the replicas, whose grads and losses are averaged."""
         if self.scales is None:
             pp, w = self.pp, self.pp.weighting
-            if w.kind == "mean" and pp.dynamic:  # microbatches, and replicas' batches, may differ in size
-                counts = torch.tensor([float(_samples(f)) for f in self.flats], device=pp.ctx.device)
-                total = counts.sum()
-                if pp.dp_group is not None:
-                    with comm.guarded("the data-parallel all-reduce of the batch's samples"):
-                        dist.all_reduce(total, group=pp.dp_group)
-                self.scales = list(counts * (pp.dp / total))
-            elif w.kind == "terms":  # the last stage weighs each term (_term_weights): the loss is the batch's
+            if w.kind == "terms":  # the last stage weighs each term (_term_weights): the loss is the batch's
                 self.scales = [1.0] * pp.M
-            elif w.kind not in ("count", "ratio"):
+            elif w.kind == "sum" or w.kind == "mean" and not pp.dynamic:
                 self.scales = [float(pp.dp) if w.kind == "sum" else 1.0 / pp.M] * pp.M
+            elif w.kind == "mean":  # microbatches, and replicas' batches, may differ in size
+                counts, totals = self._counts([], True, "samples")
+                self.scales = list(counts[0] * (pp.dp / totals[0]))
             else:
-                values = self.flats if pp.plan.loss else [f + [t] for f, t in zip(self.flats, self.targets)]
-                counts = torch.stack([w.count(v) for v in values])
-                total = counts.sum()
-                if pp.dp_group is not None:
-                    with comm.guarded("the data-parallel all-reduce of the batch's count of targets"):
-                        dist.all_reduce(total, group=pp.dp_group)
-                if w.kind == "ratio":
-                    self.scales = [pp.dp / (total if w.floor is None else total.clamp(min=w.floor))] * pp.M
-                else:
-                    self.scales = list(counts * (pp.dp / total))
+                counts, totals = self._counts([w], False, "count of targets")
+                self.scales = list(self._weighed(w, counts[0], totals[0], pp.dp))
         return self.scales
+
+    def _counts(self, parts: list[Any], samples: bool, what: str) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """[each microbatch's count of what each of `parts` (partition.reduction.Weighting, of kind count or ratio)
+        counts], then of its samples where `samples` (float64, on the device); and their totals over the batch:
+        every replica's in one all-reduce (of the batch's `what`), this replica's alone in forward()."""
+        pp = self.pp
+        values = self.flats if pp.plan.loss else [f + [t] for f, t in zip(self.flats, self.targets)]
+        counts = [torch.stack([p.count(v) for v in values]).to(pp.ctx.device) for p in parts]
+        if samples:
+            counts.append(torch.tensor([float(_samples(f)) for f in self.flats], dtype=torch.float64,
+                                       device=pp.ctx.device))
+        totals = torch.stack([c.sum() for c in counts]) if counts else torch.zeros(0, dtype=torch.float64)
+        if counts and pp.dp_group is not None and not self.inference:
+            with comm.guarded(f"the data-parallel all-reduce of the batch's {what}"):
+                dist.all_reduce(totals, group=pp.dp_group)
+        return counts, totals
+
+    def _weighed(self, w: Any, counts: torch.Tensor, total: torch.Tensor, dp: int) -> torch.Tensor:
+        """Each microbatch's weight of a loss (or term) `w` of kind count (its count over the batch's `total`) or
+        ratio (one over the batch's divisor, at least its floor), times the replicas `dp` averaging."""
+        if w.kind == "ratio":
+            return (dp / (total if w.floor is None else total.clamp(min=w.floor))).expand(self.pp.M)
+        return counts * (dp / total)
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
         """loss_fn on the model's output; a loss that is not one number, or fails for want of a
