@@ -336,25 +336,28 @@ _ADDS = {operator.add, operator.sub, torch.add, torch.sub, torch.ops.aten.add.Te
 
 def _per_sample(nodes: list[torch.fx.Node], sizes: _Sizes) -> str:
     """How the numbers `nodes` scale a value by (_Sizes.sized): "constant" (all of them), "per sample" (one of
-    them over the count of the samples, the others constants: a sum so scaled is a mean), else "unknown"
-    ("other", or a number fxpipe cannot tell)."""
+    them over the count of the samples, the others constants: a sum so scaled is a mean), "other" (any other
+    change at twice the samples), or "unknown" (a number fxpipe cannot tell: no trace at twice the samples)."""
     kinds = []
     for n in nodes:
         kind = sizes.sized(n)
         divides = n.target in _DIV and _number(n.args[1]) and not _number(n.args[0])
         kinds.append("constant" if kind == "constant" else "per sample"
-                     if (kind, divides) in (("samples", True), ("per sample", False)) else "unknown")
+                     if (kind, divides) in (("samples", True), ("per sample", False)) else
+                     "unknown" if kind == "unknown" else "other")
     varying = [k for k in kinds if k != "constant"]
-    return "constant" if not varying else "per sample" if varying == ["per sample"] else "unknown"
+    return "constant" if not varying else "per sample" if varying == ["per sample"] else \
+        "unknown" if "unknown" in varying else "other"
 
 
 def _may_count(numbers: list[torch.fx.Node], sizes: _Sizes) -> bool:
     """Whether a number among the arguments of `numbers` could be a size of the microbatch that torch.export fixed
-    in the graph: it, one over it, its square (sqrt(n)) or it plus one (n - 1) is a product of dims of one of the
-    graph's inputs or values that takes a dim that may grow with the samples (a graph input's dim 0 times some of
-    its other dims: the samples, their tokens), as an intermediate value's number of elements does. A loss's
-    coefficient (0.001, a mixture of experts' router term) or a count of experts mostly is none, and then no trace at
-    twice the samples is made to tell."""
+    in the graph: it or one over it, times or over a small whole number (n / 2 folded into one number), is a
+    product of dims of one of the graph's inputs or values that takes a dim that may grow with the samples (a graph
+    input's dim 0 times some of its other dims: the samples, their tokens), as an intermediate value's number of
+    elements does; or its square is (sqrt(n)), or it plus or minus one (n - 1). A loss's coefficient (0.001, a
+    mixture of experts' router term) or a count of experts mostly is none, and then no trace at twice the samples is
+    made to tell."""
     if sizes.gm.meta.get("fxpipe_tracer") != "torch.export.export":
         return False
     inputs = [tuple(t.shape) for t in sizes.example or () if isinstance(t, torch.Tensor) and t.dim() > 0]
@@ -368,8 +371,10 @@ def _may_count(numbers: list[torch.fx.Node], sizes: _Sizes) -> bool:
             if any(shape[i] in grow for i in subset):
                 counts.add(math.prod(shape[i] for i in subset))
     values = [abs(v) for n in numbers for v in literal_numbers(n)[1] if v]
-    return any(x >= 1 and abs(x - round(x)) <= 1e-6 * x and round(x) in counts
-               for v in values for x in (v, 1 / v, v * v, 1 / (v * v), v + 1, 1 / v + 1))
+    forms = [x for v in values for x in [v * k for k in range(1, 9)] + [v / k for k in range(2, 9)] +
+             [1 / v * k for k in range(1, 9)] + [1 / v / k for k in range(2, 9)] + [v * v, 1 / (v * v), v + 1,
+                                                                                  v - 1, 1 / v + 1, 1 / v - 1]]
+    return any(x >= 1 and abs(x - round(x)) <= 1e-6 * x and round(x) in counts for x in forms)
 
 
 def _subsets(n: int) -> list[tuple[int, ...]]:
@@ -402,8 +407,8 @@ def _over_sizes(found: Weighting, numbers: list[torch.fx.Node], sizes: _Sizes) -
     # (found by review: a count or a ratio scaled by a number fxpipe could not tell, sqrt(n) among them, was taken for
     # one scaled by a constant: the batch's, silently; a sum asks for the trace whatever its number, as a mistake
     # there is M x the loss)
-    how = _per_sample(numbers, sizes) if found.kind == "sum" or _may_count(numbers, sizes) else "constant"
-    if how == "constant":
+    how = _per_sample(numbers, sizes)
+    if how == "constant" or how == "unknown" and found.kind != "sum" and not _may_count(numbers, sizes):
         return found
     names = ", ".join(n.name for n in numbers)
     if how == "per sample" and found.kind == "sum":

@@ -916,6 +916,9 @@ class _ScaledBySize(nn.Module):
              "mean * 0.001": lambda: z.mean() * 0.001, "mean * sqrt(n)": lambda: z.mean() * n ** 0.5,
              "mean * (n - 1)": lambda: z.mean() * (n - 1),
              "ratio * sqrt(n)": lambda: (z * (t > 0)).sum() / (t > 0).sum().clamp(min=1) * n ** 0.5,
+             "ratio / (n / 2)": lambda: (z * (t > 0)).sum() / (t > 0).sum().clamp(min=1) / (n / 2),
+             "mean * (n / 2)": lambda: z.mean() * (n / 2), "mean * (3 * n)": lambda: z.mean() * (3 * n),
+             "ce / (n / 2)": lambda: F.cross_entropy(o, t) / (n / 2),
              "mean * o.numel()": lambda: z.mean() * o.numel()}[self.how]()
         return z if self.alone else F.cross_entropy(o, t) + 0.01 * z
 
@@ -956,3 +959,23 @@ def test_a_loss_scaled_by_a_size_is_a_mean_only_over_the_count(how: str, alone: 
         out = next(n for n in gm.graph.nodes if n.op == "output")
         form = output_forms(gm, pytree.tree_leaves(out.args)[:1], [x, t], literals)[0][0]
         assert form == ("mean" if said.endswith("losses") else None), (form, w.describe())
+
+
+@pytest.mark.parametrize("export", [False, True], ids=["torch.fx", "torch.export"])
+def test_a_loss_scaled_by_a_multiple_of_a_size_is_not_the_batch_s(export: bool) -> None:
+    """Found by review: under torch.export a count (a cross entropy) or a ratio scaled by n / 2, which Python folds
+    into one number, was weighed as the batch's, without the trace at twice the samples that tells it from a
+    constant: 0.6554 where the batch's is 0.1638 (M x); so was a mean times n / 2 or 3 x n (10.59 for 42.36). Each
+    is said NOT to be the batch's (on 8 samples, where no coincidence of small numbers makes them sizes); a mean
+    times 0.001 still asks for no trace."""
+    from pipe.inference import literals_at_twice
+    x, t = torch.randn(8, 4), torch.randint(0, V, (8,))
+    for how in ("ratio / (n / 2)", "ce / (n / 2)", "mean * (n / 2)", "mean * (3 * n)", "mean * 0.001"):
+        model = _ScaledBySize(how, True, export)
+        gm = trace(model, (x, t), {})
+        traces: list[int] = []
+        literals = functools.cache(lambda: traces.append(1) or literals_at_twice(model, (x, t), {}, gm))
+        said = loss_weighting(gm, lambda out, _: out, False, [x, t], None, literals=literals).describe()
+        assert said.startswith("loss: the mean of the microbatches' losses" if how == "mean * 0.001" else
+                               "loss: NOT the batch's"), (how, said)
+        assert traces == ([1] if export and how != "mean * 0.001" else []), (how, traces)
