@@ -154,6 +154,17 @@ def test_trace_leaves_buffers_alone() -> None:
     assert all(torch.equal(b, before[n]) for n, b in w.model.named_buffers())
 
 
+def test_a_meta_model_writing_buffers_is_traced_as_the_model_itself() -> None:
+    """Found by review: on the meta device the eager run's check of which buffers it wrote raised (their values
+    are unknown there), so a model with batch norm was traced by torch.export alone, where the same model on the
+    CPU is traced by torch.fx: a sharded pipeline's trace of its meta copy in eval mode then matched nothing of
+    the plan's graph (a ModeError)."""
+    from partition.meta import meta_copy
+    w = models.resnet(blocks=2, channels=8, image=8)
+    for model in (w.model, meta_copy(w.model)):
+        assert partition.trace(model, w.example_args).meta["fxpipe_tracer"] == "torch.fx.symbolic_trace"
+
+
 class _InstallsHooks(torch.nn.Module):
     """Installs a forward hook on a submodule at its first call (as Hugging Face's output capture does) and
     keeps the last input: left after tracing, the hook would fire twice on the user's next call."""
