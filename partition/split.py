@@ -386,6 +386,27 @@ def check_state_writes(gm: torch.fx.GraphModule, stage_of: dict[str, int]) -> No
                             "another microbatch's turn comes between, so the read would not see the write as the "
                             "model's does; keep the modules that write and read it in one stage (leaf_modules=), or "
                             "compute the value in the forward instead of keeping it in the module")
+    # a module called whole on several stages (one batch norm applied at several depths, as ALBERT shares its
+    # layers) that writes its buffers: each stage would update its own copy, and the model's statistics would be
+    # one stage's (found by review: num_batches_tracked 8 where the model counts 24, silently)
+    called: dict[str, set[int]] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_module" and n.name in stage_of:
+            called.setdefault(str(n.target), set()).add(stage_of[n.name])
+    recorded = gm.meta.get("fxpipe_buffers_written")
+    for target, stages in called.items():
+        if len(stages) < 2:
+            continue
+        module = gm.get_submodule(target)
+        buffers = [f"{target}.{b}" for b, _ in module.named_buffers()]
+        written_here = [b for b in buffers if b in recorded] if recorded is not None else buffers if isinstance(
+            module, torch.nn.modules.batchnorm._NormBase) and module.track_running_stats and module.training else []
+        if written_here:
+            on = ", ".join(map(str, sorted(stages)))
+            raise PlanError(f"{target} ({type(module).__name__}) is called on stages {on} and writes its buffers "
+                            f"{', '.join(written_here[:3])} in a step: each stage would update its own copy, and the "
+                            "model's would be one stage's; cut the model so that its calls fall in one stage (fewer "
+                            "stages), or use a module per call (or one that keeps no running statistics)")
 
 
 def _view_or_data(n: torch.fx.Node) -> bool:

@@ -335,6 +335,51 @@ class _ClampAcross(torch.nn.Module):
         return x
 
 
+class _SharedNorm(torch.nn.Module):
+    """One batch norm (or a module keeping a constant buffer) applied at every depth, as ALBERT shares its layers."""
+
+    def __init__(self, norm: bool) -> None:
+        super().__init__()
+        self.lins = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(6)])
+        self.norm = torch.nn.BatchNorm1d(8) if norm else _Scaled()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for lin in self.lins:
+            x = torch.tanh(self.norm(lin(x)))
+        return x
+
+
+class _Scaled(torch.nn.Module):
+    """Times a constant buffer; kept whole (leaf_modules=)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.full((8,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+@pytest.mark.parametrize("how", ["batch norm", "in eval mode", "a constant buffer"])
+def test_a_module_called_on_several_stages_that_writes_its_buffers_is_refused(how: str) -> None:
+    """Found by review: one batch norm applied at several depths and cut over 2 stages kept a copy of its running
+    statistics per stage, and the model's were one stage's (num_batches_tracked 8 where the model counts 24),
+    silently. Refused where the module writes them (as the trace's eager run saw); in eval mode, or with a buffer
+    the module only reads, the cut stands."""
+    x = torch.randn(4, 8)
+    model = _SharedNorm(how != "a constant buffer").train(how != "in eval mode")
+    leaves = (_Scaled,) if how == "a constant buffer" else ()
+    plan = partition.plan(model, (x,), 2, cost="flops", leaf_modules=leaves)
+    if how != "batch norm":
+        gm = partition.trace(model, (x,), leaf_modules=leaves)
+        assert any(n.op == "call_module" and n.target == "norm" for n in gm.graph.nodes)
+        assert len(partition.split(model, plan, (x,), gm=gm)) == 2
+        return
+    with pytest.raises(partition.PlanError, match=r"norm \(BatchNorm1d\) is called on stages 0, 1 and writes its "
+                                                  r"buffers norm.running_mean, norm.running_var"):
+        partition.split(model, plan, (x,))
+
+
 def test_state_written_on_one_stage_and_read_on_another_is_refused() -> None:
     """Found by review: the reading stage held its own copy, unwritten (a clamp the layer never saw, 1.1101 vs
     1.1214 once the weights moved past it). (A buffer written in place and read later traces by torch.export,
