@@ -26,6 +26,25 @@ __all__ = ["in_mode", "matched", "renamed", "traceable", "traced_in_mode", "stag
 _DROPOUT = {torch.ops.aten.native_dropout.default, torch.ops.aten.dropout.default, torch.nn.functional.dropout,
             operator.getitem}
 _COPIES = {torch.ops.aten.clone.default, torch.ops.aten.alias.default}
+# batch norm under torch.export: in training mode it normalizes by the batch's statistics and writes the running
+# ones back (and counts the batches), in eval mode it reads them
+_NORM_TRAINING = torch.ops.aten._native_batch_norm_legit_functional.default
+_NORM_EVAL = torch.ops.aten._native_batch_norm_legit_no_training.default
+
+
+def _norm_bookkeeping(n: torch.fx.Node) -> bool:
+    """Whether `n` is what a batch norm does in training mode alone under torch.export: its count of batches (the
+    buffer read, one added), a running statistic it returns, or the write of either back into its buffer."""
+    def buffer(a: Any) -> bool:
+        return isinstance(a, torch.fx.Node) and a.op == "get_attr"
+    if n.op == "get_attr":
+        return str(n.target).endswith("num_batches_tracked") and all(_norm_bookkeeping(u) for u in n.users)
+    if n.target is torch.ops.aten.add.Tensor:
+        return buffer(n.args[0]) and str(n.args[0].target).endswith("num_batches_tracked")  # type: ignore[union-attr]
+    if n.target is torch.ops.aten.copy_.default:
+        return buffer(n.args[0])
+    return n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node) and \
+        n.args[0].target is _NORM_TRAINING and n.args[1] in (3, 4)
 
 
 @contextlib.contextmanager
@@ -75,19 +94,24 @@ def matched(fresh: torch.fx.GraphModule, gm: torch.fx.GraphModule) -> tuple[dict
     """`gm`'s nodes -> the names of the nodes of `fresh` (the model traced in the plan's mode, before any
     rewrite) they stand for, and the nodes of `fresh` that `gm` has none for. The graphs are aligned in
     program order by operation; where they differ only a dropout or a copy may give way, to a copy
-    (torch.export in eval mode) or to nothing. PlanError otherwise."""
+    (torch.export in eval mode) or to nothing, and torch.export's batch norm of training mode stands for its eval
+    mode's, its running statistics' updates giving way. PlanError otherwise."""
     a, b = list(fresh.graph.nodes), list(gm.graph.nodes)
     to: dict[str, str] = {}
-    gone: set[str] = set()
-    ops = SequenceMatcher(a=[(n.op, str(n.target)) for n in a], b=[(n.op, str(n.target)) for n in b], autojunk=False)
+    gone = {n.name for n in a if _norm_bookkeeping(n)}  # (batch norm's running statistics, in training mode alone)
+    a = [n for n in a if n.name not in gone]
+
+    def op(n: torch.fx.Node) -> tuple[str, str]:
+        return n.op, "batch norm" if n.target in (_NORM_TRAINING, _NORM_EVAL) else str(n.target)
+    ops = SequenceMatcher(a=[op(n) for n in a], b=[op(n) for n in b], autojunk=False)
     for tag, i1, i2, j1, j2 in ops.get_opcodes():
         was, now = a[i1:i2], b[j1:j2]
         if tag == "equal":
             to.update((y.name, x.name) for x, y in zip(was, now))
             continue
         values = [n for n in was if not all(u in was for u in n.users)]  # what the block passes on
-        if not (all(n.target in _DROPOUT | _COPIES for n in was) and all(n.target in _COPIES for n in now)
-                and len(now) in (0, len(values))):
+        if not (all(n.target in _DROPOUT | _COPIES for n in was)
+                and all(n.target in _COPIES for n in now) and len(now) in (0, len(values))):
             raise PlanError(f"its graph has {', '.join(n.name for n in now[:4]) or 'nothing'} where the plan's graph "
                             f"has {', '.join(n.name for n in was[:4]) or 'nothing'}")
         to.update((y.name, x.name) for x, y in zip(values, now))

@@ -4,9 +4,9 @@ V placement, interleaved, recompute, offloaded activations, compiled stages, the
 transport, parameters streamed in chunks (offload='states')), leaving the grads and the step count as they
 were, the step after it with the whole model's grads; refused calls on every rank; eval mode (pp.eval())
 on a model with dropout, against the plain model's eval mode, the loss in the graph and outside it, with
-and without streamed parameters, and Hugging Face GPT-2 and T5 (torch.export) with dropout; a model whose
-eval mode skips a layer refused. The data-parallel case (the mean over the replicas' batches) is in
-test_data_parallel."""
+and without streamed parameters, and Hugging Face GPT-2 and T5 (torch.export) with dropout, and its ResNet
+with batch norm; a model whose eval mode skips a layer refused. The data-parallel case (the mean over the
+replicas' batches) is in test_data_parallel."""
 import contextlib
 import itertools
 import time
@@ -173,6 +173,35 @@ def _hugging_face(name: str) -> dict[str, Any]:
     return {"train": train, "eval": evaluated, "ref": want, "loss in graph": pp.plan.loss, "forward": forward}
 
 
+def _batch_norm_exported() -> dict[str, Any]:
+    """Hugging Face's ResNet (torch.export) after a step, its batch norms' running statistics updated once per
+    microbatch: evaluate() and forward() in eval mode (found by review: refused with a ModeError, export tracing
+    batch norm in eval mode as another op, without the updates of its statistics), each (got, expected) against
+    the plain model given the step's microbatches in training mode, then in eval mode."""
+    import copy
+
+    import transformers as tf
+
+    import pipe
+    torch.manual_seed(0)
+    model = tf.ResNetForImageClassification(tf.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                                                            num_labels=3))
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 3, (8,), generator=g)
+    pp = pipe.Pipeline(model, (x[:2],), example_kwargs={"labels": y[:2]}, loss_fn=lambda o, _: o.loss,
+                       microbatches=M, cost="flops")
+    out: dict[str, Any] = {"tracer": pp.plan.table().split("traced by ")[-1].split()[0]}
+    out["step"] = (torch.tensor(pp.step(x, labels=y)),
+                   torch.tensor(sum(ref(a, labels=b).loss.item() for a, b in zip(x.chunk(M), y.chunk(M))) / M))
+    ref.eval()
+    with torch.no_grad():
+        want = ref(x, labels=y)
+        out["evaluate"] = (torch.tensor(pp.eval().evaluate(x, labels=y)), torch.tensor(want.loss.item()))
+        out["forward"] = (pp.forward(x, labels=y).logits, want.logits)
+    return out
+
+
 def _llama_attention_dropout() -> dict[str, Any]:
     """Found by review: Llama with attention dropout (read from `self.training`), built in training mode, then
     forward() in eval mode with its loss in the graph: the eval graph's names match the plan's, but cutting the
@@ -321,6 +350,7 @@ def two_body(rank: int, world: int) -> dict[str, Any]:
     res["modes, streamed states"] = {fused: _modes(fused, offload="states") for fused in (False, True)}
     res["hugging face"] = {name: _hugging_face(f"bench.hf_models:{name}") for name in ("gpt2", "t5")}
     res["llama attention dropout"] = _llama_attention_dropout()
+    res["batch norm"] = _batch_norm_exported()
     res["user switched"] = _user_switched()
     res["mode refused"] = _refused_mode()
     res["different calls"] = _different_calls(rank)
@@ -366,6 +396,11 @@ def test_evaluate_on_2_ranks_is_the_whole_models_loss_without_grads() -> None:
     for r in res:
         assert r["mode refused"].startswith("ModeError: ") and "in eval mode the model traces otherwise" in \
             r["mode refused"] and "build a Pipeline from the model in that mode" in r["mode refused"], r["mode refused"]
+    for r in res:
+        got = r["batch norm"]
+        assert got.pop("tracer") == "torch.export.export" and len(got) == 3, got
+        for call, pair in got.items():
+            torch.testing.assert_close(*pair, rtol=1e-5, atol=1e-6, msg=lambda m: f"batch norm, {call}: {m}")
     for r in res:
         got = r["llama attention dropout"]
         assert got["loss in graph"], got
@@ -560,3 +595,31 @@ def test_numbers_combining_the_samples_have_no_form() -> None:
     forms = dict(zip(model(x), output_forms(gm, _output_nodes(gm)[0], [x])))
     assert forms == {"cumsum": (None, None), "softmax over the batch": (None, None), "by position": (None, None),
                      "sorted": (None, None), "softmax over features": ("sum", None)}, forms
+
+
+def test_export_s_batch_norm_of_training_mode_stands_for_its_eval_mode_s() -> None:
+    """torch.export traces batch norm in training mode as another op than in eval mode, with the updates of its
+    running statistics beside it: the eval graph's batch norms stand for the training graph's, each node of it for
+    one of the same op, and only those updates give way."""
+    import transformers as tf
+
+    from pipe import modes
+    model = tf.ResNetForImageClassification(tf.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                                                            num_labels=3))
+    graphs = [modes.traced_in_mode(model, (torch.randn(2, 3, 32, 32),), {}, training, leaf_modules=(), loss_fn=None,
+                                   loss=False, device=torch.device("cpu")) for training in (True, False)]
+    assert graphs[0].meta["fxpipe_tracer"] == "torch.export.export"
+    to, gone = modes.matched(*graphs)
+    train = {n.name: n for n in graphs[0].graph.nodes}
+    norms = {torch.ops.aten._native_batch_norm_legit_functional.default,
+             torch.ops.aten._native_batch_norm_legit_no_training.default}
+    assert len(to) == len(graphs[1].graph.nodes)
+    for n in graphs[1].graph.nodes:
+        assert train[to[n.name]].target == n.target or {train[to[n.name]].target, n.target} == norms, n
+    count = sum(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())
+    assert count > 1 and sum(n.target in norms for n in graphs[1].graph.nodes) == count
+    updates = [train[g] for g in gone]
+    assert sum(n.op == "get_attr" and str(n.target).endswith("num_batches_tracked") for n in updates) == count
+    assert sum(n.target is torch.ops.aten.copy_.default for n in updates) == 3 * count  # count, mean, variance
+    assert {str(n.target) for n in updates if n.op != "get_attr"} == {"aten.add.Tensor", "aten.copy_.default",
+                                                                      "<built-in function getitem>"}
