@@ -352,12 +352,12 @@ def _per_sample(nodes: list[torch.fx.Node], sizes: _Sizes) -> str:
 
 def _may_count(numbers: list[torch.fx.Node], sizes: _Sizes) -> bool:
     """Whether a number among the arguments of `numbers` could be a size of the microbatch that torch.export fixed
-    in the graph: it or one over it, times or over a small whole number (n / 2 folded into one number), is a
+    in the graph: it or one over it, times or over 2, 3 or 4 (n / 2 folded into one number), is a
     product of dims of one of the graph's inputs or values that takes a dim that may grow with the samples (a graph
     input's dim 0 times some of its other dims: the samples, their tokens), as an intermediate value's number of
-    elements does; or its square is (sqrt(n)), or it plus or minus one (n - 1). A loss's coefficient (0.001, a
-    mixture of experts' router term) or a count of experts mostly is none, and then no trace at twice the samples is
-    made to tell."""
+    elements does; or its square is (sqrt(n)), or it plus or minus one (n - 1). A loss's coefficient (0.001 or 0.1,
+    a mixture of experts' router term) or a count of experts mostly is none, and then no trace at twice the samples
+    is made to tell (whole numbers up to 8 made 0.1 one over 5 x 2 samples)."""
     if sizes.gm.meta.get("fxpipe_tracer") != "torch.export.export":
         return False
     inputs = [tuple(t.shape) for t in sizes.example or () if isinstance(t, torch.Tensor) and t.dim() > 0]
@@ -371,9 +371,8 @@ def _may_count(numbers: list[torch.fx.Node], sizes: _Sizes) -> bool:
             if any(shape[i] in grow for i in subset):
                 counts.add(math.prod(shape[i] for i in subset))
     values = [abs(v) for n in numbers for v in literal_numbers(n)[1] if v]
-    forms = [x for v in values for x in [v * k for k in range(1, 9)] + [v / k for k in range(2, 9)] +
-             [1 / v * k for k in range(1, 9)] + [1 / v / k for k in range(2, 9)] + [v * v, 1 / (v * v), v + 1,
-                                                                                  v - 1, 1 / v + 1, 1 / v - 1]]
+    forms = [x for v in values for base in (v, 1 / v) for x in [base, base * 2, base * 3, base * 4, base / 2,
+                                                                 base / 3, base / 4, base * base, base + 1, base - 1]]
     return any(x >= 1 and abs(x - round(x)) <= 1e-6 * x and round(x) in counts for x in forms)
 
 
