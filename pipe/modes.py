@@ -41,8 +41,8 @@ def _norm_bookkeeping(n: torch.fx.Node) -> bool:
         return str(n.target).endswith("num_batches_tracked") and all(_norm_bookkeeping(u) for u in n.users)
     if n.target is torch.ops.aten.add.Tensor:
         return buffer(n.args[0]) and str(n.args[0].target).endswith("num_batches_tracked")  # type: ignore[union-attr]
-    if n.target is torch.ops.aten.copy_.default:
-        return buffer(n.args[0])
+    if n.target is torch.ops.aten.copy_.default:  # (only what batch norm writes back: another write of a buffer is
+        return buffer(n.args[0]) and isinstance(n.args[1], torch.fx.Node) and _norm_bookkeeping(n.args[1])  # kept)
     return n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node) and \
         n.args[0].target is _NORM_TRAINING and n.args[1] in (3, 4)
 
