@@ -206,12 +206,12 @@ def stages_in_mode_of(pp: Pipeline, inference: bool) -> tuple[dict[int, Any] | N
         error = None
         try:
             # under FSDP a meta copy made before sharding; on a GPU, where the stages' parameters were moved
-            # off the model's device, a meta copy
+            # off the model's device, a meta copy; matched to the plan's own trace (found: a meta copy's trace in
+            # the plan's mode has copies the model's lacks, torch.export numbering its nodes otherwise)
             model = pp._other_mode.get("model")
             model = modes.traceable(pp._model, *pp._example) if model is None else model
-            gm, fresh = (modes.traced_in_mode(model, *pp._example, mode, leaf_modules=pp.leaf_modules,
-                                              loss_fn=pp.loss_fn, loss=pp.plan.loss, device=pp.ctx.device)
-                         for mode in (pp.training, pp._traced_mode))  # (fresh: before the plan's rewrites)
+            gm = modes.traced_in_mode(model, *pp._example, pp.training, leaf_modules=pp.leaf_modules,
+                                      loss_fn=pp.loss_fn, loss=pp.plan.loss, device=pp.ctx.device)
             if pp.weighting.kind == "ratio":  # its numerator returned, as in the plan's mode
                 found = loss_weighting(gm, pp.loss_fn, pp.plan.loss,
                                        flatten_inputs(gm, *pp._example, pp._example_target), pp._example_target)
@@ -220,7 +220,7 @@ def stages_in_mode_of(pp: Pipeline, inference: bool) -> tuple[dict[int, Any] | N
                 keep_numerator(gm, found)
             names: dict[str, str] = {}
             pp._other_mode["stages"] = _streamed(pp, _weighing(pp, modes.stages_in_mode(
-                gm, fresh, pp._gm, pp.plan, pp._trained, names), names, strict=True))
+                gm, pp._plan_graph, pp._gm, pp.plan, pp._trained, names), names, strict=True))
             pp._other_mode["gm"], pp._other_mode["names"] = gm, names
         except Exception as e:  # noqa: BLE001 - whatever the trace or the cut raises: on every rank, not one
             error = (f"{type(e).__name__}: in {'training' if pp.training else 'eval'} mode the model traces "

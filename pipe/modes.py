@@ -90,14 +90,18 @@ def traced_in_mode(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str
     return gm
 
 
-def matched(fresh: torch.fx.GraphModule, gm: torch.fx.GraphModule) -> tuple[dict[str, str], set[str]]:
+def matched(fresh: torch.fx.GraphModule, gm: torch.fx.GraphModule
+            ) -> tuple[dict[str, str], set[str], list[torch.fx.Node]]:
     """`gm`'s nodes -> the names of the nodes of `fresh` (the model traced in the plan's mode, before any
-    rewrite) they stand for, and the nodes of `fresh` that `gm` has none for. The graphs are aligned in
-    program order by operation; where they differ only a dropout or a copy may give way, to a copy
-    (torch.export in eval mode) or to nothing, and torch.export's batch norm of training mode stands for its eval
-    mode's, its running statistics' updates giving way. PlanError otherwise."""
+    rewrite) they stand for, the nodes of `fresh` that `gm` has none for, and the copies of `gm` that stand for
+    nothing of `fresh`. The graphs are aligned in program order by operation; where they differ only a dropout or a
+    copy may give way, to a copy (torch.export in eval mode) or to nothing, a copy of `gm` may stand for nothing (a
+    `.contiguous()` that copies on the meta device, where `gm` was traced, and not where `fresh` was), and
+    torch.export's batch norm of training mode stands for its eval mode's, its running statistics' updates giving
+    way. PlanError otherwise."""
     a, b = list(fresh.graph.nodes), list(gm.graph.nodes)
     to: dict[str, str] = {}
+    extra: list[torch.fx.Node] = []
     gone = {n.name for n in a if _norm_bookkeeping(n)}  # (batch norm's running statistics, in training mode alone)
     a = [n for n in a if n.name not in gone]
 
@@ -109,6 +113,9 @@ def matched(fresh: torch.fx.GraphModule, gm: torch.fx.GraphModule) -> tuple[dict
         if tag == "equal":
             to.update((y.name, x.name) for x, y in zip(was, now))
             continue
+        if not was and all(n.target in _COPIES for n in now):
+            extra += now
+            continue
         values = [n for n in was if not all(u in was for u in n.users)]  # what the block passes on
         if not (all(n.target in _DROPOUT | _COPIES for n in was)
                 and all(n.target in _COPIES for n in now) and len(now) in (0, len(values))):
@@ -116,7 +123,7 @@ def matched(fresh: torch.fx.GraphModule, gm: torch.fx.GraphModule) -> tuple[dict
                             f"has {', '.join(n.name for n in was[:4]) or 'nothing'}")
         to.update((y.name, x.name) for x, y in zip(values, now))
         gone |= {n.name for n in was} - {to[y.name] for y in now}
-    return to, gone
+    return to, gone, extra
 
 
 def stages_in_mode(gm: torch.fx.GraphModule, fresh: torch.fx.GraphModule, trained: torch.fx.GraphModule,
@@ -129,7 +136,12 @@ def stages_in_mode(gm: torch.fx.GraphModule, fresh: torch.fx.GraphModule, traine
     from a node `gm` lacks crosses from that node's input. PlanError where the cuts would send other
     values than the plan's, or a rewritten node is named otherwise. `names`, when given, receives each node of
     gm (rewritten) -> the name of the plan's node it stands for."""
-    to, gone = matched(fresh, gm)
+    to, gone, extra = matched(fresh, gm)
+    for n in extra:  # (a copy's value is its input's: what reads it reads that)
+        n.replace_all_uses_with(n.args[0])
+        gm.graph.erase_node(n)
+    if extra:
+        gm.recompile()
     back = {v: k for k, v in to.items()}
     todo = [r for r in plan.rewrites if str(r[0]) in back]
     renamed = [str(r[0]) for r in todo if back[str(r[0])] != str(r[0])]

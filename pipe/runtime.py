@@ -21,7 +21,7 @@ from partition.split import StageIO
 from partition.split import split_graph
 from partition.loss import TARGET, attach_loss
 from partition.reduction import Weighting, batch_statistics, keep_numerator, loss_weighting, pairing_read, weigh_terms
-from partition.trace import flatten_inputs, trace
+from partition.trace import flatten_inputs, graph_copy, trace
 from memory import MemoryManager
 from pipe import calls, comm, grads, inference, launch, optim, options, planning, setup, state_dicts, timing
 from pipe.inference import literals_at_twice, output_shapes
@@ -233,6 +233,7 @@ class Pipeline:
             if why:
                 raise ValueError(f"the plan puts the loss in the last stage, but loss_fn cannot go into the graph: "
                                  f"{why}; re-plan without example_target")
+            self._plan_graph = graph_copy(gm)  # as traced, before rewrites: what another mode's trace is matched to
             # how the batch's loss is formed from the microbatches' (before rewrites change the loss); a ratio's
             # numerator returned in its place
             shapes = _once(lambda: output_shapes(model, args, kwargs, gm))

@@ -185,7 +185,8 @@ def _grads_after_two_steps(**pipe_kw: Any) -> dict[str, Any]:
 
 class _Sized(torch.nn.Module):
     """Linear layers and a scale held by the model itself, with a branch on the batch's size, which torch.fx
-    cannot trace and torch.export can: its graph reads the parameters as attributes (get_attr)."""
+    cannot trace and torch.export can: its graph reads the parameters as attributes (get_attr). Its attention's
+    `.contiguous()` copies on the meta device and not on the CPU, as Hugging Face GPT-2's does."""
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(3)
@@ -197,13 +198,16 @@ class _Sized(torch.nn.Module):
             raise ValueError("no samples")
         for layer in self.layers:
             x = torch.tanh(layer(x))
+        q = x.view(x.shape[0], 2, 2, 2).transpose(1, 2)  # (samples, 2 heads, 2 tokens, 2)
+        x = F.scaled_dot_product_attention(q, q, q).transpose(1, 2).contiguous().view(x.shape[0], 8)
         return x * self.scale
 
 
 def _exported_and_sharded() -> dict[str, Any]:
     """dp_shard="full" on a model torch.export traces: forward() and evaluate() in training and in eval mode (found
     by review: the stages cut for them read the parameters they were cut with, FSDP's shards, and raised "mixed
-    torch.Tensor and DTensor"). Each against the unpartitioned model: (got, expected) pairs."""
+    torch.Tensor and DTensor"; found after: in eval mode the meta copy's trace had a copy the plan's graph lacks, a
+    ModeError). Each against the unpartitioned model: (got, expected) pairs."""
     import pipe
     model, ref = _Sized(), _Sized()
     g = torch.Generator().manual_seed(5)

@@ -609,7 +609,8 @@ def test_export_s_batch_norm_of_training_mode_stands_for_its_eval_mode_s() -> No
     graphs = [modes.traced_in_mode(model, (torch.randn(2, 3, 32, 32),), {}, training, leaf_modules=(), loss_fn=None,
                                    loss=False, device=torch.device("cpu")) for training in (True, False)]
     assert graphs[0].meta["fxpipe_tracer"] == "torch.export.export"
-    to, gone = modes.matched(*graphs)
+    to, gone, extra = modes.matched(*graphs)
+    assert not extra
     train = {n.name: n for n in graphs[0].graph.nodes}
     norms = {torch.ops.aten._native_batch_norm_legit_functional.default,
              torch.ops.aten._native_batch_norm_legit_no_training.default}
@@ -628,8 +629,40 @@ def test_export_s_batch_norm_of_training_mode_stands_for_its_eval_mode_s() -> No
     model = _WritesInBothModes()
     graphs = [modes.traced_in_mode(model, (torch.randn(2, 4),), {}, training, leaf_modules=(), loss_fn=None,
                                    loss=False, device=torch.device("cpu")) for training in (True, False)]
-    to, gone = modes.matched(*graphs)
-    assert len(to) == len(graphs[1].graph.nodes) and len(gone) == 7, (to, gone)  # batch norm's, as above
+    to, gone, extra = modes.matched(*graphs)
+    assert len(to) == len(graphs[1].graph.nodes) and len(gone) == 7 and not extra, (to, gone, extra)  # batch norm's
+
+
+def test_a_copy_only_the_meta_device_s_trace_has_stands_for_nothing() -> None:
+    """Under dp_shard="full" another mode is traced on a meta copy of the model, where a `.contiguous()` can copy
+    that does not on the CPU (found: Hugging Face GPT-2's attention; torch.export then numbers its copies
+    otherwise and the eval mode raised a ModeError): matched aligns it with the plan's own trace, every node of it
+    standing for one, and that copy for nothing (stages_in_mode passes its input on)."""
+    from partition.meta import meta_copy
+    from pipe import modes
+    model, x = _Attends(), torch.randn(2, 8)
+    kw: dict[str, Any] = dict(leaf_modules=(), loss_fn=None, loss=False, device=torch.device("cpu"))
+    fresh = modes.traced_in_mode(model, (x,), {}, True, **kw)
+    gm = modes.traced_in_mode(meta_copy(model), (x,), {}, False, **kw)
+    assert gm.meta["fxpipe_tracer"] == "torch.export.export"
+    to, gone, extra = modes.matched(fresh, gm)
+    assert [n.target for n in extra] == [torch.ops.aten.clone.default] and not gone, (extra, gone)
+    assert sorted(to.values()) == sorted(n.name for n in fresh.graph.nodes), to
+    assert not any(n.target is torch.ops.aten.clone.default for n in fresh.graph.nodes)
+
+
+class _Attends(torch.nn.Module):
+    """A linear layer and attention whose `.contiguous()` copies on the meta device and not on the CPU (the
+    attention's output is laid out otherwise there), with a branch on the batch's size (torch.export)."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.size(0) == 0:
+            raise ValueError("no samples")
+        q = self.lin(x).view(x.shape[0], 2, 2, 2).transpose(1, 2)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q).transpose(1, 2).contiguous().view(-1, 8)
 
 
 class _WritesInBothModes(torch.nn.Module):
