@@ -138,7 +138,7 @@ def stages_in_mode(gm: torch.fx.GraphModule, fresh: torch.fx.GraphModule, traine
     gm (rewritten) -> the name of the plan's node it stands for."""
     to, gone, extra = matched(fresh, gm)
     for n in extra:  # (a copy's value is its input's: what reads it reads that)
-        n.replace_all_uses_with(n.args[0])
+        n.replace_all_uses_with(n.all_input_nodes[0])
         gm.graph.erase_node(n)
     if extra:
         gm.recompile()
