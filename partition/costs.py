@@ -505,11 +505,82 @@ _ALIASING = frozenset({"aten::_unsafe_view", "aten::lift_fresh", "aten::_reshape
 _GATHERS = frozenset({"aten::embedding", "aten::index_select", "aten::gather", "aten::index"})
 
 
+# _count_flops's answers by what decides them (_counted_as): a model's layers repeat the same ops on the same shapes,
+# and a plan analyses its graph again with rewrites (partition.planner.Analysis.with_rewrites)
+_COUNTED: dict[Hashable, tuple[float, float]] = {}
+# modules whose work is decided by their type, repr, mode and tensors' shapes (a user's module may read anything)
+_PLAIN_MODULES = (torch.nn.Linear, torch.nn.Bilinear, torch.nn.Embedding, torch.nn.LayerNorm, torch.nn.GroupNorm,
+                  torch.nn.RMSNorm, torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.conv._ConvNd,
+                  torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Identity, torch.nn.GELU,
+                  torch.nn.ReLU, torch.nn.SiLU, torch.nn.Tanh, torch.nn.Sigmoid, torch.nn.Softmax, torch.nn.LogSoftmax,
+                  torch.nn.modules.pooling._MaxPoolNd, torch.nn.modules.pooling._AvgPoolNd,
+                  torch.nn.modules.pooling._AdaptiveAvgPoolNd, torch.nn.Flatten)
+
+
+class _Unkeyed(Exception):
+    """A value _signature cannot key."""
+
+
+def _signature(x: Any) -> Hashable:
+    """What of `x` a node's FLOPs and traffic can depend on: a tensor's kind, shape, strides, dtype, device and
+    whether it requires grad (not its values); a plain value itself."""
+    if isinstance(x, torch.Tensor):
+        if x.layout != torch.strided:
+            raise _Unkeyed
+        return type(x), tuple(x.shape), x.stride(), x.dtype, x.device.type, x.requires_grad
+    if isinstance(x, (list, tuple)):
+        return type(x), tuple(_signature(y) for y in x)
+    if isinstance(x, dict):
+        return dict, tuple((k, _signature(v)) for k, v in x.items())
+    if isinstance(x, slice):
+        return slice, _signature(x.start), _signature(x.stop), _signature(x.step)
+    if x is None or isinstance(x, (bool, int, float, str, torch.dtype, torch.device, torch.memory_format,
+                                   torch.layout)):
+        return type(x), x
+    raise _Unkeyed
+
+
+def _counted_as(gm: torch.fx.GraphModule, node: torch.fx.Node, env: dict[str, Any], shaped: bool,
+                device: torch.device | None) -> Hashable | None:
+    """What decides _count_flops's answer for `node`: what it calls, the signatures of its inputs and of the
+    output it gave (an output sized by the values, a mask's selection, is told apart by that), the pricing; None
+    where that is not known (a user's module, a value without a signature)."""
+    try:
+        if node.op == "call_module":
+            mod = gm.get_submodule(str(node.target))
+            if type(mod).__module__.split(".")[:2] != ["torch", "nn"] or not isinstance(mod, _PLAIN_MODULES):
+                return None
+            what: Hashable = (type(mod), repr(mod), mod.training,
+                              tuple(_signature(t) for t in (*mod.parameters(), *mod.buffers())))
+        else:
+            what = (node.op, node.target)
+            hash(what)
+        inputs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n.name])
+        return what, _signature(inputs), _signature(env[node.name]), shaped, str(device)
+    except (_Unkeyed, TypeError):
+        return None
+
+
 def _count_flops(gm: torch.fx.GraphModule, node: torch.fx.Node, env: dict[str, Any], cost: NodeCost,
                  shaped: bool = False, device: torch.device | None = None) -> tuple[float, float]:
     """The node's forward and backward run in isolation: their FLOPs and the bytes their aten ops
     read and write (views none), as (fwd, bwd) ms of the notional device; with `shaped`, its matrix
-    products priced by their shapes' measured speed on `device` (default: their tensors'; _Traffic)."""
+    products priced by their shapes' measured speed on `device` (default: their tensors'; _Traffic). Counted once
+    for each op, module and signature of its inputs (_counted_as)."""
+    key = _counted_as(gm, node, env, shaped, device)
+    if key is not None and key in _COUNTED:
+        return _COUNTED[key]
+    found = _counted(gm, node, env, shaped, device)
+    if key is not None:
+        if len(_COUNTED) >= 100_000:
+            _COUNTED.clear()
+        _COUNTED[key] = found
+    return found
+
+
+def _counted(gm: torch.fx.GraphModule, node: torch.fx.Node, env: dict[str, Any], shaped: bool,
+             device: torch.device | None) -> tuple[float, float]:
+    """_count_flops's answer, counted."""
     fn = node_callable(gm, node)
     leaves: list[torch.Tensor] = []  # what the grads are taken of: the node's inputs and parameters
     if isinstance(fn, torch.nn.Module):

@@ -117,8 +117,9 @@ def splittable_linear(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[An
     return None
 
 
-def split_linear(gm: torch.fx.GraphModule, name: str, parts: int | Sequence[int]) -> None:
-    """Replace linear node `name` by `parts` row slices and a concatenation, in place.
+def split_linear(gm: torch.fx.GraphModule, name: str, parts: int | Sequence[int], recompile: bool = True) -> None:
+    """Replace linear node `name` by `parts` row slices and a concatenation, in place (`recompile`: gm's code
+    too; apply_rewrites does that once, after them all).
 
     Each slice reads the whole weight (so a stage holding one slice holds the weight, and
     the grads of the stages sharing it are summed like a tied weight's); values are unchanged.
@@ -141,7 +142,8 @@ def split_linear(gm: torch.fx.GraphModule, name: str, parts: int | Sequence[int]
     node.replace_all_uses_with(cat)
     g.erase_node(node)
     g.lint()
-    gm.recompile()
+    if recompile:
+        gm.recompile()
 
 
 _CE_SIGNATURE = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction",
@@ -295,8 +297,9 @@ def _others(node: torch.fx.Node) -> list[torch.fx.Node]:
 
 
 def vocab_parallel(gm: torch.fx.GraphModule, name: str, parts: int | Sequence[int],
-                   shapes: Mapping[str, Sequence[int]] | None = None) -> None:
-    """Replace linear `name` and the cross entropy it feeds by vocabulary slices (in place).
+                   shapes: Mapping[str, Sequence[int]] | None = None, recompile: bool = True) -> None:
+    """Replace linear `name` and the cross entropy it feeds by vocabulary slices (in place; `recompile` as
+    split_linear's).
 
     `parts` is a slice count or the slice bounds [0, b1, ..., out_features]. The loss value
     is unchanged up to rounding; each slice reads the whole weight, as in split_linear.
@@ -337,7 +340,8 @@ def vocab_parallel(gm: torch.fx.GraphModule, name: str, parts: int | Sequence[in
         g.erase_node(n)
         dead += [i for i in inputs if not i.users and i.op != "get_attr" and i not in dead]
     g.lint()
-    gm.recompile()
+    if recompile:
+        gm.recompile()
 
 
 # Slice bounds fall on multiples of this where every slice keeps at least as many features: a product
@@ -366,7 +370,9 @@ def apply_rewrites(gm: torch.fx.GraphModule, rewrites: Sequence[Sequence[Any]]) 
         name, parts = str(r[0]), r[1]
         parts = int(parts) if isinstance(parts, (int, float)) else [int(b) for b in parts]
         if len(r) > 2 and r[2] == "vocab":
-            vocab_parallel(gm, name, parts)
+            vocab_parallel(gm, name, parts, recompile=False)
         else:
-            split_linear(gm, name, parts)
+            split_linear(gm, name, parts, recompile=False)
+    if rewrites:
+        gm.recompile()
     return gm

@@ -15,6 +15,7 @@ from partition.split import stage_io
 from tests.test_split import WORKLOADS, hf_gpt2
 
 B = 4  # microbatch of the literal model
+COUNTED = ("flops",)  # (cost="shaped" prices its products apart, and counts the rest as "flops" does)
 
 
 def tiny() -> tuple[torch.nn.Module, tuple[torch.Tensor]]:
@@ -59,6 +60,57 @@ def test_flops_costs_are_deterministic() -> None:
     second = node_costs(gm, list(w.example_args), cost="flops")
     assert {k: asdict(v) for k, v in first.items()} == {k: asdict(v) for k, v in second.items()}
     assert sum(c.fwd_ms for c in first.values()) > 0
+
+
+class _Masked(torch.nn.Module):
+    """The rows a mask picks, whose count (the output's size) its values decide, through a linear layer."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.lin(x[mask]).sum()
+
+
+def test_flop_costs_are_counted_once_for_each_op_and_signature(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node's FLOPs and traffic are counted once for each op (or plain torch.nn module) and signature of its
+    inputs and output, and given again to every later node alike (a model's repeated layers, a plan's analysis
+    again with rewrites): every cost is the one counted afresh, under both tracers, for batch norm in either mode,
+    and an output sized by a mask's values is told apart by its size."""
+    from partition import costs
+    w = models.gpt(n_layer=3, d_model=32, seq_len=16, vocab=64)
+    res, res_eval = (models.resnet(blocks=2, channels=8, image=8, microbatch_size=2) for _ in range(2))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 8, generator=g)
+    gpt2, ids, _ = hf_gpt2()
+    cases: list[tuple[torch.nn.Module, list[Any]]] = [
+        (w.model, list(w.example_args)), (res.model, list(res.example_args)),
+        (res_eval.model.eval(), list(res.example_args)),
+        (_Masked(), [x, torch.tensor([1, 0, 1, 0, 0, 0], dtype=torch.bool)]),
+        (_Masked(), [x, torch.tensor([1, 1, 1, 1, 0, 1], dtype=torch.bool)]), (gpt2, list(ids))]
+    graphs = [(partition.trace(m, tuple(a)), a) for m, a in cases]
+    assert graphs[-1][0].meta["fxpipe_tracer"] == "torch.export.export"
+    counted = []
+    real = costs._counted
+
+    def counting(*args: Any, **kwargs: Any) -> tuple[float, float]:
+        counted.append(1)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(costs, "_counted", counting)
+    monkeypatch.setattr(costs, "_COUNTED", {})
+    cached = [node_costs(gm, a, cost=cost) for gm, a in graphs for cost in COUNTED]
+    once = len(counted)
+    monkeypatch.setattr(costs, "_counted_as", lambda *a: None)
+    fresh = [node_costs(gm, a, cost=cost) for gm, a in graphs for cost in COUNTED]
+    assert len(counted) - once == sum(len(c) for c in fresh) > 2 * once, (once, len(counted))
+    for got, want in zip(cached, fresh):
+        assert {k: asdict(v) for k, v in got.items()} == {k: asdict(v) for k, v in want.items()}
+    norms = [n.target for n in graphs[1][0].graph.nodes if n.op == "call_module" and "bn" in str(n.target)]
+    assert norms and all(cached[1][n.replace(".", "_")].fwd_ms != cached[2][n.replace(".", "_")].fwd_ms
+                         for n in norms)  # batch norm in training mode, and in eval mode, each its own
+    two, four = cached[3], cached[4]  # the masks' rows
+    picked = [n.name for n in graphs[3][0].graph.nodes if n.op == "call_module"]
+    assert picked and all(four[n].fwd_ms > two[n].fwd_ms for n in picked)
 
 
 def test_measured_costs_are_positive_times() -> None:
