@@ -548,7 +548,10 @@ def _counted_as(gm: torch.fx.GraphModule, node: torch.fx.Node, env: dict[str, An
     try:
         if node.op == "call_module":
             mod = gm.get_submodule(str(node.target))
-            if type(mod).__module__.split(".")[:2] != ["torch", "nn"] or not isinstance(mod, _PLAIN_MODULES):
+            hooked = any(getattr(mod, h) for h in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                                                   "_backward_pre_hooks"))
+            if hooked or not type(mod).__module__.startswith("torch.nn.modules.") or \
+                    not isinstance(mod, _PLAIN_MODULES):  # (a parametrized layer's class is made elsewhere)
                 return None
             what: Hashable = (type(mod), repr(mod), mod.training,
                               tuple(_signature(t) for t in (*mod.parameters(), *mod.buffers())))

@@ -248,9 +248,10 @@ def test_measured_plan_of_a_meta_model_matches_its_stages() -> None:
     run with the model's weights), within 25%, costing and timing alternating twice. Shares, not
     milliseconds: this shared machine's speed drifts by up to 2x over a minute, so the 15% on absolute
     times is the benchmark's (python -m bench.quality --meta --rounds 7, each round's costing against
-    the timing right after it); here each stage's own ratio is only held within 2x, which a cost of the
-    wrong unit would break, and a share within 25%, which a stage counted twice (2/3 of the step for a
-    half: 33%) would break. (15% failed once at 15.3% while scripts/test's other worker ran a launch beside it.)"""
+    the timing right after it); here each stage's own ratio is only held within 4x, which a cost of the
+    wrong unit (1000x) would break, and a share within 25%, which a stage counted twice (2/3 of the step for a
+    half: 33%) would break. (15% failed once at 15.3% while scripts/test's other worker ran a launch beside it;
+    2x once at 0.37 with two more launches beside the suite.)"""
     from bench.quality import quality
     rows = quality("gpt", [2], repeats=10, methods=("fxpipe",), meta=True, rounds=2,
                    **{**GPT, "d_model": 128, "n_head": 4})
@@ -259,7 +260,7 @@ def test_measured_plan_of_a_meta_model_matches_its_stages() -> None:
         assert r["cost_method"] == "block by block, one block's weights at a time", r["cost_method"]
         for p, m in zip(pred, meas):
             assert abs((p / sum(pred)) / (m / sum(meas)) - 1) < 0.25, (pred, meas)
-        assert all(0.5 < q < 2 for q in r["ratio"]), r["ratio"]
+        assert all(0.25 < q < 4 for q in r["ratio"]), r["ratio"]
 
 
 def _live_bytes() -> int:
