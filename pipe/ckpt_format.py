@@ -10,7 +10,6 @@ so no pickled code runs; `agree` makes a failure on any rank the same Checkpoint
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import io
 import json
@@ -23,13 +22,16 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import empty as dtensor_empty
 
 from partition.errors import FxpipeError
-from pipe.grads import is_dtensor
 
 if TYPE_CHECKING:
-    from torch.distributed.checkpoint.metadata import Metadata
-
     from pipe.runtime import Pipeline
 
 __all__ = ["CheckpointError", "FORMAT", "MANIFEST", "LATEST", "VERSION", "agree", "everywhere", "resolve",
@@ -211,31 +213,23 @@ def read_metadata(folder: Path) -> Metadata:
     except Exception as e:  # noqa: BLE001 - any failure to read it is a damaged or unsafe file
         raise CheckpointError(f"{file} cannot be read as DCP metadata ({type(e).__name__}: {e}); the file is "
                               "damaged or not a checkpoint's: resume from an earlier checkpoint") from None
-    from torch.distributed.checkpoint.metadata import Metadata
     if not isinstance(md, Metadata):
         raise CheckpointError(f"{file} holds a {type(md).__name__}, not DCP metadata; resume from an earlier "
                               "checkpoint")
     return md
 
 
-@functools.cache
-def _reading() -> tuple[type, type]:
-    """DCP's reader and load planner as fxpipe reads with them (made at the first read: torch.distributed.checkpoint
-    and DTensor, which it imports, took a second of each process's start)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+class _Reader(dcp.FileSystemReader):
+    # no **kwargs: DCP would otherwise fall back, on the one rank whose read failed, to reading a
+    # rank's own metadata without collectives, and the ranks' calls would no longer match
+    def read_metadata(self, *args: Any) -> Metadata:
+        return read_metadata(Path(self.path))
 
-    class _Reader(dcp.FileSystemReader):
-        # no **kwargs: DCP would otherwise fall back, on the one rank whose read failed, to reading a
-        # rank's own metadata without collectives, and the ranks' calls would no longer match
-        def read_metadata(self, *args: Any) -> Metadata:
-            return read_metadata(Path(self.path))
 
-    class _Planner(DefaultLoadPlanner):
-        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            raise CheckpointError(f"the checkpoint holds a pickled object for {read_item.dest_index.fqn!r}; fxpipe "
-                                  "loads tensors only and never runs pickled code")
-    return _Reader, _Planner
+class _Planner(DefaultLoadPlanner):
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        raise CheckpointError(f"the checkpoint holds a pickled object for {read_item.dest_index.fqn!r}; fxpipe "
+                              "loads tensors only and never runs pickled code")
 
 
 @contextlib.contextmanager
@@ -248,7 +242,6 @@ def quiet() -> Iterator[None]:
 
 def dcp_error(e: BaseException) -> str:
     """One line for a DCP failure: each failing rank's exception, without the tracebacks."""
-    from torch.distributed.checkpoint.api import CheckpointException
     if isinstance(e, CheckpointException):
         parts = []
         for r, (exc, _) in sorted(e.failures.items()):
@@ -261,12 +254,9 @@ def dcp_error(e: BaseException) -> str:
 
 def dcp_load(state: dict[str, torch.Tensor], folder: Path, no_dist: bool = False) -> None:
     """DCP loads `state` in place; its errors (gathered on every rank by DCP) become CheckpointError."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-    reader, planner = _reading()
     try:
         with quiet():
-            dcp.load(state, storage_reader=reader(folder), planner=planner(), no_dist=no_dist or not in_group())
+            dcp.load(state, storage_reader=_Reader(folder), planner=_Planner(), no_dist=no_dist or not in_group())
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # DCP's (a BaseException) holds every rank's failure
@@ -276,7 +266,6 @@ def dcp_load(state: dict[str, torch.Tensor], folder: Path, no_dist: bool = False
 
 def check_tensors(md: Metadata, want: dict[str, torch.Tensor], folder: Path) -> None:
     """Every tensor asked for is a tensor of the checkpoint with the same shape."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     for key, t in want.items():
         entry = md.state_dict_metadata.get(key)
         if entry is None:
@@ -371,8 +360,7 @@ def optimizer_targets(named: dict[int, str], optimizer: torch.optim.Optimizer, m
         p = param[name]
         for k, t in saved[name]["tensors"].items():
             dtype = dtype_named(t["dtype"], folder)
-            if is_dtensor(p) and list(t["shape"]) == list(p.shape):  # sharded like its parameter
-                from torch.distributed.tensor import empty as dtensor_empty
+            if isinstance(p, DTensor) and list(t["shape"]) == list(p.shape):  # sharded like its parameter
                 out[t["key"]] = dtensor_empty(t["shape"], dtype=dtype, device_mesh=p.device_mesh,
                                               placements=p.placements)
             else:

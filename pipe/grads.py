@@ -11,30 +11,19 @@ after the step, so only the pipeline's ranks add up, unless the replicas hold sh
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from partition.errors import FxpipeError
 from pipe import comm
 from pipe.errors import PipelineError
 
-if TYPE_CHECKING:
-    from torch.distributed.tensor import DTensor
-
-__all__ = ["NonFiniteGrads", "Reduction", "clip_grad_norm_", "clip_pipeline", "local_part", "combine", "is_dtensor"]
-
-
-def is_dtensor(t: Any) -> TypeGuard[DTensor]:
-    """Whether `t` is a DTensor (FSDP's sharded parameters and their grads), without importing DTensor: none exists
-    before torch.distributed.tensor is imported (with torch.distributed.checkpoint and FSDP it took a second of
-    each process's start)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(t, module.DTensor)
+__all__ = ["NonFiniteGrads", "Reduction", "clip_grad_norm_", "clip_pipeline", "local_part", "combine"]
 
 
 class NonFiniteGrads(FxpipeError, FloatingPointError):
@@ -125,7 +114,7 @@ def clip_grad_norm_(params: Sequence[torch.nn.Parameter], counted: Sequence[torc
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if is_dtensor(t) else t
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def clip_pipeline(pp: Any, max_norm: float, norm_type: float, *, error_if_nonfinite: bool,

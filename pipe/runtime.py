@@ -10,9 +10,11 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 import torch.fx
+from torch.distributed.tensor import DTensor
 # imported with pipe, before a process group is up: its __init__'s default process_group (dist.group.WORLD,
 # evaluated at import) would otherwise hold the job's group, and its gloo threads, past destroy_process_group,
 # which then abort the process at exit (make_grad_scaler names the default group at each call instead)
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from partition.plan import Plan, per_stage_note
 from partition.split import StageIO
@@ -420,7 +422,7 @@ class Pipeline:
         host = device = 0
         seen: set[int] = set()
         for p in (self.stages if self.sharded is None else self._trained)[s].parameters():
-            t = p.to_local() if grads.is_dtensor(p) else p
+            t = p.to_local() if isinstance(p, DTensor) else p
             if id(t) in seen or t.untyped_storage().nbytes() == 0:  # streamed out: counted by its chunk
                 continue
             seen.add(id(t))
@@ -448,7 +450,6 @@ class Pipeline:
         growth_factor, backoff_factor, growth_interval, enabled). A collective call's companion: every
         rank makes it. Checkpoints save its state (scale, growth tracker); a scaler made after pp.load takes
         the loaded one's."""
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
         self.grad_scaler = ShardedGradScaler(device=self.ctx.device.type, process_group=None, **kwargs)
         self.grad_scaler.scale(torch.zeros((), device=self.ctx.device))  # its scale set up on every rank, not
         if self._loaded_scaler:                                          # only where a loss is scaled

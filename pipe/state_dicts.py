@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from pipe import hf_keys
-from pipe.grads import is_dtensor
 from pipe.ckpt_format import (CheckpointError, check_model, check_tensors, dcp_load, optimizer_state_dict, share,
                               resolve_everywhere, everywhere, key_difference, model_tensors, optimizer_targets,
                               read_manifest, read_metadata, resolve, verify)
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 if TYPE_CHECKING:
     from pipe.runtime import Pipeline
@@ -33,8 +34,7 @@ def load_full_state_dict(path: str | Path, *, allow_nonfinite: bool = False) -> 
     folder = resolve(path)
     manifest = read_manifest(folder)
     verify(folder, manifest)
-    md = read_metadata(folder)  # (torch.distributed.checkpoint then imported)
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    md = read_metadata(folder)
     sources = sorted(set(manifest["state_keys"].values()))
     targets = {}
     for name in sources:
@@ -148,7 +148,6 @@ class _Source:
         if p.is_dir() and (p / ".metadata").is_file() and not any((p / n).exists() for n in (
                 "model.safetensors.index.json", "pytorch_model.bin.index.json")):
             self._dcp = read_metadata(p)
-            from torch.distributed.checkpoint.metadata import TensorStorageMetadata
             self.keys = {k for k, v in self._dcp.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
             return
         if p.is_dir():
@@ -362,7 +361,7 @@ def export(path: str | Path, to: str | Path, *, allow_nonfinite: bool = False) -
 def full_state_dict(pp: Pipeline) -> dict[str, torch.Tensor] | None:
     """pp.full_state_dict: on rank 0, a state dict that loads into the unpartitioned model (every rank's
     tensors gathered); None on other ranks."""
-    held = {n: (p.full_tensor() if is_dtensor(p) else p).detach().cpu()
+    held = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
             for n, p in pp.named_parameters()}
     held.update({k: t.detach().cpu() for k, t in (*pp.unread_parameters().items(), *pp.local_buffers().items())})
     mine = {k: held[first] for k, first in pp.state_key_names().items() if first in held}

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor
 
 from partition.errors import first_line
 from partition.planner import check_scalar_loss
@@ -18,7 +19,6 @@ from partition.trace import unflatten_outputs
 from memory.recompute import autocast_as
 from pipe.backward import Saved, backward_full, backward_input, backward_weight
 from pipe import comm
-from pipe.grads import is_dtensor
 from pipe.errors import NonFiniteLoss, PipelineError
 from pipe.exchange import Exchange
 from pipe.schedules import Action
@@ -544,7 +544,7 @@ def sum_tied_grads(pp: Pipeline, held: dict[int, torch.Tensor], trained: dict[st
                 g = p.grad  # dp_shard="full": every holder keeps the same shard of it
                 if id(p) in held:
                     g.sub_(held[id(p)])
-                dist.all_reduce(g.to_local() if is_dtensor(g) else g, group=group)
+                dist.all_reduce(g.to_local() if isinstance(g, DTensor) else g, group=group)
                 if id(p) in held:
                     g.add_(held[id(p)])
 
@@ -556,7 +556,7 @@ def grads_not_finite(pp: Pipeline) -> bool:
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for p in pp.parameters():
         if p.grad is not None:
-            g = p.grad.to_local() if is_dtensor(p.grad) else p.grad
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             if g.layout == torch.sparse_coo:  # (the fused test takes dense tensors: a sparse grad's values)
                 g = g._values()
             elif g.layout != torch.strided:
