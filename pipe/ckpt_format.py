@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+# (imported with pipe, before any process group is up: imported while one is, torch.distributed.checkpoint and FSDP
+# keep that group's gloo threads after it is destroyed, measured in torch 2.13; a lazy import of them was reverted)
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
