@@ -517,15 +517,21 @@ _PLAIN_MODULES = (torch.nn.Linear, torch.nn.Bilinear, torch.nn.Embedding, torch.
                   torch.nn.modules.pooling._AdaptiveAvgPoolNd, torch.nn.Flatten)
 
 
+# the modules of the functions a graph calls that are torch's own (and Python's operators)
+_TORCH_FUNCTIONS = frozenset({"torch", "torch.functional", "torch.nn.functional", "torch._C._nn", "_operator",
+                              "operator", "torch._C._VariableFunctions", "torch.fft", "torch.linalg", "torch.special"})
+
+
 class _Unkeyed(Exception):
     """A value _signature cannot key."""
 
 
 def _signature(x: Any) -> Hashable:
     """What of `x` a node's FLOPs and traffic can depend on: a tensor's kind, shape, strides, dtype, device and
-    whether it requires grad (not its values); a plain value itself."""
+    whether it requires grad (not its values; a mask's are refused: index_put's backward selects as many elements as
+    it sets); a plain value itself."""
     if isinstance(x, torch.Tensor):
-        if x.layout != torch.strided:
+        if x.layout != torch.strided or x.dtype == torch.bool:
             raise _Unkeyed
         return type(x), tuple(x.shape), x.stride(), x.dtype, x.device.type, x.requires_grad
     if isinstance(x, (list, tuple)):
@@ -544,7 +550,7 @@ def _counted_as(gm: torch.fx.GraphModule, node: torch.fx.Node, env: dict[str, An
                 device: torch.device | None) -> Hashable | None:
     """What decides _count_flops's answer for `node`: what it calls, the signatures of its inputs and of the
     output it gave (an output sized by the values, a mask's selection, is told apart by that), the pricing; None
-    where that is not known (a user's module, a value without a signature)."""
+    where that is not known (a user's module or function, a mask, a value without a signature)."""
     try:
         if node.op == "call_module":
             mod = gm.get_submodule(str(node.target))
@@ -555,9 +561,13 @@ def _counted_as(gm: torch.fx.GraphModule, node: torch.fx.Node, env: dict[str, An
                 return None
             what: Hashable = (type(mod), repr(mod), mod.training,
                               tuple(_signature(t) for t in (*mod.parameters(), *mod.buffers())))
-        else:
+        elif node.op == "call_method" or isinstance(node.target, (torch._ops.OpOverload,
+                                                                  torch._ops.OpOverloadPacket)) or \
+                getattr(node.target, "__module__", None) in _TORCH_FUNCTIONS:
             what = (node.op, node.target)
             hash(what)
+        else:  # (a user's function, torch.fx.wrap's leaf, may do any work its values decide)
+            return None
         inputs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n.name])
         return what, _signature(inputs), _signature(env[node.name]), shaped, str(device)
     except (_Unkeyed, TypeError):

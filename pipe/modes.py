@@ -105,8 +105,9 @@ def matched(fresh: torch.fx.GraphModule, gm: torch.fx.GraphModule
     gone = {n.name for n in a if _norm_bookkeeping(n)}  # (batch norm's running statistics, in training mode alone)
     a = [n for n in a if n.name not in gone]
 
-    def op(n: torch.fx.Node) -> tuple[str, str]:
-        return n.op, "batch norm" if n.target in (_NORM_TRAINING, _NORM_EVAL) else str(n.target)
+    def op(n: torch.fx.Node) -> tuple[str, str]:  # (a .contiguous()'s copy is not a .clone()'s)
+        return n.op, "batch norm" if n.target in (_NORM_TRAINING, _NORM_EVAL) else \
+            f"{n.target} {n.kwargs.get('memory_format')}" if n.target in _COPIES else str(n.target)
     ops = SequenceMatcher(a=[op(n) for n in a], b=[op(n) for n in b], autojunk=False)
     for tag, i1, i2, j1, j2 in ops.get_opcodes():
         was, now = a[i1:i2], b[j1:j2]
@@ -123,7 +124,35 @@ def matched(fresh: torch.fx.GraphModule, gm: torch.fx.GraphModule
                             f"has {', '.join(n.name for n in was[:4]) or 'nothing'}")
         to.update((y.name, x.name) for x, y in zip(values, now))
         gone |= {n.name for n in was} - {to[y.name] for y in now}
+    _same_inputs(fresh, gm, to, gone, extra)
     return to, gone, extra
+
+
+def _same_inputs(fresh: torch.fx.GraphModule, gm: torch.fx.GraphModule, to: Mapping[str, str], gone: set[str],
+                 extra: list[torch.fx.Node]) -> None:
+    """PlanError unless each node of `gm` reads what the node of `fresh` it stands for reads (`matched`'s
+    alignment, by op alone, could pair a copy with another; found by review: a meta copy's `.contiguous()` paired with
+    a user's `.clone()` of a buffer written after it, which then read the buffer after the write); a node that gave
+    way (gone, extra) passes its first input on. The graphs' outputs may differ (a ratio's numerator returned)."""
+    extras, theirs = {n.name for n in extra}, {n.name: n for n in fresh.graph.nodes}
+
+    def ours(n: torch.fx.Node) -> str | None:
+        while n.name in extras:
+            n = n.all_input_nodes[0]
+        return to.get(n.name)
+
+    def passed(n: torch.fx.Node) -> str:
+        while n.name in gone and n.all_input_nodes:
+            n = n.all_input_nodes[0]
+        return n.name
+    for y in gm.graph.nodes:
+        if y.name in extras or y.op == "output":
+            continue
+        x = theirs[to[y.name]]
+        got, want = [ours(i) for i in y.all_input_nodes], [passed(i) for i in x.all_input_nodes]
+        if got != want:
+            raise PlanError(f"its node {y.name} reads {', '.join(map(str, got)) or 'nothing'} where the plan's "
+                            f"{x.name} reads {', '.join(want) or 'nothing'}")
 
 
 def stages_in_mode(gm: torch.fx.GraphModule, fresh: torch.fx.GraphModule, trained: torch.fx.GraphModule,

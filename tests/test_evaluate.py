@@ -13,8 +13,10 @@ import time
 import warnings
 from typing import Any
 
+import pytest
 import torch
 
+from partition.plan import PlanError
 from tests.mp import run_ranks
 from tests.nccl_like import NcclLike
 
@@ -649,20 +651,44 @@ def test_a_copy_only_the_meta_device_s_trace_has_stands_for_nothing() -> None:
     assert [n.target for n in extra] == [torch.ops.aten.clone.default] and not gone, (extra, gone)
     assert sorted(to.values()) == sorted(n.name for n in fresh.graph.nodes), to
     assert not any(n.target is torch.ops.aten.clone.default for n in fresh.graph.nodes)
+    # (found by review: the meta copy's .contiguous() was paired with a .clone() of the user's right after it, of a
+    # buffer written after that, and the user's clone was taken for the extra copy: the eval-mode forward read the
+    # buffer after its write, 0.88 off the model's, silently)
+    model = _Attends(keeps=True)
+    fresh = modes.traced_in_mode(model, (x,), {}, True, **kw)
+    gm = modes.traced_in_mode(meta_copy(model), (x,), {}, False, **kw)
+    to, gone, extra = modes.matched(fresh, gm)
+    theirs = {n.name: n for n in fresh.graph.nodes}
+    assert [n.kwargs.get("memory_format") for n in extra] == [torch.contiguous_format] and not gone, (extra, gone)
+    for n in gm.graph.nodes:  # the user's clone stands for the user's clone, of the buffer
+        if n.target is torch.ops.aten.clone.default and n not in extra:
+            assert theirs[to[n.name]].target is n.target and theirs[to[n.name]].args[0].op == "get_attr", n
+    # and where alignment by op alone pairs nodes reading other values, the graphs are refused
+    one = torch.fx.symbolic_trace(lambda x, y: torch.clone(x) + y)
+    other = torch.fx.symbolic_trace(lambda x, y: torch.clone(y) + x)
+    with pytest.raises(PlanError, match="reads y where the plan's clone reads x"):
+        modes.matched(one, other)
 
 
 class _Attends(torch.nn.Module):
     """A linear layer and attention whose `.contiguous()` copies on the meta device and not on the CPU (the
     attention's output is laid out otherwise there), with a branch on the batch's size (torch.export)."""
-    def __init__(self) -> None:
+    def __init__(self, keeps: bool = False) -> None:
         super().__init__()
         self.lin = torch.nn.Linear(8, 8)
+        self.keeps = keeps  # a buffer of its own, copied (.clone()) and then written
+        self.register_buffer("state", torch.zeros(8))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.size(0) == 0:
             raise ValueError("no samples")
         q = self.lin(x).view(x.shape[0], 2, 2, 2).transpose(1, 2)
-        return torch.nn.functional.scaled_dot_product_attention(q, q, q).transpose(1, 2).contiguous().view(-1, 8)
+        y = torch.nn.functional.scaled_dot_product_attention(q, q, q).transpose(1, 2).contiguous()
+        if not self.keeps:
+            return y.view(-1, 8)
+        old = self.state.clone()
+        self.state.copy_(y.reshape(-1, 8).mean(0).detach())
+        return y.reshape(-1, 8) + old
 
 
 class _WritesInBothModes(torch.nn.Module):
