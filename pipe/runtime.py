@@ -233,7 +233,6 @@ class Pipeline:
             if why:
                 raise ValueError(f"the plan puts the loss in the last stage, but loss_fn cannot go into the graph: "
                                  f"{why}; re-plan without example_target")
-            self._plan_graph = graph_copy(gm)  # as traced, before rewrites: what another mode's trace is matched to
             # how the batch's loss is formed from the microbatches' (before rewrites change the loss); a ratio's
             # numerator returned in its place
             shapes = _once(lambda: output_shapes(model, args, kwargs, gm))
@@ -248,6 +247,8 @@ class Pipeline:
             # review: a fallback to the mean then averaged the numerators)
             self.weighting = weigh_on(set(self.plan.stages[-1].nodes), self.weighting)
             keep_numerator(gm, self.weighting)
+            # as traced (a ratio's numerator returned), before rewrites: what another mode's trace is matched to
+            self._plan_graph = graph_copy(gm)
             stages = split_graph(gm, self.plan)
             if self.weighting.parts and not weigh_terms(stages[-1], self.weighting):
                 raise ValueError(f"the last stage does not add the loss's terms {self.weighting.loss}, which the plan "
