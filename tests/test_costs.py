@@ -101,6 +101,16 @@ class _PutByMask(torch.nn.Module):
         return x.index_put((m1,), v) + x.index_put((m2,), v)
 
 
+class _Twins(torch.nn.Module):
+    """Two linear layers alike on one input."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(x)
+
+
 def test_flop_costs_are_counted_once_for_each_op_and_signature(monkeypatch: pytest.MonkeyPatch) -> None:
     """A node's FLOPs and traffic are counted once for each op (or plain torch.nn module) and signature of its
     inputs and output, and given again to every later node alike (a model's repeated layers, a plan's analysis
@@ -123,7 +133,10 @@ def test_flop_costs_are_counted_once_for_each_op_and_signature(monkeypatch: pyte
         routed.lin.weight.zero_(), routed.lin.bias.zero_(), routed.lin.weight[:, 0].fill_(1.0)
     everywhere, one = torch.ones(6, 8, dtype=torch.bool), torch.zeros(6, 8, dtype=torch.bool)
     one[0, 0] = True
-    cases += [(routed, [x.abs(), -x.abs()]), (_PutByMask(), [x, everywhere, one])]
+    # a module's hook does work of its own: a hooked layer is counted apart from its unhooked twin
+    hooked = _Twins()
+    hooked.b.register_forward_hook(lambda m, i, o: torch.tanh(torch.exp(o)))
+    cases += [(routed, [x.abs(), -x.abs()]), (_PutByMask(), [x, everywhere, one]), (hooked, [x])]
     graphs = [(partition.trace(m, tuple(a)), a) for m, a in cases]
     assert graphs[5][0].meta["fxpipe_tracer"] == "torch.export.export"  # (GPT-2)
     counted = []
@@ -144,8 +157,9 @@ def test_flop_costs_are_counted_once_for_each_op_and_signature(monkeypatch: pyte
     norms = [n.target for n in graphs[1][0].graph.nodes if n.op == "call_module" and "bn" in str(n.target)]
     assert norms and all(cached[1][n.replace(".", "_")].fwd_ms != cached[2][n.replace(".", "_")].fwd_ms
                          for n in norms)  # batch norm in training mode, and in eval mode, each its own
-    for i, name in ((6, "_routed"), (7, "index_put")):  # the two calls' counts differ, each its own
-        calls = [n.name for n in graphs[i][0].graph.nodes if getattr(n.target, "__name__", n.target) == name]
+    for i, name in ((6, "_routed"), (7, "index_put"), (8, "Linear")):  # the two calls' counts differ, each its own
+        calls = [n.name for n in graphs[i][0].graph.nodes if getattr(n.target, "__name__", n.target) == name or
+                 n.op == "call_module" and type(graphs[i][0].get_submodule(str(n.target))).__name__ == name]
         assert len(calls) == 2 and cached[i][calls[0]].fwd_ms + cached[i][calls[0]].bwd_ms != \
             cached[i][calls[1]].fwd_ms + cached[i][calls[1]].bwd_ms, (name, calls)
     two, four = cached[3], cached[4]  # the masks' rows
